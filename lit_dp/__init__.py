@@ -1,0 +1,22 @@
+"""lit_dp: Paddle-style data parallelism for PyTorch and Lightning.
+
+``import lit_dp`` registers the ``"paddle_dp"`` and ``"paddle_dp_spawn"`` Lightning strategies.
+"""
+
+from lit_dp.broadcast import sync_params_buffers
+from lit_dp.buckets import assign_group_by_size
+from lit_dp.data_parallel import DataParallel, fused_allreduce_gradients
+from lit_dp.env import ParallelEnv
+from lit_dp.process_group import get_rings, init_parallel_env
+from lit_dp.reducer import Reducer
+
+__all__ = [
+    "DataParallel",
+    "ParallelEnv",
+    "Reducer",
+    "assign_group_by_size",
+    "fused_allreduce_gradients",
+    "get_rings",
+    "init_parallel_env",
+    "sync_params_buffers",
+]

@@ -1,0 +1,105 @@
+"""Making every rank start from rank 0's parameters and buffers (Paddle's ``sync_params_buffers``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BROADCAST_GROUP_BYTES = 128 * 1024 * 1024
+
+
+def sync_params_buffers(
+    module: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    src_rank: int = 0,
+    fuse_params: bool = True,
+) -> None:
+    """Broadcast ``module``'s parameters and buffers from global rank ``src_rank``.
+
+    Tensors are coalesced per dtype and device into flat groups of at most 128 MB
+    (``fuse_params=False`` sends them one by one). Parameters marked ``no_sync = True`` stay
+    local. Before anything is sent, the ranks compare names, shapes and dtypes; a difference
+    raises the same error on every rank, naming the tensors and the ranks that differ.
+    """
+    world_size = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    if src_rank not in ranks:
+        raise ValueError(f"src_rank={src_rank!r} is invalid: expected one of the group's global ranks {ranks}.")
+    named = list(_tensors_to_sync(module))
+    _check_same_structure(named, group, ranks, world_size)
+
+    tensors = [tensor for _, tensor in named]
+    with torch.no_grad():
+        if not fuse_params:
+            for tensor in tensors:
+                dist.broadcast(tensor, src=src_rank, group=group)
+            return
+        for chunk in _coalesced_chunks(tensors):
+            flat = torch.cat([tensor.reshape(-1) for tensor in chunk])
+            dist.broadcast(flat, src=src_rank, group=group)
+            pieces = flat.split([tensor.numel() for tensor in chunk])
+            torch._foreach_copy_(chunk, [piece.view_as(tensor) for piece, tensor in zip(pieces, chunk)])
+
+
+def _tensors_to_sync(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, param in module.named_parameters():
+        if not getattr(param, "no_sync", False):
+            yield name, param.data
+    for name, buffer in module.named_buffers():
+        yield name, buffer
+
+
+def _check_same_structure(
+    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, ranks: list[int], world_size: int
+) -> None:
+    signature = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
+    gathered: list[list[tuple[str, tuple[int, ...], str]] | None] = [None] * world_size
+    dist.all_gather_object(gathered, signature, group=group)
+    reference = gathered[0]
+    differing = {ranks[i]: sig for i, sig in enumerate(gathered) if sig != reference}
+    if not differing:
+        return
+    expected = {name: (shape, dtype) for name, shape, dtype in reference}
+    lines = []
+    for rank, sig in differing.items():
+        actual = {name: (shape, dtype) for name, shape, dtype in sig}
+        names = [name for name in sorted(expected.keys() | actual.keys()) if expected.get(name) != actual.get(name)]
+        lines += [
+            f"  {name}: rank {ranks[0]} has {_describe(expected.get(name))}, rank {rank} has {_describe(actual.get(name))}"
+            for name in names
+        ]
+        if not names:
+            lines.append(f"  rank {rank} registers the same tensors in a different order")
+    raise RuntimeError(
+        f"sync_params_buffers: the model differs between ranks (ranks {sorted(differing)} differ from rank "
+        f"{ranks[0]}); every rank must build the same model:\n" + "\n".join(lines[:20])
+    )
+
+
+def _describe(entry: tuple[tuple[int, ...], str] | None) -> str:
+    if entry is None:
+        return "no such tensor"
+    shape, dtype = entry
+    return f"shape {list(shape)} {dtype}"
+
+
+def _coalesced_chunks(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Tensors grouped by (dtype, device), each group cut into chunks of at most 128 MB."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for same_kind in by_kind.values():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for tensor in same_kind:
+            nbytes = tensor.numel() * tensor.element_size()
+            if chunk and size + nbytes > BROADCAST_GROUP_BYTES:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(tensor)
+            size += nbytes
+        if chunk:
+            yield chunk

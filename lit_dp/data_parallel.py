@@ -1,0 +1,160 @@
+"""``lit_dp.DataParallel``: Paddle's dynamic-graph DataParallel for torch modules."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lit_dp.broadcast import sync_params_buffers
+from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
+from lit_dp.process_group import get_rings
+from lit_dp.reducer import Reducer, DenseBucket
+
+log = logging.getLogger(__name__)
+
+
+class DataParallel(nn.Module):
+    """Run ``layers`` data-parallel: rank 0's state is broadcast, gradients are averaged.
+
+    Args:
+        layers: the module to train.
+        comm_buffer_size: bucket size limit in MB (Paddle's default 25).
+        last_comm_buffer_size: limit in MB of the last bucket reduced (the first in forward
+            order), kept small so little communication is left once backward ends.
+        find_unused_parameters: allow parameters without a gradient in an iteration: they
+            contribute zeros, and those used by no rank keep their ``.grad`` untouched. Costs a
+            graph walk per forward.
+        group: the process group; defaults to the rings created by ``init_parallel_env``
+            (the default group when there is one ring).
+        gradient_as_bucket_view: make ``.grad`` tensors views into the bucket buffers, so each
+            gradient is stored once instead of twice.
+
+    ``no_sync()`` accumulates gradients locally; ``state_dict()`` is the inner module's, with
+    no prefix. With a world size of 1 the module runs unchanged.
+    """
+
+    def __init__(
+        self,
+        layers: nn.Module,
+        comm_buffer_size: float = 25,
+        last_comm_buffer_size: float = 1,
+        find_unused_parameters: bool = False,
+        group: dist.ProcessGroup | None = None,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        super().__init__()
+        bucket_bytes = megabytes_to_bytes("comm_buffer_size", comm_buffer_size)
+        last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
+        self._layers = layers
+        self.find_unused_parameters = find_unused_parameters
+        self.grad_need_sync = True
+        self._reducer: Reducer | None = None
+        if not dist.is_initialized() or dist.get_world_size(group) < 2:
+            warnings.warn(
+                "lit_dp.DataParallel: world size is 1 (no process group, or a group of one); "
+                "the module runs unchanged without gradient synchronisation.",
+                stacklevel=2,
+            )
+            return
+        sync_params_buffers(layers, group=group)
+        named = [
+            (name, param)
+            for name, param in layers.named_parameters()
+            if param.requires_grad and not getattr(param, "no_sync", False)
+        ]
+        if not named:
+            return
+        sparse_ids = _sparse_gradient_parameters(layers)
+        self._reducer = Reducer(
+            [param for _, param in named],
+            [name for name, _ in named],
+            [group] if group is not None else get_rings(),
+            bucket_bytes=bucket_bytes,
+            last_bucket_bytes=last_bucket_bytes,
+            sparse=[id(param) in sparse_ids for _, param in named],
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+        if dist.get_rank() == 0:
+            sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
+            log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (torch DDP's name for Paddle's ``_layers``)."""
+        return self._layers
+
+    @property
+    def reducer(self) -> Reducer | None:
+        """The gradient reducer; None when nothing is synchronised (world size 1, no trainable parameters)."""
+        return self._reducer
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        outputs = self._layers(*inputs, **kwargs)
+        # The forward decides whether the next backward synchronises (as in torch DDP and Paddle),
+        # so `no_sync()` must wrap the forward, not only the backward.
+        if self._reducer is not None and self.grad_need_sync and torch.is_grad_enabled():
+            self._reducer.prepare_for_backward(outputs)
+        return outputs
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forward and backward inside accumulate gradients locally, without communication."""
+        previous = self.grad_need_sync
+        self.grad_need_sync = False
+        try:
+            yield
+        finally:
+            self.grad_need_sync = previous
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self._layers.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self._layers.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def fused_allreduce_gradients(
+    parameters: Iterable[nn.Parameter],
+    group: dist.ProcessGroup | None = None,
+    comm_buffer_size: float = 25,
+) -> None:
+    """Average the dense gradients of ``parameters`` over ``group`` in coalesced buckets.
+
+    For manual synchronisation after ``no_sync()``. Every rank must pass the same parameters.
+    A gradient that is None on some ranks counts as zeros there; one None on every rank stays None.
+    """
+    params = list(dict.fromkeys(p for p in parameters if p.requires_grad))
+    if not params or dist.get_world_size(group) < 2:
+        return
+    sparse = [position for position, p in enumerate(params) if p.grad is not None and p.grad.is_sparse]
+    if sparse:
+        raise ValueError(
+            f"fused_allreduce_gradients: parameters at positions {sparse} have sparse gradients: "
+            "expected dense gradients (lit_dp.DataParallel reduces sparse ones)."
+        )
+    ring = group or dist.group.WORLD
+    groups = assign_group_by_size(params, [False] * len(params), [megabytes_to_bytes("comm_buffer_size", comm_buffer_size)])
+    buckets = [DenseBucket(indices, [params[i] for i in indices], ring) for indices in groups]
+    has_grad = bytearray(p.grad is not None for p in params)
+    world_size = dist.get_world_size(group)
+    for bucket in buckets:
+        bucket.start(has_grad, flag_used=True, world_size=world_size)
+    for bucket in buckets:
+        bucket.finish(as_view=False, flag_used=True)
+
+
+def _sparse_gradient_parameters(module: nn.Module) -> set[int]:
+    """Ids of parameters whose gradients are sparse: embeddings built with ``sparse=True``."""
+    return {
+        id(sub.weight)
+        for sub in module.modules()
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
+    }

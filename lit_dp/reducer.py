@@ -1,0 +1,422 @@
+"""The bucketed gradient reducer: all-reduce gradients while backward still runs.
+
+One synchronised iteration:
+
+1. ``prepare_for_backward`` (called by the wrapper after a syncing forward) arms the reducer;
+   with ``find_unused_parameters`` it also walks the autograd graph from the outputs to find the
+   parameters this backward will not reach.
+2. A post-accumulate-grad hook per parameter (it fires once per backward, also for a tied
+   parameter used twice) marks the parameter ready. Buckets are launched strictly in their
+   fixed order, each as soon as it and every bucket before it are complete, so all ranks issue
+   the same collectives in the same sequence whatever order their gradients arrive in.
+3. A bucket launch copies the gradients into its flat buffer (or finds them there already, as
+   views), divides by the world size and starts an asynchronous all-reduce on its ring.
+4. A callback queued on the autograd engine runs when backward ends: it launches whatever
+   is left (parameters that got no gradient contribute zeros), waits for every bucket, writes
+   the averages back into ``.grad`` and, on the first iteration, rebuilds the buckets in the
+   observed gradient-ready order (rank 0's order, broadcast, so all ranks agree).
+
+Every dense bucket carries one flag per parameter after its gradients, all-reduced with them:
+with ``find_unused_parameters`` it marks "used here" (a sum of 0 means no rank used it, so its
+``.grad`` is left untouched); without, it marks "missing here" (a non-zero sum means some rank
+got no gradient, and every rank raises the same error). The flags cost no extra collective and
+compare only against zero, which is exact in every dtype.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from lit_dp.buckets import assign_group_by_size
+
+UNUSED_PARAMETERS_HINT = (
+    "If parameters are legitimately unused in some iterations, pass find_unused_parameters=True "
+    "(strategy option `find_unused_parameters`)."
+)
+
+
+class DenseBucket:
+    """Gradients of one dtype and device, reduced in one flat buffer: [gradients | flags]."""
+
+    __slots__ = ("indices", "params", "views", "buffer", "gradients", "flags", "ring", "work")
+
+    def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup) -> None:
+        self.indices = indices
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.gradients = self.buffer[:numel]
+        self.flags = self.buffer[numel:]
+        pieces = self.gradients.split([p.numel() for p in params])
+        self.views = [piece.view_as(p) for piece, p in zip(pieces, params)]
+        self.ring = ring
+        self.work: dist.Work | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.gradients.numel() * self.gradients.element_size()
+
+    def start(self, used: bytearray, flag_used: bool, world_size: int) -> None:
+        """Copy gradients (zeros where absent) and flags in, then start the all-reduce."""
+        params = self.params
+        present = [used[i] and p.grad is not None for i, p in zip(self.indices, params)]
+        if all(present):
+            torch._foreach_copy_(self.views, [p.grad for p in params])
+            self.flags.fill_(1.0 if flag_used else 0.0)
+        else:
+            for view, param, has_grad in zip(self.views, params, present):
+                if has_grad:
+                    view.copy_(param.grad)
+                else:
+                    view.zero_()
+            self.flags.copy_(torch.tensor([float(has_grad == flag_used) for has_grad in present]))
+        self.gradients.div_(world_size)
+        self.work = dist.all_reduce(self.buffer, group=self.ring, async_op=True)
+
+    def finish(self, as_view: bool, flag_used: bool) -> list[tuple[int, float]]:
+        """Wait, write averages into ``.grad``; return (index, flag sum) of the parameters left alone.
+
+        Left alone are those no rank used (``flag_used``) or that some rank missed (otherwise).
+        """
+        assert self.work is not None, "finish() before start()"
+        self.work.wait()
+        self.work = None
+        if flag_used:
+            flags = self.flags.tolist()
+            skipped = {k for k, total in enumerate(flags) if total == 0}
+        elif bool(self.flags.any()):
+            flags = self.flags.tolist()
+            skipped = {k for k, total in enumerate(flags) if total != 0}
+        else:
+            flags, skipped = [], set()
+        params = self.params
+        if as_view:
+            for k, (param, view) in enumerate(zip(params, self.views)):
+                if param.grad is not view and k not in skipped:
+                    param.grad = view
+        elif not skipped and all(p.grad is not None for p in params):
+            torch._foreach_copy_([p.grad for p in params], self.views)
+        else:
+            for k, (param, view) in enumerate(zip(params, self.views)):
+                if k in skipped:
+                    continue
+                if param.grad is None:
+                    param.grad = view.clone()
+                else:
+                    param.grad.copy_(view)
+        return [(self.indices[k], flags[k]) for k in sorted(skipped)]
+
+    def adopt_gradients(self) -> None:
+        """Move existing gradients into this bucket's views (gradient-as-bucket-view mode)."""
+        for param, view in zip(self.params, self.views):
+            if param.grad is not None:
+                view.copy_(param.grad)
+                param.grad = view
+
+
+class SparseBucket:
+    """One parameter with a sparse gradient (``nn.Embedding(sparse=True)``), reduced alone.
+
+    Gloo all-reduces sparse tensors natively; other backends (NCCL) have no sparse all-reduce,
+    so the indices and values are all-gathered and summed locally.
+    """
+
+    __slots__ = ("indices", "params", "ring", "work", "gradient", "flag", "flag_work", "native")
+
+    def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup) -> None:
+        self.indices = indices
+        self.params = params
+        self.ring = ring
+        self.native = dist.get_backend(ring) == "gloo"
+        self.work: dist.Work | None = None
+        self.flag_work: dist.Work | None = None
+        self.gradient: torch.Tensor | None = None
+        self.flag = torch.zeros(1, device=params[0].device)
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def start(self, used: bytearray, flag_used: bool, world_size: int) -> None:
+        param = self.params[0]
+        has_grad = bool(used[self.indices[0]]) and param.grad is not None
+        if has_grad:
+            gradient = param.grad if param.grad.is_sparse else param.grad.to_sparse()
+            gradient = gradient.coalesce() / world_size
+        else:
+            gradient = torch.sparse_coo_tensor(
+                torch.empty(param.dim(), 0, dtype=torch.long, device=param.device),
+                torch.empty(0, dtype=param.dtype, device=param.device),
+                param.shape,
+            )
+        self.gradient = gradient
+        self.flag.fill_(float(has_grad == flag_used))
+        if self.native:
+            self.work = dist.all_reduce(self.gradient, group=self.ring, async_op=True)
+        self.flag_work = dist.all_reduce(self.flag, group=self.ring, async_op=True)
+
+    def finish(self, as_view: bool, flag_used: bool) -> list[tuple[int, float]]:
+        assert self.gradient is not None and self.flag_work is not None, "finish() before start()"
+        if self.native:
+            assert self.work is not None
+            self.work.wait()
+            reduced = self.gradient  # gloo writes the sparse sum into its input
+        else:
+            reduced = allgather_sparse_sum(self.gradient, self.ring)
+        self.flag_work.wait()
+        total = self.flag.item()
+        self.work = self.flag_work = self.gradient = None
+        if (total == 0) if flag_used else (total != 0):
+            return [(self.indices[0], total)]
+        self.params[0].grad = reduced.coalesce()
+        return []
+
+    def adopt_gradients(self) -> None:
+        """Sparse gradients are never bucket views."""
+
+
+def allgather_sparse_sum(gradient: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum sparse COO tensors over ``group`` with all-gathers (for backends without sparse all-reduce)."""
+    gradient = gradient.coalesce()
+    indices, values = gradient.indices(), gradient.values()
+    world_size = dist.get_world_size(group)
+    count = torch.tensor([values.shape[0]], dtype=torch.long, device=values.device)
+    counts = [torch.empty_like(count) for _ in range(world_size)]
+    dist.all_gather(counts, count, group=group)
+    sizes = [int(c.item()) for c in counts]
+    longest = max(sizes)
+    # all_gather needs equal shapes: pad to the longest, then cut each rank's part back.
+    padded_indices = indices.new_zeros(indices.shape[0], longest)
+    padded_indices[:, : indices.shape[1]] = indices
+    padded_values = values.new_zeros((longest, *values.shape[1:]))
+    padded_values[: values.shape[0]] = values
+    all_indices = [torch.empty_like(padded_indices) for _ in range(world_size)]
+    all_values = [torch.empty_like(padded_values) for _ in range(world_size)]
+    dist.all_gather(all_indices, padded_indices, group=group)
+    dist.all_gather(all_values, padded_values, group=group)
+    return torch.sparse_coo_tensor(
+        torch.cat([part[:, :n] for part, n in zip(all_indices, sizes)], dim=1),
+        torch.cat([part[:n] for part, n in zip(all_values, sizes)]),
+        gradient.shape,
+    ).coalesce()
+
+
+class Reducer:
+    """Averages the gradients of ``params`` over the ranks of ``rings[0]`` in buckets.
+
+    Args:
+        params: trainable parameters, deduplicated, in forward (registration) order.
+        names: one name per parameter, for error messages.
+        rings: communicators; bucket ``k`` is reduced on ``rings[k % len(rings)]``. All rings
+            must span the same ranks.
+        bucket_bytes / last_bucket_bytes: bucket size limits; the last bucket reduced (the
+            first in forward order) uses ``last_bucket_bytes``.
+        sparse: one flag per parameter: its gradient is sparse.
+        find_unused_parameters: tolerate parameters without a gradient (see module docstring).
+        gradient_as_bucket_view: make ``.grad`` views into the bucket buffers, so gradients are
+            not stored twice.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        rings: Sequence[dist.ProcessGroup],
+        *,
+        bucket_bytes: int,
+        last_bucket_bytes: int,
+        sparse: Sequence[bool],
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        if not params:
+            raise ValueError("Reducer needs at least one trainable parameter.")
+        self._params = list(params)
+        self._names = list(names)
+        self._rings = list(rings)
+        self._sparse = list(sparse)
+        self._limits = [last_bucket_bytes, bucket_bytes]
+        self._find_unused = find_unused_parameters
+        self._as_view = gradient_as_bucket_view
+        self._world_size = dist.get_world_size(self._rings[0])
+        count = len(self._params)
+        self._used = bytearray(count)  # a gradient was accumulated since the last synchronisation
+        self._ready = bytearray(count)  # marked ready in the armed backward
+        self._unreached: list[int] = []
+        self._order: list[int] = []
+        self._rebuilt = False
+        self._armed = False
+        self._started = False
+        self._next_bucket = 0
+        self._pending: list[int] = []
+        self._build_buckets(list(range(count)))
+        handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
+        weakref.finalize(self, _remove_hooks, handles)
+
+    @property
+    def bucket_indices(self) -> list[list[int]]:
+        """Parameter indices per bucket, in launch (backward) order."""
+        return [list(bucket.indices) for bucket in self._buckets]
+
+    @property
+    def bucket_bytes(self) -> list[int]:
+        return [bucket.nbytes for bucket in self._buckets]
+
+    @property
+    def launched_buckets(self) -> int:
+        """How many buckets of the current (or last) synchronised backward have started their all-reduce."""
+        return self._next_bucket
+
+    def prepare_for_backward(self, outputs: object) -> None:
+        """Arm the reducer for the next backward; called after each forward that will synchronise."""
+        self._pending = [len(bucket.indices) for bucket in self._buckets]
+        self._ready = bytearray(len(self._params))
+        self._next_bucket = 0
+        self._started = False
+        self._armed = True
+        if not self._rebuilt:
+            self._order = []
+        if self._find_unused:
+            reached = _reached_parameters(outputs)
+            self._unreached = [i for i, p in enumerate(self._params) if id(p) not in reached]
+
+    def _make_hook(self, index: int):
+        # A weak reference: the parameters outlive the reducer (the model is unwrapped after
+        # training), and a strong one would keep every old reducer alive through its hooks.
+        reducer_ref = weakref.ref(self)
+
+        def hook(_param: torch.Tensor) -> None:
+            reducer = reducer_ref()
+            if reducer is not None:
+                reducer._on_gradient_ready(index)
+
+        return hook
+
+    def _on_gradient_ready(self, index: int) -> None:
+        self._used[index] = 1
+        if not self._armed:
+            return
+        if self._ready[index]:
+            raise RuntimeError(
+                f"lit_dp reducer: parameter {self._names[index]!r} received its gradient twice in one backward. "
+                "Run one forward per backward (reentrant checkpointing and repeated forwards before one "
+                "backward are not supported)."
+            )
+        if not self._started:
+            self._started = True
+            Variable._execution_engine.queue_callback(self._finalize_backward)
+            for unreached in self._unreached:
+                self._ready[unreached] = 1
+                self._mark_ready(unreached)
+        self._ready[index] = 1
+        if not self._rebuilt:
+            self._order.append(index)
+        self._mark_ready(index)
+
+    def _mark_ready(self, index: int) -> None:
+        bucket = self._bucket_of[index]
+        self._pending[bucket] -= 1
+        if self._pending[bucket] == 0 and bucket == self._next_bucket:
+            self._launch_complete_buckets()
+
+    def _launch_complete_buckets(self) -> None:
+        buckets, pending = self._buckets, self._pending
+        while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
+            buckets[self._next_bucket].start(self._used, self._find_unused, self._world_size)
+            self._next_bucket += 1
+
+    def _finalize_backward(self) -> None:
+        self._armed = False
+        # Buckets still incomplete hold parameters without a gradient in this backward; they are
+        # launched anyway (zeros) so every rank issues the same collectives and none hangs.
+        for pos in range(self._next_bucket, len(self._buckets)):
+            self._pending[pos] = 0
+        self._launch_complete_buckets()
+        left_alone = [entry for bucket in self._buckets for entry in bucket.finish(self._as_view, self._find_unused)]
+        used, self._used = self._used, bytearray(len(self._params))
+        if left_alone and not self._find_unused:
+            raise RuntimeError(self._missing_gradients_message(left_alone, used))
+        if not self._rebuilt:
+            self._rebuild_in_ready_order()
+
+    def _missing_gradients_message(self, missing: list[tuple[int, float]], used: bytearray) -> str:
+        lines = [
+            f"  {self._names[index]} (missing on {round(count)} of {self._world_size} ranks"
+            f"{', including this one' if not used[index] else ''})"
+            for index, count in missing
+        ]
+        return (
+            "lit_dp reducer: trainable parameters received no gradient in this backward while "
+            "find_unused_parameters=False:\n" + "\n".join(lines[:20]) + "\n" + UNUSED_PARAMETERS_HINT
+        )
+
+    def _rebuild_in_ready_order(self) -> None:
+        """Rebuild buckets in rank 0's observed ready order (Paddle and DDP do the same)."""
+        seen = set(self._order)
+        order = self._order + [i for i in range(len(self._params)) if i not in seen]
+        agreed = torch.tensor(order, dtype=torch.long, device=self._params[0].device)
+        ring = self._rings[0]
+        dist.broadcast(agreed, src=dist.get_global_rank(ring, 0), group=ring)
+        self._build_buckets(list(reversed(agreed.tolist())))
+        self._rebuilt = True
+        if self._as_view:
+            for bucket in self._buckets:
+                bucket.adopt_gradients()
+
+    def _build_buckets(self, forward_order: list[int]) -> None:
+        params = [self._params[i] for i in forward_order]
+        groups = assign_group_by_size(params, [self._sparse[i] for i in forward_order], self._limits)
+        # The first group in forward order completes last in backward: launch in reverse.
+        launch_order = [[forward_order[pos] for pos in group] for group in reversed(groups)]
+        self._buckets: list[DenseBucket | SparseBucket] = []
+        self._bucket_of = [0] * len(self._params)
+        for position, indices in enumerate(launch_order):
+            kind = SparseBucket if self._sparse[indices[0]] else DenseBucket
+            ring = self._rings[position % len(self._rings)]
+            self._buckets.append(kind(indices, [self._params[i] for i in indices], ring))
+            for index in indices:
+                self._bucket_of[index] = position
+
+
+def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _reached_parameters(outputs: object) -> set[int]:
+    """The ids of the leaf tensors (parameters) that a backward from ``outputs`` will reach."""
+    stack = []
+    reached: set[int] = set()
+    for tensor in _tensors_in(outputs):
+        if tensor.grad_fn is not None:
+            stack.append(tensor.grad_fn)
+        elif tensor.requires_grad:
+            reached.add(id(tensor))
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return reached
+
+
+def _tensors_in(value: object):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)

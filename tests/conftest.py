@@ -1,0 +1,23 @@
+import os
+
+import pytest
+import torch.distributed as dist
+
+# Variables Lightning itself exports into the launching process (see Lightning's own conftest).
+LIGHTNING_EXPORTS = {"MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUDA_MODULE_LOADING"}
+PYTEST_OWN = {"PYTEST_CURRENT_TEST"}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_environment_or_process_group():
+    """Fail a test that leaks environment variables; never let a process group outlive a test."""
+    before = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    after = dict(os.environ)
+    leaked = {k for k in after.keys() - before.keys() if k not in LIGHTNING_EXPORTS | PYTEST_OWN}
+    changed = {k for k in before.keys() & after.keys() if before[k] != after[k] and k not in LIGHTNING_EXPORTS | PYTEST_OWN}
+    os.environ.clear()
+    os.environ.update(before)
+    assert not leaked and not changed, f"test leaked environment variables: {sorted(leaked | changed)}"

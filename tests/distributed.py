@@ -1,0 +1,109 @@
+"""Run a function in several real processes that rendezvous through Paddle's launcher variables.
+
+A child's exception is re-raised in the parent with its rank and traceback; ranks that do not
+finish within the timeout fail the test by name, and every child is killed: the suite never
+hangs on a stuck rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def paddle_environ(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+    endpoints = [f"127.0.0.1:{port + i}" for i in range(world_size)]
+    return {
+        "PADDLE_TRAINER_ID": str(rank),
+        "PADDLE_TRAINERS_NUM": str(world_size),
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+        "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
+        "PADDLE_DISTRI_BACKEND": "gloo",
+        **extra,
+    }
+
+
+def _child(fn: Callable[..., Any], rank: int, environ: dict[str, str], results: Any, args: tuple) -> None:
+    os.environ.update(environ)
+    import torch
+
+    torch.set_num_threads(1)  # 2-3 ranks share 2 cores; more threads only contend
+    try:
+        results.put((rank, True, fn(rank, *args)))
+    except BaseException:  # noqa: BLE001 - everything a rank raises must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 90.0,
+    ranks: list[int] | None = None,
+    expect_failure: bool = False,
+    **environ: str,
+) -> dict[int, Any]:
+    """Run ``fn(rank, *args)`` in one spawned process per rank; return ``{rank: result}``.
+
+    ``ranks`` starts only some of the ranks (to simulate a missing one). With
+    ``expect_failure`` the failures are returned (rank -> traceback) instead of raised, once
+    every started rank has reported.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    started = list(range(world_size)) if ranks is None else ranks
+    processes = {
+        rank: context.Process(
+            target=_child,
+            args=(fn, rank, paddle_environ(rank, world_size, port, **environ), results, args),
+            daemon=True,
+        )
+        for rank in started
+    }
+    for process in processes.values():
+        process.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < len(started):
+            remaining = deadline - time.monotonic()
+            try:
+                rank, ok, payload = results.get(timeout=max(0.1, min(remaining, 1.0)))
+            except queue.Empty:
+                dead = [r for r, p in processes.items() if r not in outcomes and not p.is_alive() and p.exitcode != 0]
+                if dead:
+                    # Give a dying rank's last message a moment to arrive before blaming a crash.
+                    time.sleep(0.5)
+                    if results.empty():
+                        raise AssertionError(
+                            f"rank(s) {dead} exited with code(s) {[processes[r].exitcode for r in dead]} "
+                            "without reporting"
+                        ) from None
+                if remaining <= 0:
+                    missing = sorted(set(started) - set(outcomes))
+                    raise AssertionError(f"rank(s) {missing} did not finish within {timeout:g}s") from None
+                continue
+            outcomes[rank] = (ok, payload)
+            if not ok and not expect_failure:
+                raise AssertionError(f"rank {rank} failed:\n{payload}")
+    finally:
+        for process in processes.values():
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5)
+    if expect_failure:
+        return {rank: payload for rank, (ok, payload) in outcomes.items() if not ok}
+    return {rank: payload for rank, (_, payload) in outcomes.items()}
