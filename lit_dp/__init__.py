@@ -3,18 +3,27 @@
 ``import lit_dp`` registers the ``"paddle_dp"`` and ``"paddle_dp_spawn"`` Lightning strategies.
 """
 
+from lightning.pytorch.strategies import StrategyRegistry
+
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.buckets import assign_group_by_size
+from lit_dp.cluster_environment import PaddleEnvironment
 from lit_dp.data_parallel import DataParallel, fused_allreduce_gradients
 from lit_dp.env import ParallelEnv
-from lit_dp.process_group import get_rings, init_parallel_env
+from lit_dp.process_group import destroy_parallel_env, get_rings, init_parallel_env
 from lit_dp.reducer import Reducer
+from lit_dp.strategy import PaddleDPStrategy
+
+PaddleDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "DataParallel",
+    "PaddleDPStrategy",
+    "PaddleEnvironment",
     "ParallelEnv",
     "Reducer",
     "assign_group_by_size",
+    "destroy_parallel_env",
     "fused_allreduce_gradients",
     "get_rings",
     "init_parallel_env",

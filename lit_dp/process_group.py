@@ -87,6 +87,8 @@ def init_parallel_env(
                 f"but the environment describes world size {env.world_size}."
             )
         return world
+    # Rings of a group destroyed behind our back would keep its store, and its port, alive.
+    _rings_by_world.clear()
     if env.world_size < 2:
         warnings.warn(
             "init_parallel_env: world size is 1 (PADDLE_TRAINERS_NUM unset or 1); "
@@ -107,11 +109,17 @@ def init_parallel_env(
     store = _rendezvous(env, deadline)
     dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=deadline)
     world = dist.group.WORLD
-    _rings_by_world.clear()
     _rings_by_world[world] = [world] + [
         dist.new_group(backend=chosen, timeout=deadline) for _ in range(env.nrings - 1)
     ]
     return world
+
+
+def destroy_parallel_env() -> None:
+    """Destroy the default group and its rings, releasing the rendezvous port for a later init."""
+    _rings_by_world.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def get_rings() -> list[dist.ProcessGroup]:

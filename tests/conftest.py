@@ -4,7 +4,17 @@ import pytest
 import torch.distributed as dist
 
 # Variables Lightning itself exports into the launching process (see Lightning's own conftest).
-LIGHTNING_EXPORTS = {"MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUDA_MODULE_LOADING"}
+LIGHTNING_EXPORTS = {
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "WORLD_SIZE",
+    "OMP_NUM_THREADS",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "CUDA_MODULE_LOADING",
+}
 PYTEST_OWN = {"PYTEST_CURRENT_TEST"}
 
 
