@@ -63,18 +63,23 @@ class DenseBucket:
         return self.gradients.numel() * self.gradients.element_size()
 
     def start(self, used: bytearray, flag_used: bool, world_size: int) -> None:
-        """Copy gradients (zeros where absent) and flags in, then start the all-reduce."""
+        """Copy gradients (zeros where absent) and flags in, then start the all-reduce.
+
+        A gradient that already is its bucket view (gradient-as-bucket-view mode) is not copied.
+        """
         params = self.params
         present = [used[i] and p.grad is not None for i, p in zip(self.indices, params)]
         if all(present):
-            torch._foreach_copy_(self.views, [p.grad for p in params])
+            grads = [p.grad for p in params]
+            if any(grad is not view for grad, view in zip(grads, self.views)):
+                torch._foreach_copy_(self.views, grads)
             self.flags.fill_(1.0 if flag_used else 0.0)
         else:
             for view, param, has_grad in zip(self.views, params, present):
-                if has_grad:
-                    view.copy_(param.grad)
-                else:
+                if not has_grad:
                     view.zero_()
+                elif param.grad is not view:
+                    view.copy_(param.grad)
             self.flags.copy_(torch.tensor([float(has_grad == flag_used) for has_grad in present]))
         self.gradients.div_(world_size)
         self.work = dist.all_reduce(self.buffer, group=self.ring, async_op=True)
@@ -111,13 +116,6 @@ class DenseBucket:
                 else:
                     param.grad.copy_(view)
         return [(self.indices[k], flags[k]) for k in sorted(skipped)]
-
-    def adopt_gradients(self) -> None:
-        """Move existing gradients into this bucket's views (gradient-as-bucket-view mode)."""
-        for param, view in zip(self.params, self.views):
-            if param.grad is not None:
-                view.copy_(param.grad)
-                param.grad = view
 
 
 class SparseBucket:
@@ -176,9 +174,6 @@ class SparseBucket:
             return [(self.indices[0], total)]
         self.params[0].grad = reduced.coalesce()
         return []
-
-    def adopt_gradients(self) -> None:
-        """Sparse gradients are never bucket views."""
 
 
 def allgather_sparse_sum(gradient: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -250,6 +245,7 @@ class Reducer:
         self._ready = bytearray(count)  # marked ready in the armed backward
         self._unreached: list[int] = []
         self._order: list[int] = []
+        self._agreed_order: list[int] | None = None
         self._rebuilt = False
         self._armed = False
         self._started = False
@@ -275,6 +271,9 @@ class Reducer:
 
     def prepare_for_backward(self, outputs: object) -> None:
         """Arm the reducer for the next backward; called after each forward that will synchronise."""
+        if self._agreed_order is not None:
+            self._rebuild(self._agreed_order)
+            self._agreed_order = None
         self._pending = [len(bucket.indices) for bucket in self._buckets]
         self._ready = bytearray(len(self._params))
         self._next_bucket = 0
@@ -300,6 +299,8 @@ class Reducer:
 
     def _on_gradient_ready(self, index: int) -> None:
         self._used[index] = 1
+        if self._as_view:
+            self._adopt_gradient(index)
         if not self._armed:
             return
         if self._ready[index]:
@@ -318,6 +319,14 @@ class Reducer:
         if not self._rebuilt:
             self._order.append(index)
         self._mark_ready(index)
+
+    def _adopt_gradient(self, index: int) -> None:
+        """Move a fresh gradient into its bucket view at once, so it is not held twice."""
+        view = self._view_of[index]
+        param = self._params[index]
+        if view is not None and param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
 
     def _mark_ready(self, index: int) -> None:
         bucket = self._bucket_of[index]
@@ -343,7 +352,7 @@ class Reducer:
         if left_alone and not self._find_unused:
             raise RuntimeError(self._missing_gradients_message(left_alone, used))
         if not self._rebuilt:
-            self._rebuild_in_ready_order()
+            self._agree_on_ready_order()
 
     def _missing_gradients_message(self, missing: list[tuple[int, float]], used: bytearray) -> str:
         lines = [
@@ -356,32 +365,47 @@ class Reducer:
             "find_unused_parameters=False:\n" + "\n".join(lines[:20]) + "\n" + UNUSED_PARAMETERS_HINT
         )
 
-    def _rebuild_in_ready_order(self) -> None:
-        """Rebuild buckets in rank 0's observed ready order (Paddle and DDP do the same)."""
+    def _agree_on_ready_order(self) -> None:
+        """Adopt rank 0's observed ready order for the buckets (Paddle and DDP do the same).
+
+        The buckets are rebuilt at the next synchronised forward, as in DDP: by then
+        ``zero_grad`` has usually dropped the gradients, so with gradient views the old and new
+        buffers are not alive together.
+        """
         seen = set(self._order)
         order = self._order + [i for i in range(len(self._params)) if i not in seen]
         agreed = torch.tensor(order, dtype=torch.long, device=self._params[0].device)
         ring = self._rings[0]
         dist.broadcast(agreed, src=dist.get_global_rank(ring, 0), group=ring)
-        self._build_buckets(list(reversed(agreed.tolist())))
+        self._agreed_order = list(reversed(agreed.tolist()))
         self._rebuilt = True
+
+    def _rebuild(self, forward_order: list[int]) -> None:
+        self._build_buckets(forward_order)
         if self._as_view:
-            for bucket in self._buckets:
-                bucket.adopt_gradients()
+            for index, param in enumerate(self._params):
+                if param.grad is not None:
+                    self._adopt_gradient(index)
 
     def _build_buckets(self, forward_order: list[int]) -> None:
         params = [self._params[i] for i in forward_order]
         groups = assign_group_by_size(params, [self._sparse[i] for i in forward_order], self._limits)
         # The first group in forward order completes last in backward: launch in reverse.
         launch_order = [[forward_order[pos] for pos in group] for group in reversed(groups)]
+        # Drop the old buffers before allocating new ones.
         self._buckets: list[DenseBucket | SparseBucket] = []
+        self._view_of: list[torch.Tensor | None] = []
         self._bucket_of = [0] * len(self._params)
+        self._view_of = [None] * len(self._params)
         for position, indices in enumerate(launch_order):
             kind = SparseBucket if self._sparse[indices[0]] else DenseBucket
             ring = self._rings[position % len(self._rings)]
-            self._buckets.append(kind(indices, [self._params[i] for i in indices], ring))
-            for index in indices:
+            bucket = kind(indices, [self._params[i] for i in indices], ring)
+            self._buckets.append(bucket)
+            for slot, index in enumerate(indices):
                 self._bucket_of[index] = position
+                if isinstance(bucket, DenseBucket):
+                    self._view_of[index] = bucket.views[slot]
 
 
 def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:

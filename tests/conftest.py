@@ -15,6 +15,8 @@ LIGHTNING_EXPORTS = {
     "PL_SEED_WORKERS",
     "CUDA_MODULE_LOADING",
 }
+# Variables torch exports into its own process when DDP or compile machinery is first used.
+TORCH_EXPORTS = {"PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR"}
 PYTEST_OWN = {"PYTEST_CURRENT_TEST"}
 
 
@@ -26,8 +28,9 @@ def no_leaked_environment_or_process_group():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     after = dict(os.environ)
-    leaked = {k for k in after.keys() - before.keys() if k not in LIGHTNING_EXPORTS | PYTEST_OWN}
-    changed = {k for k in before.keys() & after.keys() if before[k] != after[k] and k not in LIGHTNING_EXPORTS | PYTEST_OWN}
+    allowed = LIGHTNING_EXPORTS | TORCH_EXPORTS | PYTEST_OWN
+    leaked = {k for k in after.keys() - before.keys() if k not in allowed}
+    changed = {k for k in before.keys() & after.keys() if before[k] != after[k] and k not in allowed}
     os.environ.clear()
     os.environ.update(before)
     assert not leaked and not changed, f"test leaked environment variables: {sorted(leaked | changed)}"

@@ -148,6 +148,8 @@ def features_on_two_ranks(rank):
     report["launched_mid_backward"] = launched_when_input_grad_ready[0]
     report["buckets"] = len(reducer.bucket_indices)
     report["launched_at_end"] = reducer.launched_buckets
+    # The rebuild takes effect at the next synchronised forward.
+    loss(model, shard(inputs, rank), shard(targets, rank), rank, 1).backward()
     # Rebuilt launch order follows gradient readiness: head (last in forward) first, stem last.
     names = [n for n, _ in model.module.named_parameters()]
     report["rebuilt_order"] = [[names[i] for i in bucket] for bucket in reducer.bucket_indices]
