@@ -35,16 +35,15 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lit_dp.broadcast import sync_params_buffers
-from lit_dp.buckets import megabytes_to_bytes
 from lit_dp.cluster_environment import PaddleEnvironment
+from lit_dp.config import check_strategy_options
 from lit_dp.data_parallel import DataParallel
-from lit_dp.env import BACKENDS, MAX_NRINGS, ParallelEnv
-from lit_dp.process_group import destroy_parallel_env, init_parallel_env, resolve_timeout
+from lit_dp.env import ParallelEnv
+from lit_dp.process_group import destroy_parallel_env, init_parallel_env
 from lit_dp.reducer import UNUSED_PARAMETERS_HINT
 
 log = logging.getLogger(__name__)
 
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 LIGHTNING_UNUSED_PARAMETERS_HINT = (
     "If this is intentional, enable unused-parameter detection: "
     "`Trainer(strategy=PaddleDPStrategy(find_unused_parameters=True))`, or "
@@ -86,16 +85,16 @@ class PaddleDPStrategy(ParallelStrategy):
         timeout: timedelta | float | None = None,
         start_method: str = "popen",
     ) -> None:
-        megabytes_to_bytes("comm_buffer_size", comm_buffer_size)
-        megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
-        _check_choice("backend", backend, BACKENDS)
-        _check_choice("start_method", start_method, START_METHODS)
-        _check_flag("find_unused_parameters", find_unused_parameters)
-        _check_flag("gradient_as_bucket_view", gradient_as_bucket_view)
-        if nrings is not None and (isinstance(nrings, bool) or not isinstance(nrings, int) or not 1 <= nrings <= MAX_NRINGS):
-            raise ValueError(f"nrings={nrings!r} is invalid: expected an integer in [1, {MAX_NRINGS}].")
-        if timeout is not None:
-            resolve_timeout(timeout, ParallelEnv({}))
+        check_strategy_options(
+            comm_buffer_size=comm_buffer_size,
+            last_comm_buffer_size=last_comm_buffer_size,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            backend=backend,
+            nrings=nrings,
+            timeout=timeout,
+            start_method=start_method,
+        )
         if cluster_environment is None and PaddleEnvironment.detect():
             cluster_environment = PaddleEnvironment()
         super().__init__(
@@ -358,14 +357,4 @@ class _ManualOptimizationRedirection(_ForwardRedirection):
         if isinstance(wrapper_module, DataParallel) and self._saved_sync is not None:
             wrapper_module.grad_need_sync = self._saved_sync
             self._saved_sync = None
-
-
-def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value.lower() not in allowed:
-        raise ValueError(f"{option}={value!r} is invalid: expected one of {', '.join(allowed)}.")
-
-
-def _check_flag(option: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{option}={value!r} is invalid: expected True or False.")
 

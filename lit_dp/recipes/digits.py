@@ -1,0 +1,71 @@
+"""Handwritten digits (scikit-learn's bundled 8x8 images; no download) and an MLP classifier."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """1,797 images of 64 pixels in 10 classes, split once with a fixed seed."""
+
+    def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, split_seed: int = 0, num_workers: int = 0):
+        super().__init__()
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"data.val_fraction={val_fraction!r} is invalid: expected a number in (0, 1).")
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.split_seed = split_seed
+        self.num_workers = num_workers
+
+    def setup(self, stage: str | None = None) -> None:
+        digits = load_digits()
+        images = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+        labels = torch.tensor(digits.target, dtype=torch.long)
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.split_seed))
+        n_val = int(len(labels) * self.val_fraction)
+        val, train = order[:n_val], order[n_val:]
+        self.train_set = TensorDataset(images[train], labels[train])
+        self.val_set = TensorDataset(images[val], labels[val])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=256, num_workers=self.num_workers)
+
+
+class MLPClassifier(pl.LightningModule):
+    """A plain MLP; ``hidden_sizes`` scales it from a toy to a communication-heavy benchmark model."""
+
+    def __init__(self, in_features: int = 64, num_classes: int = 10, hidden_sizes: tuple[int, ...] = (128, 128), lr: float = 3e-3):
+        super().__init__()
+        self.save_hyperparameters()
+        sizes = [in_features, *hidden_sizes]
+        layers: list[nn.Module] = []
+        for width_in, width_out in zip(sizes, sizes[1:]):
+            layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+        layers.append(nn.Linear(sizes[-1], num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(images)
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        loss = F.cross_entropy(self(images), labels)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        images, labels = batch
+        logits = self(images)
+        self.log("val_loss", F.cross_entropy(logits, labels), sync_dist=True, prog_bar=True)
+        self.log("val_acc", (logits.argmax(dim=1) == labels).float().mean(), sync_dist=True, prog_bar=True)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
