@@ -15,8 +15,9 @@ LIGHTNING_EXPORTS = {
     "PL_SEED_WORKERS",
     "CUDA_MODULE_LOADING",
 }
-# Variables torch exports into its own process when DDP or compile machinery is first used.
-TORCH_EXPORTS = {"PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR"}
+# Variables torch (DDP, compile machinery) and scikit-learn (its OpenMP setup) export into their
+# own process on first use.
+LIBRARY_EXPORTS = {"PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
 PYTEST_OWN = {"PYTEST_CURRENT_TEST"}
 
 
@@ -28,7 +29,7 @@ def no_leaked_environment_or_process_group():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     after = dict(os.environ)
-    allowed = LIGHTNING_EXPORTS | TORCH_EXPORTS | PYTEST_OWN
+    allowed = LIGHTNING_EXPORTS | LIBRARY_EXPORTS | PYTEST_OWN
     leaked = {k for k in after.keys() - before.keys() if k not in allowed}
     changed = {k for k in before.keys() & after.keys() if before[k] != after[k] and k not in allowed}
     os.environ.clear()

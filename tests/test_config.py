@@ -1,0 +1,113 @@
+"""Every config composes and instantiates; bad values fail with the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+
+from lit_dp import PaddleDPStrategy
+from lit_dp.config import PaddleDPStrategyConfig, register_configs, validate
+from lit_dp.recipes.train import train
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+PRIMARY = ["digits", "charlm", "benchmark"]
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+register_configs()
+
+
+def compose_config(name: str, overrides: list[str], tmp_path: Path):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=name, overrides=[f"paths.output_dir={tmp_path}", *overrides])
+
+
+@pytest.mark.parametrize("name", PRIMARY)
+@pytest.mark.parametrize("strategy", ["paddle_dp", "ddp"])
+def test_primary_configs_compose_and_instantiate(name, strategy, tmp_path):
+    cfg = compose_config(name, [f"strategy={strategy}"], tmp_path)
+    validate(cfg)
+    assert isinstance(instantiate(cfg.model, _convert_="all"), pl.LightningModule)
+    assert isinstance(instantiate(cfg.data, _convert_="all"), pl.LightningDataModule)
+    built = instantiate(cfg.strategy)
+    assert isinstance(built, PaddleDPStrategy) == (strategy == "paddle_dp")
+    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
+    trainer = instantiate(cfg.trainer, strategy=built, callbacks=callbacks, logger=False)
+    assert trainer.strategy is built
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_configs_compose(experiment, tmp_path):
+    primary = "charlm" if experiment.startswith("charlm") else "digits"
+    validate(compose_config(primary, [f"experiment={experiment}"], tmp_path))
+
+
+def test_overrides_reach_the_strategy(tmp_path):
+    cfg = compose_config(
+        "digits",
+        ["strategy.comm_buffer_size=5", "strategy.backend=gloo", "strategy.nrings=2", "trainer.devices=3"],
+        tmp_path,
+    )
+    strategy = instantiate(cfg.strategy)
+    assert (strategy.comm_buffer_size, strategy.process_group_backend, strategy._nrings) == (5, "gloo", 2)
+    assert cfg.trainer.devices == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("strategy.comm_buffer_size=-1", r"strategy.comm_buffer_size=-1.0 is invalid: expected a positive number"),
+        ("strategy.last_comm_buffer_size=0", r"strategy.last_comm_buffer_size=0.0 is invalid"),
+        ("strategy.backend=foo", r"strategy.backend='foo' is invalid: expected one of auto, nccl, gloo"),
+        ("strategy.nrings=9", r"strategy.nrings=9 is invalid: expected an integer in \[1, 8\]"),
+        ("strategy.timeout=-5", r"strategy.timeout=-5.0 is invalid: expected a positive duration"),
+        ("strategy.start_method=thread", r"strategy.start_method='thread' is invalid"),
+        ("trainer.devices=zero", r"trainer.devices='zero' is invalid: expected a positive integer, 'auto'"),
+        ("trainer.devices=0", r"trainer.devices=0 is invalid"),
+        ("trainer.accelerator=tpuu", r"trainer.accelerator='tpuu' is invalid: expected one of"),
+        ("trainer.num_nodes=0", r"trainer.num_nodes=0 is invalid: expected an integer >= 1"),
+    ],
+)
+def test_bad_values_fail_in_train_before_anything_is_built(override, message, tmp_path, monkeypatch):
+    cfg = compose_config("digits", [override], tmp_path)
+    monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
+    with pytest.raises(ValueError, match=message):
+        train(cfg)
+
+
+def _must_not_be_called(*args, **kwargs):
+    raise AssertionError("a Trainer was built from an invalid config")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("strategy.comm_buffer_size=abc", "comm_buffer_size"),
+        ("strategy.find_unused_parameters=maybe", "find_unused_parameters"),
+        ("strategy.bucket_size=5", "bucket_size"),
+    ],
+)
+def test_wrong_types_and_unknown_keys_fail_at_composition(override, message, tmp_path):
+    with pytest.raises(ConfigCompositionException) as error:
+        compose_config("digits", [override], tmp_path)
+    assert message in str(error.value) + str(error.value.__cause__)
+
+
+def test_structured_config_defaults_are_the_strategy_defaults():
+    defaults = PaddleDPStrategyConfig()
+    strategy = PaddleDPStrategy()
+    assert (defaults.comm_buffer_size, defaults.last_comm_buffer_size) == (
+        strategy.comm_buffer_size,
+        strategy.last_comm_buffer_size,
+    )
+
+
+def test_slurm_launcher_config_composes(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs the lit_dp[slurm] extra")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("digits", overrides=["hydra/launcher=slurm_gpu", "trainer=multinode"], return_hydra_config=True)
+    assert cfg.hydra.launcher.nodes == 2
