@@ -83,6 +83,7 @@ def test_benchmark_multirun_writes_table_and_plot(tmp_path):
         "-m",
         "strategy=paddle_dp,ddp",
         "strategy.comm_buffer_size=1",
+        "trainer.max_epochs=1",
         "trainer.limit_train_batches=8",
         f"hydra.sweep.dir={tmp_path}",
     )

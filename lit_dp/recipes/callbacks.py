@@ -31,7 +31,10 @@ class RunSummary(pl.Callback):
 
 
 class StepThroughput(pl.Callback):
-    """Logs ``samples_per_sec`` (all ranks together) over each epoch's steps after ``warmup``."""
+    """Logs ``samples_per_sec`` (all ranks together) over the steps so far, after ``warmup`` steps.
+
+    Validation and epoch boundaries are excluded: only training steps are timed.
+    """
 
     def __init__(self, warmup: int = 5) -> None:
         self.warmup = warmup
@@ -40,7 +43,7 @@ class StepThroughput(pl.Callback):
         self._seconds = 0.0
         self._steps = 0
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._samples, self._seconds, self._steps = 0, 0.0, 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
