@@ -148,23 +148,11 @@ def test_single_device_runs_without_a_process_group(tmp_path):
 
 
 def fit_twice_under_paddle_launcher(rank, tmp_path):
-    import lightning.pytorch as pl
-
     assert isinstance(PaddleDPStrategy().cluster_environment, PaddleEnvironment)
     weights = []
     for _ in range(2):  # a second fit in the same process must work after teardown
         module = Regressor()
-        pl.Trainer(
-            strategy=PaddleDPStrategy(),
-            accelerator="cpu",
-            devices=2,
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        ).fit(module)
+        trainer(PaddleDPStrategy(), tmp_path, max_epochs=1).fit(module)
         assert module.wrapper == "DataParallel"
         assert not dist.is_initialized(), "teardown must destroy the process group"
         weights.append(module.net[0].weight.sum().item())
