@@ -7,7 +7,6 @@ in ``lit_dp.DataParallel``.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -41,8 +40,6 @@ from lit_dp.data_parallel import DataParallel
 from lit_dp.env import ParallelEnv
 from lit_dp.process_group import destroy_parallel_env, init_parallel_env
 from lit_dp.reducer import UNUSED_PARAMETERS_HINT
-
-log = logging.getLogger(__name__)
 
 LIGHTNING_UNUSED_PARAMETERS_HINT = (
     "If this is intentional, enable unused-parameter detection: "

@@ -76,7 +76,8 @@ def train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accum
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     assert_same_parameters(ours, reference, f"{name} after {STEPS} steps")
-    return ours.reducer.bucket_indices
+    rings_used = len({id(bucket.ring) for bucket in ours.reducer._buckets})
+    return ours.reducer.bucket_indices, rings_used
 
 
 class _nothing:
@@ -124,6 +125,8 @@ def test_three_ranks_match_single_process_and_ddp():
 def test_two_rings_spread_buckets_and_stay_exact():
     results = run_ranks(equivalence_cases, 2, [("tied", TINY_MB, TINY_MB, False, False, 1)], FLAGS_nccl_nrings="2")
     assert results[0] == results[1]
+    [(_, rings_used)] = results[0]
+    assert rings_used == 2
 
 
 def features_on_two_ranks(rank):
