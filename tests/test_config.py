@@ -111,3 +111,17 @@ def test_slurm_launcher_config_composes(tmp_path):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("digits", overrides=["hydra/launcher=slurm_gpu", "trainer=multinode"], return_hydra_config=True)
     assert cfg.hydra.launcher.nodes == 2
+
+
+def test_tensorboard_logger_is_skipped_where_tensorboard_is_missing(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_dp.recipes import train as train_module
+
+    cfg = compose_config("digits", [], tmp_path)
+    real_find_spec = train_module.importlib.util.find_spec
+    monkeypatch.setattr(
+        train_module.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real_find_spec(name)
+    )
+    loggers = train_module._loggers(cfg.logger)
+    assert [type(logger) for logger in loggers] == [CSVLogger]

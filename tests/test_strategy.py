@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import lightning.pytorch as pl
@@ -18,13 +19,16 @@ from tests.distributed import run_ranks
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self, manual: bool = False, unused: bool = False, fail_rank: int | None = None) -> None:
+    def __init__(
+        self, manual: bool = False, unused: bool = False, fail_rank: int | None = None, die: bool = False
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
         self.spare = nn.Linear(2, 2) if unused else None
         self.automatic_optimization = not manual
         self.fail_rank = fail_rank
+        self.die = die
         self.wrapper = None
 
     def on_train_start(self) -> None:
@@ -38,6 +42,8 @@ class Regressor(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == self.fail_rank and batch_idx == 1:
+            if self.die:
+                os._exit(7)  # a crash: no exception, no cleanup
             raise RuntimeError(f"deliberate failure on rank {self.global_rank}")
         x, y = batch
         self.log("rank_mean", float(self.global_rank), sync_dist=True)
@@ -137,6 +143,15 @@ def test_one_rank_failing_fails_the_job_quickly_with_its_error(tmp_path):
     started = time.monotonic()
     with pytest.raises(Exception, match="deliberate failure on rank 1"):
         trainer(PaddleDPStrategy(start_method="spawn", timeout=30), tmp_path, max_epochs=1).fit(Regressor(fail_rank=1))
+    assert time.monotonic() - started < 60
+
+
+def test_one_rank_dying_fails_the_job_quickly(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(Exception, match="process 1 terminated with exit code 7"):
+        trainer(PaddleDPStrategy(start_method="spawn", timeout=30), tmp_path, max_epochs=1).fit(
+            Regressor(fail_rank=1, die=True)
+        )
     assert time.monotonic() - started < 60
 
 
