@@ -105,6 +105,8 @@ TWO_RANK_CASES = [
     ("tied", TINY_MB, TINY_MB, False, False, 3),
     # `sometimes` is used only in some micro-steps of a rank, some of them under no_sync.
     ("branches", TINY_MB, TINY_MB, True, False, 2),
+    ("branches", TINY_MB, TINY_MB, True, True, 2),
+    ("sparse", 25, 1, True, False, 2),
 ]
 
 
