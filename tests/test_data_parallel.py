@@ -254,7 +254,7 @@ def sparse_allgather_matches_allreduce(rank):
     import torch.distributed as dist
 
     import lit_dp
-    from lit_dp.reducer import allgather_sparse_sum
+    from lit_dp.sparse import allgather_sparse_sum
 
     lit_dp.init_parallel_env()
     indices = torch.tensor([[rank, 3, 5 + rank]])
