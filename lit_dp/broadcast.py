@@ -24,12 +24,11 @@ def sync_params_buffers(
     local. Before anything is sent, the ranks compare names, shapes and dtypes; a difference
     raises the same error on every rank, naming the tensors and the ranks that differ.
     """
-    world_size = dist.get_world_size(group)
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     if src_rank not in ranks:
         raise ValueError(f"src_rank={src_rank!r} is invalid: expected one of the group's global ranks {ranks}.")
     named = list(_tensors_to_sync(module))
-    _check_same_structure(named, group, ranks, world_size)
+    _check_same_structure(named, group, ranks)
 
     tensors = [tensor for _, tensor in named]
     with torch.no_grad():
@@ -53,10 +52,10 @@ def _tensors_to_sync(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _check_same_structure(
-    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, ranks: list[int], world_size: int
+    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, ranks: list[int]
 ) -> None:
     signature = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
-    gathered: list[list[tuple[str, tuple[int, ...], str]] | None] = [None] * world_size
+    gathered: list[list[tuple[str, tuple[int, ...], str]] | None] = [None] * len(ranks)
     dist.all_gather_object(gathered, signature, group=group)
     reference = gathered[0]
     differing = {ranks[i]: sig for i, sig in enumerate(gathered) if sig != reference}

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_dp.buckets import megabytes_to_bytes
 from lit_dp.env import BACKENDS, MAX_NRINGS
+from lit_dp.process_group import parse_timeout
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -44,9 +45,7 @@ def check_strategy_options(
     if nrings is not None and (isinstance(nrings, bool) or not isinstance(nrings, int) or not 1 <= nrings <= MAX_NRINGS):
         raise ValueError(f"{prefix}nrings={nrings!r} is invalid: expected an integer in [1, {MAX_NRINGS}].")
     if timeout is not None:
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-            raise ValueError(f"{prefix}timeout={timeout!r} is invalid: expected a positive duration (seconds).")
+        parse_timeout(f"{prefix}timeout", timeout)
 
 
 def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -139,19 +138,8 @@ class TrainerConfig:
 
 
 def _options(config: Any) -> dict[str, Any]:
-    return {name: value for name, value in vars(config).items() if name != "_target_" and name in _STRATEGY_OPTIONS}
-
-
-_STRATEGY_OPTIONS = {
-    "comm_buffer_size",
-    "last_comm_buffer_size",
-    "find_unused_parameters",
-    "gradient_as_bucket_view",
-    "backend",
-    "nrings",
-    "timeout",
-    "start_method",
-}
+    """A strategy config's options: every field but ``_target_``."""
+    return {name: value for name, value in vars(config).items() if name != "_target_"}
 
 
 def ddp_strategy(

@@ -53,7 +53,6 @@ class DataParallel(nn.Module):
         bucket_bytes = megabytes_to_bytes("comm_buffer_size", comm_buffer_size)
         last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
         self._layers = layers
-        self.find_unused_parameters = find_unused_parameters
         self.grad_need_sync = True
         self._reducer: Reducer | None = None
         if not dist.is_initialized() or dist.get_world_size(group) < 2:

@@ -44,19 +44,24 @@ def resolve_backend(backend: str) -> str:
     return name
 
 
-def resolve_timeout(timeout: timedelta | float | None, env: ParallelEnv) -> timedelta:
-    """The argument (a timedelta or seconds) wins; else ``PADDLE_PG_TIMEOUT`` (milliseconds)."""
-    if timeout is None:
-        return timedelta(milliseconds=env.pg_timeout)
+def parse_timeout(option: str, timeout: timedelta | float) -> timedelta:
+    """A positive duration from a timedelta or a number of seconds, or a ValueError naming ``option``."""
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise ValueError(f"timeout={timeout!r} is invalid: expected a datetime.timedelta or a number of seconds.")
+        raise ValueError(f"{option}={timeout!r} is invalid: expected a datetime.timedelta or a number of seconds.")
     if not seconds > 0:
-        raise ValueError(f"timeout={timeout!r} is invalid: expected a positive duration.")
+        raise ValueError(f"{option}={timeout!r} is invalid: expected a positive duration.")
     return timedelta(seconds=seconds)
+
+
+def resolve_timeout(timeout: timedelta | float | None, env: ParallelEnv) -> timedelta:
+    """The argument (a timedelta or seconds) wins; else ``PADDLE_PG_TIMEOUT`` (milliseconds)."""
+    if timeout is None:
+        return timedelta(milliseconds=env.pg_timeout)
+    return parse_timeout("timeout", timeout)
 
 
 def init_parallel_env(

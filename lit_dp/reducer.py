@@ -74,10 +74,10 @@ class DenseBucket:
 
         A gradient that already is its bucket view (gradient-as-bucket-view mode) is not copied.
         """
-        params = self.params
-        present = [used[i] and p.grad is not None for i, p in zip(self.indices, params)]
-        grads = [p.grad for p in params]
-        if all(present) and not any(grad is view for grad, view in zip(grads, self.views)):
+        grads = [p.grad for p in self.params]
+        present = [used[i] and grad is not None for i, grad in zip(self.indices, grads)]
+        complete = all(present)
+        if complete and not any(grad is view for grad, view in zip(grads, self.views)):
             self._fill_from(grads, world_size)
         else:
             for view, grad, has_grad in zip(self.views, grads, present):
@@ -86,7 +86,7 @@ class DenseBucket:
                 elif grad is not view:
                     view.copy_(grad)
             self.gradients.div_(world_size)
-        if all(present):
+        if complete:
             self.flags.fill_(1.0 if flag_used else 0.0)
         else:
             self.flags.copy_(torch.tensor([float(has_grad == flag_used) for has_grad in present]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accum
             inputs, targets = batch(seed, world_size)
             for model in (ours, ddp):
                 last = micro == accumulate - 1
-                with model.no_sync() if not last else _nothing():
+                with model.no_sync() if not last else nullcontext():
                     loss(model, shard(inputs, rank), shard(targets, rank), rank, seed).backward()
             reference_loss(reference, seed, world_size).backward()
         label = f"{name} step {step} rank {rank}"
@@ -78,14 +79,6 @@ def train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accum
     assert_same_parameters(ours, reference, f"{name} after {STEPS} steps")
     rings_used = len({id(bucket.ring) for bucket in ours.reducer._buckets})
     return ours.reducer.bucket_indices, rings_used
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def equivalence_cases(rank, cases):
