@@ -15,7 +15,7 @@ from torch import nn
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
 from lit_dp.process_group import get_rings
-from lit_dp.reducer import Reducer, DenseBucket
+from lit_dp.reducer import DenseBucket, Reducer
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ class DataParallel(nn.Module):
         group: the process group; defaults to the rings created by ``init_parallel_env``
             (the default group when there is one ring).
         gradient_as_bucket_view: make ``.grad`` tensors views into the bucket buffers, so each
-            gradient is stored once instead of twice.
+            gradient is stored once instead of twice (large gradients, reduced in place, are
+            stored once without it).
 
     ``no_sync()`` accumulates gradients locally; ``state_dict()`` is the inner module's, with
     no prefix. With a world size of 1 the module runs unchanged.
@@ -125,7 +126,7 @@ def fused_allreduce_gradients(
     group: dist.ProcessGroup | None = None,
     comm_buffer_size: float = 25,
 ) -> None:
-    """Average the dense gradients of ``parameters`` over ``group`` in coalesced buckets.
+    """Average the dense gradients of ``parameters`` over ``group`` in coalesced buckets (large ones in place).
 
     For manual synchronisation after ``no_sync()``. Every rank must pass the same parameters.
     A gradient that is None on some ranks counts as zeros there; one None on every rank stays None.

@@ -9,8 +9,10 @@ One synchronised iteration:
    parameter used twice) marks the parameter ready. Buckets are launched strictly in their
    fixed order, each as soon as it and every bucket before it are complete, so all ranks issue
    the same collectives in the same sequence whatever order their gradients arrive in.
-3. A bucket launch copies the gradients into its flat buffer (or finds them there already, as
-   views), divides by the world size and starts an asynchronous all-reduce on its ring.
+3. A bucket launch divides its gradients by the world size and starts asynchronous all-reduces
+   on its ring: small gradients are copied into the bucket's flat buffer (or found there
+   already, as views) and travel in one collective; each large one (``in_place_min_bytes``) is
+   all-reduced where autograd left it, which saves two copies and the buffer's memory.
 4. A callback queued on the autograd engine runs when backward ends: it launches whatever
    is left (parameters that got no gradient contribute zeros), waits for every bucket, writes
    the averages back into ``.grad`` and, on the first iteration, rebuilds the buckets in the
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from lit_dp.buckets import assign_group_by_size
+from lit_dp.buckets import MB, assign_group_by_size
 from lit_dp.sparse import SparseBucket
 
 UNUSED_PARAMETERS_HINT = (
@@ -46,70 +48,110 @@ UNUSED_PARAMETERS_HINT = (
 # call per tensor; it pays off from about 10 KB per tensor on a CPU's memory bandwidth.
 FUSED_SCALE_MIN_BYTES_PER_TENSOR = 64 * 1024
 
+# A gradient at least this large is all-reduced where it lies, in a collective of its own,
+# instead of travelling through the bucket buffer: that saves copying it in and out (two
+# passes over its bytes) and its copy in the buffer, for the price of one more collective.
+# On CPU one copy of a megabyte costs about a quarter of a small gloo all-reduce's latency;
+# on GPUs memory bandwidth is ~100x the interconnect's, so only very large gradients gain.
+IN_PLACE_MIN_BYTES = {"cpu": 4 * MB, "cuda": 16 * MB}
+
+
+def in_place_min_bytes(device: torch.device) -> int:
+    return IN_PLACE_MIN_BYTES.get(device.type, IN_PLACE_MIN_BYTES["cuda"])
+
 
 class DenseBucket:
-    """Gradients of one dtype and device, reduced in one flat buffer: [gradients | flags]."""
+    """Gradients of one dtype and device, reduced together, launched as one unit.
 
-    __slots__ = ("indices", "params", "views", "buffer", "gradients", "flags", "ring", "work", "fuse_scale")
+    Small gradients travel in one flat buffer, [gradients | flags] (the flags of every member,
+    large ones included); each large gradient (``in_place_min_bytes``) is all-reduced in place.
+    """
+
+    __slots__ = (
+        "indices", "params", "in_place", "flat", "views", "reduced", "buffer", "gradients", "flags",
+        "ring", "works", "fuse_scale",
+    )  # fmt: skip
 
     def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup) -> None:
         self.indices = indices
         self.params = params
-        numel = sum(p.numel() for p in params)
+        threshold = in_place_min_bytes(params[0].device)
+        self.in_place = [k for k, p in enumerate(params) if p.numel() * p.element_size() >= threshold]
+        self.flat = [k for k in range(len(params)) if k not in self.in_place]
+        flat_numels = [params[k].numel() for k in self.flat]
+        numel = sum(flat_numels)
         self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
         self.gradients = self.buffer[:numel]
         self.flags = self.buffer[numel:]
-        pieces = self.gradients.split([p.numel() for p in params])
-        self.views = [piece.view_as(p) for piece, p in zip(pieces, params)]
+        self.views: list[torch.Tensor | None] = [None] * len(params)
+        for k, piece in zip(self.flat, self.gradients.split(flat_numels)):
+            self.views[k] = piece.view_as(params[k])
+        self.reduced: list[torch.Tensor | None] = [None] * len(params)  # what each in-place member all-reduces
         self.ring = ring
-        self.work: dist.Work | None = None
-        self.fuse_scale = self.nbytes >= FUSED_SCALE_MIN_BYTES_PER_TENSOR * len(params)
+        self.works: list[dist.Work] = []
+        flat_bytes = numel * self.gradients.element_size()
+        self.fuse_scale = flat_bytes >= FUSED_SCALE_MIN_BYTES_PER_TENSOR * len(self.flat)
 
     @property
     def nbytes(self) -> int:
-        return self.gradients.numel() * self.gradients.element_size()
+        return sum(p.numel() * p.element_size() for p in self.params)
 
     def start(self, used: bytearray, flag_used: bool, world_size: int) -> None:
-        """Copy gradients (zeros where absent) and flags in, then start the all-reduce.
+        """Scale the gradients (zeros where absent), set the flags and start the all-reduces.
 
         A gradient that already is its bucket view (gradient-as-bucket-view mode) is not copied.
         """
         grads = [p.grad for p in self.params]
         present = [used[i] and grad is not None for i, grad in zip(self.indices, grads)]
-        complete = all(present)
-        if complete and not any(grad is view for grad, view in zip(grads, self.views)):
-            self._fill_from(grads, world_size)
-        else:
-            for view, grad, has_grad in zip(self.views, grads, present):
-                if not has_grad:
-                    view.zero_()
-                elif grad is not view:
-                    view.copy_(grad)
-            self.gradients.div_(world_size)
-        if complete:
+        self.works = [self._start_in_place(k, grads[k], present[k], world_size) for k in self.in_place]
+        if self.flat:
+            self._fill_flat(grads, present, world_size)
+        if all(present):
             self.flags.fill_(1.0 if flag_used else 0.0)
         else:
             self.flags.copy_(torch.tensor([float(has_grad == flag_used) for has_grad in present]))
-        self.work = dist.all_reduce(self.buffer, group=self.ring, async_op=True)
+        self.works.append(dist.all_reduce(self.buffer, group=self.ring, async_op=True))
 
-    def _fill_from(self, grads: list[torch.Tensor], world_size: int) -> None:
-        """Copy ``grads`` in, divided by ``world_size`` (torch DDP also divides before the all-reduce)."""
-        if self.fuse_scale:
-            scale = 1.0 / world_size
-            for view, grad in zip(self.views, grads):
-                torch.mul(grad, scale, out=view)
+    def _start_in_place(self, k: int, grad: torch.Tensor | None, present: bool, world_size: int) -> dist.Work:
+        if not present:
+            reduced = torch.zeros_like(self.params[k], memory_format=torch.contiguous_format)
+        elif grad.is_contiguous():
+            # Autograd hands a parameter a gradient that aliases nothing else (it clones otherwise),
+            # the same guarantee that lets it accumulate into .grad in place.
+            reduced = grad.div_(world_size)
         else:
-            torch._foreach_copy_(self.views, grads)
-            self.gradients.div_(world_size)
+            reduced = grad.contiguous().div_(world_size)  # a copy: the gradient is not contiguous
+        self.reduced[k] = reduced
+        return dist.all_reduce(reduced, group=self.ring, async_op=True)
+
+    def _fill_flat(self, grads: list[torch.Tensor | None], present: list[bool], world_size: int) -> None:
+        """Copy the flat members' gradients in, divided by ``world_size`` (torch DDP also divides first)."""
+        views = [self.views[k] for k in self.flat]
+        flat_grads = [grads[k] for k in self.flat]
+        if all(present[k] for k in self.flat) and not any(g is v for g, v in zip(flat_grads, views)):
+            if self.fuse_scale:
+                scale = 1.0 / world_size
+                for view, grad in zip(views, flat_grads):
+                    torch.mul(grad, scale, out=view)
+                return
+            torch._foreach_copy_(views, flat_grads)
+        else:
+            for k, view, grad in zip(self.flat, views, flat_grads):
+                if not present[k]:
+                    view.zero_()
+                elif grad is not view:
+                    view.copy_(grad)
+        self.gradients.div_(world_size)
 
     def finish(self, as_view: bool, flag_used: bool) -> list[tuple[int, float]]:
         """Wait, write averages into ``.grad``; return (index, flag sum) of the parameters left alone.
 
         Left alone are those no rank used (``flag_used``) or that some rank missed (otherwise).
         """
-        assert self.work is not None, "finish() before start()"
-        self.work.wait()
-        self.work = None
+        assert self.works, "finish() before start()"
+        for work in self.works:
+            work.wait()
+        self.works = []
         if flag_used:
             flags = self.flags.tolist()
             skipped = {k for k, total in enumerate(flags) if total == 0}
@@ -119,20 +161,28 @@ class DenseBucket:
         else:
             flags, skipped = [], set()
         params = self.params
+        for k in self.in_place:
+            reduced, self.reduced[k] = self.reduced[k], None
+            param = params[k]
+            if k in skipped or param.grad is reduced:
+                continue
+            if param.grad is None:
+                param.grad = reduced
+            else:
+                param.grad.copy_(reduced)
+        flat = [k for k in self.flat if k not in skipped]
         if as_view:
-            for k, (param, view) in enumerate(zip(params, self.views)):
-                if param.grad is not view and k not in skipped:
-                    param.grad = view
-        elif not skipped and all(p.grad is not None for p in params):
-            torch._foreach_copy_([p.grad for p in params], self.views)
+            for k in flat:
+                if params[k].grad is not self.views[k]:
+                    params[k].grad = self.views[k]
+        elif flat and len(flat) == len(self.flat) and all(params[k].grad is not None for k in flat):
+            torch._foreach_copy_([params[k].grad for k in flat], [self.views[k] for k in flat])
         else:
-            for k, (param, view) in enumerate(zip(params, self.views)):
-                if k in skipped:
-                    continue
-                if param.grad is None:
-                    param.grad = view.clone()
+            for k in flat:
+                if params[k].grad is None:
+                    params[k].grad = self.views[k].clone()
                 else:
-                    param.grad.copy_(view)
+                    params[k].grad.copy_(self.views[k])
         return [(self.indices[k], flags[k]) for k in sorted(skipped)]
 
 
@@ -148,8 +198,8 @@ class Reducer:
             first in forward order) uses ``last_bucket_bytes``.
         sparse: one flag per parameter: its gradient is sparse.
         find_unused_parameters: tolerate parameters without a gradient (see module docstring).
-        gradient_as_bucket_view: make ``.grad`` views into the bucket buffers, so gradients are
-            not stored twice.
+        gradient_as_bucket_view: make the ``.grad`` of flat (not in-place) members views into
+            the bucket buffers, so they are not stored twice.
     """
 
     def __init__(

@@ -28,7 +28,7 @@ class Tied(nn.Module):
 
 
 class MixedDtypes(nn.Module):
-    """fp32, fp64, bf16 and fp16 parameters: each dtype gets its own buckets."""
+    """fp32, fp64, bf16 and fp16 parameters: each dtype gets its own buckets; one strided weight."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,6 +37,8 @@ class MixedDtypes(nn.Module):
         self.scale_bf16 = nn.Parameter(torch.linspace(0.5, 1.5, 8).to(torch.bfloat16))
         self.scale_fp16 = nn.Parameter(torch.linspace(1.5, 0.5, 8).to(torch.float16))
         self.head = nn.Linear(8, 3)
+        # Column-major: its gradient follows the parameter's strides, so it is not contiguous.
+        self.head.weight = nn.Parameter(self.head.weight.detach().t().contiguous().t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.stem(x))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import warnings
 from contextlib import nullcontext
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ from tests.distributed import run_ranks
 from tests.models import MODELS, batch, loss, reference_loss, shard
 
 TINY_MB = 64 / 2**20  # 64-byte buckets: nearly one bucket per parameter
+# Test parameters are far below the default in-place threshold (4 MB on CPU); at 64 bytes most
+# weights are all-reduced in place while biases and small scales share the flat buffer.
+IN_PLACE_BYTES = 64
 STEPS = 3
 
 
@@ -36,14 +40,22 @@ def assert_same_parameters(model: nn.Module, reference: nn.Module, label: str) -
         torch.testing.assert_close(param, ref, msg=lambda m: f"{label}: {name}: {m}")
 
 
-def train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate=1):
+def train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate=1, in_place_bytes=None):
     """Train lit_dp, torch DDP and a single-process reference in lockstep; compare every step."""
+    import lit_dp.reducer
+
+    lit_dp.init_parallel_env()
+    threshold = lit_dp.reducer.IN_PLACE_MIN_BYTES["cpu"] if in_place_bytes is None else in_place_bytes
+    with mock.patch.dict(lit_dp.reducer.IN_PLACE_MIN_BYTES, cpu=threshold):
+        return _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate)
+
+
+def _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     import lit_dp
 
-    lit_dp.init_parallel_env()
     world_size = dist.get_world_size()
     torch.manual_seed(0)
     base = MODELS[name]()
@@ -85,7 +97,8 @@ def equivalence_cases(rank, cases):
     return [train_side_by_side(rank, *case) for case in cases]
 
 
-# (model, comm MB, last MB, find_unused, gradient_as_bucket_view, accumulate)
+# (model, comm MB, last MB, find_unused, gradient_as_bucket_view, accumulate[, in-place threshold])
+ALL_IN_PLACE = ("branches", 25, 1, True, True, 1, 1)  # the flat buffers carry only flags
 TWO_RANK_CASES = [
     ("tied", 25, 1, False, False, 1),
     ("tied", TINY_MB, TINY_MB, False, False, 1),
@@ -100,6 +113,13 @@ TWO_RANK_CASES = [
     ("branches", TINY_MB, TINY_MB, True, False, 2),
     ("branches", TINY_MB, TINY_MB, True, True, 2),
     ("sparse", 25, 1, True, False, 2),
+    # Gradients all-reduced in place next to flat ones, in every combination above.
+    ("tied", 25, 1, False, False, 1, IN_PLACE_BYTES),
+    ("tied", TINY_MB, TINY_MB, False, True, 2, IN_PLACE_BYTES),
+    ("mixed", TINY_MB, TINY_MB, False, False, 1, IN_PLACE_BYTES),
+    ("branches", TINY_MB, TINY_MB, True, False, 2, IN_PLACE_BYTES),
+    ALL_IN_PLACE,
+    ("sparse", 25, 1, True, False, 1, IN_PLACE_BYTES),
 ]
 
 
@@ -112,7 +132,7 @@ def test_two_ranks_match_single_process_and_ddp():
 
 @pytest.mark.slow
 def test_three_ranks_match_single_process_and_ddp():
-    cases = [c for c in TWO_RANK_CASES if c[0] in ("tied", "branches") and c[5] == 1][:3]
+    cases = [c for c in TWO_RANK_CASES if c[0] in ("tied", "branches") and c[5] == 1][:3] + [ALL_IN_PLACE]
     results = run_ranks(equivalence_cases, 3, cases, timeout=240)
     assert results[0] == results[1] == results[2]
 
@@ -164,6 +184,21 @@ def features_on_two_ranks(rank):
         for p in viewed.parameters()
     )
 
+    # In place: a 4 MB weight is averaged in the very tensor autograd produced, and no bucket
+    # buffer holds a copy of it.
+    torch.manual_seed(2)
+    big = lit_dp.DataParallel(nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 3)))
+    reference = copy.deepcopy(big.module)
+    weight = big.module[0].weight
+    produced = []
+    weight.register_post_accumulate_grad_hook(lambda param: produced.append(param.grad.data_ptr()))
+    data = torch.randn(2 * len(inputs), 1024, generator=torch.Generator().manual_seed(5))
+    big(data[rank::2]).square().mean().backward()
+    torch.stack([reference(data[r::2]).square().mean() for r in range(2)]).mean().backward()
+    assert_same_gradients(big.module, reference, "in place")
+    report["in_place"] = produced == [weight.grad.data_ptr()]
+    report["buffer_numel"] = sum(bucket.buffer.numel() for bucket in big.reducer._buckets)
+
     # no_sync parameters: neither broadcast nor reduced.
     experts = MODELS["tied"]()
     experts.head.weight.no_sync = True
@@ -205,21 +240,25 @@ def test_overlap_rebuild_views_no_sync_params_and_state_dict():
         assert order.index("head.weight") < order.index("middle.weight") < order.index("stem.weight")
         assert report["views"] and report["expert_bias_is_averaged"] and report["state_keys"]
         assert report["rings"] == 1
+        assert report["in_place"], f"rank {rank}: the 4 MB gradient was copied"
+        assert report["buffer_numel"] < 1024 * 1024, f"rank {rank}: a bucket buffer holds the 4 MB gradient"
     assert results[0]["rebuilt_order"] == results[1]["rebuilt_order"]
 
 
-def missing_gradient(rank):
-    import lit_dp
+def missing_gradient(rank, in_place_bytes):
+    import lit_dp.reducer
 
     lit_dp.init_parallel_env()
-    model = lit_dp.DataParallel(MODELS["branches"](), find_unused_parameters=False)
+    with mock.patch.dict(lit_dp.reducer.IN_PLACE_MIN_BYTES, cpu=in_place_bytes):
+        model = lit_dp.DataParallel(MODELS["branches"](), find_unused_parameters=False)
     inputs, targets = batch(0, 2)
     outputs = model(shard(inputs, rank), use_sometimes=rank == 0)
     ((outputs - shard(targets, rank)) ** 2).mean().backward()
 
 
-def test_unused_parameter_without_find_unused_raises_on_every_rank():
-    failures = run_ranks(missing_gradient, 2, expect_failure=True, timeout=60)
+@pytest.mark.parametrize("in_place_bytes", [4 * 2**20, 1], ids=["flat", "in_place"])
+def test_unused_parameter_without_find_unused_raises_on_every_rank(in_place_bytes):
+    failures = run_ranks(missing_gradient, 2, in_place_bytes, expect_failure=True, timeout=60)
     assert sorted(failures) == [0, 1], "every rank must raise, none may hang"
     for rank, trace in failures.items():
         assert "never.weight (missing on 2 of 2 ranks, including this one)" in trace
