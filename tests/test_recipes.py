@@ -90,3 +90,15 @@ def test_benchmark_multirun_writes_table_and_plot(tmp_path):
     table = (tmp_path / "throughput.md").read_text()
     assert "| paddle_dp | 1 |" in table and "| ddp | 1 |" in table
     assert (tmp_path / "throughput.png").stat().st_size > 1000
+
+
+def test_reducer_benchmark_prints_ratios(tmp_path):
+    output = run_recipe(
+        "bench_reducer", "steps=1", "warmup=1", "rounds=3", "models=[many_small]", "measure_memory=false",
+        f"hydra.run.dir={tmp_path}",
+    )
+    [row] = [line for line in output.splitlines() if line.startswith("| many_small |")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    no_sync, ddp, ours, ratio = (float(cell) for cell in cells[3:])
+    assert 0 < no_sync and 0 < ddp and 0 < ours
+    assert ratio == pytest.approx(ours / ddp, abs=1e-3)

@@ -49,7 +49,21 @@ def many_small_tensors() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-MODELS = {"few_large": (few_large_tensors, 2048, 8), "many_small": (many_small_tensors, 32, 64)}
+def digits_mlp() -> nn.Module:
+    """The 3 x 1024 MLP that recipes/benchmark.py trains (64 inputs, 10 classes): 9 MB of gradients."""
+    widths = [64, 1024, 1024, 1024]
+    layers: list[nn.Module] = []
+    for width_in, width_out in zip(widths, widths[1:]):
+        layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(widths[-1], 10))
+
+
+# name: (builder, input width, batch per rank)
+MODELS = {
+    "few_large": (few_large_tensors, 2048, 8),
+    "many_small": (many_small_tensors, 32, 64),
+    "digits_mlp": (digits_mlp, 64, 32),
+}
 MODES = ("none", "ddp", "lit_dp")
 
 
