@@ -15,7 +15,8 @@ from torch import nn
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
 from lit_dp.process_group import get_rings
-from lit_dp.reducer import DenseBucket, Reducer
+from lit_dp.dense import DenseBucket
+from lit_dp.reducer import Reducer
 
 log = logging.getLogger(__name__)
 

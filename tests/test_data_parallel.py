@@ -42,11 +42,11 @@ def assert_same_parameters(model: nn.Module, reference: nn.Module, label: str) -
 
 def train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate=1, in_place_bytes=None):
     """Train lit_dp, torch DDP and a single-process reference in lockstep; compare every step."""
-    import lit_dp.reducer
+    import lit_dp.dense
 
     lit_dp.init_parallel_env()
-    threshold = lit_dp.reducer.IN_PLACE_MIN_BYTES["cpu"] if in_place_bytes is None else in_place_bytes
-    with mock.patch.dict(lit_dp.reducer.IN_PLACE_MIN_BYTES, cpu=threshold):
+    threshold = lit_dp.dense.IN_PLACE_MIN_BYTES["cpu"] if in_place_bytes is None else in_place_bytes
+    with mock.patch.dict(lit_dp.dense.IN_PLACE_MIN_BYTES, cpu=threshold):
         return _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate)
 
 
@@ -246,10 +246,10 @@ def test_overlap_rebuild_views_no_sync_params_and_state_dict():
 
 
 def missing_gradient(rank, in_place_bytes):
-    import lit_dp.reducer
+    import lit_dp.dense
 
     lit_dp.init_parallel_env()
-    with mock.patch.dict(lit_dp.reducer.IN_PLACE_MIN_BYTES, cpu=in_place_bytes):
+    with mock.patch.dict(lit_dp.dense.IN_PLACE_MIN_BYTES, cpu=in_place_bytes):
         model = lit_dp.DataParallel(MODELS["branches"](), find_unused_parameters=False)
     inputs, targets = batch(0, 2)
     outputs = model(shard(inputs, rank), use_sometimes=rank == 0)
