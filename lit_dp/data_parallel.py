@@ -14,6 +14,7 @@ from torch import nn
 
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
+from lit_dp.compile import bucket_graph_breaks
 from lit_dp.process_group import get_rings
 from lit_dp.dense import DenseBucket
 from lit_dp.reducer import Reducer
@@ -56,6 +57,9 @@ class DataParallel(nn.Module):
         last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
         self._layers = layers
         self.grad_need_sync = True
+        # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.compile); its
+        # splitter requires at least its own first-piece size (1 MB).
+        self.bucket_bytes_cap = max(bucket_bytes, dist._DEFAULT_FIRST_BUCKET_BYTES)
         self._reducer: Reducer | None = None
         if not dist.is_initialized() or dist.get_world_size(group) < 2:
             warnings.warn(
@@ -97,11 +101,17 @@ class DataParallel(nn.Module):
         """The gradient reducer; None when nothing is synchronised (world size 1, no trainable parameters)."""
         return self._reducer
 
+    # Not traced by dynamo: under `torch.compile(DataParallel(model))` the module call below is
+    # compiled as its own frame, inside `bucket_graph_breaks`, and the reducer runs eagerly.
+    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        outputs = self._layers(*inputs, **kwargs)
+        if self._reducer is None:
+            return self._layers(*inputs, **kwargs)
+        with bucket_graph_breaks(self):
+            outputs = self._layers(*inputs, **kwargs)
         # The forward decides whether the next backward synchronises (as in torch DDP and Paddle),
         # so `no_sync()` must wrap the forward, not only the backward.
-        if self._reducer is not None and self.grad_need_sync and torch.is_grad_enabled():
+        if self.grad_need_sync and torch.is_grad_enabled():
             self._reducer.prepare_for_backward(outputs)
         return outputs
 
@@ -149,7 +159,10 @@ def fused_allreduce_gradients(
     for bucket in buckets:
         bucket.start(has_grad, flag_used=True, world_size=world_size)
     for bucket in buckets:
-        bucket.finish(as_view=False, flag_used=True)
+        bucket.wait()
+        # A flag sum of 0: no rank had a gradient, so .grad stays None.
+        no_gradient = {k for k, total in enumerate(bucket.flags.tolist()) if total == 0}
+        bucket.write_back(as_view=False, skipped=no_gradient)
 
 
 def _sparse_gradient_parameters(module: nn.Module) -> set[int]:

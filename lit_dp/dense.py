@@ -1,11 +1,13 @@
 """Dense gradients of one bucket: small ones through a flat buffer, large ones in place.
 
-The data path of one bucket launch (``start``) and its completion (``finish``); the reducer
-decides when. The flat buffer also carries one flag per member, all-reduced with the
+The data path of one bucket launch (``start``), its completion (``wait``) and the write-back of
+the averages (``write_back``); the reducer decides when, and which members to leave alone. The flat buffer also carries one flag per member, all-reduced with the
 gradients (see ``lit_dp.reducer``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
@@ -35,16 +37,24 @@ class DenseBucket:
 
     Small gradients travel in one flat buffer, [gradients | flags] (the flags of every member,
     large ones included); each large gradient (``in_place_min_bytes``) is all-reduced in place.
+
+    Args:
+        as_view: the reducer keeps the flat members' ``.grad`` as views into the buffer
+            (gradient-as-bucket-view mode), so a launch need not copy them in.
     """
 
     __slots__ = (
-        "indices", "params", "in_place", "flat", "views", "reduced", "buffer", "gradients", "flags",
-        "ring", "works", "fuse_scale",
+        "indices", "params", "in_place", "flat", "views", "flat_params", "flat_views", "reduced",
+        "buffer", "gradients", "flags", "ring", "works", "fuse_scale", "as_view", "average_op",
+        "_launched_grads",
     )  # fmt: skip
 
-    def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup) -> None:
+    def __init__(
+        self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup, as_view: bool = False
+    ) -> None:
         self.indices = indices
         self.params = params
+        self.as_view = as_view
         threshold = in_place_min_bytes(params[0].device)
         self.in_place = [k for k, p in enumerate(params) if p.numel() * p.element_size() >= threshold]
         self.flat = [k for k in range(len(params)) if k not in self.in_place]
@@ -56,80 +66,96 @@ class DenseBucket:
         self.views: list[torch.Tensor | None] = [None] * len(params)
         for k, piece in zip(self.flat, self.gradients.split(flat_numels)):
             self.views[k] = piece.view_as(params[k])
+        # The flat members and their views as lists, so a launch builds no list per member.
+        self.flat_params = [params[k] for k in self.flat]
+        self.flat_views = [self.views[k] for k in self.flat]
         self.reduced: list[torch.Tensor | None] = [None] * len(params)  # what each in-place member all-reduces
         self.ring = ring
         self.works: list[dist.Work] = []
         flat_bytes = numel * self.gradients.element_size()
         self.fuse_scale = flat_bytes >= FUSED_SCALE_MIN_BYTES_PER_TENSOR * len(self.flat)
+        self.average_op = averaging_op(ring)
+        # The flat members' gradients at launch when all were present, for the write-back.
+        self._launched_grads: list[torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params)
 
-    def start(self, used: bytearray, flag_used: bool, world_size: int) -> None:
+    def start(self, used: bytearray, flag_used: bool, world_size: int, complete: bool = False) -> None:
         """Scale the gradients (zeros where absent), set the flags and start the all-reduces.
 
-        A gradient that already is its bucket view (gradient-as-bucket-view mode) is not copied.
+        ``complete``: every member's gradient arrived in this backward (the reducer knows), so
+        no member needs checking.
         """
-        grads = [p.grad for p in self.params]
-        present = [used[i] and grad is not None for i, grad in zip(self.indices, grads)]
-        self.works = [self._start_in_place(k, grads[k], present[k], world_size) for k in self.in_place]
-        if self.flat:
-            self._fill_flat(grads, present, world_size)
-        if all(present):
-            self.flags.fill_(1.0 if flag_used else 0.0)
+        # Flags are set with fills, never copied from host memory: on CUDA a copy from pageable
+        # memory would block the host. An averaging all-reduce divides them too, so they start at
+        # the world size and still sum to a count of ranks.
+        one = float(world_size) if self.average_op is not None else 1.0
+        self.flags.fill_(one if flag_used else 0.0)
+        if complete:
+            present = None
         else:
-            self.flags.copy_(torch.tensor([float(has_grad == flag_used) for has_grad in present]))
-        self.works.append(dist.all_reduce(self.buffer, group=self.ring, async_op=True))
+            present = [bool(used[i]) and p.grad is not None for i, p in zip(self.indices, self.params)]
+            absent = 0.0 if flag_used else one
+            for k, has_grad in enumerate(present):
+                if not has_grad:
+                    self.flags[k].fill_(absent)
+        op = self.average_op or dist.ReduceOp.SUM
+        self.works = [
+            self._start_in_place(k, present is None or present[k], world_size, op) for k in self.in_place
+        ]
+        if self.flat:
+            self._fill_flat(present, world_size)
+        self.works.append(dist.all_reduce(self.buffer, op=op, group=self.ring, async_op=True))
 
-    def _start_in_place(self, k: int, grad: torch.Tensor | None, present: bool, world_size: int) -> dist.Work:
+    def _start_in_place(self, k: int, present: bool, world_size: int, op: dist.ReduceOp) -> dist.Work:
+        grad = self.params[k].grad
         if not present:
             reduced = torch.zeros_like(self.params[k], memory_format=torch.contiguous_format)
-        elif grad.is_contiguous():
+        else:
             # Autograd hands a parameter a gradient that aliases nothing else (it clones otherwise),
-            # the same guarantee that lets it accumulate into .grad in place.
-            reduced = grad.div_(world_size)
-        else:
-            reduced = grad.contiguous().div_(world_size)  # a copy: the gradient is not contiguous
+            # the same guarantee that lets it accumulate into .grad in place. A non-contiguous
+            # gradient is reduced through a contiguous copy.
+            reduced = grad if grad.is_contiguous() else grad.contiguous()
+            if self.average_op is None:
+                reduced.div_(world_size)
         self.reduced[k] = reduced
-        return dist.all_reduce(reduced, group=self.ring, async_op=True)
+        return dist.all_reduce(reduced, op=op, group=self.ring, async_op=True)
 
-    def _fill_flat(self, grads: list[torch.Tensor | None], present: list[bool], world_size: int) -> None:
-        """Copy the flat members' gradients in, divided by ``world_size`` (torch DDP also divides first)."""
-        views = [self.views[k] for k in self.flat]
-        flat_grads = [grads[k] for k in self.flat]
-        if all(present[k] for k in self.flat) and not any(g is v for g, v in zip(flat_grads, views)):
-            if self.fuse_scale:
-                scale = 1.0 / world_size
-                for view, grad in zip(views, flat_grads):
-                    torch.mul(grad, scale, out=view)
+    def _fill_flat(self, present: list[bool] | None, world_size: int) -> None:
+        """Copy the flat members' gradients in, divided by ``world_size`` (torch DDP also divides first).
+
+        ``present`` is None when every gradient arrived; in view mode they are already in place.
+        """
+        scale = self.average_op is None
+        if present is None and not self.as_view:
+            grads = [p.grad for p in self.flat_params]
+            self._launched_grads = grads
+            if self.fuse_scale and scale:
+                factor = 1.0 / world_size
+                for view, grad in zip(self.flat_views, grads):
+                    torch.mul(grad, factor, out=view)
                 return
-            torch._foreach_copy_(views, flat_grads)
-        else:
-            for k, view, grad in zip(self.flat, views, flat_grads):
+            torch._foreach_copy_(self.flat_views, grads)
+        elif present is not None:
+            for k, view in zip(self.flat, self.flat_views):
+                grad = self.params[k].grad
                 if not present[k]:
                     view.zero_()
                 elif grad is not view:
                     view.copy_(grad)
-        self.gradients.div_(world_size)
+        if scale:
+            self.gradients.div_(world_size)
 
-    def finish(self, as_view: bool, flag_used: bool) -> list[tuple[int, float]]:
-        """Wait, write averages into ``.grad``; return (index, flag sum) of the parameters left alone.
-
-        Left alone are those no rank used (``flag_used``) or that some rank missed (otherwise).
-        """
-        assert self.works, "finish() before start()"
+    def wait(self) -> None:
+        """Wait for this bucket's collectives (on CUDA: make the current stream wait for them)."""
         for work in self.works:
             work.wait()
         self.works = []
-        if flag_used:
-            flags = self.flags.tolist()
-            skipped = {k for k, total in enumerate(flags) if total == 0}
-        elif bool(self.flags.any()):
-            flags = self.flags.tolist()
-            skipped = {k for k, total in enumerate(flags) if total != 0}
-        else:
-            flags, skipped = [], set()
+
+    def write_back(self, as_view: bool, skipped: Collection[int]) -> None:
+        """Write the averages into ``.grad``, except for the members at positions ``skipped``."""
         params = self.params
         for k in self.in_place:
             reduced, self.reduced[k] = self.reduced[k], None
@@ -140,17 +166,24 @@ class DenseBucket:
                 param.grad = reduced
             else:
                 param.grad.copy_(reduced)
-        flat = [k for k in self.flat if k not in skipped]
-        if as_view:
-            for k in flat:
-                if params[k].grad is not self.views[k]:
-                    params[k].grad = self.views[k]
-        elif flat and len(flat) == len(self.flat) and all(params[k].grad is not None for k in flat):
-            torch._foreach_copy_([params[k].grad for k in flat], [self.views[k] for k in flat])
-        else:
-            for k in flat:
-                if params[k].grad is None:
-                    params[k].grad = self.views[k].clone()
-                else:
-                    params[k].grad.copy_(self.views[k])
-        return [(self.indices[k], flags[k]) for k in sorted(skipped)]
+        launched, self._launched_grads = self._launched_grads, None
+        if launched is not None and not skipped:
+            torch._foreach_copy_(launched, self.flat_views)
+            return
+        for k, view in zip(self.flat, self.flat_views):
+            if k in skipped:
+                continue
+            grad = params[k].grad
+            if as_view:
+                if grad is not view:
+                    params[k].grad = view
+            elif grad is None:
+                params[k].grad = view.clone()
+            else:
+                grad.copy_(view)
+
+
+def averaging_op(group: dist.ProcessGroup) -> dist.ReduceOp | None:
+    """NCCL averages inside the all-reduce (``ReduceOp.AVG``), saving a pass over the gradients;
+    None where the backend only sums (Gloo), and the gradients are divided before."""
+    return dist.ReduceOp.AVG if dist.get_backend(group) == "nccl" else None

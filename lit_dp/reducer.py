@@ -87,6 +87,7 @@ class Reducer:
         self._used = bytearray(count)  # a gradient was accumulated since the last synchronisation
         self._ready = bytearray(count)  # marked ready in the armed backward
         self._unreached: list[int] = []
+        self._partial: set[int] = set()  # buckets holding parameters this backward cannot reach
         self._order: list[int] = []
         self._agreed_order: list[int] | None = None
         self._rebuilt = False
@@ -94,6 +95,7 @@ class Reducer:
         self._started = False
         self._next_bucket = 0
         self._pending: list[int] = []
+        self._pending_flags: PendingFlags | None = None
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -114,6 +116,7 @@ class Reducer:
 
     def prepare_for_backward(self, outputs: object) -> None:
         """Arm the reducer for the next backward; called after each forward that will synchronise."""
+        self._check_pending_flags()
         if self._agreed_order is not None:
             self._rebuild(self._agreed_order)
             self._agreed_order = None
@@ -127,6 +130,7 @@ class Reducer:
         if self._find_unused:
             reached = _reached_parameters(outputs)
             self._unreached = [i for i, p in enumerate(self._params) if id(p) not in reached]
+            self._partial = {self._bucket_of[i] for i in self._unreached}
 
     def _make_hook(self, index: int):
         # A weak reference: the parameters outlive the reducer (the model is unwrapped after
@@ -141,12 +145,14 @@ class Reducer:
         return hook
 
     def _on_gradient_ready(self, index: int) -> None:
+        # Runs once per parameter and backward: kept to index arithmetic (see DESIGN.md).
         self._used[index] = 1
         if self._as_view:
             self._adopt_gradient(index)
         if not self._armed:
             return
-        if self._ready[index]:
+        ready = self._ready
+        if ready[index]:
             raise RuntimeError(
                 f"lit_dp reducer: parameter {self._names[index]!r} received its gradient twice in one backward. "
                 "Run one forward per backward (reentrant checkpointing and repeated forwards before one "
@@ -156,12 +162,16 @@ class Reducer:
             self._started = True
             Variable._execution_engine.queue_callback(self._finalize_backward)
             for unreached in self._unreached:
-                self._ready[unreached] = 1
+                ready[unreached] = 1
                 self._mark_ready(unreached)
-        self._ready[index] = 1
+        ready[index] = 1
         if not self._rebuilt:
             self._order.append(index)
-        self._mark_ready(index)
+        bucket = self._bucket_of[index]
+        pending = self._pending
+        pending[bucket] -= 1
+        if pending[bucket] == 0 and bucket == self._next_bucket:
+            self._launch_complete_buckets()
 
     def _adopt_gradient(self, index: int) -> None:
         """Move a fresh gradient into its bucket view at once, so it is not held twice."""
@@ -178,9 +188,11 @@ class Reducer:
             self._launch_complete_buckets()
 
     def _launch_complete_buckets(self) -> None:
-        buckets, pending = self._buckets, self._pending
+        buckets, pending, partial = self._buckets, self._pending, self._partial
         while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
-            buckets[self._next_bucket].start(self._used, self._find_unused, self._world_size)
+            position = self._next_bucket
+            complete = self._armed and position not in partial
+            buckets[position].start(self._used, self._find_unused, self._world_size, complete)
             self._next_bucket += 1
 
     def _finalize_backward(self) -> None:
@@ -190,12 +202,53 @@ class Reducer:
         for pos in range(self._next_bucket, len(self._buckets)):
             self._pending[pos] = 0
         self._launch_complete_buckets()
-        left_alone = [entry for bucket in self._buckets for entry in bucket.finish(self._as_view, self._find_unused)]
+        buckets = self._buckets
+        for bucket in buckets:
+            bucket.wait()
         used, self._used = self._used, bytearray(len(self._params))
-        if left_alone and not self._find_unused:
-            raise RuntimeError(self._missing_gradients_message(left_alone, used))
+        if self._find_unused:
+            # Which parameters no rank used decides which .grad stay untouched: a host decision,
+            # so the flags are read here (on CUDA the one synchronisation of such a step).
+            skipped = self._unused_members(self._flag_totals())
+        else:
+            skipped = [()] * len(buckets)
+            self._pending_flags = PendingFlags(buckets, used)
+            if not self._pending_flags.on_cuda:
+                self._check_pending_flags()
+        for bucket, members in zip(buckets, skipped):
+            bucket.write_back(self._as_view, members)
         if not self._rebuilt:
             self._agree_on_ready_order()
+
+    def _flag_totals(self) -> list[float]:
+        return torch.cat([bucket.flags for bucket in self._buckets]).tolist()
+
+    def _unused_members(self, totals: list[float]) -> list[set[int]]:
+        """Per bucket, the positions of the members no rank used (a flag sum of 0)."""
+        skipped, offset = [], 0
+        for bucket in self._buckets:
+            count = len(bucket.indices)
+            skipped.append({k for k in range(count) if totals[offset + k] == 0})
+            offset += count
+        return skipped
+
+    def _check_pending_flags(self) -> None:
+        """Raise, on every rank, if some rank got no gradient for a parameter in the last backward.
+
+        Without ``find_unused_parameters`` the flags only confirm what is expected, so on CUDA
+        they are copied to pinned host memory without blocking and read here, at the next
+        synchronised forward, when the copy has long finished.
+        """
+        pending, self._pending_flags = self._pending_flags, None
+        if pending is None:
+            return
+        missing = [
+            (index, total)
+            for index, total in zip(pending.indices, pending.totals())
+            if total != 0
+        ]
+        if missing:
+            raise RuntimeError(self._missing_gradients_message(missing, pending.used))
 
     def _missing_gradients_message(self, missing: list[tuple[int, float]], used: bytearray) -> str:
         lines = [
@@ -243,7 +296,7 @@ class Reducer:
         for position, indices in enumerate(launch_order):
             kind = SparseBucket if self._sparse[indices[0]] else DenseBucket
             ring = self._rings[position % len(self._rings)]
-            bucket = kind(indices, [self._params[i] for i in indices], ring)
+            bucket = kind(indices, [self._params[i] for i in indices], ring, self._as_view)
             self._buckets.append(bucket)
             for slot, index in enumerate(indices):
                 self._bucket_of[index] = position
@@ -287,3 +340,31 @@ def _tensors_in(value: object):
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors_in(item)
+
+
+class PendingFlags:
+    """The flags of one backward on their way to the host, read without blocking on CUDA.
+
+    ``totals()`` waits for the copy only if it has not finished yet, which happens only when
+    the GPU is more than a forward behind the host.
+    """
+
+    __slots__ = ("indices", "used", "on_cuda", "_host", "_done")
+
+    def __init__(self, buckets: Sequence[DenseBucket | SparseBucket], used: bytearray) -> None:
+        self.indices = [index for bucket in buckets for index in bucket.indices]
+        self.used = used
+        flags = torch.cat([bucket.flags for bucket in buckets])
+        self.on_cuda = flags.is_cuda
+        if self.on_cuda:
+            self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self._host.copy_(flags, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = flags, None
+
+    def totals(self) -> list[float]:
+        if self._done is not None and not self._done.query():
+            self._done.synchronize()
+        return self._host.tolist()

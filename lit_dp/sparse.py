@@ -6,17 +6,21 @@ indices and values are all-gathered and summed locally.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
 class SparseBucket:
-    """One parameter with a sparse gradient, with the same start/finish protocol as ``DenseBucket``."""
+    """One parameter with a sparse gradient, with the same start/wait/write_back protocol as ``DenseBucket``."""
 
-    __slots__ = ("indices", "params", "ring", "work", "gradient", "flag", "flag_work", "native")
+    __slots__ = ("indices", "params", "ring", "work", "gradient", "flags", "flag_work", "native")
 
-    def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup) -> None:
+    def __init__(
+        self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup, as_view: bool = False
+    ) -> None:
         self.indices = indices
         self.params = params
         self.ring = ring
@@ -24,13 +28,13 @@ class SparseBucket:
         self.work: dist.Work | None = None
         self.flag_work: dist.Work | None = None
         self.gradient: torch.Tensor | None = None
-        self.flag = torch.zeros(1, device=params[0].device)
+        self.flags = torch.zeros(1, device=params[0].device)
 
     @property
     def nbytes(self) -> int:
         return 0
 
-    def start(self, used: bytearray, flag_used: bool, world_size: int) -> None:
+    def start(self, used: bytearray, flag_used: bool, world_size: int, complete: bool = False) -> None:
         param = self.params[0]
         has_grad = bool(used[self.indices[0]]) and param.grad is not None
         if has_grad:
@@ -43,26 +47,25 @@ class SparseBucket:
                 param.shape,
             )
         self.gradient = gradient
-        self.flag.fill_(float(has_grad == flag_used))
+        self.flags.fill_(float(has_grad == flag_used))
         if self.native:
             self.work = dist.all_reduce(self.gradient, group=self.ring, async_op=True)
-        self.flag_work = dist.all_reduce(self.flag, group=self.ring, async_op=True)
+        self.flag_work = dist.all_reduce(self.flags, group=self.ring, async_op=True)
 
-    def finish(self, as_view: bool, flag_used: bool) -> list[tuple[int, float]]:
-        assert self.gradient is not None and self.flag_work is not None, "finish() before start()"
+    def wait(self) -> None:
+        assert self.gradient is not None and self.flag_work is not None, "wait() before start()"
         if self.native:
             assert self.work is not None
-            self.work.wait()
-            reduced = self.gradient  # gloo writes the sparse sum into its input
+            self.work.wait()  # gloo writes the sparse sum into its input
         else:
-            reduced = allgather_sparse_sum(self.gradient, self.ring)
+            self.gradient = allgather_sparse_sum(self.gradient, self.ring)
         self.flag_work.wait()
-        total = self.flag.item()
-        self.work = self.flag_work = self.gradient = None
-        if (total == 0) if flag_used else (total != 0):
-            return [(self.indices[0], total)]
-        self.params[0].grad = reduced.coalesce()
-        return []
+        self.work = self.flag_work = None
+
+    def write_back(self, as_view: bool, skipped: Collection[int]) -> None:
+        reduced, self.gradient = self.gradient, None
+        if not skipped:
+            self.params[0].grad = reduced.coalesce()
 
 
 def allgather_sparse_sum(gradient: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
