@@ -93,8 +93,8 @@ class ParallelEnv:
     - ``device_type`` (``PADDLE_XCCL_BACKEND``, default ``""``) and ``device_id``: the first id of
       ``FLAGS_selected_gpus``, or of ``FLAGS_selected_<device_type>s`` for a custom device
       (default 0); alias ``dev_id``.
-    - ``current_endpoint`` (``PADDLE_CURRENT_ENDPOINT``) and ``trainer_endpoints``
-      (``PADDLE_TRAINER_ENDPOINTS``, comma separated, empty list when unset).
+    - ``current_endpoint`` (``PADDLE_CURRENT_ENDPOINT``, ``""`` when unset, as in Paddle) and
+      ``trainer_endpoints`` (``PADDLE_TRAINER_ENDPOINTS``, comma separated, empty list when unset).
     - ``nrings`` (``FLAGS_nccl_nrings``, 1..8, default 1) and ``pg_timeout``
       (``PADDLE_PG_TIMEOUT``, milliseconds, default 1800000).
 
@@ -229,10 +229,10 @@ def _parse_endpoint_list(env: Mapping[str, str], world_size: int) -> list[str]:
     return endpoints
 
 
-def _parse_current_endpoint(env: Mapping[str, str], endpoints: list[str], rank: int) -> str | None:
+def _parse_current_endpoint(env: Mapping[str, str], endpoints: list[str], rank: int) -> str:
     raw = _read(env, "PADDLE_CURRENT_ENDPOINT")
     if raw is None:
-        return endpoints[rank] if endpoints else None
+        return endpoints[rank] if endpoints else ""  # Paddle's value when unset
     current = format_endpoint(*parse_endpoint("PADDLE_CURRENT_ENDPOINT", raw))
     if endpoints and current not in endpoints:
         raise ValueError(
@@ -266,9 +266,9 @@ def _parse_master(env: Mapping[str, str], endpoints: list[str]) -> tuple[str | N
 
 
 def _node_layout(
-    env: Mapping[str, str], endpoints: list[str], current: str | None, rank: int, world_size: int
+    env: Mapping[str, str], endpoints: list[str], current: str, rank: int, world_size: int
 ) -> tuple[int, int, int]:
-    if endpoints and current is not None:
+    if endpoints and current:
         hosts = [parse_endpoint("PADDLE_TRAINER_ENDPOINTS", e)[0] for e in endpoints]
         host = parse_endpoint("PADDLE_CURRENT_ENDPOINT", current)[0]
         derived_local_rank = hosts[: endpoints.index(current)].count(host)

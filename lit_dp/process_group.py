@@ -7,6 +7,7 @@ extra ring communicators (``FLAGS_nccl_nrings``) the reducer spreads buckets ove
 
 from __future__ import annotations
 
+import socket
 import time
 import warnings
 from datetime import timedelta
@@ -21,6 +22,7 @@ _ARRIVED = "lit_dp/arrived/{}"
 _ARRIVED_COUNT = "lit_dp/arrived"
 _MISSING = "lit_dp/missing"
 _ACKNOWLEDGED = "lit_dp/acknowledged"
+_DEVICE = "lit_dp/device/{}"
 _POLL_SECONDS = 0.05
 _GRACE_SECONDS = 2.0
 
@@ -108,10 +110,12 @@ def init_parallel_env(
             f"init_parallel_env: world size is {env.world_size} but no rendezvous address is set: expected "
             "MASTER_ADDR and MASTER_PORT, PADDLE_MASTER, or PADDLE_TRAINER_ENDPOINTS."
         )
+    device = None
     if chosen == "nccl":
         _select_cuda_device(env.device_id)
+        device = cuda_device_identity(env.device_id)
 
-    store = _rendezvous(env, deadline)
+    store = _rendezvous(env, deadline, device)
     dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=deadline)
     world = dist.group.WORLD
     _rings_by_world[world] = [world] + [
@@ -149,12 +153,43 @@ def _select_cuda_device(device_id: int) -> None:
     torch.cuda.set_device(device_id)
 
 
-def _rendezvous(env: ParallelEnv, timeout: timedelta) -> dist.TCPStore:
+def cuda_device_identity(device_id: int) -> str:
+    """This process's CUDA device as ``host/uuid (cuda:N)``: the same physical GPU gives the same
+    host and uuid whatever ``CUDA_VISIBLE_DEVICES`` renumbers it to."""
+    return f"{socket.gethostname()}/{torch.cuda.get_device_properties(device_id).uuid} (cuda:{device_id})"
+
+
+def register_device(store: dist.Store, rank: int, identity: str) -> None:
+    """Record that ``rank`` drives the device ``identity`` (before the rendezvous completes)."""
+    key = _DEVICE.format(identity.split(" ")[0])
+    store.set(f"{key}/{store.add(key, 1)}", str(rank))
+
+
+def check_device_unshared(store: dist.Store, env: ParallelEnv, identity: str) -> None:
+    """Raise, on every rank involved, if another rank registered the same device.
+
+    NCCL refuses two ranks on one GPU only after a long wait ("Duplicate GPU detected"); the
+    registrations are complete once every rank arrived, so this costs one store round trip.
+    """
+    key = _DEVICE.format(identity.split(" ")[0])
+    count = store.add(key, 0)
+    if count < 2:
+        return
+    ranks = sorted(int(store.get(f"{key}/{n}")) for n in range(1, count + 1))
+    raise ValueError(
+        f"rank {env.rank}: ranks {ranks} all resolve to the same CUDA device {identity} under NCCL, which needs "
+        "one device per rank: give each local rank its own device with FLAGS_selected_gpus (Paddle's launcher), "
+        "LOCAL_RANK (torchrun, Lightning) or CUDA_VISIBLE_DEVICES, or use backend='gloo' to share a device."
+    )
+
+
+def _rendezvous(env: ParallelEnv, timeout: timedelta, device: str | None = None) -> dist.TCPStore:
     """Connect to rank 0's store and wait until every rank has checked in.
 
     torch's own store rendezvous reports a missing peer only as a bare timeout. Here each rank
     bumps a counter; rank 0 decides when the timeout passes, publishes the ranks that never
-    arrived, and waits briefly for the others to read it, so every rank names them.
+    arrived, and waits briefly for the others to read it, so every rank names them. A rank that
+    drives a CUDA device under NCCL (``device``) registers it first, and all check for sharing.
     """
     address = format_endpoint(env.master_addr, env.master_port)
     seconds = timeout.total_seconds()
@@ -173,6 +208,8 @@ def _rendezvous(env: ParallelEnv, timeout: timedelta) -> dist.TCPStore:
             f"rank {env.rank} could not {role} the rendezvous store at {address} within {seconds:g}s "
             f"(rank 0 hosts it; is it running, and is the port free?): {error}"
         ) from error
+    if device is not None:
+        register_device(store, env.rank, device)
     store.set(_ARRIVED.format(env.rank), "1")
     store.add(_ARRIVED_COUNT, 1)
     # Other ranks give rank 0 a moment longer, so the verdict (and its list of names) is rank 0's.
@@ -195,6 +232,8 @@ def _rendezvous(env: ParallelEnv, timeout: timedelta) -> dist.TCPStore:
             f"rank {env.rank}: the rendezvous store at {address} (hosted by rank 0) went away before all "
             f"{env.world_size} ranks arrived: {error}"
         ) from error
+    if device is not None:
+        check_device_unshared(store, env, device)
     return store
 
 

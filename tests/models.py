@@ -74,11 +74,11 @@ class Branches(nn.Module):
         return out + self.sometimes(x) if use_sometimes else out
 
 
-def batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, world_size: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
     inputs = torch.randn(world_size * BATCH_PER_RANK, FEATURES, generator=generator)
     targets = torch.randn(world_size * BATCH_PER_RANK, 3, generator=generator)
-    return inputs, targets
+    return inputs.to(device), targets.to(device)
 
 
 def shard(tensor: torch.Tensor, rank: int) -> torch.Tensor:
@@ -98,9 +98,9 @@ def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, rank: in
     return ((outputs - targets) ** 2).mean()
 
 
-def reference_loss(model: nn.Module, step: int, world_size: int) -> torch.Tensor:
+def reference_loss(model: nn.Module, step: int, world_size: int, device: str = "cpu") -> torch.Tensor:
     """What one process computes on the concatenated batch: the mean of the ranks' losses."""
-    inputs, targets = batch(step, world_size)
+    inputs, targets = batch(step, world_size, device)
     per_rank = [loss(model, shard(inputs, r), shard(targets, r), r, step) for r in range(world_size)]
     return torch.stack(per_rank).mean()
 

@@ -40,17 +40,20 @@ def assert_same_parameters(model: nn.Module, reference: nn.Module, label: str) -
         torch.testing.assert_close(param, ref, msg=lambda m: f"{label}: {name}: {m}")
 
 
-def train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate=1, in_place_bytes=None):
+def train_side_by_side(
+    rank, name, comm_mb, last_mb, find_unused, as_view, accumulate=1, in_place_bytes=None, device="cpu"
+):
     """Train lit_dp, torch DDP and a single-process reference in lockstep; compare every step."""
     import lit_dp.dense
 
     lit_dp.init_parallel_env()
-    threshold = lit_dp.dense.IN_PLACE_MIN_BYTES["cpu"] if in_place_bytes is None else in_place_bytes
-    with mock.patch.dict(lit_dp.dense.IN_PLACE_MIN_BYTES, cpu=threshold):
-        return _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate)
+    kind = torch.device(device).type
+    threshold = lit_dp.dense.IN_PLACE_MIN_BYTES[kind] if in_place_bytes is None else in_place_bytes
+    with mock.patch.dict(lit_dp.dense.IN_PLACE_MIN_BYTES, {kind: threshold}):
+        return _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate, device)
 
 
-def _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate):
+def _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate, device):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -58,7 +61,7 @@ def _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accu
 
     world_size = dist.get_world_size()
     torch.manual_seed(0)
-    base = MODELS[name]()
+    base = MODELS[name]().to(device)
     reference, ddp_model = copy.deepcopy(base), copy.deepcopy(base)
     if rank > 0:  # a different initialisation on other ranks: construction must broadcast rank 0's
         with torch.no_grad():
@@ -76,12 +79,12 @@ def _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accu
     for step in range(STEPS):
         for micro in range(accumulate):
             seed = step * accumulate + micro
-            inputs, targets = batch(seed, world_size)
+            inputs, targets = batch(seed, world_size, device)
             for model in (ours, ddp):
                 last = micro == accumulate - 1
                 with model.no_sync() if not last else nullcontext():
                     loss(model, shard(inputs, rank), shard(targets, rank), rank, seed).backward()
-            reference_loss(reference, seed, world_size).backward()
+            reference_loss(reference, seed, world_size, device).backward()
         label = f"{name} step {step} rank {rank}"
         assert_same_gradients(ours, reference, f"{label} vs single process")
         assert_same_gradients(ours, ddp, f"{label} vs DDP")
@@ -93,8 +96,8 @@ def _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accu
     return ours.reducer.bucket_indices, rings_used
 
 
-def equivalence_cases(rank, cases):
-    return [train_side_by_side(rank, *case) for case in cases]
+def equivalence_cases(rank, cases, device="cpu"):
+    return [train_side_by_side(rank, *case, device=device) for case in cases]
 
 
 # (model, comm MB, last MB, find_unused, gradient_as_bucket_view, accumulate[, in-place threshold])

@@ -9,7 +9,7 @@ def test_defaults_describe_a_single_process():
     env = ParallelEnv({})
     assert (env.rank, env.world_size, env.nranks) == (0, 1, 1)
     assert (env.device_type, env.device_id, env.dev_id) == ("", 0, 0)
-    assert env.current_endpoint is None and env.trainer_endpoints == []
+    assert env.current_endpoint == "" and env.trainer_endpoints == []
     assert (env.nrings, env.pg_timeout, env.backend) == (1, 1_800_000, "auto")
     assert (env.master_addr, env.master_port) == (None, None)
     assert (env.local_rank, env.local_world_size, env.node_rank) == (0, 1, 0)

@@ -84,3 +84,22 @@ def test_bad_timeout_argument(bad):
 def test_timeout_defaults_to_paddle_pg_timeout_milliseconds():
     assert resolve_timeout(None, ParallelEnv({"PADDLE_PG_TIMEOUT": "1500"})) == timedelta(seconds=1.5)
     assert resolve_timeout(2.5, ParallelEnv({})) == timedelta(seconds=2.5)
+
+
+def test_two_ranks_on_one_cuda_device_are_named_before_nccl_starts():
+    import torch.distributed as dist
+
+    from lit_dp.process_group import check_device_unshared, register_device
+
+    store = dist.HashStore()
+    devices = {0: "node-a/GPU-1111 (cuda:0)", 1: "node-a/GPU-1111 (cuda:0)", 2: "node-a/GPU-2222 (cuda:1)"}
+    for rank, device in devices.items():
+        register_device(store, rank, device)
+    environ = {"PADDLE_TRAINERS_NUM": "3"}
+    check_device_unshared(store, ParallelEnv({**environ, "PADDLE_TRAINER_ID": "2"}), devices[2])
+    for rank in (0, 1):
+        with pytest.raises(ValueError) as error:
+            check_device_unshared(store, ParallelEnv({**environ, "PADDLE_TRAINER_ID": str(rank)}), devices[rank])
+        message = str(error.value)
+        assert f"rank {rank}: ranks [0, 1] all resolve to the same CUDA device node-a/GPU-1111 (cuda:0)" in message
+        assert all(variable in message for variable in ("FLAGS_selected_gpus", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"))

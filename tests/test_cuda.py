@@ -1,0 +1,161 @@
+"""CUDA paths, run with ``pytest -m cuda`` on a machine with a GPU (skipped elsewhere).
+
+One GPU cannot run NCCL with two ranks, so (see docs/benchmarks.md for when and where these
+last ran):
+- multi-rank CUDA code paths run as 2 Gloo ranks sharing ``cuda:0`` (Gloo stages CUDA tensors
+  through the host: streams, events and the reducer's CUDA paths run, not NCCL's overlap);
+- NCCL drives the reducer in a process group of one rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed import run_ranks
+from tests.test_compile import launch_fractions_and_weights
+from tests.test_data_parallel import TINY_MB, equivalence_cases
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# (model, comm MB, last MB, find_unused, gradient_as_bucket_view, accumulate[, in-place threshold])
+CUDA_CASES = [
+    ("tied", TINY_MB, TINY_MB, False, False, 1),  # plain, many buckets
+    ("tied", TINY_MB, TINY_MB, False, True, 1),  # bucket views
+    ("tied", TINY_MB, TINY_MB, False, False, 3),  # no_sync
+    ("branches", TINY_MB, TINY_MB, True, False, 2),  # find_unused, with no_sync
+    ("branches", 25, 1, True, True, 2),  # find_unused, views
+    ("mixed", TINY_MB, TINY_MB, False, False, 1),  # fp32/fp64/bf16/fp16
+    ("mixed", 25, 1, False, True, 1, 64),  # in-place members next to flat ones
+    ("sparse", 25, 1, True, False, 2),  # sparse embedding
+]
+
+
+def test_two_gloo_ranks_sharing_cuda0_match_single_process_and_ddp():
+    results = run_ranks(equivalence_cases, 2, CUDA_CASES, "cuda:0", timeout=280)
+    assert results[0] == results[1]
+
+
+def test_two_nccl_ranks_on_one_gpu_fail_fast_naming_both():
+    failures = run_ranks(
+        _init_nccl, 2, expect_failure=True, timeout=60, PADDLE_DISTRI_BACKEND="nccl", FLAGS_selected_gpus="0"
+    )
+    assert sorted(failures) == [0, 1]
+    for trace in failures.values():
+        assert "ranks [0, 1] all resolve to the same CUDA device" in trace
+        assert "FLAGS_selected_gpus" in trace
+
+
+def _init_nccl(rank):
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+
+
+@pytest.fixture
+def nccl_world_of_one():
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _stack(width: int = 256, depth: int = 6) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[layer for _ in range(depth) for layer in (nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())])
+
+
+def _step(model, optimizer, inputs):
+    model(inputs).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_nccl_world_of_one_drives_the_reducer_without_host_synchronisation(nccl_world_of_one):
+    import lit_dp
+
+    model = lit_dp.DataParallel(_stack().cuda(), comm_buffer_size=0.25, last_comm_buffer_size=0.25)
+    reference = copy.deepcopy(model.module)
+    assert model.reducer is not None and len(model.reducer.bucket_indices) > 2
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    inputs = torch.randn(64, 256, device="cuda")
+    for _ in range(2):  # the first iteration agrees on the ready order (a broadcast), the second rebuilds
+        _step(model, optimizers[0], inputs)
+        _step(reference, optimizers[1], inputs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            _step(model, optimizers[0], inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for _ in range(3):
+        _step(reference, optimizers[1], inputs)
+    for ours, theirs in zip(model.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_find_unused_reads_the_flags_once_per_step(nccl_world_of_one):
+    import lit_dp
+
+    model = lit_dp.DataParallel(_stack().cuda(), comm_buffer_size=0.25, last_comm_buffer_size=0.25, find_unused_parameters=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = torch.randn(64, 256, device="cuda")
+    for _ in range(2):
+        _step(model, optimizer, inputs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                _step(model, optimizer, inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 3, [str(w.message) for w in syncs]
+
+
+def test_a_missing_gradient_raises_at_the_next_forward_on_cuda(nccl_world_of_one):
+    import lit_dp
+
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(8, 8)
+            self.skipped = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = lit_dp.DataParallel(Skips().cuda())
+    inputs = torch.randn(4, 8, device="cuda")
+    model(inputs).sum().backward()  # the flags travel to the host without blocking
+    with pytest.raises(RuntimeError, match=r"skipped.weight \(missing on 1 of 1 ranks, including this one\)"):
+        model(inputs)
+
+
+@pytest.mark.parametrize("variant", ["DataParallel(compile(model))", "compile(DataParallel(model))"])
+def test_inductor_keeps_overlap_and_eager_weights(nccl_world_of_one, variant):
+    fractions = launch_fractions_and_weights(0, [variant], backend="inductor", device="cuda", atol=1e-4)
+    assert fractions[variant] < 0.5, fractions
+
+
+def test_lightning_fit_on_one_gpu_matches_ddp(tmp_path):
+    from tests.test_strategy import Regressor, fit_weights
+
+    ours = fit_weights("paddle_dp", tmp_path, accelerator="gpu", devices=1)
+    theirs = fit_weights("ddp", tmp_path, accelerator="gpu", devices=1)
+    for key in ours:
+        torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), msg=lambda m: f"{key}: {m}")
+    assert not torch.equal(ours["net.0.weight"].cpu(), Regressor().state_dict()["net.0.weight"])
