@@ -59,24 +59,24 @@ def test_bad_gpt_benchmark_options_name_the_key(options, message):
 
 
 @pytest.mark.parametrize(
-    ("benchmark", "device", "expected"),
+    ("choice", "device", "expected"),
     [("auto", "cpu", "reducer"), ("auto", "cuda", "gpt"), ("gpt", "cpu", "gpt"), ("reducer", "cpu", "reducer")],
 )
-def test_benchmark_selection(benchmark, device, expected):
-    assert select_benchmark(benchmark, device) == expected
+def test_benchmark_selection(choice, device, expected):
+    assert select_benchmark(choice, device) == expected
 
 
 @pytest.mark.parametrize(
-    ("benchmark", "device", "message"),
+    ("choice", "device", "message"),
     [
         ("auto", "tpu", r"device='tpu' is invalid: expected one of cpu, cuda"),
         ("reducer", "cuda", r"device='cuda' is invalid for benchmark=reducer: expected cpu \(or benchmark=gpt\)"),
         ("gtp", "cuda", r"benchmark='gtp' is invalid: expected one of auto, reducer, gpt"),
     ],
 )
-def test_bad_benchmark_or_device_names_the_key(benchmark, device, message):
+def test_bad_benchmark_or_device_names_the_key(choice, device, message):
     with pytest.raises(ValueError, match=message):
-        select_benchmark(benchmark, device)
+        select_benchmark(choice, device)
 
 
 @pytest.mark.cuda
@@ -84,7 +84,7 @@ def test_bad_benchmark_or_device_names_the_key(benchmark, device, message):
 def test_sync_counter_sees_a_synchronisation_and_none_in_a_plain_step():
     # The zeros the benchmark reports mean something only if the counter sees a known sync.
     x = torch.ones(1024, device="cuda")
-    assert count_syncs(lambda: x.sum().item(), 3) == 1
+    assert count_syncs(lambda: x.sum().item(), 3) >= 1
     model = torch.nn.Linear(64, 64).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     inputs = torch.randn(8, 64, device="cuda")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import statistics
 import time
 import warnings
@@ -38,6 +39,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lit_dp.recipes.charlm import CharGPT
 from lit_dp.recipes.reducer_benchmark import free_port, init_gloo_rank
+
+log = logging.getLogger(__name__)
 
 MODES = ("none", "ddp", "lit_dp")
 DEVICES = ("cpu", "cuda")
@@ -251,7 +254,6 @@ def count_syncs(run: Callable[[], None], steps: int) -> float:
         try:
             for _ in range(steps):
                 run()
-            torch.cuda.current_stream().synchronize()  # outside the mode: not counted
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught) / steps
@@ -282,6 +284,7 @@ def _interleaved(
             barrier()  # ranks start a block together, so no rank's time is another's lag
             per_round[mode].append(_block_ms(device, runs[mode], config.steps))
     medians = {mode: statistics.median(times) for mode, times in per_round.items()}
+    log.info("shape %s: median ms per step %s", list(inputs.shape), {m: round(t, 2) for m, t in medians.items()})
     ratios = [ours / ddp for ours, ddp in zip(per_round["lit_dp"], per_round["ddp"])]
     return medians, ratios, syncs
 
@@ -376,6 +379,7 @@ def run_gpt(config: GPTBenchmarkConfig, device_type: str) -> GPTResults:
         params = sum(p.numel() for p in build_gpt(config).parameters())
     finally:
         dist.destroy_process_group()
+        _free_device_memory()  # the ranks of part 2 share the device
     results = GPTResults(_device_name(device), backend, params, rows)
     if config.shared_ranks:
         with mp.Manager() as manager:
