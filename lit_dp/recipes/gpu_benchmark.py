@@ -7,7 +7,7 @@
 Two parts, each a Markdown table (medians, the lit_dp / DDP ratio):
 
 1. One process, a process group of one rank (NCCL on CUDA, Gloo on CPU): a GPT-2-small-shaped
-   model under bf16 autocast, per batch shape; eager and ``torch.compile``\\ d. A group of one
+   model under bf16 autocast, per batch shape; eager and under ``torch.compile``. A group of one
    rank still runs every reducer: buckets are filled, all-reduced and copied back, so the table
    shows what the reducer costs where no communication hides it. Host-device synchronisations
    per step are counted with ``torch.cuda.set_sync_debug_mode("warn")``.
