@@ -1,20 +1,27 @@
-"""Step times of lit_dp's reducer, torch DDP and no synchronisation, side by side on 2 gloo processes.
+"""Step times of lit_dp's reducer, torch DDP and no synchronisation, side by side.
 
-    python recipes/bench_reducer.py
+    python recipes/bench_reducer.py                        # 2 Gloo processes on CPU, small models
     python recipes/bench_reducer.py steps=50 rounds=5 comm_buffer_size=5
+    python recipes/bench_reducer.py device=cuda            # GPT-2 small on one GPU, eager and compiled
 
-Prints a Markdown table (medians, lit_dp / DDP ratio, peak memory with and without gradient views).
+Prints Markdown tables: medians, the lit_dp / DDP ratio, and on CPU peak memory with and without
+gradient views, on CUDA host synchronisations per step (docs/benchmarks.md).
 """
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from lit_dp.recipes.gpu_benchmark import GPTBenchmarkConfig, report_gpt, run_gpt, select_benchmark
 from lit_dp.recipes.reducer_benchmark import BenchmarkConfig, report, run
 
 
 @hydra.main(config_path="../conf", config_name="bench_reducer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    options = {key: value for key, value in cfg.items() if key != "task_name"}
+    if select_benchmark(cfg.benchmark, cfg.device) == "gpt":
+        config = GPTBenchmarkConfig(**OmegaConf.to_container(cfg.gpt, resolve=True))
+        print(report_gpt(run_gpt(config, cfg.device), config))
+        return
+    options = {key: value for key, value in cfg.items() if key not in ("task_name", "device", "benchmark", "gpt")}
     print(report(*run(BenchmarkConfig(**options))))
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
@@ -125,3 +126,22 @@ def test_tensorboard_logger_is_skipped_where_tensorboard_is_missing(tmp_path, mo
     )
     loggers = train_module._loggers(cfg.logger)
     assert [type(logger) for logger in loggers] == [CSVLogger]
+
+
+def test_charlm_gpt2_experiment_is_gpt2_small_compiled_in_bf16(tmp_path):
+    cfg = compose_config("charlm", ["experiment=charlm_gpt2"], tmp_path)
+    validate(cfg)
+    assert (cfg.compile, cfg.compile_backend) == (True, "inductor")
+    assert (cfg.trainer.accelerator, cfg.trainer.precision) == ("gpu", "bf16-mixed")
+    with torch.device("meta"):  # 86M parameters: no memory needed to check the shape
+        model = instantiate(cfg.model, _convert_="all")
+    assert (model.hparams.n_layer, model.hparams.n_head, model.hparams.n_embd, model.hparams.block_size) == (12, 12, 768, 1024)
+    assert instantiate(cfg.callbacks.throughput).peak_flops is None
+
+
+def test_bad_compile_options_fail_in_train_before_anything_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
+    with pytest.raises(ValueError, match=r"compile='maybe' is invalid: expected true or false"):
+        train(compose_config("charlm", ["compile=maybe"], tmp_path))
+    with pytest.raises(ValueError, match=r"compile_backend='inductr' is invalid: expected a torch.compile backend"):
+        train(compose_config("charlm", ["compile=true", "compile_backend=inductr"], tmp_path))

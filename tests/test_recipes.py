@@ -6,6 +6,7 @@ whose multirun needs the spawn launcher).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -17,13 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
-def run_recipe(name: str, *overrides: str, timeout: float = 240) -> str:
+def run_recipe(name: str, *overrides: str, timeout: float = 240, env: dict[str, str] | None = None) -> str:
     result = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / f"{name}.py"), *overrides],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"recipes/{name}.py failed ({result.returncode}):\n{output[-4000:]}"
@@ -56,10 +58,24 @@ def test_digits_trains_to_95_percent_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_charlm_runs_a_few_steps(tmp_path):
-    output = run_recipe("charlm", *QUIET, "experiment=charlm_tiny", f"hydra.run.dir={tmp_path}")
+def test_charlm_compiled_runs_a_few_steps_and_logs_tokens_per_second_and_mfu(tmp_path):
+    from lit_dp.recipes.charlm import CharGPT
+
+    output = run_recipe(
+        "charlm", *QUIET, "experiment=charlm_tiny", "compile=true", "compile_backend=aot_eager",
+        "+callbacks.throughput._target_=lit_dp.recipes.callbacks.TokenThroughput", "+callbacks.throughput.warmup=2",
+        "+callbacks.throughput.peak_flops=1e6",  # a made-up peak: CPUs have no entry in the table
+        f"hydra.run.dir={tmp_path}",
+        env={"TORCH_LOGS": "graph_code"},  # dynamo prints each graph it compiles, tagged with the rank
+    )
     metrics = final_metrics(output)
     assert 0 < metrics["val_loss"] < 6.0  # below a uniform guess over 256 bytes (ln 256 = 5.55) plus slack
+    assert metrics["tokens_per_sec"] > 0
+    flops_per_token = CharGPT(block_size=32, n_layer=1, n_head=2, n_embd=32).flops_per_token(32)  # charlm_tiny
+    expected_mfu = flops_per_token * metrics["tokens_per_sec"] / (1e6 * 2)  # 2 ranks
+    assert metrics["mfu"] == pytest.approx(expected_mfu, rel=1e-3)
+    compiled = [line for line in output.splitlines() if "===== __compiled_fn" in line]
+    assert any(line.startswith("[rank0]") for line in compiled) and any(line.startswith("[rank1]") for line in compiled)
 
 
 def test_bad_override_fails_before_any_process_starts(tmp_path):

@@ -101,7 +101,12 @@ def _init_weights(module: nn.Module) -> None:
 
 
 class CharGPT(pl.LightningModule):
-    """nanoGPT's shape, small: token and position embeddings, pre-norm blocks, a tied output head."""
+    """nanoGPT's shape: token and position embeddings, pre-norm blocks, a tied output head.
+
+    Small by default (the CPU recipe); ``n_layer=12, n_head=12, n_embd=768, block_size=1024``
+    is GPT-2 small, with ``vocab_size=50304`` (GPT-2's 50257 padded to a multiple of 64) or
+    the byte vocabulary of 256.
+    """
 
     def __init__(
         self,
@@ -111,16 +116,19 @@ class CharGPT(pl.LightningModule):
         n_embd: int = 128,
         dropout: float = 0.0,
         lr: float = 3e-3,
+        vocab_size: int = VOCAB_SIZE,
     ) -> None:
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"model.n_embd={n_embd} is invalid: expected a multiple of model.n_head={n_head}.")
+        if vocab_size < 1:
+            raise ValueError(f"model.vocab_size={vocab_size} is invalid: expected a positive number of tokens.")
         self.save_hyperparameters()
-        self.tokens = nn.Embedding(VOCAB_SIZE, n_embd)
+        self.tokens = nn.Embedding(vocab_size, n_embd)
         self.positions = nn.Embedding(block_size, n_embd)
         self.blocks = nn.Sequential(*(Block(n_embd, n_head, dropout) for _ in range(n_layer)))
         self.norm = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, VOCAB_SIZE, bias=False)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tokens.weight  # weight tying: one parameter used twice per step
         self.apply(_init_weights)
 
@@ -128,6 +136,16 @@ class CharGPT(pl.LightningModule):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.blocks(self.tokens(tokens) + self.positions(positions))
         return self.head(self.norm(x))
+
+    def flops_per_token(self, length: int) -> float:
+        """Training FLOPs per token at sequence length ``length``: nanoGPT's ``estimate_mfu``.
+
+        6 FLOPs per parameter and token (forward 2, backward 4; PaLM, appendix B) for the
+        parameters outside the position embedding, plus the attention scores and their use,
+        12 * layers * width * length, which no parameter accounts for.
+        """
+        matmul_params = sum(p.numel() for p in self.parameters()) - self.positions.weight.numel()
+        return 6 * matmul_params + 12 * self.hparams.n_layer * self.hparams.n_embd * length
 
     def _loss(self, batch) -> torch.Tensor:
         inputs, targets = batch

@@ -106,7 +106,7 @@ def _speed_worker(rank: int, config: BenchmarkConfig, port: int, results: dict) 
     import lit_dp
 
     torch.set_num_threads(config.threads_per_rank)
-    _init(rank, config.world_size, port)
+    init_gloo_rank(rank, config.world_size, port)
     for name in config.models:
         build, width, batch = MODELS[name]
         torch.manual_seed(0)
@@ -134,7 +134,7 @@ def _memory_worker(rank: int, config: BenchmarkConfig, port: int, mode: str, as_
     import lit_dp
 
     torch.set_num_threads(config.threads_per_rank)
-    _init(rank, config.world_size, port)
+    init_gloo_rank(rank, config.world_size, port)
     torch.manual_seed(0)
     model = _wrap(mode, few_large_tensors(), config, as_view=as_view)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -146,7 +146,8 @@ def _memory_worker(rank: int, config: BenchmarkConfig, port: int, mode: str, as_
     lit_dp.destroy_parallel_env()
 
 
-def _init(rank: int, world_size: int, port: int) -> None:
+def init_gloo_rank(rank: int, world_size: int, port: int) -> None:
+    """Join a Gloo group of ``world_size`` local processes through lit_dp's launcher variables."""
     import lit_dp
     from lit_dp.env import ParallelEnv
 
@@ -160,7 +161,8 @@ def _init(rank: int, world_size: int, port: int) -> None:
     lit_dp.init_parallel_env(parallel_env=ParallelEnv(environ))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a rendezvous."""
     import socket
 
     with socket.socket() as sock:
@@ -172,7 +174,7 @@ def run(config: BenchmarkConfig) -> tuple[dict, dict]:
     """Returns (median step seconds per model and mode, peak RSS MiB per (mode, gradient views))."""
     with mp.Manager() as manager:
         speed = manager.dict()
-        mp.spawn(_speed_worker, args=(config, _free_port(), speed), nprocs=config.world_size)
+        mp.spawn(_speed_worker, args=(config, free_port(), speed), nprocs=config.world_size)
         memory = manager.dict()
         if not config.measure_memory:
             return dict(speed), {}
@@ -183,7 +185,7 @@ def run(config: BenchmarkConfig) -> tuple[dict, dict]:
         try:
             for mode in ("ddp", "lit_dp"):
                 for as_view in (False, True):
-                    args = (config, _free_port(), mode, as_view, memory)
+                    args = (config, free_port(), mode, as_view, memory)
                     mp.spawn(_memory_worker, args=args, nprocs=config.world_size)
         finally:
             if previous is None:

@@ -10,6 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from lit_dp.config import validate
+from lit_dp.recipes.callbacks import CompileModel
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Invalid options raise here, before Lightning starts any process.
     """
     validate(cfg)
+    compile_callbacks = _compile_callbacks(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data, _convert_="all")
     model = instantiate(cfg.model, _convert_="all")
@@ -27,13 +29,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
         cfg.trainer,
         strategy=instantiate(cfg.strategy),
         logger=_loggers(cfg.get("logger")),
-        callbacks=[instantiate(node) for node in (cfg.get("callbacks") or {}).values()],
+        callbacks=[instantiate(node) for node in (cfg.get("callbacks") or {}).values()] + compile_callbacks,
     )
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         print("[lit_dp] final " + " ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())), flush=True)
     return metrics
+
+
+def _compile_callbacks(cfg: DictConfig) -> list[pl.Callback]:
+    """``compile: true`` compiles the model's forward in each rank with ``compile_backend``."""
+    enabled = cfg.get("compile", False)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"compile={enabled!r} is invalid: expected true or false.")
+    return [CompileModel(cfg.get("compile_backend", "inductor"))] if enabled else []
 
 
 def _loggers(nodes: DictConfig | None) -> list[pl.loggers.Logger] | bool:
