@@ -32,7 +32,7 @@ class BenchmarkConfig:
     comm_buffer_size: float = 25
     last_comm_buffer_size: float = 1
     threads_per_rank: int = 1
-    models: tuple[str, ...] = ("few_large", "many_small")
+    models: tuple[str, ...] = ("few_large", "many_small", "many_small_norm")
     measure_memory: bool = True
 
 
@@ -49,6 +49,14 @@ def many_small_tensors() -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def many_small_norm() -> nn.Module:
+    """200 x (Linear(64, 64) + LayerNorm(64)): 800 tensors, where per-parameter costs show."""
+    layers: list[nn.Module] = []
+    for _ in range(200):
+        layers += [nn.Linear(64, 64), nn.LayerNorm(64)]
+    return nn.Sequential(*layers)
+
+
 def digits_mlp() -> nn.Module:
     """The 3 x 1024 MLP that recipes/benchmark.py trains (64 inputs, 10 classes): 9 MB of gradients."""
     widths = [64, 1024, 1024, 1024]
@@ -62,6 +70,7 @@ def digits_mlp() -> nn.Module:
 MODELS = {
     "few_large": (few_large_tensors, 2048, 8),
     "many_small": (many_small_tensors, 32, 64),
+    "many_small_norm": (many_small_norm, 64, 32),
     "digits_mlp": (digits_mlp, 64, 32),
 }
 MODES = ("none", "ddp", "lit_dp")
@@ -197,13 +206,17 @@ def run(config: BenchmarkConfig) -> tuple[dict, dict]:
 
 def report(speed: dict, memory: dict) -> str:
     lines = [
-        "| model | tensors | lit_dp buckets | no sync (ms) | DDP (ms) | lit_dp (ms) | lit_dp / DDP |",
-        "|---|---|---|---|---|---|---|",
+        "| model | tensors | lit_dp buckets | no sync (ms) | DDP (ms) | lit_dp (ms) | lit_dp / DDP "
+        "| DDP us/tensor | lit_dp us/tensor |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in speed.items():
+        # The cost of synchronisation per tensor and step: time over the no-sync floor, all-reduce included.
+        per_tensor = {mode: (row[mode] - row["none"]) / row["tensors"] * 1e6 for mode in ("ddp", "lit_dp")}
         lines.append(
             f"| {name} | {row['tensors']} | {row['buckets']} | {row['none'] * 1e3:.2f} | {row['ddp'] * 1e3:.2f} "
-            f"| {row['lit_dp'] * 1e3:.2f} | {row['lit_dp'] / row['ddp']:.3f} |"
+            f"| {row['lit_dp'] * 1e3:.2f} | {row['lit_dp'] / row['ddp']:.3f} "
+            f"| {per_tensor['ddp']:.2f} | {per_tensor['lit_dp']:.2f} |"
         )
     if not memory:
         return "\n".join(lines)
