@@ -28,12 +28,17 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lit_dp.backends import check_backend
+from lit_dp.backends import AUTO, check_backend
 from lit_dp.cluster_environment import PaddleEnvironment
 from lit_dp.config import check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.process_group import destroy_parallel_env, init_parallel_env
-from lit_dp.strategy import device_backend, lightning_parallel_env, register_families, restate_unused_parameters_error
+from lit_dp.strategy import (
+    default_backend,
+    lightning_parallel_env,
+    register_families,
+    restate_unused_parameters_error,
+)
 
 FABRIC_UNUSED_PARAMETERS_MESSAGE = (
     "It looks like your model has parameters that were not used in producing the loss passed to "
@@ -117,7 +122,7 @@ class PaddleDPStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> str:
         """The backend in effect: ``auto`` resolved against this process's device."""
-        return device_backend(self._backend, self.root_device)
+        return self._backend if self._backend != AUTO else default_backend(self.root_device)
 
     @property
     @override

@@ -149,7 +149,7 @@ class PaddleDPStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> str:
         """The backend in effect: ``auto`` resolved against this process's device."""
-        return device_backend(self._backend, self.root_device)
+        return self._backend if self._backend != AUTO else default_backend(self.root_device)
 
     @property
     def is_distributed(self) -> bool:
@@ -368,10 +368,8 @@ def register_families(registry: _StrategyRegistry, strategy: type) -> None:
             )
 
 
-def device_backend(backend: str, device: torch.device) -> str:
-    """``auto`` resolved for ``device`` (NCCL for CUDA, Gloo otherwise, as Lightning's ``"ddp"``); others as given."""
-    if backend != AUTO:
-        return backend
+def default_backend(device: torch.device) -> str:
+    """What ``backend="auto"`` means for ``device``: NCCL for CUDA, Gloo otherwise (as under ``"ddp"``)."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 
