@@ -15,8 +15,9 @@ from hydra.core.config_store import ConfigStore
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dp.backends import check_backend
 from lit_dp.buckets import megabytes_to_bytes
-from lit_dp.env import BACKENDS, MAX_NRINGS
+from lit_dp.env import MAX_NRINGS
 from lit_dp.process_group import parse_timeout
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -40,7 +41,7 @@ def check_strategy_options(
     megabytes_to_bytes(f"{prefix}last_comm_buffer_size", last_comm_buffer_size)
     _check_flag(f"{prefix}find_unused_parameters", find_unused_parameters)
     _check_flag(f"{prefix}gradient_as_bucket_view", gradient_as_bucket_view)
-    _check_choice(f"{prefix}backend", backend, BACKENDS)
+    check_backend(f"{prefix}backend", backend)
     _check_choice(f"{prefix}start_method", start_method, START_METHODS)
     if nrings is not None and (isinstance(nrings, bool) or not isinstance(nrings, int) or not 1 <= nrings <= MAX_NRINGS):
         raise ValueError(f"{prefix}nrings={nrings!r} is invalid: expected an integer in [1, {MAX_NRINGS}].")
@@ -68,7 +69,7 @@ class PaddleDPStrategyConfig:
     last_comm_buffer_size: float = 1  # limit of the last bucket reduced in backward, MB
     find_unused_parameters: bool = False  # tolerate parameters without a gradient
     gradient_as_bucket_view: bool = False  # .grad tensors are views into the bucket buffers
-    backend: str = "auto"  # auto (NCCL on CUDA, else Gloo), nccl or gloo
+    backend: str = "auto"  # auto (NCCL on CUDA, else Gloo), or any available: gloo, nccl, cpu:gloo,cuda:nccl, ...
     nrings: Optional[int] = None  # communicators to spread buckets over; default FLAGS_nccl_nrings or 1
     timeout: Optional[float] = None  # seconds; default PADDLE_PG_TIMEOUT or 1800
     start_method: str = "popen"  # popen (re-run the script per rank) or spawn/fork/forkserver

@@ -40,7 +40,9 @@ class DataParallel(nn.Module):
             stored once without it).
 
     ``no_sync()`` accumulates gradients locally; ``state_dict()`` is the inner module's, with
-    no prefix. With a world size of 1 the module runs unchanged.
+    no prefix. Without a process group the module runs unchanged; a group of one rank (what
+    the Lightning strategies create for one device) gets a reducer like any other, so an unused
+    parameter raises on one device as it would on many.
     """
 
     def __init__(
@@ -61,9 +63,9 @@ class DataParallel(nn.Module):
         # splitter requires at least its own first-piece size (1 MB).
         self.bucket_bytes_cap = max(bucket_bytes, dist._DEFAULT_FIRST_BUCKET_BYTES)
         self._reducer: Reducer | None = None
-        if not dist.is_initialized() or dist.get_world_size(group) < 2:
+        if not dist.is_initialized():
             warnings.warn(
-                "lit_dp.DataParallel: world size is 1 (no process group, or a group of one); "
+                "lit_dp.DataParallel: world size is 1 and no process group exists; "
                 "the module runs unchanged without gradient synchronisation.",
                 stacklevel=2,
             )
@@ -98,7 +100,7 @@ class DataParallel(nn.Module):
 
     @property
     def reducer(self) -> Reducer | None:
-        """The gradient reducer; None when nothing is synchronised (world size 1, no trainable parameters)."""
+        """The gradient reducer; None when nothing is synchronised (no process group, no trainable parameters)."""
         return self._reducer
 
     # Not traced by dynamo: under `torch.compile(DataParallel(model))` the module call below is

@@ -13,7 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import NoReturn
 
-BACKENDS = ("auto", "nccl", "gloo")
+from lit_dp.backends import check_backend
+
 MAX_NRINGS = 8
 DEFAULT_PG_TIMEOUT_MS = 1_800_000
 
@@ -103,7 +104,8 @@ class ParallelEnv:
     - ``master_addr`` / ``master_port``: ``MASTER_ADDR`` + ``MASTER_PORT``, else
       ``PADDLE_MASTER`` (``host:port``), else the first trainer endpoint (Paddle's order);
       None when none is set.
-    - ``backend``: ``PADDLE_DISTRI_BACKEND`` (``auto``, ``nccl`` or ``gloo``; default ``auto``).
+    - ``backend``: ``PADDLE_DISTRI_BACKEND`` (``auto``, default, or any backend torch.distributed
+      reports available, e.g. ``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``).
     - ``local_rank`` / ``local_world_size``: this process's index among the processes of its
       node, and their number. ``PADDLE_RANK_IN_NODE`` and ``PADDLE_LOCAL_SIZE`` win when the
       launcher sets them; otherwise they are derived from the endpoint list: the processes of a
@@ -150,9 +152,7 @@ class ParallelEnv:
         endpoints = _parse_endpoint_list(env, world_size)
         current = _parse_current_endpoint(env, endpoints, rank)
         master_addr, master_port = _parse_master(env, endpoints)
-        backend = (_read(env, "PADDLE_DISTRI_BACKEND") or "auto").lower()
-        if backend not in BACKENDS:
-            _fail("PADDLE_DISTRI_BACKEND", env["PADDLE_DISTRI_BACKEND"], f"one of {', '.join(BACKENDS)}")
+        backend = check_backend("PADDLE_DISTRI_BACKEND", _read(env, "PADDLE_DISTRI_BACKEND") or "auto")
         local_rank, local_world_size, node_rank = _node_layout(env, endpoints, current, rank, world_size)
 
         assign = super().__setattr__

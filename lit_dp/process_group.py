@@ -16,7 +16,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from lit_dp.env import BACKENDS, ParallelEnv, format_endpoint
+from lit_dp.backends import AUTO, check_backend, uses_nccl
+from lit_dp.env import ParallelEnv, format_endpoint
 
 _ARRIVED = "lit_dp/arrived/{}"
 _ARRIVED_COUNT = "lit_dp/arrived"
@@ -32,15 +33,17 @@ _rings_by_world: dict[dist.ProcessGroup, list[dist.ProcessGroup]] = {}
 
 
 def resolve_backend(backend: str) -> str:
-    """``auto`` becomes NCCL when CUDA is available, else Gloo; NCCL without CUDA is an error."""
-    name = backend.lower()
-    if name not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}.")
-    if name == "auto":
+    """``auto`` becomes NCCL when CUDA is available, else Gloo; NCCL without CUDA is an error.
+
+    Any other backend torch.distributed reports available (``mpi``, ``ucc``, the per-device
+    ``"cpu:gloo,cuda:nccl"``) passes through unchanged.
+    """
+    name = check_backend("backend", backend)
+    if name == AUTO:
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if name == "nccl" and not torch.cuda.is_available():
+    if uses_nccl(name) and not torch.cuda.is_available():
         raise ValueError(
-            "backend='nccl' needs CUDA, but torch.cuda.is_available() is False on this machine: "
+            f"backend={name!r} needs CUDA, but torch.cuda.is_available() is False on this machine: "
             "use backend='gloo' (or 'auto') for CPU training."
         )
     return name
@@ -71,19 +74,24 @@ def init_parallel_env(
     timeout: timedelta | float | None = None,
     *,
     parallel_env: ParallelEnv | None = None,
+    one_process_group: bool = False,
 ) -> dist.ProcessGroup | None:
     """Create torch.distributed's default process group from the launcher's variables.
 
     Args:
-        backend: ``"auto"``, ``"nccl"`` or ``"gloo"``; defaults to ``PADDLE_DISTRI_BACKEND``.
+        backend: ``"auto"`` or any backend torch.distributed reports available (``"gloo"``,
+            ``"nccl"``, ``"cpu:gloo,cuda:nccl"``, ...); defaults to ``PADDLE_DISTRI_BACKEND``.
         timeout: bounds the rendezvous and every collective (timedelta or seconds); defaults to
             ``PADDLE_PG_TIMEOUT``.
         parallel_env: the job description; defaults to ``ParallelEnv()`` over ``os.environ``.
             The Lightning strategy passes one built from Lightning's cluster environment.
+        one_process_group: at world size 1, create a group of one rank instead of none, so that
+            code calling ``torch.distributed`` runs unchanged on one device (what the Lightning
+            strategies ask for, like Lightning's ``"ddp"``).
 
     Returns:
-        The default process group, or None (with a warning) for a world size below 2. A second
-        call returns the existing group.
+        The default process group, or None (with a warning, Paddle's documented behaviour) for
+        a world size of 1 unless ``one_process_group``. A second call returns the existing group.
     """
     env = ParallelEnv() if parallel_env is None else parallel_env
     if dist.is_initialized():
@@ -96,7 +104,7 @@ def init_parallel_env(
         return world
     # Rings of a group destroyed behind our back would keep its store, and its port, alive.
     _rings_by_world.clear()
-    if env.world_size < 2:
+    if env.world_size < 2 and not one_process_group:
         warnings.warn(
             "init_parallel_env: world size is 1 (PADDLE_TRAINERS_NUM unset or 1); "
             "no process group is created and training runs in this single process.",
@@ -105,17 +113,18 @@ def init_parallel_env(
         return None
     chosen = resolve_backend(env.backend if backend is None else backend)
     deadline = resolve_timeout(timeout, env)
-    if env.master_addr is None or env.master_port is None:
+    if env.world_size > 1 and (env.master_addr is None or env.master_port is None):
         raise ValueError(
             f"init_parallel_env: world size is {env.world_size} but no rendezvous address is set: expected "
             "MASTER_ADDR and MASTER_PORT, PADDLE_MASTER, or PADDLE_TRAINER_ENDPOINTS."
         )
     device = None
-    if chosen == "nccl":
+    if uses_nccl(chosen):
         _select_cuda_device(env.device_id)
         device = cuda_device_identity(env.device_id)
 
-    store = _rendezvous(env, deadline, device)
+    # One rank has nobody to meet: an in-memory store, and no port to bind or collide on.
+    store = _rendezvous(env, deadline, device) if env.world_size > 1 else dist.HashStore()
     dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=deadline)
     world = dist.group.WORLD
     _rings_by_world[world] = [world] + [

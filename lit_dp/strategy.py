@@ -2,7 +2,10 @@
 
 Lightning launches the processes (or Paddle's launcher / torchrun / SLURM did); in each one the
 strategy brings up the process group with ``init_parallel_env`` and wraps the LightningModule
-in ``lit_dp.DataParallel``.
+in ``lit_dp.DataParallel``. On one device too: a group of one rank, as under ``"ddp"``.
+
+The registered names copy Lightning's ``ddp`` families (see ``register_families``); the Fabric
+strategy in ``lit_dp.fabric`` shares them and the helpers below.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from lit_dp.backends import AUTO, check_backend
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.cluster_environment import PaddleEnvironment
 from lit_dp.config import check_strategy_options
@@ -41,10 +45,22 @@ from lit_dp.env import ParallelEnv
 from lit_dp.process_group import destroy_parallel_env, init_parallel_env
 from lit_dp.reducer import UNUSED_PARAMETERS_HINT
 
-LIGHTNING_UNUSED_PARAMETERS_HINT = (
-    "If this is intentional, enable unused-parameter detection: "
-    "`Trainer(strategy=PaddleDPStrategy(find_unused_parameters=True))`, or "
-    "`strategy.find_unused_parameters=true` on a recipe's command line."
+# Lightning's own sentence (`DDPStrategy.on_exception`), which is what users search for, then ours.
+LIGHTNING_UNUSED_PARAMETERS_MESSAGE = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+    "training_step. If this is intentional, you must enable the detection of unused parameters in lit_dp, either "
+    "by setting the string value `strategy='paddle_dp_find_unused_parameters_true'` or by setting the flag in the "
+    "strategy with `strategy=PaddleDPStrategy(find_unused_parameters=True)` "
+    "(`strategy.find_unused_parameters=true` on a recipe's command line)."
+)
+
+# Lightning's `ddp`, `ddp_spawn`, `ddp_fork`, `ddp_notebook` with their start methods
+# (lightning/pytorch/strategies/ddp.py); each also gets `_find_unused_parameters_true|false`.
+FAMILIES = (
+    ("paddle_dp", "popen"),
+    ("paddle_dp_spawn", "spawn"),
+    ("paddle_dp_fork", "fork"),
+    ("paddle_dp_notebook", "fork"),
 )
 
 
@@ -56,7 +72,9 @@ class PaddleDPStrategy(ParallelStrategy):
         last_comm_buffer_size: size limit in MB of the last bucket reduced in backward.
         find_unused_parameters: tolerate parameters that get no gradient in an iteration.
         gradient_as_bucket_view: make ``.grad`` tensors views into the bucket buffers.
-        backend: ``"auto"`` (NCCL for CUDA devices, Gloo otherwise), ``"nccl"`` or ``"gloo"``.
+        backend: ``"auto"`` (NCCL for CUDA devices, Gloo otherwise) or any backend
+            torch.distributed reports available, passed through (``"gloo"``, ``"mpi"``,
+            ``"cpu:gloo,cuda:nccl"``, ...), like ``DDPStrategy(process_group_backend=...)``.
         nrings: communicators to spread buckets over (1..8); default ``FLAGS_nccl_nrings`` or 1.
         timeout: bound on the rendezvous and every collective (timedelta or seconds); default
             ``PADDLE_PG_TIMEOUT`` or 30 minutes.
@@ -105,7 +123,7 @@ class PaddleDPStrategy(ParallelStrategy):
         self._last_comm_buffer_size = last_comm_buffer_size
         self._find_unused_parameters = find_unused_parameters
         self._gradient_as_bucket_view = gradient_as_bucket_view
-        self._backend = backend.lower()
+        self._backend = check_backend("backend", backend)
         self._nrings = nrings
         self._timeout = timeout
         self._start_method = start_method
@@ -131,9 +149,7 @@ class PaddleDPStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> str:
         """The backend in effect: ``auto`` resolved against this process's device."""
-        if self._backend != "auto":
-            return self._backend
-        return "nccl" if self.root_device.type == "cuda" else "gloo"
+        return self._backend if self._backend != AUTO else default_backend(self.root_device)
 
     @property
     def is_distributed(self) -> bool:
@@ -177,36 +193,19 @@ class PaddleDPStrategy(ParallelStrategy):
         self.setup_distributed()
 
     def setup_distributed(self) -> None:
-        """Seed, ranks, then the process group (none for a single process)."""
+        """Seed, ranks, then the process group: one rank's own for a single process, as under ``"ddp"``."""
         reset_seed()
         self.set_world_ranks()
-        if self.world_size < 2:
-            return
-        init_parallel_env(self.process_group_backend, self._timeout, parallel_env=self._parallel_env())
+        environment = lightning_parallel_env(
+            self.cluster_environment, self.global_rank, self.world_size, self.root_device, self._nrings
+        )
+        init_parallel_env(self.process_group_backend, self._timeout, parallel_env=environment, one_process_group=True)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    def _parallel_env(self) -> ParallelEnv:
-        """The job as ``init_parallel_env`` reads it, from whichever cluster environment is in use.
-
-        Paddle's ``FLAGS_nccl_nrings`` and ``PADDLE_PG_TIMEOUT`` still apply unless the
-        strategy's own options override them.
-        """
-        assert self.cluster_environment is not None
-        environ = {
-            "PADDLE_TRAINER_ID": str(self.global_rank),
-            "PADDLE_TRAINERS_NUM": str(self.world_size),
-            "MASTER_ADDR": self.cluster_environment.main_address,
-            "MASTER_PORT": str(self.cluster_environment.main_port),
-            "FLAGS_selected_gpus": str(self.root_device.index or 0),
-            "FLAGS_nccl_nrings": str(self._nrings or os.environ.get("FLAGS_nccl_nrings", "")),
-            "PADDLE_PG_TIMEOUT": os.environ.get("PADDLE_PG_TIMEOUT", ""),
-        }
-        return ParallelEnv(environ)
 
     def describe(self) -> str:
         """One line with the settings in effect, for logs."""
@@ -237,9 +236,6 @@ class PaddleDPStrategy(ParallelStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        if not dist.is_initialized():
-            rank_zero_info("paddle_dp: a single process; the model is not wrapped and no gradients are synchronised.")
-            return model
         return DataParallel(
             model,
             comm_buffer_size=self._comm_buffer_size,
@@ -299,9 +295,7 @@ class PaddleDPStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        message = exception.args[0] if exception.args else None
-        if isinstance(message, str) and UNUSED_PARAMETERS_HINT in message:
-            exception.args = (message.replace(UNUSED_PARAMETERS_HINT, LIGHTNING_UNUSED_PARAMETERS_HINT),)
+        restate_unused_parameters_error(exception, LIGHTNING_UNUSED_PARAMETERS_MESSAGE)
 
     @override
     def teardown(self) -> None:
@@ -323,14 +317,7 @@ class PaddleDPStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, start_method in (("paddle_dp", "popen"), ("paddle_dp_spawn", "spawn")):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"lit_dp bucketed data parallelism, start_method '{start_method}'",
-                override=True,
-                start_method=start_method,
-            )
+        register_families(strategy_registry, cls)
 
 
 class _ManualOptimizationRedirection(_ForwardRedirection):
@@ -355,3 +342,68 @@ class _ManualOptimizationRedirection(_ForwardRedirection):
             wrapper_module.grad_need_sync = self._saved_sync
             self._saved_sync = None
 
+
+
+def register_families(registry: _StrategyRegistry, strategy: type) -> None:
+    """Register ``FAMILIES`` and their ``_find_unused_parameters_true|false`` forms for ``strategy``.
+
+    Lower-case, like Lightning's: the Trainer and Fabric lower-case a name before looking it up.
+    """
+    for family, start_method in FAMILIES:
+        registry.register(
+            family,
+            strategy,
+            description=f"lit_dp bucketed data parallelism, start_method {start_method!r}",
+            override=True,
+            start_method=start_method,
+        )
+        for find_unused in (False, True):
+            registry.register(
+                f"{family}_find_unused_parameters_{str(find_unused).lower()}",
+                strategy,
+                description=f"lit_dp with find_unused_parameters={find_unused}, start_method {start_method!r}",
+                override=True,
+                find_unused_parameters=find_unused,
+                start_method=start_method,
+            )
+
+
+def default_backend(device: torch.device) -> str:
+    """What ``backend="auto"`` means for ``device``: NCCL for CUDA, Gloo otherwise (as under ``"ddp"``)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def lightning_parallel_env(
+    cluster_environment: ClusterEnvironment | None,
+    global_rank: int,
+    world_size: int,
+    device: torch.device,
+    nrings: int | None,
+) -> ParallelEnv:
+    """The job as ``init_parallel_env`` reads it, from whichever Lightning cluster environment is in use.
+
+    Paddle's ``FLAGS_nccl_nrings`` and ``PADDLE_PG_TIMEOUT`` still apply unless the
+    strategy's own options override them.
+    """
+    assert cluster_environment is not None
+    environ = {
+        "PADDLE_TRAINER_ID": str(global_rank),
+        "PADDLE_TRAINERS_NUM": str(world_size),
+        "MASTER_ADDR": cluster_environment.main_address,
+        "MASTER_PORT": str(cluster_environment.main_port),
+        "FLAGS_selected_gpus": str(device.index or 0),
+        "FLAGS_nccl_nrings": str(nrings or os.environ.get("FLAGS_nccl_nrings", "")),
+        "PADDLE_PG_TIMEOUT": os.environ.get("PADDLE_PG_TIMEOUT", ""),
+    }
+    return ParallelEnv(environ)
+
+
+def restate_unused_parameters_error(exception: BaseException, opening: str) -> None:
+    """Open the reducer's unused-parameter error with ``opening``; keep its parameter list.
+
+    The reducer's generic hint (``UNUSED_PARAMETERS_HINT``) gives way to the front door's own.
+    """
+    message = exception.args[0] if exception.args else None
+    if isinstance(message, str) and UNUSED_PARAMETERS_HINT in message:
+        details = message.replace(UNUSED_PARAMETERS_HINT, "").rstrip()
+        exception.args = (f"{opening}\n{details}",)

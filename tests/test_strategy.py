@@ -9,11 +9,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lit_dp
 from lit_dp import DataParallel, PaddleDPStrategy, PaddleEnvironment
 from tests.distributed import run_ranks
 
@@ -131,11 +132,19 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     assert_same_weights(resumed.state_dict(), uninterrupted)
 
 
+LIGHTNING_SENTENCE = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+    "training_step."
+)
+
+
 def test_unused_parameter_error_names_the_strategy_option(tmp_path):
     with pytest.raises(Exception) as error:
         trainer("paddle_dp_spawn", tmp_path, max_epochs=1).fit(Regressor(unused=True))
     message = str(error.value)
+    assert message.startswith(LIGHTNING_SENTENCE), message
     assert "spare.weight (missing on 2 of 2 ranks" in message
+    assert "strategy='paddle_dp_find_unused_parameters_true'" in message
     assert "PaddleDPStrategy(find_unused_parameters=True)" in message
 
 
@@ -155,11 +164,70 @@ def test_one_rank_dying_fails_the_job_quickly(tmp_path):
     assert time.monotonic() - started < 60
 
 
-def test_single_device_runs_without_a_process_group(tmp_path):
-    module = Regressor()
-    trainer("paddle_dp", tmp_path, devices=1, max_epochs=1, limit_train_batches=2).fit(module)
-    assert module.wrapper == "Regressor"
-    assert not dist.is_initialized()
+class UserSampler(Regressor):
+    """User code that calls torch.distributed unconditionally, as many datamodules and callbacks do."""
+
+    def train_dataloader(self):
+        dataset = super().train_dataloader().dataset
+        return DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, shuffle=False))
+
+
+class RecordGroup(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.seen = (dist.get_rank(), dist.get_world_size(), dist.get_backend())
+
+
+def test_one_device_is_a_one_rank_group_like_ddp(tmp_path):
+    """devices=1: a group of one rank and a wrapped model, so user code calling torch.distributed runs."""
+    weights = {}
+    for name in ("paddle_dp", "ddp"):
+        module, record = UserSampler(), RecordGroup()
+        trainer(name, tmp_path, devices=1, max_epochs=1, callbacks=[record]).fit(module)
+        assert record.seen == (0, 1, "gloo"), name
+        weights[name] = module.state_dict()
+        if name == "paddle_dp":
+            assert module.wrapper == "DataParallel"
+            assert not dist.is_initialized(), "teardown must destroy the one-rank group"
+    assert_same_weights(weights["paddle_dp"], weights["ddp"])
+    assert not torch.equal(weights["ddp"]["net.0.weight"], Regressor().state_dict()["net.0.weight"]), "no training"
+
+
+def test_one_device_unused_parameter_raises_as_on_many(tmp_path):
+    with pytest.raises(RuntimeError) as error:
+        trainer("paddle_dp", tmp_path, devices=1, max_epochs=1).fit(Regressor(unused=True))
+    message = str(error.value)
+    assert message.startswith(LIGHTNING_SENTENCE), message
+    assert "spare.weight (missing on 1 of 1 ranks, including this one)" in message
+    trainer("paddle_dp_find_unused_parameters_true", tmp_path, devices=1, max_epochs=1).fit(Regressor(unused=True))
+
+
+def test_backend_passes_through_to_the_process_group(tmp_path):
+    record = RecordGroup()
+    strategy = PaddleDPStrategy(backend=" CPU:Gloo ")  # torch's per-device form
+    trainer(strategy, tmp_path, devices=1, max_epochs=1, limit_train_batches=1, callbacks=[record]).fit(Regressor())
+    assert strategy.process_group_backend == "cpu:gloo"
+    assert record.seen == (0, 1, "cpu:gloo")
+    assert PaddleDPStrategy(backend="cpu:gloo,cuda:nccl").process_group_backend == "cpu:gloo,cuda:nccl"
+    assert PaddleDPStrategy(backend="GLOO").process_group_backend == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("no_such", r"backend='no_such' is invalid: expected 'auto', a backend .* available here \(gloo, nccl"),
+        ("cpu:gloo,cuda:no_such", r"backend\(s\) 'no_such' are not available .*; available: gloo, nccl"),
+        ("cpu:gloo,cpu:nccl", "expected '<device>:<backend>' pairs separated by commas, one per device type"),
+    ],
+)
+def test_unavailable_backend_is_a_clear_error(backend, message):
+    with pytest.raises(ValueError, match=message):
+        PaddleDPStrategy(backend=backend)
+
+
+@pytest.mark.skipif(dist.is_mpi_available(), reason="checks the error where torch has no MPI")
+def test_mpi_without_mpi_names_the_available_backends():
+    with pytest.raises(ValueError, match=r"backend='mpi' is invalid: .*available here \(gloo"):
+        PaddleDPStrategy(backend="mpi")
 
 
 def fit_twice_under_paddle_launcher(rank, tmp_path):
@@ -185,7 +253,7 @@ def test_paddle_launcher_variables_drive_lightning_and_a_second_fit_works(tmp_pa
     [
         ("comm_buffer_size", -1, "comm_buffer_size=-1 is invalid: expected a positive number of megabytes"),
         ("last_comm_buffer_size", 0, "last_comm_buffer_size=0 is invalid"),
-        ("backend", "mpi", "backend='mpi' is invalid: expected one of auto, nccl, gloo"),
+        ("backend", "nope", "backend='nope' is invalid: expected 'auto', a backend torch.distributed reports"),
         ("nrings", 9, r"nrings=9 is invalid: expected an integer in \[1, 8\]"),
         ("timeout", -3, "timeout=-3 is invalid: expected a positive duration"),
         ("start_method", "thread", "start_method='thread' is invalid"),
@@ -197,9 +265,45 @@ def test_options_are_validated(option, value, message):
         PaddleDPStrategy(**{option: value})
 
 
-def test_import_registers_both_names():
-    from lightning.pytorch.strategies import StrategyRegistry
+# Every name lit_dp registers: (start method, find_unused_parameters), those of Lightning's `ddp` twin.
+REGISTERED = {
+    "paddle_dp": ("popen", False),
+    "paddle_dp_find_unused_parameters_false": ("popen", False),
+    "paddle_dp_find_unused_parameters_true": ("popen", True),
+    "paddle_dp_spawn": ("spawn", False),
+    "paddle_dp_spawn_find_unused_parameters_false": ("spawn", False),
+    "paddle_dp_spawn_find_unused_parameters_true": ("spawn", True),
+    "paddle_dp_fork": ("fork", False),
+    "paddle_dp_fork_find_unused_parameters_false": ("fork", False),
+    "paddle_dp_fork_find_unused_parameters_true": ("fork", True),
+    "paddle_dp_notebook": ("fork", False),
+    "paddle_dp_notebook_find_unused_parameters_false": ("fork", False),
+    "paddle_dp_notebook_find_unused_parameters_true": ("fork", True),
+}
 
-    assert StrategyRegistry["paddle_dp"]["init_params"]["start_method"] == "popen"
-    assert StrategyRegistry["paddle_dp_spawn"]["init_params"]["start_method"] == "spawn"
-    assert lit_dp.PaddleDPStrategy is StrategyRegistry["paddle_dp"]["strategy"]
+
+def launcher_start_method(launcher) -> str:
+    if isinstance(launcher, _SubprocessScriptLauncher):
+        return "popen"
+    assert isinstance(launcher, _MultiProcessingLauncher), type(launcher)
+    return launcher._start_method
+
+
+def test_the_families_mirror_lightnings_ddp_names():
+    ours = {name for name in StrategyRegistry.available_strategies() if name.startswith("paddle_dp")}
+    lightning = {name for name in StrategyRegistry.available_strategies() if name.startswith("ddp")}
+    assert ours == set(REGISTERED)
+    assert ours == {"paddle_dp" + name[len("ddp") :] for name in lightning}
+    for name, (start_method, find_unused) in REGISTERED.items():
+        twin = StrategyRegistry["ddp" + name[len("paddle_dp") :]]["init_params"]
+        assert (twin["start_method"], twin.get("find_unused_parameters", False)) == (start_method, find_unused), name
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED))
+def test_every_name_resolves_case_insensitively(name):
+    start_method, find_unused = REGISTERED[name]
+    for spelling in (name, name.upper()):
+        strategy = pl.Trainer(strategy=spelling, accelerator="cpu", devices=2, logger=False).strategy
+        assert type(strategy) is PaddleDPStrategy, spelling
+        assert launcher_start_method(strategy.launcher) == start_method, spelling
+        assert strategy.find_unused_parameters is find_unused, spelling

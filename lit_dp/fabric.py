@@ -1,0 +1,256 @@
+"""``lit_dp.fabric.PaddleDPStrategy``: ``Fabric(strategy="paddle_dp")`` for hand-written loops.
+
+The Fabric twin of ``lit_dp.PaddleDPStrategy``, as Lightning has a ``DDPStrategy`` in
+``lightning.fabric.strategies`` next to the Trainer's: same options, same registered names, the
+same ``lit_dp.DataParallel``. ``fabric.setup(model, optimizer)`` wraps the model,
+``fabric.backward`` synchronises, ``fabric.no_backward_sync(model)`` is ``DataParallel.no_sync``,
+and checkpoints hold the bare module's state (no wrapper prefix).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import override
+
+from lit_dp.backends import AUTO, check_backend
+from lit_dp.cluster_environment import PaddleEnvironment
+from lit_dp.config import check_strategy_options
+from lit_dp.data_parallel import DataParallel
+from lit_dp.process_group import destroy_parallel_env, init_parallel_env
+from lit_dp.strategy import (
+    default_backend,
+    lightning_parallel_env,
+    register_families,
+    restate_unused_parameters_error,
+)
+
+FABRIC_UNUSED_PARAMETERS_MESSAGE = (
+    "It looks like your model has parameters that were not used in producing the loss passed to "
+    "fabric.backward. If this is intentional, you must enable the detection of unused parameters in lit_dp, either "
+    "by setting the string value `Fabric(strategy='paddle_dp_find_unused_parameters_true')` or by setting the flag "
+    "in the strategy with `Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(find_unused_parameters=True))`."
+)
+
+
+class PaddleDPStrategy(ParallelStrategy):
+    """Data parallelism with lit_dp's bucketed reducer in Fabric, one process per device.
+
+    Options as ``lit_dp.PaddleDPStrategy`` (the Trainer's): ``comm_buffer_size``,
+    ``last_comm_buffer_size``, ``find_unused_parameters``, ``gradient_as_bucket_view``,
+    ``backend``, ``nrings``, ``timeout``, ``start_method``. One device gets a process group of
+    one rank and a wrapped model, as under Fabric's ``"ddp"``.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        comm_buffer_size: float = 25,
+        last_comm_buffer_size: float = 1,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        backend: str = "auto",
+        nrings: int | None = None,
+        timeout: timedelta | float | None = None,
+        start_method: str = "popen",
+    ) -> None:
+        check_strategy_options(
+            comm_buffer_size=comm_buffer_size,
+            last_comm_buffer_size=last_comm_buffer_size,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            backend=backend,
+            nrings=nrings,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        if cluster_environment is None and PaddleEnvironment.detect():
+            cluster_environment = PaddleEnvironment()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._comm_buffer_size = comm_buffer_size
+        self._last_comm_buffer_size = last_comm_buffer_size
+        self._find_unused_parameters = find_unused_parameters
+        self._gradient_as_bucket_view = gradient_as_bucket_view
+        self._backend = check_backend("backend", backend)
+        self._nrings = nrings
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._backward_sync_control = _PaddleDPBackwardSyncControl()
+
+    @property
+    def comm_buffer_size(self) -> float:
+        return self._comm_buffer_size
+
+    @property
+    def last_comm_buffer_size(self) -> float:
+        return self._last_comm_buffer_size
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        return self._find_unused_parameters
+
+    @property
+    def gradient_as_bucket_view(self) -> bool:
+        return self._gradient_as_bucket_view
+
+    @property
+    def process_group_backend(self) -> str:
+        """The backend in effect: ``auto`` resolved against this process's device."""
+        return self._backend if self._backend != AUTO else default_backend(self.root_device)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._set_world_ranks()
+        environment = lightning_parallel_env(
+            self.cluster_environment, self.global_rank, self.world_size, self.root_device, self._nrings
+        )
+        init_parallel_env(self.process_group_backend, self._timeout, parallel_env=environment, one_process_group=True)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_module(self, module: Module) -> DataParallel:
+        return DataParallel(
+            module,
+            comm_buffer_size=self._comm_buffer_size,
+            last_comm_buffer_size=self._last_comm_buffer_size,
+            find_unused_parameters=self._find_unused_parameters,
+            gradient_as_bucket_view=self._gradient_as_bucket_view,
+        )
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        module.to(self.root_device)
+
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        except RuntimeError as error:
+            # Fabric has no `on_exception` hook: the reducer's error is restated on its way out.
+            restate_unused_parameters_error(error, FABRIC_UNUSED_PARAMETERS_MESSAGE)
+            raise
+
+    @override
+    def all_reduce(
+        self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not dist.is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src)
+        return container[0]
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        if isinstance(module, DataParallel):
+            module = module.module
+        return super().get_module_state_dict(module)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        if isinstance(module, DataParallel):
+            module = module.module
+        super().load_module_state_dict(module=module, state_dict=state_dict, strict=strict)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        destroy_parallel_env()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_families(strategy_registry, cls)
+
+
+class _PaddleDPBackwardSyncControl(_BackwardSyncControl):
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        """``DataParallel.no_sync``: forward and backward inside accumulate gradients locally."""
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, DataParallel):
+            raise TypeError(
+                "Blocking backward sync is only possible if the module passed to"
+                f" `{self.__class__.__name__}.no_backward_sync` is wrapped in `lit_dp.DataParallel`."
+                f" Got: {module.__class__.__name__}."
+            )
+        return module.no_sync()
