@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# What a lent GPU machine runs (see ../shared/GPU.md and docs/benchmarks.md): the `cuda` tests,
+# the GPU benchmark, and, given "cpu", the CPU reducer benchmark on that machine's idle cores.
+# Run from the repository root with the Hydra wheels in .whl/; logs go to $OUT (or gpu-logs/).
+#   bash scripts/gpu_checks.sh tests bench cpu
+set -uo pipefail
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)" | tee -a "$out/device.txt"
+for part in "$@"; do
+  case "$part" in
+    tests) python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="" 2>&1 | tee "$out/cuda-tests.log" ;;
+    bench) python3 recipes/bench_reducer.py device=cuda 2>&1 | tee "$out/gpu-bench.log" ;;
+    cpu) python3 recipes/bench_reducer.py measure_memory=false 2>&1 | tee "$out/cpu-bench.log" ;;
+    recipe) python3 recipes/charlm.py experiment=charlm_gpt2 trainer.devices=1 trainer.max_steps=60 \
+              trainer.val_check_interval=60 trainer.limit_val_batches=2 2>&1 | tail -40 | tee "$out/charlm-gpt2.log" ;;
+    *) echo "unknown part: $part" ;;
+  esac
+done
