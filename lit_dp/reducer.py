@@ -95,7 +95,7 @@ class Reducer:
         self._started = False
         self._next_bucket = 0
         self._pending: list[int] = []
-        self._pending_flags: PendingFlags | None = None
+        self._pending_flags: list[PendingFlags] = []
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -212,9 +212,8 @@ class Reducer:
             skipped = self._unused_members(self._flag_totals())
         else:
             skipped = [()] * len(buckets)
-            self._pending_flags = PendingFlags(buckets, used)
-            if not self._pending_flags.on_cuda:
-                self._check_pending_flags()
+            self._pending_flags.append(PendingFlags(buckets, used))
+            self._check_pending_flags()  # at once where the flags are already on the host
         for bucket, members in zip(buckets, skipped):
             bucket.write_back(self._as_view, members)
         if not self._rebuilt:
@@ -233,22 +232,21 @@ class Reducer:
         return skipped
 
     def _check_pending_flags(self) -> None:
-        """Raise, on every rank, if some rank got no gradient for a parameter in the last backward.
+        """Raise, on every rank, if some rank got no gradient for a parameter in an earlier backward.
 
         Without ``find_unused_parameters`` the flags only confirm what is expected, so on CUDA
-        they are copied to pinned host memory without blocking and read here, at the next
-        synchronised forward, when the copy has long finished.
+        they are copied to pinned host memory without blocking and read at the next synchronised
+        forward whose copy has finished: the next one, or, when the GPU runs more than a step
+        behind the host, the one after, which waits for it (the GPU is then busy with work
+        already queued, so waiting costs it nothing).
         """
-        pending, self._pending_flags = self._pending_flags, None
-        if pending is None:
-            return
-        missing = [
-            (index, total)
-            for index, total in zip(pending.indices, pending.totals())
-            if total != 0
-        ]
-        if missing:
-            raise RuntimeError(self._missing_gradients_message(missing, pending.used))
+        pending = self._pending_flags
+        while pending and (pending[0].arrived() or len(pending) > 1):
+            flags = pending.pop(0)
+            missing = [(index, total) for index, total in zip(flags.indices, flags.totals()) if total != 0]
+            if missing:
+                pending.clear()
+                raise RuntimeError(self._missing_gradients_message(missing, flags.used))
 
     def _missing_gradients_message(self, missing: list[tuple[int, float]], used: bytearray) -> str:
         lines = [
@@ -343,28 +341,26 @@ def _tensors_in(value: object):
 
 
 class PendingFlags:
-    """The flags of one backward on their way to the host, read without blocking on CUDA.
+    """The flags of one backward on their way to the host, copied without blocking on CUDA."""
 
-    ``totals()`` waits for the copy only if it has not finished yet, which happens only when
-    the GPU is more than a forward behind the host.
-    """
-
-    __slots__ = ("indices", "used", "on_cuda", "_host", "_done")
+    __slots__ = ("indices", "used", "_host", "_copied")
 
     def __init__(self, buckets: Sequence[DenseBucket | SparseBucket], used: bytearray) -> None:
         self.indices = [index for bucket in buckets for index in bucket.indices]
         self.used = used
         flags = torch.cat([bucket.flags for bucket in buckets])
-        self.on_cuda = flags.is_cuda
-        if self.on_cuda:
+        if flags.is_cuda:
             self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             self._host.copy_(flags, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         else:
-            self._host, self._done = flags, None
+            self._host, self._copied = flags, None
+
+    def arrived(self) -> bool:
+        return self._copied is None or self._copied.query()
 
     def totals(self) -> list[float]:
-        if self._done is not None and not self._done.query():
-            self._done.synchronize()
+        if self._copied is not None:
+            self._copied.synchronize()  # returns at once once arrived()
         return self._host.tolist()

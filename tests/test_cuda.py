@@ -141,6 +141,7 @@ def test_a_missing_gradient_raises_at_the_next_forward_on_cuda(nccl_world_of_one
     model = lit_dp.DataParallel(Skips().cuda())
     inputs = torch.randn(4, 8, device="cuda")
     model(inputs).sum().backward()  # the flags travel to the host without blocking
+    torch.cuda.synchronize()  # they have arrived by the next forward (else they are read one step later)
     with pytest.raises(RuntimeError, match=r"skipped.weight \(missing on 1 of 1 ranks, including this one\)"):
         model(inputs)
 
