@@ -176,42 +176,13 @@ def _wrap(mode: str, model: nn.Module, config: GPTBenchmarkConfig, group: dist.P
             process_group=group,
         )
     if mode == "lit_dp":
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="lit_dp.DataParallel: world size is 1")
-            wrapped = lit_dp.DataParallel(
-                model,
-                comm_buffer_size=config.comm_buffer_size,
-                last_comm_buffer_size=config.last_comm_buffer_size,
-                group=group,
-            )
-        if wrapped.reducer is None:
-            _attach_reducer(wrapped, config, group)
-        return wrapped
+        return lit_dp.DataParallel(
+            model,
+            comm_buffer_size=config.comm_buffer_size,
+            last_comm_buffer_size=config.last_comm_buffer_size,
+            group=group,
+        )
     return model
-
-
-def _attach_reducer(wrapped: nn.Module, config: GPTBenchmarkConfig, group: dist.ProcessGroup) -> None:
-    """Give a DataParallel on a one-rank group the reducer it builds on larger groups.
-
-    DataParallel runs a module unchanged at world size 1 (Paddle's behaviour), while torch DDP
-    still runs its reducer there; the one-rank rows exist to measure the reducer's own cost, so
-    the benchmark builds it as ``DataParallel.__init__`` does (dense parameters only: the GPT
-    has no sparse embedding).
-    """
-    from lit_dp.buckets import megabytes_to_bytes
-    from lit_dp.reducer import Reducer
-
-    if dist.get_world_size(group) != 1:
-        raise RuntimeError(f"lit_dp.DataParallel built no reducer on a group of {dist.get_world_size(group)} ranks.")
-    named = [(name, param) for name, param in wrapped.module.named_parameters() if param.requires_grad]
-    wrapped._reducer = Reducer(
-        [param for _, param in named],
-        [name for name, _ in named],
-        [group],
-        bucket_bytes=megabytes_to_bytes("gpt.comm_buffer_size", config.comm_buffer_size),
-        last_bucket_bytes=megabytes_to_bytes("gpt.last_comm_buffer_size", config.last_comm_buffer_size),
-        sparse=[False] * len(named),
-    )
 
 
 def _device_of(model: nn.Module) -> torch.device:
