@@ -51,6 +51,10 @@ def train(fabric: Fabric, accumulate: int) -> tuple[nn.Module, torch.optim.Optim
             x, y = next(batches)
             with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
                 fabric.backward(((model(x) - y) ** 2).mean())
+            if micro < accumulate - 1 and fabric.world_size > 1:
+                # Not synchronised yet: each rank still holds the gradient of its own shard.
+                grads = fabric.all_gather(next(model.parameters()).grad)
+                assert not torch.equal(grads[0], grads[1]), "no_backward_sync did not keep gradients local"
         optimizer.step()
         optimizer.zero_grad()
     return model, optimizer
