@@ -201,6 +201,15 @@ def test_one_device_unused_parameter_raises_as_on_many(tmp_path):
     trainer("paddle_dp_find_unused_parameters_true", tmp_path, devices=1, max_epochs=1).fit(Regressor(unused=True))
 
 
+def test_one_device_benchmark_reports_ratios():
+    from lit_dp.recipes.one_device_benchmark import OneDeviceBenchmarkConfig, report, run
+
+    config = OneDeviceBenchmarkConfig(steps=1, warmup=1, rounds=1, models=("many_small",))
+    table = report(run(config), config)
+    assert "| lit_dp / bare | lit_dp / DDP |" in table and "| many_small |" in table
+    assert not dist.is_initialized(), "the benchmark must destroy the group it created"
+
+
 def test_backend_passes_through_to_the_process_group(tmp_path):
     record = RecordGroup()
     strategy = PaddleDPStrategy(backend=" CPU:Gloo ")  # torch's per-device form
