@@ -38,7 +38,8 @@ class DataParallel(nn.Module):
             gradient is stored once instead of twice (large gradients, reduced in place, are
             stored once without it).
 
-    ``no_sync()`` accumulates gradients locally; ``state_dict()`` is the inner module's, with
+    ``no_sync()`` accumulates gradients locally (as does ``skip_grad_sync = True``, which
+    ``lit_dp.LocalSGD`` sets for its local phase); ``state_dict()`` is the inner module's, with
     no prefix. With a world size of 1 the module runs unchanged.
     """
 
@@ -56,6 +57,8 @@ class DataParallel(nn.Module):
         last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
         self._layers = layers
         self.grad_need_sync = True
+        # Set by lit_dp.LocalSGD for its local phase: backward then communicates nothing.
+        self.skip_grad_sync = False
         self._reducer: Reducer | None = None
         if not dist.is_initialized() or dist.get_world_size(group) < 2:
             warnings.warn(
@@ -101,7 +104,7 @@ class DataParallel(nn.Module):
         outputs = self._layers(*inputs, **kwargs)
         # The forward decides whether the next backward synchronises (as in torch DDP and Paddle),
         # so `no_sync()` must wrap the forward, not only the backward.
-        if self._reducer is not None and self.grad_need_sync and torch.is_grad_enabled():
+        if self._reducer is not None and self.grad_need_sync and not self.skip_grad_sync and torch.is_grad_enabled():
             self._reducer.prepare_for_backward(outputs)
         return outputs
 
