@@ -134,6 +134,7 @@ class LocalSGD:
 
     @property
     def in_local_phase(self) -> bool:
+        """Whether warm-up is over: gradients stay local, models are averaged periodically."""
         return self._step >= self._warmup_steps
 
     def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None) -> bool:
@@ -146,7 +147,7 @@ class LocalSGD:
             self._loss_0, self._lr_0 = self._agreed_loss_and_lr(loss, lr)
         averaged = False
         if self._step > self._warmup_steps and self._step - self._last_average == self._local_steps:
-            self.average()
+            self._average()
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(loss, lr))
             averaged = True
@@ -156,10 +157,10 @@ class LocalSGD:
     def finish(self) -> None:
         """Average once more if any local step was taken since the last average (call when training ends)."""
         if self._step > max(self._last_average, self._warmup_steps):
-            self.average()
+            self._average()
 
-    def average(self) -> None:
-        """Replace every rank's parameters and buffers by their mean over the ranks (now)."""
+    def _average(self) -> None:
+        """Replace every rank's parameters and buffers by their mean over the ranks."""
         self._last_average = self._step
         if self._world_size < 2:
             return
@@ -182,10 +183,14 @@ class LocalSGD:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the schedule; the next average snapshots the parameters as they are then."""
+        """Restore the schedule and snapshot the parameters as they are now (equal on every rank after a resume).
+
+        A fixed period is this object's own ``local_steps``, so a run may resume with another K;
+        an adaptive period continues from the saved one.
+        """
         self._step = int(state["step"])
         self._last_average = int(state["last_average"])
-        self._local_steps = int(state["local_steps"])
+        self._local_steps = int(state["local_steps"]) if self._adaptive else self._initial_local_steps
         self._loss_0 = state.get("loss_0")
         self._lr_0 = state.get("lr_0")
         self._buckets = None
@@ -259,7 +264,7 @@ class _Bucket:
             self.work = dist.broadcast(flat, src=first_rank, group=self.ring, async_op=True)
             return
         if self.snapshot is not None:
-            flat.neg_().add_(self.snapshot)  # the delta: snapshot - parameters
+            torch.sub(self.snapshot, flat, out=flat)  # the delta: snapshot - parameters
         self.work = dist.all_reduce(flat, group=self.ring, async_op=True)
 
     def finish(self, world_size: int) -> None:
@@ -267,9 +272,11 @@ class _Bucket:
         self.work.wait()
         self.work = None
         result = self.flat
-        if self.kind != _FROM_FIRST_RANK:
-            result.div_(world_size)
         if self.snapshot is not None:
-            result = self.snapshot.sub_(result)  # the mean of the ranks' parameters, the next snapshot
+            # snapshot - mean(delta): the mean of the ranks' parameters, and the next snapshot.
+            # One pass: scaling inside the subtraction (alpha) instead of dividing first.
+            result = self.snapshot.sub_(result, alpha=1.0 / world_size)
+        elif self.kind == _MEAN:
+            result.div_(world_size)
         pieces = result.split(self.numels)
         torch._foreach_copy_([t.detach() for t in self.tensors], [p.view_as(t) for p, t in zip(pieces, self.tensors)])
