@@ -261,7 +261,7 @@ class RecordSchedule(Callback):
         self.schedule: list[tuple[int, int]] = []
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        local_sgd = trainer.strategy.local_sgd
+        local_sgd = trainer.strategy.local_sgd  # (steps so far, step of the last average)
         self.schedule.append((local_sgd.step_count, local_sgd.last_average))
 
 
@@ -300,10 +300,16 @@ def lightning_cases(rank: int, tmp_path: str) -> list[tuple[int, int]]:
         return [torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.Adam(net[2].parameters(), lr=0.01)]
 
     net = Regressor().net
-    # 4 batches per rank and epoch, accumulated in pairs: 2 optimizer steps per epoch.
-    module, _ = fit(f"{tmp_path}/accumulate", 5, accumulate_grad_batches=2, model_averaging_period=3, local_sgd_warmup_steps=1)
-    expected = simulate(net, net_optimizer, lightning_steps(5, accumulate=2), 3, 1, loss_fn=regression_loss)
-    check(module, expected, "accumulate")
+    # 4 batches per rank and epoch, accumulated in pairs: 2 optimizer steps per epoch. Adaptive:
+    # Lightning hands the strategy the last micro-batch's loss divided by 2, the simulation the
+    # undivided one; the rule only uses loss ratios.
+    module, schedule = fit(
+        f"{tmp_path}/accumulate", 5, accumulate_grad_batches=2, model_averaging_period=3, local_sgd_warmup_steps=1,
+        local_sgd_adaptive=True,
+    )
+    steps = lightning_steps(5, accumulate=2)
+    check(module, simulate(net, net_optimizer, steps, 3, 1, adaptive=True, loss_fn=regression_loss), "accumulate")
+    assert schedule[-1][0] == 10, f"10 optimizer steps expected, the averager counted {schedule[-1][0]}"
 
     module, _ = fit(f"{tmp_path}/manual", 3, Regressor(manual=True), local_sgd_steps=3, local_sgd_warmup_steps=3)
     check(module, simulate(net, two_optimizers, lightning_steps(3, optimizers=2), 3, 3, loss_fn=regression_loss), "manual")

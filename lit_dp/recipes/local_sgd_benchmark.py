@@ -37,7 +37,7 @@ class LocalSGDBenchmarkConfig:
     epochs: int = 4
     batch_size: int = 32  # per rank
     lr: float = 1e-3
-    rounds: int = 2
+    rounds: int = 3
     threads_per_rank: int = 1
     plot: str | None = None  # a PNG path for the plot
 
@@ -62,6 +62,7 @@ def _train(mode: int | None, config: LocalSGDBenchmarkConfig, data: DigitsDataMo
     images, labels = images[rank :: config.world_size], labels[rank :: config.world_size]
     sent = [0]
     times: list[float] = []
+    averaged: list[bool] = []
     steps = 0
     with (
         mock.patch.object(dist, "all_reduce", _counting(dist.all_reduce, sent)),
@@ -77,8 +78,7 @@ def _train(mode: int | None, config: LocalSGDBenchmarkConfig, data: DigitsDataMo
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                if local_sgd is not None:
-                    local_sgd.step()
+                averaged.append(local_sgd.step() if local_sgd is not None else True)
                 times.append(time.perf_counter() - began)
                 steps += 1
         if local_sgd is not None:
@@ -86,7 +86,7 @@ def _train(mode: int | None, config: LocalSGDBenchmarkConfig, data: DigitsDataMo
     val_images, val_labels = data.val_set.tensors
     with torch.no_grad():
         accuracy = (model(val_images).argmax(dim=1) == val_labels).float().mean().item()
-    return {"bytes_per_step": sent[0] / steps, "times": times, "accuracy": accuracy, "steps": steps}
+    return {"bytes_per_step": sent[0] / steps, "times": times, "averaged": averaged, "accuracy": accuracy, "steps": steps}
 
 
 def _worker(rank: int, config: LocalSGDBenchmarkConfig, port: int, results: dict) -> None:
@@ -102,12 +102,26 @@ def _worker(rank: int, config: LocalSGDBenchmarkConfig, port: int, results: dict
         shift = round_index % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             outcome = _train(mode, config, data, rank)
-            row = rows.setdefault(mode, {**outcome, "times": []})
+            row = rows.setdefault(mode, {**outcome, "times": [], "averaged": []})
             row["times"] += outcome["times"]
+            row["averaged"] += outcome["averaged"]
             assert row["accuracy"] == outcome["accuracy"], "a repeated run reached a different accuracy"
     if rank == 0:
-        results.update({mode: {**row, "step_s": statistics.fmean(row["times"])} for mode, row in rows.items()})
+        results.update({mode: _summary(row) for mode, row in rows.items()})
     lit_dp.destroy_parallel_env()
+
+
+def _summary(row: dict[str, Any]) -> dict[str, Any]:
+    """Mean step time, and medians of the steps that communicated (DP: all) and of those that did not."""
+    syncing = [t for t, synced in zip(row["times"], row["averaged"]) if synced]
+    local = [t for t, synced in zip(row["times"], row["averaged"]) if not synced]
+    return {
+        "bytes_per_step": row["bytes_per_step"],
+        "accuracy": row["accuracy"],
+        "step_s": statistics.fmean(row["times"]),
+        "sync_step_s": statistics.median(syncing) if syncing else float("nan"),
+        "local_step_s": statistics.median(local) if local else float("nan"),
+    }
 
 
 def run(config: LocalSGDBenchmarkConfig) -> dict[int | None, dict[str, Any]]:
@@ -115,20 +129,22 @@ def run(config: LocalSGDBenchmarkConfig) -> dict[int | None, dict[str, Any]]:
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_worker, args=(config, _free_port(), results), nprocs=config.world_size)
-        return {mode: {k: v for k, v in row.items() if k != "times"} for mode, row in results.items()}
+        return dict(results)
 
 
 def report(results: dict[int | None, dict[str, Any]], config: LocalSGDBenchmarkConfig) -> str:
     baseline = results[None]
     lines = [
-        f"| mode | MB sent per step | vs DP | step (ms) | vs DP | val accuracy after {config.epochs} epochs |",
-        "|---|---|---|---|---|---|",
+        f"| mode | MB sent per step | vs DP | mean step (ms) | vs DP | median step with communication (ms) "
+        f"| median local step (ms) | val accuracy after {config.epochs} epochs |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mode, row in sorted(results.items(), key=lambda item: -1 if item[0] is None else item[0]):
         name = "data parallel" if mode is None else f"LocalSGD K={mode}"
         lines.append(
             f"| {name} | {row['bytes_per_step'] / 2**20:.2f} | {row['bytes_per_step'] / baseline['bytes_per_step']:.3f} "
-            f"| {row['step_s'] * 1e3:.2f} | {row['step_s'] / baseline['step_s']:.3f} | {row['accuracy']:.4f} |"
+            f"| {row['step_s'] * 1e3:.2f} | {row['step_s'] / baseline['step_s']:.3f} | {row['sync_step_s'] * 1e3:.2f} "
+            f"| {row['local_step_s'] * 1e3:.2f} | {row['accuracy']:.4f} |"
         )
     if config.plot:
         _plot(results, Path(config.plot))
@@ -143,22 +159,20 @@ def _plot(results: dict[int | None, dict[str, Any]], path: Path) -> None:
 
     ks = sorted(mode for mode in results if mode is not None)
     baseline = results[None]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    left.plot(ks, [results[k]["bytes_per_step"] / 2**20 for k in ks], "o-", label="LocalSGD")
-    left.axhline(baseline["bytes_per_step"] / 2**20, color="gray", linestyle="--", label="data parallel")
-    left.set_xscale("log", base=2)
-    left.set_xlabel("K (local steps between averages)")
-    left.set_ylabel("MB sent per step (rank 0)")
-    left.legend()
-    right.plot(ks, [results[k]["step_s"] * 1e3 for k in ks], "o-", label="step time")
-    right.axhline(baseline["step_s"] * 1e3, color="gray", linestyle="--", label="data parallel")
-    right.set_xscale("log", base=2)
-    right.set_xlabel("K (local steps between averages)")
-    right.set_ylabel("mean step (ms)")
-    accuracy = right.twinx()
-    accuracy.plot(ks, [results[k]["accuracy"] for k in ks], "s:", color="tab:green", label="val accuracy")
-    accuracy.set_ylabel("val accuracy")
-    right.legend(loc="upper right")
+    panels = (
+        ("bytes_per_step", 1 / 2**20, "MB sent per step (rank 0)"),
+        ("step_s", 1e3, "mean step (ms)"),
+        ("accuracy", 1.0, "val accuracy"),
+    )
+    figure, axes = plt.subplots(1, len(panels), figsize=(12, 3.6))
+    for axis, (key, scale, label) in zip(axes, panels):
+        axis.plot(ks, [results[k][key] * scale for k in ks], "o-", label="LocalSGD")
+        axis.axhline(baseline[key] * scale, color="gray", linestyle="--", label="data parallel")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(ks, [str(k) for k in ks])
+        axis.set_xlabel("K (local steps between averages)")
+        axis.set_ylabel(label)
+        axis.legend()
     figure.suptitle("LocalSGD vs data parallelism, digits 3x1024 MLP, 2 gloo processes")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
