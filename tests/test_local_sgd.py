@@ -12,16 +12,20 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_dp import PaddleDPStrategy
-from lit_dp.config import PaddleDPStrategyConfig
+from lit_dp.config import check_local_sgd_options, register_configs
+from lit_dp.recipes.train import train
 from tests.distributed import run_ranks
 
 FEATURES = 6
@@ -350,19 +354,41 @@ def test_strategy_rejects_bad_options_by_name(options, message):
         PaddleDPStrategy(**options)
 
 
-def test_config_rejects_bad_options_and_a_hook_that_skips_communication():
-    with pytest.raises(ValueError, match="strategy.local_sgd_steps=0 is invalid"):
-        PaddleDPStrategyConfig(local_sgd_steps=0)
-    with pytest.raises(ValueError, match="strategy.local_sgd_warmup_steps=-5 is invalid"):
-        PaddleDPStrategyConfig(local_sgd_steps=2, local_sgd_warmup_steps=-5)
-    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import post_localSGD_hook
+def test_hydra_options_reach_the_strategy_and_bad_values_fail_before_any_trainer(tmp_path, monkeypatch):
+    cfg = compose_config(["experiment=local_sgd", "strategy.local_sgd_adaptive=true"], tmp_path)
+    strategy = instantiate(cfg.strategy)
+    assert (strategy._local_sgd_steps, strategy._local_sgd_warmup_steps, strategy._local_sgd_adaptive) == (4, 20, True)
+    monkeypatch.setattr(pl, "Trainer", _trainer_must_not_be_built)
+    for overrides, message in (
+        (["strategy.local_sgd_steps=0"], "strategy.local_sgd_steps=0 is invalid: expected an integer >= 1"),
+        (["strategy.local_sgd_steps=2", "strategy.local_sgd_warmup_steps=-5"], "strategy.local_sgd_warmup_steps=-5 is invalid"),
+        (["strategy.local_sgd_adaptive=true"], "strategy.local_sgd_adaptive=True needs strategy.local_sgd_steps"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            train(compose_config(overrides, tmp_path))
 
-    from lit_dp.config import check_local_sgd_options
+
+def compose_config(overrides: list[str], tmp_path):
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return compose(config_name="digits", overrides=[f"paths.output_dir={tmp_path}", *overrides])
+
+
+def _trainer_must_not_be_built(*args, **kwargs):
+    raise AssertionError("a Trainer was built from an invalid config")
+
+
+def test_a_comm_hook_that_already_skips_communication_is_rejected():
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import post_localSGD_hook
 
     with pytest.raises(ValueError, match="local_sgd_steps=4 with comm_hook='post_localSGD_hook' is invalid"):
         check_local_sgd_options(local_sgd_steps=4, comm_hook=post_localSGD_hook)
+    with pytest.raises(ValueError, match="strategy.model_averaging_period=2 with strategy.comm_hook='noop' is invalid"):
+        check_local_sgd_options("strategy.", model_averaging_period=2, comm_hook="noop")
+    assert check_local_sgd_options(local_sgd_steps=4, comm_hook=allreduce_hook) == 4
     assert check_local_sgd_options(local_sgd_steps=4, comm_hook="fp16") == 4
-    assert check_local_sgd_options(model_averaging_period=4) == 4
+    assert check_local_sgd_options(comm_hook="noop") is None  # no LocalSGD: the hook alone is fine
 
 
 def test_library_rejects_bad_arguments_by_name():
