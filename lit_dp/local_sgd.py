@@ -75,7 +75,8 @@ class LocalSGD:
         adaptive: recompute the period at each average from the loss and learning rate.
         min_local_steps, max_local_steps: bounds of the adaptive period.
         comm_buffer_size: bucket size limit of the averaging all-reduce, MB.
-        group: the process group; defaults to the rings of ``init_parallel_env``.
+        group: the process group; defaults to the rings of ``init_parallel_env`` (pass the
+            ``group`` given to ``DataParallel``, if any).
     """
 
     def __init__(
