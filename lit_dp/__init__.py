@@ -14,6 +14,7 @@ from lit_dp.buckets import assign_group_by_size
 from lit_dp.cluster_environment import PaddleEnvironment
 from lit_dp.data_parallel import DataParallel, fused_allreduce_gradients
 from lit_dp.env import ParallelEnv
+from lit_dp.local_sgd import LocalSGD
 from lit_dp.process_group import destroy_parallel_env, get_rings, init_parallel_env
 from lit_dp.reducer import Reducer
 from lit_dp.strategy import PaddleDPStrategy
@@ -23,6 +24,7 @@ fabric.PaddleDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "DataParallel",
+    "LocalSGD",
     "PaddleDPStrategy",
     "PaddleEnvironment",
     "ParallelEnv",

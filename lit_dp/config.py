@@ -35,8 +35,17 @@ def check_strategy_options(
     nrings: Any = None,
     timeout: Any = None,
     start_method: Any = "popen",
+    local_sgd_steps: Any = None,
+    local_sgd_warmup_steps: Any = 0,
+    local_sgd_adaptive: Any = False,
 ) -> None:
     """Raise ``ValueError`` naming ``prefix + option``, the value and what is allowed."""
+    check_local_sgd_options(
+        prefix,
+        local_sgd_steps=local_sgd_steps,
+        local_sgd_warmup_steps=local_sgd_warmup_steps,
+        local_sgd_adaptive=local_sgd_adaptive,
+    )
     megabytes_to_bytes(f"{prefix}comm_buffer_size", comm_buffer_size)
     megabytes_to_bytes(f"{prefix}last_comm_buffer_size", last_comm_buffer_size)
     _check_flag(f"{prefix}find_unused_parameters", find_unused_parameters)
@@ -47,6 +56,63 @@ def check_strategy_options(
         raise ValueError(f"{prefix}nrings={nrings!r} is invalid: expected an integer in [1, {MAX_NRINGS}].")
     if timeout is not None:
         parse_timeout(f"{prefix}timeout", timeout)
+
+
+def check_local_sgd_options(
+    prefix: str = "",
+    *,
+    local_sgd_steps: Any = None,
+    local_sgd_warmup_steps: Any = 0,
+    local_sgd_adaptive: Any = False,
+    model_averaging_period: Any = None,
+    comm_hook: Any = None,
+) -> int | None:
+    """Check LocalSGD's options (see ``lit_dp.local_sgd``); return the period K in effect (None: off).
+
+    ``model_averaging_period`` is Lightning's name for ``local_sgd_steps``; giving both with
+    different values is an error. ``comm_hook`` is checked against LocalSGD: a hook that itself
+    skips gradient communication (torch's ``post_localSGD_hook``, ``noop_hook``) would make the
+    warm-up steps local too.
+    """
+    steps = local_sgd_steps
+    if model_averaging_period is not None:
+        if local_sgd_steps is not None and local_sgd_steps != model_averaging_period:
+            raise ValueError(
+                f"{prefix}local_sgd_steps={local_sgd_steps!r} and {prefix}model_averaging_period="
+                f"{model_averaging_period!r} disagree: they are the same option (Lightning's name); give one."
+            )
+        steps = model_averaging_period
+        option = f"{prefix}model_averaging_period"
+    else:
+        option = f"{prefix}local_sgd_steps"
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"{option}={steps!r} is invalid: expected an integer >= 1 (or None: no LocalSGD).")
+    warmup = local_sgd_warmup_steps
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"{prefix}local_sgd_warmup_steps={warmup!r} is invalid: expected an integer >= 0.")
+    _check_flag(f"{prefix}local_sgd_adaptive", local_sgd_adaptive)
+    if steps is None and local_sgd_adaptive:
+        raise ValueError(
+            f"{prefix}local_sgd_adaptive=True needs {prefix}local_sgd_steps: expected the initial period, e.g. 1."
+        )
+    hook_name = _hook_name(comm_hook)
+    if steps is not None and hook_name in COMM_HOOKS_SKIPPING_COMMUNICATION:
+        raise ValueError(
+            f"{option}={steps!r} with {prefix}comm_hook={hook_name!r} is invalid: that hook already skips gradient "
+            "communication, so warm-up steps would not be data-parallel; expected LocalSGD or that hook, not both."
+        )
+    return steps
+
+
+# Hooks (by function or config name) that leave gradients local, which LocalSGD does itself.
+COMM_HOOKS_SKIPPING_COMMUNICATION = ("post_localSGD_hook", "noop_hook", "post_local_sgd", "noop")
+
+
+def _hook_name(hook: Any) -> str | None:
+    """A comm hook's name: the string itself, or the function's (through ``functools.partial``)."""
+    if hook is None or isinstance(hook, str):
+        return hook
+    return getattr(getattr(hook, "func", hook), "__name__", None)
 
 
 def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -73,6 +139,9 @@ class PaddleDPStrategyConfig:
     nrings: Optional[int] = None  # communicators to spread buckets over; default FLAGS_nccl_nrings or 1
     timeout: Optional[float] = None  # seconds; default PADDLE_PG_TIMEOUT or 1800
     start_method: str = "popen"  # popen (re-run the script per rank) or spawn/fork/forkserver
+    local_sgd_steps: Optional[int] = None  # LocalSGD: average the models every K local steps; null: off
+    local_sgd_warmup_steps: int = 0  # LocalSGD: ordinary data-parallel steps before the local phase
+    local_sgd_adaptive: bool = False  # LocalSGD: recompute K from loss and learning rate (Paddle's adaptive_localsgd)
 
     def __post_init__(self) -> None:
         check_strategy_options("strategy.", **_options(self))

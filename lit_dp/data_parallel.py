@@ -39,7 +39,8 @@ class DataParallel(nn.Module):
             gradient is stored once instead of twice (large gradients, reduced in place, are
             stored once without it).
 
-    ``no_sync()`` accumulates gradients locally; ``state_dict()`` is the inner module's, with
+    ``no_sync()`` accumulates gradients locally (as does ``skip_grad_sync = True``, which
+    ``lit_dp.LocalSGD`` sets for its local phase); ``state_dict()`` is the inner module's, with
     no prefix. Without a process group the module runs unchanged; a group of one rank (what
     the Lightning strategies create for one device) gets a reducer like any other, so an unused
     parameter raises on one device as it would on many.
@@ -59,6 +60,8 @@ class DataParallel(nn.Module):
         last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
         self._layers = layers
         self.grad_need_sync = True
+        # Set by lit_dp.LocalSGD for its local phase: backward then communicates nothing.
+        self.skip_grad_sync = False
         # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.compile); its
         # splitter requires at least its own first-piece size (1 MB).
         self.bucket_bytes_cap = max(bucket_bytes, dist._DEFAULT_FIRST_BUCKET_BYTES)
@@ -113,7 +116,7 @@ class DataParallel(nn.Module):
             outputs = self._layers(*inputs, **kwargs)
         # The forward decides whether the next backward synchronises (as in torch DDP and Paddle),
         # so `no_sync()` must wrap the forward, not only the backward.
-        if self.grad_need_sync and torch.is_grad_enabled():
+        if self.grad_need_sync and not self.skip_grad_sync and torch.is_grad_enabled():
             self._reducer.prepare_for_backward(outputs)
         return outputs
 

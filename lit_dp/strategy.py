@@ -39,11 +39,14 @@ from typing_extensions import override
 from lit_dp.backends import AUTO, check_backend
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.cluster_environment import PaddleEnvironment
-from lit_dp.config import check_strategy_options
+from lit_dp.config import check_local_sgd_options, check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.env import ParallelEnv
+from lit_dp.local_sgd import LocalSGD
 from lit_dp.process_group import destroy_parallel_env, init_parallel_env
 from lit_dp.reducer import UNUSED_PARAMETERS_HINT
+
+LOCAL_SGD_CHECKPOINT_KEY = "lit_dp_local_sgd"
 
 # Lightning's own sentence (`DDPStrategy.on_exception`), which is what users search for, then ours.
 LIGHTNING_UNUSED_PARAMETERS_MESSAGE = (
@@ -80,6 +83,12 @@ class PaddleDPStrategy(ParallelStrategy):
             ``PADDLE_PG_TIMEOUT`` or 30 minutes.
         start_method: ``"popen"`` runs the script again per process (like ``"ddp"``);
             ``"spawn"``/``"fork"``/``"forkserver"`` use multiprocessing (like ``"ddp_spawn"``).
+        local_sgd_steps: LocalSGD (``lit_dp.LocalSGD``): after the warm-up, average the models
+            every K optimizer steps instead of all-reducing gradients; None: off.
+        local_sgd_warmup_steps: ordinary data-parallel optimizer steps before LocalSGD starts.
+        local_sgd_adaptive: recompute K at each average from the loss and learning rate
+            (Paddle's ``adaptive_localsgd``; automatic optimization only).
+        model_averaging_period: Lightning's ``DDPStrategy`` name for ``local_sgd_steps``.
     """
 
     strategy_name = "paddle_dp"
@@ -99,7 +108,17 @@ class PaddleDPStrategy(ParallelStrategy):
         nrings: int | None = None,
         timeout: timedelta | float | None = None,
         start_method: str = "popen",
+        local_sgd_steps: int | None = None,
+        local_sgd_warmup_steps: int = 0,
+        local_sgd_adaptive: bool = False,
+        model_averaging_period: int | None = None,
     ) -> None:
+        local_sgd_steps = check_local_sgd_options(
+            local_sgd_steps=local_sgd_steps,
+            local_sgd_warmup_steps=local_sgd_warmup_steps,
+            local_sgd_adaptive=local_sgd_adaptive,
+            model_averaging_period=model_averaging_period,
+        )
         check_strategy_options(
             comm_buffer_size=comm_buffer_size,
             last_comm_buffer_size=last_comm_buffer_size,
@@ -129,6 +148,11 @@ class PaddleDPStrategy(ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._forward_redirection = _ManualOptimizationRedirection()
+        self._local_sgd_steps = local_sgd_steps
+        self._local_sgd_warmup_steps = local_sgd_warmup_steps
+        self._local_sgd_adaptive = local_sgd_adaptive
+        self._local_sgd: LocalSGD | None = None
+        self._local_sgd_resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
 
     @property
     def comm_buffer_size(self) -> float:
@@ -145,6 +169,11 @@ class PaddleDPStrategy(ParallelStrategy):
     @property
     def gradient_as_bucket_view(self) -> bool:
         return self._gradient_as_bucket_view
+
+    @property
+    def local_sgd(self) -> LocalSGD | None:
+        """The model averager while fitting with ``local_sgd_steps``; None otherwise."""
+        return self._local_sgd
 
     @property
     def process_group_backend(self) -> str:
@@ -213,7 +242,8 @@ class PaddleDPStrategy(ParallelStrategy):
             f"strategy=paddle_dp backend={self.process_group_backend} world_size={self.world_size} "
             f"devices={[str(d) for d in self.parallel_devices or []]} comm_buffer_size={self._comm_buffer_size}MB "
             f"last_comm_buffer_size={self._last_comm_buffer_size}MB find_unused_parameters={self._find_unused_parameters} "
-            f"gradient_as_bucket_view={self._gradient_as_bucket_view}"
+            f"gradient_as_bucket_view={self._gradient_as_bucket_view} local_sgd_steps={self._local_sgd_steps} "
+            f"local_sgd_warmup_steps={self._local_sgd_warmup_steps} local_sgd_adaptive={self._local_sgd_adaptive}"
         )
 
     @override
@@ -227,6 +257,7 @@ class PaddleDPStrategy(ParallelStrategy):
         self.model_to_device()
         if fitting:
             self.model = self._setup_model(self.model)
+            self._local_sgd = self._setup_local_sgd()
             self.setup_optimizers(trainer)
         elif dist.is_initialized():
             sync_params_buffers(self.model)
@@ -243,6 +274,55 @@ class PaddleDPStrategy(ParallelStrategy):
             find_unused_parameters=self._find_unused_parameters,
             gradient_as_bucket_view=self._gradient_as_bucket_view,
         )
+
+    def _setup_local_sgd(self) -> LocalSGD | None:
+        if self._local_sgd_steps is None or not isinstance(self.model, DataParallel):
+            return None
+        assert self.lightning_module is not None
+        if self._local_sgd_adaptive and not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "local_sgd_adaptive=True is not supported with manual optimization: the adaptive period needs the "
+                "training loss, which only automatic optimization hands to the strategy. Use a fixed local_sgd_steps."
+            )
+        local_sgd = LocalSGD(
+            self.model,
+            self._local_sgd_steps,
+            self._local_sgd_warmup_steps,
+            adaptive=self._local_sgd_adaptive,
+            comm_buffer_size=self._comm_buffer_size,
+        )
+        if self._local_sgd_resumed is not None:
+            local_sgd.load_state_dict(self._local_sgd_resumed)
+            self._local_sgd_resumed = None
+        return local_sgd
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # Every optimizer step counts, under automatic and manual optimization alike (manual steps
+        # come through LightningOptimizer.step); accumulated micro-batches do not.
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._local_sgd is not None:
+            loss = output if self._local_sgd_adaptive else None
+            self._local_sgd.step(loss, optimizer.param_groups[0]["lr"])
+        return output
+
+    @override
+    def on_train_end(self) -> None:
+        if self._local_sgd is not None:
+            self._local_sgd.finish()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._local_sgd is not None:
+            checkpoint[LOCAL_SGD_CHECKPOINT_KEY] = self._local_sgd.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Applied when the averager is built in setup(), which comes after this when resuming.
+        self._local_sgd_resumed = checkpoint.get(LOCAL_SGD_CHECKPOINT_KEY)
+        return checkpoint
 
     @override
     def model_to_device(self) -> None:
@@ -267,7 +347,7 @@ class PaddleDPStrategy(ParallelStrategy):
         if not isinstance(model, DataParallel) or model.reducer is None:
             return
         assert self.lightning_module is not None
-        if not self.lightning_module.automatic_optimization and model.grad_need_sync:
+        if not self.lightning_module.automatic_optimization and model.grad_need_sync and not model.skip_grad_sync:
             model.reducer.prepare_for_backward(closure_loss)
 
     @override
@@ -300,6 +380,7 @@ class PaddleDPStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         lightning_module = self.lightning_module
+        self._local_sgd = None
         if isinstance(self.model, DataParallel):
             self.model = lightning_module
         if (

@@ -1,0 +1,403 @@
+"""LocalSGD on real gloo processes against a single-process simulation of its rule.
+
+The simulation (``simulate``) steps one model per rank on that rank's shard, averages
+gradients during warm-up, averages the models after every K-th local step and once at the end.
+Tolerances: torch.testing.assert_close's fp32 defaults. Averaging through snapshot deltas (and
+the reducer's bucketed gradient average) only reorders floating-point sums, which those
+defaults cover; a missed or extra average, or a synchronised local step, is off by O(lr).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_dp import PaddleDPStrategy
+from lit_dp.config import check_local_sgd_options, register_configs
+from lit_dp.recipes.train import train
+from tests.distributed import run_ranks
+
+FEATURES = 6
+# A micro-batch per rank: (inputs, targets).
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Net(nn.Module):
+    """BatchNorm's float statistics are averaged; ``seen`` is an integer buffer that differs per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(FEATURES, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen += (x[:, 0] > 0).sum()
+        # BatchNorm after the nonlinearity: before it, the stem bias would get a gradient of rounding
+        # noise only, which Adam scales up to a step of size lr.
+        return self.head(self.norm(torch.tanh(self.stem(x))))
+
+
+def mse(model: nn.Module, batch: Batch) -> torch.Tensor:
+    inputs, targets = batch
+    return ((model(inputs) - targets) ** 2).mean()
+
+
+def adaptive_period(k0: int, loss_0: float, lr_0: float, loss: float, lr: float) -> int:
+    """Paddle's AdaptiveLocalSGDOptimizer rule, written out independently of lit_dp.local_sgd."""
+    return min(max(math.ceil(math.sqrt(lr_0 * loss / (lr * loss_0) * k0)), 1), 16)
+
+
+def simulate(
+    model: nn.Module,
+    make_optimizers: Callable[[nn.Module], list[torch.optim.Optimizer]],
+    steps: Sequence[tuple[int, Sequence[Sequence[Batch]]]],
+    local_steps: int,
+    warmup_steps: int,
+    adaptive: bool = False,
+    reset_after: int | None = None,
+    loss_fn: Callable[[nn.Module, Batch], torch.Tensor] = mse,
+) -> list[nn.Module]:
+    """The rule on one process: ``steps[i] = (optimizer index, [rank][micro-batch])``; returns each rank's model.
+
+    ``reset_after=n``: after step n every rank takes rank 0's model and optimizer state, as a
+    run resumed from a checkpoint written by rank 0 after step n does.
+    """
+    world_size = len(steps[0][1])
+    models = [copy.deepcopy(model) for _ in range(world_size)]
+    optimizers = [make_optimizers(m) for m in models]
+    last_average, period, first = warmup_steps, local_steps, None
+    for number, (which, micro_batches) in enumerate(steps, start=1):
+        losses = []
+        for rank_model, rank_batches in zip(models, micro_batches):
+            for micro in rank_batches:
+                loss = loss_fn(rank_model, micro) / len(rank_batches)
+                loss.backward()
+            losses.append(loss.item() * len(rank_batches))
+        lr = optimizers[0][which].param_groups[0]["lr"]
+        if adaptive and first is None:
+            first = (sum(losses) / world_size, lr)
+        if number <= warmup_steps:  # data parallel: every rank steps on the mean gradient
+            for params in zip(*(m.parameters() for m in models)):
+                mean = torch.stack([p.grad for p in params]).mean(dim=0)
+                for p in params:
+                    p.grad = mean.clone()
+        for rank_optimizers in optimizers:
+            rank_optimizers[which].step()
+            rank_optimizers[which].zero_grad(set_to_none=True)
+        if number > warmup_steps and number - last_average == period:
+            average(models)
+            last_average = number
+            if adaptive:
+                period = adaptive_period(local_steps, first[0], first[1], sum(losses) / world_size, lr)
+        if number == reset_after:
+            for rank in range(1, world_size):
+                models[rank].load_state_dict(models[0].state_dict())
+                for mine, rank0 in zip(optimizers[rank], optimizers[0]):
+                    mine.load_state_dict(rank0.state_dict())
+    if len(steps) > max(last_average, warmup_steps):
+        average(models)
+    return models
+
+
+@torch.no_grad()
+def average(models: list[nn.Module]) -> None:
+    """Parameters and float buffers: the mean; other buffers: rank 0's."""
+    states = [m.state_dict() for m in models]
+    for name, value in states[0].items():
+        result = torch.stack([s[name] for s in states]).mean(dim=0) if value.is_floating_point() else value.clone()
+        for state in states:
+            state[name].copy_(result)
+
+
+def random_steps(count: int, world_size: int, seed: int = 0, per_rank: int = 4) -> list[tuple[int, list[list[Batch]]]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (0, [[(torch.randn(per_rank, FEATURES, generator=generator), torch.randn(per_rank, 3, generator=generator))] for _ in range(world_size)])
+        for _ in range(count)
+    ]
+
+
+OPTIMIZERS = {
+    "sgd": lambda m: [torch.optim.SGD(m.parameters(), lr=0.1)],
+    "adam": lambda m: [torch.optim.Adam(m.parameters(), lr=0.01)],
+    "momentum": lambda m: [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)],
+}
+
+
+def assert_same_state(model: nn.Module, reference: nn.Module, label: str) -> None:
+    for (name, value), expected in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(value, expected, msg=lambda m: f"{label}: {name}: {m}")
+
+
+def library_cases(rank: int, cases: list[tuple]) -> list[tuple[int, list[int]]]:
+    """``lit_dp.LocalSGD`` driven by hand, one case after another in the same process group."""
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    world_size = dist.get_world_size()
+    averages = []
+    for optimizer_name, local_steps, warmup_steps, adaptive, comm_mb, count in cases:
+        label = f"{optimizer_name} K={local_steps} W={warmup_steps} adaptive={adaptive} rank {rank}"
+        steps = random_steps(count, world_size, seed=local_steps)
+        base = Net()
+        if rank > 0:  # DataParallel's construction must broadcast rank 0's parameters
+            with torch.no_grad():
+                base.stem.weight.add_(1.0)
+        model = lit_dp.DataParallel(base, comm_buffer_size=comm_mb, last_comm_buffer_size=comm_mb)
+        (optimizer,) = OPTIMIZERS[optimizer_name](model)
+        local_sgd = lit_dp.LocalSGD(model, local_steps, warmup_steps, adaptive=adaptive, comm_buffer_size=comm_mb)
+        count_averages, periods = 0, {local_steps}
+        for _, micro_batches in steps:
+            loss = mse(model, micro_batches[rank][0])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            count_averages += local_sgd.step(loss.detach(), optimizer.param_groups[0]["lr"])
+            periods.add(local_sgd.local_steps)
+        local_sgd.finish()
+        expected = simulate(Net(), OPTIMIZERS[optimizer_name], steps, local_steps, warmup_steps, adaptive=adaptive)
+        assert_same_state(model.module, expected[rank], label)
+        if local_steps == 1 and optimizer_name == "sgd" and warmup_steps == 0:
+            # K=1 with plain SGD is data parallelism: the same parameters as DataParallel alone.
+            plain = lit_dp.DataParallel(Net())
+            plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+            for _, micro_batches in steps:
+                mse(plain, micro_batches[rank][0]).backward()
+                plain_optimizer.step()
+                plain_optimizer.zero_grad(set_to_none=True)
+            for (name, ours), theirs in zip(model.module.named_parameters(), plain.module.parameters()):
+                torch.testing.assert_close(ours, theirs, msg=lambda m: f"{label} vs DataParallel: {name}: {m}")
+        averages.append((count_averages, sorted(periods)))
+    return averages
+
+
+LIBRARY_CASES = [
+    # (optimizer, K, W, adaptive, comm_buffer_size MB, steps)
+    ("sgd", 1, 0, False, 25, 6),
+    ("sgd", 4, 5, False, 25, 16),
+    ("sgd", 3, 5, False, 64 / 2**20, 16),  # 64-byte buckets: one per tensor, spread over the rings
+    ("adam", 4, 5, False, 25, 16),
+    ("adam", 3, 5, False, 64 / 2**20, 16),
+    ("momentum", 4, 3, True, 25, 20),
+]
+
+
+@pytest.mark.slow
+def test_library_matches_the_simulation_per_rank():
+    results = run_ranks(library_cases, 2, LIBRARY_CASES, timeout=180, FLAGS_nccl_nrings="2")
+    assert results[0] == results[1]
+    # Averages during the run (finish() excluded): K=1 every step; W=5, 11 local steps: K=4 -> 2, K=3 -> 3.
+    assert [count for count, _ in results[0][:5]] == [6, 2, 3, 2, 3]
+    adaptive_periods = results[0][5][1]
+    assert len(adaptive_periods) > 1, f"the adaptive period never changed: {adaptive_periods}"
+
+
+class Regressor(pl.LightningModule):
+    """Two optimizers under manual optimization, each step with its own forward and backward."""
+
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return regression_loss(self.net, batch)
+        for optimizer in self.optimizers():
+            self.manual_backward(regression_loss(self.net, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        if self.automatic_optimization:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.Adam(self.net[2].parameters(), lr=0.01)]
+
+    def train_dataloader(self):
+        x, y = regression_data()  # this rank's shard, as the simulation takes it
+        return DataLoader(TensorDataset(x[self.global_rank :: 2], y[self.global_rank :: 2]), batch_size=4)
+
+
+def regression_loss(net: nn.Module, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    return ((net(x) - y) ** 2).mean()
+
+
+def regression_data() -> Batch:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32, FEATURES, generator=generator)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def lightning_steps(epochs: int, accumulate: int = 1, optimizers: int = 1) -> list[tuple[int, list[list[Batch]]]]:
+    """The optimizer steps of a 2-rank fit: rank r trains on samples r, r+2, ... in order."""
+    x, y = regression_data()
+    shards = [(x[r::2], y[r::2]) for r in range(2)]
+    batches = [[(xs[i : i + 4], ys[i : i + 4]) for i in range(0, len(xs), 4)] for xs, ys in shards]
+    steps = []
+    for _ in range(epochs):
+        for start in range(0, len(batches[0]), accumulate):
+            micro = [rank_batches[start : start + accumulate] for rank_batches in batches]
+            steps += [(which, micro) for which in range(optimizers)]
+    return steps
+
+
+class RecordSchedule(Callback):
+    def __init__(self) -> None:
+        self.schedule: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        local_sgd = trainer.strategy.local_sgd  # (steps so far, step of the last average)
+        self.schedule.append((local_sgd.step_count, local_sgd.last_average))
+
+
+def fit(tmp_path, epochs, module=None, ckpt_path=None, callbacks=(), accumulate_grad_batches=1, **strategy_options):
+    module = module or Regressor()
+    record = RecordSchedule()
+    trainer = pl.Trainer(
+        strategy=PaddleDPStrategy(**strategy_options),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        use_distributed_sampler=False,
+        accumulate_grad_batches=accumulate_grad_batches,
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=[record, *callbacks],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, record.schedule
+
+
+def lightning_cases(rank: int, tmp_path: str) -> list[tuple[int, int]]:
+    """Automatic with accumulation, manual with two optimizers, and a resume from mid-period."""
+
+    def check(module: Regressor, expected: list[nn.Module], label: str) -> None:
+        for (name, ours), theirs in zip(module.net.named_parameters(), expected[rank].parameters()):
+            torch.testing.assert_close(ours, theirs, msg=lambda m: f"{label} rank {rank}: {name}: {m}")
+
+    def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(net.parameters(), lr=0.1)]
+
+    def two_optimizers(net: nn.Module) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.Adam(net[2].parameters(), lr=0.01)]
+
+    net = Regressor().net
+    # 4 batches per rank and epoch, accumulated in pairs: 2 optimizer steps per epoch. Adaptive:
+    # Lightning hands the strategy the last micro-batch's loss divided by 2, the simulation the
+    # undivided one; the rule only uses loss ratios.
+    module, schedule = fit(
+        f"{tmp_path}/accumulate", 5, accumulate_grad_batches=2, model_averaging_period=3, local_sgd_warmup_steps=1,
+        local_sgd_adaptive=True,
+    )
+    steps = lightning_steps(5, accumulate=2)
+    check(module, simulate(net, net_optimizer, steps, 3, 1, adaptive=True, loss_fn=regression_loss), "accumulate")
+    assert schedule[-1][0] == 10, f"10 optimizer steps expected, the averager counted {schedule[-1][0]}"
+
+    module, _ = fit(f"{tmp_path}/manual", 3, Regressor(manual=True), local_sgd_steps=3, local_sgd_warmup_steps=3)
+    check(module, simulate(net, two_optimizers, lightning_steps(3, optimizers=2), 3, 3, loss_fn=regression_loss), "manual")
+
+    # 4 steps per epoch, W=1, K=3: averages after steps 4, 7, 10, ...; the checkpoint after step 8 is mid-period.
+    options = dict(local_sgd_steps=3, local_sgd_warmup_steps=1)
+    module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
+    check(module, simulate(net, net_optimizer, lightning_steps(4), 3, 1, loss_fn=regression_loss), "uninterrupted")
+    checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
+    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
+    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
+    expected = simulate(net, net_optimizer, lightning_steps(4), 3, 1, reset_after=8, loss_fn=regression_loss)
+    check(module, expected, "resumed")
+    return resumed
+
+
+@pytest.mark.slow
+def test_lightning_strategy_matches_the_simulation_and_resumes_on_schedule(tmp_path):
+    results = run_ranks(lightning_cases, 2, str(tmp_path), timeout=240)
+    assert results[0] == results[1]
+    assert results[0][0] == (9, 7) and results[0][-1] == (16, 16)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(local_sgd_steps=0), "local_sgd_steps=0 is invalid: expected an integer >= 1"),
+        (dict(model_averaging_period=-2), "model_averaging_period=-2 is invalid"),
+        (dict(local_sgd_steps=4, local_sgd_warmup_steps=-1), "local_sgd_warmup_steps=-1 is invalid: expected an integer >= 0"),
+        (dict(local_sgd_steps=4, model_averaging_period=8), "local_sgd_steps=4 and model_averaging_period=8 disagree"),
+        (dict(local_sgd_adaptive=True), "local_sgd_adaptive=True needs local_sgd_steps"),
+        (dict(local_sgd_steps=2.5), "local_sgd_steps=2.5 is invalid"),
+    ],
+)
+def test_strategy_rejects_bad_options_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        PaddleDPStrategy(**options)
+
+
+def test_hydra_options_reach_the_strategy_and_bad_values_fail_before_any_trainer(tmp_path, monkeypatch):
+    cfg = compose_config(["experiment=local_sgd", "strategy.local_sgd_adaptive=true"], tmp_path)
+    strategy = instantiate(cfg.strategy)
+    assert (strategy._local_sgd_steps, strategy._local_sgd_warmup_steps, strategy._local_sgd_adaptive) == (4, 20, True)
+    monkeypatch.setattr(pl, "Trainer", _trainer_must_not_be_built)
+    for overrides, message in (
+        (["strategy.local_sgd_steps=0"], "strategy.local_sgd_steps=0 is invalid: expected an integer >= 1"),
+        (["strategy.local_sgd_steps=2", "strategy.local_sgd_warmup_steps=-5"], "strategy.local_sgd_warmup_steps=-5 is invalid"),
+        (["strategy.local_sgd_adaptive=true"], "strategy.local_sgd_adaptive=True needs strategy.local_sgd_steps"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            train(compose_config(overrides, tmp_path))
+
+
+def compose_config(overrides: list[str], tmp_path):
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return compose(config_name="digits", overrides=[f"paths.output_dir={tmp_path}", *overrides])
+
+
+def _trainer_must_not_be_built(*args, **kwargs):
+    raise AssertionError("a Trainer was built from an invalid config")
+
+
+def test_a_comm_hook_that_already_skips_communication_is_rejected():
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import post_localSGD_hook
+
+    with pytest.raises(ValueError, match="local_sgd_steps=4 with comm_hook='post_localSGD_hook' is invalid"):
+        check_local_sgd_options(local_sgd_steps=4, comm_hook=post_localSGD_hook)
+    with pytest.raises(ValueError, match="strategy.model_averaging_period=2 with strategy.comm_hook='noop' is invalid"):
+        check_local_sgd_options("strategy.", model_averaging_period=2, comm_hook="noop")
+    assert check_local_sgd_options(local_sgd_steps=4, comm_hook=allreduce_hook) == 4
+    assert check_local_sgd_options(local_sgd_steps=4, comm_hook="fp16") == 4
+    assert check_local_sgd_options(comm_hook="noop") is None  # no LocalSGD: the hook alone is fine
+
+
+def test_library_rejects_bad_arguments_by_name():
+    import lit_dp
+
+    for kwargs, message in (
+        (dict(local_steps=0), "local_steps=0 is invalid"),
+        (dict(local_steps=2, warmup_steps=-1), "warmup_steps=-1 is invalid"),
+        (dict(local_steps=2, min_local_steps=4, max_local_steps=2), "min_local_steps=4, max_local_steps=2"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            lit_dp.LocalSGD(nn.Linear(2, 2), **kwargs)
