@@ -1,8 +1,9 @@
 """Dense gradients of one bucket: small ones through a flat buffer, large ones in place.
 
 The data path of one bucket launch (``start``), its completion (``wait``) and the write-back of
-the averages (``write_back``); the reducer decides when, and which members to leave alone. The flat buffer also carries one flag per member, all-reduced with the
-gradients (see ``lit_dp.reducer``).
+the averages (``write_back``); the reducer decides when, and which members to leave alone. The
+flat buffer also carries one flag per member, all-reduced with the gradients (see
+``lit_dp.reducer``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class DenseBucket:
 
     __slots__ = (
         "indices", "params", "in_place", "flat", "views", "flat_params", "flat_views", "reduced",
-        "buffer", "gradients", "flags", "ring", "works", "fuse_scale", "as_view", "average_op",
+        "buffer", "gradients", "flags", "ring", "works", "fuse_scale", "as_view", "average_op", "alone",
         "_launched_grads",
     )  # fmt: skip
 
@@ -75,6 +76,9 @@ class DenseBucket:
         flat_bytes = numel * self.gradients.element_size()
         self.fuse_scale = flat_bytes >= FUSED_SCALE_MIN_BYTES_PER_TENSOR * len(self.flat)
         self.average_op = averaging_op(ring)
+        # A group of one rank (one device under the Lightning strategies) needs no collective:
+        # skipping it keeps the one-device step as cheap as the bare model's, checks included.
+        self.alone = dist.get_world_size(ring) == 1
         # The flat members' gradients at launch when all were present, for the write-back.
         self._launched_grads: list[torch.Tensor] | None = None
 
@@ -101,6 +105,8 @@ class DenseBucket:
             for k, has_grad in enumerate(present):
                 if not has_grad:
                     self.flags[k].fill_(absent)
+        if self.alone:
+            return  # one rank: the gradients already are the averages; the flags keep the checks
         op = self.average_op or dist.ReduceOp.SUM
         self.works = [
             self._start_in_place(k, present is None or present[k], world_size, op) for k in self.in_place
@@ -156,6 +162,8 @@ class DenseBucket:
 
     def write_back(self, as_view: bool, skipped: Collection[int]) -> None:
         """Write the averages into ``.grad``, except for the members at positions ``skipped``."""
+        if self.alone:
+            return
         params = self.params
         for k in self.in_place:
             reduced, self.reduced[k] = self.reduced[k], None

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from lit_dp.recipes.gpu_benchmark import SYNC_REPORT
 from tests.distributed import run_ranks
 from tests.test_compile import launch_fractions_and_weights
 from tests.test_data_parallel import TINY_MB, equivalence_cases
@@ -122,7 +123,7 @@ def test_find_unused_reads_the_flags_once_per_step(nccl_world_of_one):
                 _step(model, optimizer, inputs)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if SYNC_REPORT in str(w.message)]
     assert len(syncs) <= 3, [str(w.message) for w in syncs]
 
 
