@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dp.buckets import megabytes_to_bytes
+from lit_dp.comm_hooks import check_comm_hook_options
 from lit_dp.env import BACKENDS, MAX_NRINGS
 from lit_dp.process_group import parse_timeout
 
@@ -34,8 +35,13 @@ def check_strategy_options(
     nrings: Any = None,
     timeout: Any = None,
     start_method: Any = "popen",
+    **comm_hook_options: Any,
 ) -> None:
-    """Raise ``ValueError`` naming ``prefix + option``, the value and what is allowed."""
+    """Raise ``ValueError`` naming ``prefix + option``, the value and what is allowed.
+
+    ``comm_hook_options``: ``comm_hook``, ``comm_state``, ``comm_wrapper``, ``comm_dtype``,
+    ``powersgd_rank``, ``powersgd_start_iter`` (see ``lit_dp.comm_hooks``).
+    """
     megabytes_to_bytes(f"{prefix}comm_buffer_size", comm_buffer_size)
     megabytes_to_bytes(f"{prefix}last_comm_buffer_size", last_comm_buffer_size)
     _check_flag(f"{prefix}find_unused_parameters", find_unused_parameters)
@@ -46,6 +52,7 @@ def check_strategy_options(
         raise ValueError(f"{prefix}nrings={nrings!r} is invalid: expected an integer in [1, {MAX_NRINGS}].")
     if timeout is not None:
         parse_timeout(f"{prefix}timeout", timeout)
+    check_comm_hook_options(prefix, **comm_hook_options)
 
 
 def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -72,6 +79,10 @@ class PaddleDPStrategyConfig:
     nrings: Optional[int] = None  # communicators to spread buckets over; default FLAGS_nccl_nrings or 1
     timeout: Optional[float] = None  # seconds; default PADDLE_PG_TIMEOUT or 1800
     start_method: str = "popen"  # popen (re-run the script per rank) or spawn/fork/forkserver
+    comm_hook: Optional[str] = None  # fp16, bf16 or powersgd: torch's communication hook of that name
+    comm_dtype: Optional[str] = None  # fp16 or bf16: half-precision all-reduce (wraps comm_hook if set)
+    powersgd_rank: Optional[int] = None  # comm_hook=powersgd's matrix approximation rank; default 1
+    powersgd_start_iter: Optional[int] = None  # first compressed iteration (>= 2); default 1000
 
     def __post_init__(self) -> None:
         check_strategy_options("strategy.", **_options(self))

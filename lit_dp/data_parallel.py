@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,6 +14,7 @@ from torch import nn
 
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
+from lit_dp.comm_hooks import CommHook, check_comm_hook_options, dtype_compress_hook
 from lit_dp.process_group import get_rings
 from lit_dp.dense import DenseBucket
 from lit_dp.reducer import Reducer
@@ -37,9 +38,13 @@ class DataParallel(nn.Module):
         gradient_as_bucket_view: make ``.grad`` tensors views into the bucket buffers, so each
             gradient is stored once instead of twice (large gradients, reduced in place, are
             stored once without it).
+        comm_dtype: ``"fp16"`` or ``"bf16"``: all-reduce gradients in half precision (Paddle's
+            fp16 all-reduce, through torch's ``fp16/bf16_compress_hook``). It takes the one
+            communication hook slot (see ``register_comm_hook``).
 
     ``no_sync()`` accumulates gradients locally; ``state_dict()`` is the inner module's, with
-    no prefix. With a world size of 1 the module runs unchanged.
+    no prefix. ``register_comm_hook`` takes torch DDP's communication hooks. With a world size
+    of 1 the module runs unchanged.
     """
 
     def __init__(
@@ -50,19 +55,23 @@ class DataParallel(nn.Module):
         find_unused_parameters: bool = False,
         group: dist.ProcessGroup | None = None,
         gradient_as_bucket_view: bool = False,
+        comm_dtype: str | None = None,
     ) -> None:
         super().__init__()
         bucket_bytes = megabytes_to_bytes("comm_buffer_size", comm_buffer_size)
+        check_comm_hook_options(comm_dtype=comm_dtype)
         last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
         self._layers = layers
         self.grad_need_sync = True
         self._reducer: Reducer | None = None
+        self._comm_hook: CommHook | None = None
         if not dist.is_initialized() or dist.get_world_size(group) < 2:
             warnings.warn(
                 "lit_dp.DataParallel: world size is 1 (no process group, or a group of one); "
                 "the module runs unchanged without gradient synchronisation.",
                 stacklevel=2,
             )
+            self._register_comm_dtype(comm_dtype)
             return
         sync_params_buffers(layers, group=group)
         named = [
@@ -71,6 +80,7 @@ class DataParallel(nn.Module):
             if param.requires_grad and not getattr(param, "no_sync", False)
         ]
         if not named:
+            self._register_comm_dtype(comm_dtype)
             return
         sparse_ids = _sparse_gradient_parameters(layers)
         self._reducer = Reducer(
@@ -86,6 +96,11 @@ class DataParallel(nn.Module):
         if dist.get_rank() == 0:
             sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
             log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
+        self._register_comm_dtype(comm_dtype)
+
+    def _register_comm_dtype(self, comm_dtype: str | None) -> None:
+        if comm_dtype is not None:
+            self.register_comm_hook(None, dtype_compress_hook(comm_dtype))
 
     @property
     def module(self) -> nn.Module:
@@ -96,6 +111,32 @@ class DataParallel(nn.Module):
     def reducer(self) -> Reducer | None:
         """The gradient reducer; None when nothing is synchronised (world size 1, no trainable parameters)."""
         return self._reducer
+
+    @property
+    def comm_hook(self) -> CommHook | None:
+        """The registered communication hook, if any."""
+        return self._comm_hook
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Reduce each dense bucket with ``hook(state, bucket)``, torch DDP's communication hook contract.
+
+        The hook returns a ``torch.futures.Future`` whose value is the bucket's averaged flat
+        gradient; ``bucket`` offers ``buffer()``, ``gradients()``, ``parameters()``, ``index()``,
+        ``is_last()`` and ``set_buffer()``. As in DDP, gradients reach the hook undivided, and a
+        hook can be registered once, before the first synchronised backward. Sparse gradients
+        are reduced without it. See docs/comm_hooks.md.
+        """
+        comm_hook = CommHook(state, hook)
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"lit_dp.DataParallel: a communication hook ({self._comm_hook.name}) is already registered; "
+                f"register_comm_hook({comm_hook.name}) can only be called once."
+            )
+        if self._reducer is not None:
+            self._reducer.register_comm_hook(comm_hook)
+        self._comm_hook = comm_hook
+        if dist.is_initialized() and dist.get_rank() == 0:
+            log.info("lit_dp.DataParallel: communication hook %s", comm_hook.name)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         outputs = self._layers(*inputs, **kwargs)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_dp.buckets import MB
+from lit_dp.comm_hooks import CommHook
 
 # Scaling while copying (one call per tensor) saves a pass over the bucket but costs a Python
 # call per tensor; it pays off from about 10 KB per tensor on a CPU's memory bandwidth.
@@ -35,24 +36,42 @@ class DenseBucket:
 
     Small gradients travel in one flat buffer, [gradients | flags] (the flags of every member,
     large ones included); each large gradient (``in_place_min_bytes``) is all-reduced in place.
+
+    With a communication hook (``hook``: the hook, this bucket's index among the dense buckets and
+    their count) every gradient goes through the flat buffer, which holds gradients only, so the
+    hook sees the whole bucket as torch's hooks expect; the flags travel in a small all-reduce
+    of their own, never compressed.
     """
 
     __slots__ = (
         "indices", "params", "in_place", "flat", "views", "reduced", "buffer", "gradients", "flags",
-        "ring", "works", "fuse_scale",
+        "ring", "works", "fuse_scale", "hook", "future",
     )  # fmt: skip
 
-    def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        indices: list[int],
+        params: list[nn.Parameter],
+        ring: dist.ProcessGroup,
+        hook: tuple[CommHook, int, int] | None = None,
+    ) -> None:
         self.indices = indices
         self.params = params
+        self.hook = hook
+        self.future: torch.futures.Future | None = None
         threshold = in_place_min_bytes(params[0].device)
-        self.in_place = [k for k, p in enumerate(params) if p.numel() * p.element_size() >= threshold]
+        self.in_place = [] if hook else [k for k, p in enumerate(params) if p.numel() * p.element_size() >= threshold]
         self.flat = [k for k in range(len(params)) if k not in self.in_place]
         flat_numels = [params[k].numel() for k in self.flat]
         numel = sum(flat_numels)
-        self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
-        self.gradients = self.buffer[:numel]
-        self.flags = self.buffer[numel:]
+        if hook:
+            # Separate tensors: a hook may compress or even resize its buffer (batched PowerSGD pads it).
+            self.buffer = self.gradients = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+            self.flags = torch.zeros(len(params), dtype=params[0].dtype, device=params[0].device)
+        else:
+            self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
+            self.gradients = self.buffer[:numel]
+            self.flags = self.buffer[numel:]
         self.views: list[torch.Tensor | None] = [None] * len(params)
         for k, piece in zip(self.flat, self.gradients.split(flat_numels)):
             self.views[k] = piece.view_as(params[k])
@@ -70,17 +89,23 @@ class DenseBucket:
         """Scale the gradients (zeros where absent), set the flags and start the all-reduces.
 
         A gradient that already is its bucket view (gradient-as-bucket-view mode) is not copied.
+        A hook gets the gradients undivided: dividing is its job, as in torch DDP.
         """
         grads = [p.grad for p in self.params]
         present = [used[i] and grad is not None for i, grad in zip(self.indices, grads)]
         self.works = [self._start_in_place(k, grads[k], present[k], world_size) for k in self.in_place]
         if self.flat:
-            self._fill_flat(grads, present, world_size)
+            self._fill_flat(grads, present, 1 if self.hook else world_size)
         if all(present):
             self.flags.fill_(1.0 if flag_used else 0.0)
         else:
             self.flags.copy_(torch.tensor([float(has_grad == flag_used) for has_grad in present]))
-        self.works.append(dist.all_reduce(self.buffer, group=self.ring, async_op=True))
+        if self.hook:
+            self.works.append(dist.all_reduce(self.flags, group=self.ring, async_op=True))
+            comm_hook, index, count = self.hook
+            self.future = comm_hook.launch(index, count, self.gradients, self.params)
+        else:
+            self.works.append(dist.all_reduce(self.buffer, group=self.ring, async_op=True))
 
     def _start_in_place(self, k: int, grad: torch.Tensor | None, present: bool, world_size: int) -> dist.Work:
         if not present:
@@ -111,7 +136,8 @@ class DenseBucket:
                     view.zero_()
                 elif grad is not view:
                     view.copy_(grad)
-        self.gradients.div_(world_size)
+        if world_size != 1:
+            self.gradients.div_(world_size)
 
     def finish(self, as_view: bool, flag_used: bool) -> list[tuple[int, float]]:
         """Wait, write averages into ``.grad``; return (index, flag sum) of the parameters left alone.
@@ -122,6 +148,10 @@ class DenseBucket:
         for work in self.works:
             work.wait()
         self.works = []
+        if self.hook:
+            comm_hook, index, _ = self.hook
+            future, self.future = self.future, None
+            comm_hook.collect(future, index, self.gradients)
         if flag_used:
             flags = self.flags.tolist()
             skipped = {k for k, total in enumerate(flags) if total == 0}
