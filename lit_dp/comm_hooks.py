@@ -169,13 +169,11 @@ def check_comm_hook_options(
 ) -> None:
     """Raise ``ValueError`` naming ``prefix + option``, the value and what is allowed."""
     named = isinstance(comm_hook, str)
-    if named and comm_hook.lower() not in HOOK_NAMES:
+    if comm_hook is not None and (named and comm_hook.lower() not in HOOK_NAMES or not named and not callable(comm_hook)):
         raise ValueError(
             f"{prefix}comm_hook={comm_hook!r} is invalid: expected one of {', '.join(HOOK_NAMES)}, "
             "or a callable hook(state, bucket)."
         )
-    if comm_hook is not None and not named:
-        check_hook(f"{prefix}comm_hook", comm_hook)
     if comm_wrapper is not None:
         check_hook(f"{prefix}comm_wrapper", comm_wrapper)
         if comm_hook is None:
