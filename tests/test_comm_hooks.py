@@ -151,7 +151,7 @@ def hook_cases(rank, cases):
 TWO_RANK_CASES = [
     ("tied", TINY_MB, TINY_MB, False, False, 1, "allreduce"),
     ("branches", TINY_MB, TINY_MB, True, True, 2, "allreduce"),
-    ("tied", TINY_MB, TINY_MB, False, False, 1, "fp16"),
+    ("branches", TINY_MB, TINY_MB, True, True, 2, "fp16"),
     ("tied", 25, 1, False, True, 2, "bf16"),
     ("branches", TINY_MB, TINY_MB, True, False, 2, "fp16_wrapper"),
     ("mixed", TINY_MB, TINY_MB, False, False, 1, "bf16_wrapper"),
