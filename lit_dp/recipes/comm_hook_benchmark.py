@@ -22,7 +22,8 @@ from torch import nn
 
 from lit_dp.recipes.reducer_benchmark import _free_port, _init
 
-MODES = ("fp32", "bf16", "powersgd_1", "powersgd_4")
+# fp32: no hook; allreduce_hook: torch's plain hook, i.e. the cost of the hook path itself.
+MODES = ("fp32", "allreduce_hook", "bf16", "powersgd_1", "powersgd_4")
 
 
 @dataclass
@@ -61,11 +62,13 @@ class _AllReduceBytes:
 
 def _wrap(mode: str, model: nn.Module, start_iter: int) -> nn.Module:
     import lit_dp
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powersgd
 
     if mode == "bf16":
         return lit_dp.DataParallel(model, comm_dtype="bf16")
     wrapped = lit_dp.DataParallel(model)
+    if mode == "allreduce_hook":
+        wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
     if mode.startswith("powersgd_"):
         rank = int(mode.split("_")[1])
         state = powersgd.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter)
