@@ -95,7 +95,9 @@ class CommHook:
         # Hooks communicate on their state's group, by default the world group.
         self._ordered = dist.is_initialized() and dist.get_backend() != "nccl"
 
-    def launch(self, index: int, count: int, gradients: torch.Tensor, params: list[nn.Parameter]) -> torch.futures.Future:
+    def launch(
+        self, index: int, count: int, gradients: torch.Tensor, params: list[nn.Parameter]
+    ) -> torch.futures.Future:
         """Call the hook on one bucket's flat gradients; returns its future."""
         try:
             future = self.hook(self.state, GradBucket(index, count, gradients, params))
@@ -153,7 +155,9 @@ def hook_name(hook: object) -> str:
 
 def check_hook(option: str, hook: object) -> None:
     if not callable(hook):
-        raise ValueError(f"{option}={hook!r} is invalid: expected a callable hook(state, bucket) -> torch.futures.Future.")
+        raise ValueError(
+            f"{option}={hook!r} is invalid: expected a callable hook(state, bucket) -> torch.futures.Future."
+        )
 
 
 def dtype_compress_hook(comm_dtype: str) -> Hook:
@@ -173,7 +177,8 @@ def check_comm_hook_options(
 ) -> None:
     """Raise ``ValueError`` naming ``prefix + option``, the value and what is allowed."""
     named = isinstance(comm_hook, str)
-    if comm_hook is not None and (named and comm_hook.lower() not in HOOK_NAMES or not named and not callable(comm_hook)):
+    known = comm_hook.lower() in HOOK_NAMES if named else callable(comm_hook)
+    if comm_hook is not None and not known:
         raise ValueError(
             f"{prefix}comm_hook={comm_hook!r} is invalid: expected one of {', '.join(HOOK_NAMES)}, "
             "or a callable hook(state, bucket)."
@@ -201,11 +206,15 @@ def check_comm_hook_options(
                 "comm_dtype wraps the hook itself; set one of them."
             )
     powersgd = named and comm_hook.lower() == "powersgd"
-    for option, value, minimum in (("powersgd_rank", powersgd_rank, 1), ("powersgd_start_iter", powersgd_start_iter, 2)):
+    powersgd_options = (("powersgd_rank", powersgd_rank, 1), ("powersgd_start_iter", powersgd_start_iter, 2))
+    for option, value, minimum in powersgd_options:
         if value is None:
             continue
         if not powersgd:
-            raise ValueError(f"{prefix}{option}={value!r} is invalid with comm_hook={comm_hook!r}: it applies to comm_hook='powersgd'.")
+            raise ValueError(
+                f"{prefix}{option}={value!r} is invalid with comm_hook={comm_hook!r}: "
+                "it applies to comm_hook='powersgd'."
+            )
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             # PowerSGD's error feedback needs two plain iterations first (the buckets are rebuilt after the first).
             raise ValueError(f"{prefix}{option}={value!r} is invalid: expected an integer >= {minimum}.")
