@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_dp.backends import check_backend
 from lit_dp.buckets import megabytes_to_bytes
+from lit_dp.comm_hooks import check_comm_hook_options
 from lit_dp.env import MAX_NRINGS
 from lit_dp.process_group import parse_timeout
 
@@ -38,13 +39,19 @@ def check_strategy_options(
     local_sgd_steps: Any = None,
     local_sgd_warmup_steps: Any = 0,
     local_sgd_adaptive: Any = False,
+    **comm_hook_options: Any,
 ) -> None:
-    """Raise ``ValueError`` naming ``prefix + option``, the value and what is allowed."""
+    """Raise ``ValueError`` naming ``prefix + option``, the value and what is allowed.
+
+    ``comm_hook_options``: ``comm_hook``, ``comm_state``, ``comm_wrapper``, ``comm_dtype``,
+    ``powersgd_rank``, ``powersgd_start_iter`` (see ``lit_dp.comm_hooks``).
+    """
     check_local_sgd_options(
         prefix,
         local_sgd_steps=local_sgd_steps,
         local_sgd_warmup_steps=local_sgd_warmup_steps,
         local_sgd_adaptive=local_sgd_adaptive,
+        comm_hook=comm_hook_options.get("comm_hook"),
     )
     megabytes_to_bytes(f"{prefix}comm_buffer_size", comm_buffer_size)
     megabytes_to_bytes(f"{prefix}last_comm_buffer_size", last_comm_buffer_size)
@@ -56,6 +63,7 @@ def check_strategy_options(
         raise ValueError(f"{prefix}nrings={nrings!r} is invalid: expected an integer in [1, {MAX_NRINGS}].")
     if timeout is not None:
         parse_timeout(f"{prefix}timeout", timeout)
+    check_comm_hook_options(prefix, **comm_hook_options)
 
 
 def check_local_sgd_options(
@@ -142,6 +150,10 @@ class PaddleDPStrategyConfig:
     local_sgd_steps: Optional[int] = None  # LocalSGD: average the models every K local steps; null: off
     local_sgd_warmup_steps: int = 0  # LocalSGD: ordinary data-parallel steps before the local phase
     local_sgd_adaptive: bool = False  # LocalSGD: recompute K from loss and learning rate (Paddle's adaptive_localsgd)
+    comm_hook: Optional[str] = None  # fp16, bf16 or powersgd: torch's communication hook of that name
+    comm_dtype: Optional[str] = None  # fp16 or bf16: half-precision all-reduce (wraps comm_hook if set)
+    powersgd_rank: Optional[int] = None  # comm_hook=powersgd's matrix approximation rank; default 1
+    powersgd_start_iter: Optional[int] = None  # first compressed iteration (>= 2); default 1000
 
     def __post_init__(self) -> None:
         check_strategy_options("strategy.", **_options(self))

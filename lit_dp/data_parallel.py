@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,6 +15,7 @@ from torch import nn
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
 from lit_dp.compile import bucket_graph_breaks
+from lit_dp.comm_hooks import CommHook, check_comm_hook_options, dtype_compress_hook
 from lit_dp.process_group import get_rings
 from lit_dp.dense import DenseBucket
 from lit_dp.reducer import Reducer
@@ -38,12 +39,16 @@ class DataParallel(nn.Module):
         gradient_as_bucket_view: make ``.grad`` tensors views into the bucket buffers, so each
             gradient is stored once instead of twice (large gradients, reduced in place, are
             stored once without it).
+        comm_dtype: ``"fp16"`` or ``"bf16"``: all-reduce gradients in half precision (Paddle's
+            fp16 all-reduce, through torch's ``fp16/bf16_compress_hook``). It takes the one
+            communication hook slot (see ``register_comm_hook``).
 
     ``no_sync()`` accumulates gradients locally (as does ``skip_grad_sync = True``, which
     ``lit_dp.LocalSGD`` sets for its local phase); ``state_dict()`` is the inner module's, with
-    no prefix. Without a process group the module runs unchanged; a group of one rank (what
-    the Lightning strategies create for one device) gets a reducer like any other, so an unused
-    parameter raises on one device as it would on many.
+    no prefix. ``register_comm_hook`` takes torch DDP's communication hooks. Without a process
+    group the module runs unchanged; a group of one rank (what the Lightning strategies create
+    for one device) gets a reducer like any other, so an unused parameter raises on one device
+    as it would on many.
     """
 
     def __init__(
@@ -54,9 +59,11 @@ class DataParallel(nn.Module):
         find_unused_parameters: bool = False,
         group: dist.ProcessGroup | None = None,
         gradient_as_bucket_view: bool = False,
+        comm_dtype: str | None = None,
     ) -> None:
         super().__init__()
         bucket_bytes = megabytes_to_bytes("comm_buffer_size", comm_buffer_size)
+        check_comm_hook_options(comm_dtype=comm_dtype)
         last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
         self._layers = layers
         self.grad_need_sync = True
@@ -65,36 +72,12 @@ class DataParallel(nn.Module):
         # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.compile); its
         # splitter requires at least its own first-piece size (1 MB).
         self.bucket_bytes_cap = max(bucket_bytes, dist._DEFAULT_FIRST_BUCKET_BYTES)
-        self._reducer: Reducer | None = None
-        if not dist.is_initialized():
-            warnings.warn(
-                "lit_dp.DataParallel: world size is 1 and no process group exists; "
-                "the module runs unchanged without gradient synchronisation.",
-                stacklevel=2,
-            )
-            return
-        sync_params_buffers(layers, group=group)
-        named = [
-            (name, param)
-            for name, param in layers.named_parameters()
-            if param.requires_grad and not getattr(param, "no_sync", False)
-        ]
-        if not named:
-            return
-        sparse_ids = _sparse_gradient_parameters(layers)
-        self._reducer = Reducer(
-            [param for _, param in named],
-            [name for name, _ in named],
-            [group] if group is not None else get_rings(),
-            bucket_bytes=bucket_bytes,
-            last_bucket_bytes=last_bucket_bytes,
-            sparse=[id(param) in sparse_ids for _, param in named],
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
+        self._comm_hook: CommHook | None = None
+        self._reducer = _build_reducer(
+            layers, group, bucket_bytes, last_bucket_bytes, find_unused_parameters, gradient_as_bucket_view
         )
-        if dist.get_rank() == 0:
-            sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
-            log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
+        if comm_dtype is not None:
+            self.register_comm_hook(None, dtype_compress_hook(comm_dtype))
 
     @property
     def module(self) -> nn.Module:
@@ -105,6 +88,32 @@ class DataParallel(nn.Module):
     def reducer(self) -> Reducer | None:
         """The gradient reducer; None when nothing is synchronised (no process group, no trainable parameters)."""
         return self._reducer
+
+    @property
+    def comm_hook(self) -> CommHook | None:
+        """The registered communication hook, if any."""
+        return self._comm_hook
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Reduce each dense bucket with ``hook(state, bucket)``, torch DDP's communication hook contract.
+
+        The hook returns a ``torch.futures.Future`` whose value is the bucket's averaged flat
+        gradient; ``bucket`` offers ``buffer()``, ``gradients()``, ``parameters()``, ``index()``,
+        ``is_last()`` and ``set_buffer()``. As in DDP, gradients reach the hook undivided, and a
+        hook can be registered once, before the first synchronised backward. Sparse gradients
+        are reduced without it. See docs/comm_hooks.md.
+        """
+        comm_hook = CommHook(state, hook)
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"lit_dp.DataParallel: a communication hook ({self._comm_hook.name}) is already registered; "
+                f"register_comm_hook({comm_hook.name}) can only be called once."
+            )
+        if self._reducer is not None:
+            self._reducer.register_comm_hook(comm_hook)
+        self._comm_hook = comm_hook
+        if dist.is_initialized() and dist.get_rank() == 0:
+            log.info("lit_dp.DataParallel: communication hook %s", comm_hook.name)
 
     # Not traced by dynamo: under `torch.compile(DataParallel(model))` the module call below is
     # compiled as its own frame, inside `bucket_graph_breaks`, and the reducer runs eagerly.
@@ -168,6 +177,47 @@ def fused_allreduce_gradients(
         # A flag sum of 0: no rank had a gradient, so .grad stays None.
         no_gradient = {k for k, total in enumerate(bucket.flags.tolist()) if total == 0}
         bucket.write_back(as_view=False, skipped=no_gradient)
+
+
+def _build_reducer(
+    layers: nn.Module,
+    group: dist.ProcessGroup | None,
+    bucket_bytes: int,
+    last_bucket_bytes: int,
+    find_unused_parameters: bool,
+    gradient_as_bucket_view: bool,
+) -> Reducer | None:
+    """Broadcast rank 0's state and build the reducer; None without a process group or trainable parameters."""
+    if not dist.is_initialized():
+        warnings.warn(
+            "lit_dp.DataParallel: world size is 1 and no process group exists; "
+            "the module runs unchanged without gradient synchronisation.",
+            stacklevel=3,
+        )
+        return None
+    sync_params_buffers(layers, group=group)
+    named = [
+        (name, param)
+        for name, param in layers.named_parameters()
+        if param.requires_grad and not getattr(param, "no_sync", False)
+    ]
+    if not named:
+        return None
+    sparse_ids = _sparse_gradient_parameters(layers)
+    reducer = Reducer(
+        [param for _, param in named],
+        [name for name, _ in named],
+        [group] if group is not None else get_rings(),
+        bucket_bytes=bucket_bytes,
+        last_bucket_bytes=last_bucket_bytes,
+        sparse=[id(param) in sparse_ids for _, param in named],
+        find_unused_parameters=find_unused_parameters,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+    )
+    if dist.get_rank() == 0:
+        sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in reducer.bucket_bytes)
+        log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
+    return reducer
 
 
 def _sparse_gradient_parameters(module: nn.Module) -> set[int]:

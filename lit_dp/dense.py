@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_dp.buckets import MB
+from lit_dp.comm_hooks import CommHook
 
 # Scaling while copying (one call per tensor) saves a pass over the bucket but costs a Python
 # call per tensor; it pays off from about 10 KB per tensor on a CPU's memory bandwidth.
@@ -39,6 +40,11 @@ class DenseBucket:
     Small gradients travel in one flat buffer, [gradients | flags] (the flags of every member,
     large ones included); each large gradient (``in_place_min_bytes``) is all-reduced in place.
 
+    With a communication hook (``hook``: the hook, this bucket's index among the dense buckets and
+    their count) every gradient goes through the flat buffer, which holds gradients only, so the
+    hook sees the whole bucket as torch's hooks expect; the flags travel in a small all-reduce
+    of their own, never compressed.
+
     Args:
         as_view: the reducer keeps the flat members' ``.grad`` as views into the buffer
             (gradient-as-bucket-view mode), so a launch need not copy them in.
@@ -47,23 +53,35 @@ class DenseBucket:
     __slots__ = (
         "indices", "params", "in_place", "flat", "views", "flat_params", "flat_views", "reduced",
         "buffer", "gradients", "flags", "ring", "works", "fuse_scale", "as_view", "average_op", "alone",
-        "_launched_grads",
+        "hook", "future", "_launched_grads",
     )  # fmt: skip
 
     def __init__(
-        self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup, as_view: bool = False
+        self,
+        indices: list[int],
+        params: list[nn.Parameter],
+        ring: dist.ProcessGroup,
+        as_view: bool = False,
+        hook: tuple[CommHook, int, int] | None = None,
     ) -> None:
         self.indices = indices
         self.params = params
         self.as_view = as_view
+        self.hook = hook
+        self.future: torch.futures.Future | None = None
         threshold = in_place_min_bytes(params[0].device)
-        self.in_place = [k for k, p in enumerate(params) if p.numel() * p.element_size() >= threshold]
+        self.in_place = [] if hook else [k for k, p in enumerate(params) if p.numel() * p.element_size() >= threshold]
         self.flat = [k for k in range(len(params)) if k not in self.in_place]
         flat_numels = [params[k].numel() for k in self.flat]
         numel = sum(flat_numels)
-        self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
-        self.gradients = self.buffer[:numel]
-        self.flags = self.buffer[numel:]
+        if hook:
+            # Separate tensors: a hook may compress or even resize its buffer (batched PowerSGD pads it).
+            self.buffer = self.gradients = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+            self.flags = torch.zeros(len(params), dtype=params[0].dtype, device=params[0].device)
+        else:
+            self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
+            self.gradients = self.buffer[:numel]
+            self.flags = self.buffer[numel:]
         self.views: list[torch.Tensor | None] = [None] * len(params)
         for k, piece in zip(self.flat, self.gradients.split(flat_numels)):
             self.views[k] = piece.view_as(params[k])
@@ -78,7 +96,8 @@ class DenseBucket:
         self.average_op = averaging_op(ring)
         # A group of one rank (one device under the Lightning strategies) needs no collective:
         # skipping it keeps the one-device step as cheap as the bare model's, checks included.
-        self.alone = dist.get_world_size(ring) == 1
+        # A hook still runs there, as under torch DDP.
+        self.alone = dist.get_world_size(ring) == 1 and hook is None
         # The flat members' gradients at launch when all were present, for the write-back.
         self._launched_grads: list[torch.Tensor] | None = None
 
@@ -90,7 +109,8 @@ class DenseBucket:
         """Scale the gradients (zeros where absent), set the flags and start the all-reduces.
 
         ``complete``: every member's gradient arrived in this backward (the reducer knows), so
-        no member needs checking.
+        no member needs checking. A hook gets the gradients undivided: dividing is its job, as
+        in torch DDP.
         """
         # Flags are set with fills, never copied from host memory: on CUDA a copy from pageable
         # memory would block the host. An averaging all-reduce divides them too, so they start at
@@ -113,7 +133,12 @@ class DenseBucket:
         ]
         if self.flat:
             self._fill_flat(present, world_size)
-        self.works.append(dist.all_reduce(self.buffer, op=op, group=self.ring, async_op=True))
+        if self.hook:
+            self.works.append(dist.all_reduce(self.flags, op=op, group=self.ring, async_op=True))
+            comm_hook, index, count = self.hook
+            self.future = comm_hook.launch(index, count, self.gradients, self.params)
+        else:
+            self.works.append(dist.all_reduce(self.buffer, op=op, group=self.ring, async_op=True))
 
     def _start_in_place(self, k: int, present: bool, world_size: int, op: dist.ReduceOp) -> dist.Work:
         grad = self.params[k].grad
@@ -134,7 +159,7 @@ class DenseBucket:
 
         ``present`` is None when every gradient arrived; in view mode they are already in place.
         """
-        scale = self.average_op is None
+        scale = self.average_op is None and self.hook is None
         if present is None and not self.as_view:
             grads = [p.grad for p in self.flat_params]
             self._launched_grads = grads
@@ -159,6 +184,10 @@ class DenseBucket:
         for work in self.works:
             work.wait()
         self.works = []
+        if self.hook:
+            comm_hook, index, _ = self.hook
+            future, self.future = self.future, None
+            comm_hook.collect(future, index, self.gradients)
 
     def write_back(self, as_view: bool, skipped: Collection[int]) -> None:
         """Write the averages into ``.grad``, except for the members at positions ``skipped``."""

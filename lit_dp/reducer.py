@@ -36,6 +36,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from lit_dp.buckets import assign_group_by_size
+from lit_dp.comm_hooks import CommHook
 from lit_dp.dense import DenseBucket
 from lit_dp.sparse import SparseBucket
 
@@ -96,6 +97,7 @@ class Reducer:
         self._next_bucket = 0
         self._pending: list[int] = []
         self._pending_flags: list[PendingFlags] = []
+        self._comm_hook: CommHook | None = None
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -113,6 +115,21 @@ class Reducer:
     def launched_buckets(self) -> int:
         """How many buckets of the current (or last) synchronised backward have started their all-reduce."""
         return self._next_bucket
+
+    def register_comm_hook(self, comm_hook: CommHook) -> None:
+        """Reduce dense buckets through ``comm_hook`` (see ``lit_dp.comm_hooks``); once, before the first backward."""
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"lit_dp: a communication hook ({self._comm_hook.name}) is already registered; "
+                "register_comm_hook can only be called once."
+            )
+        if self._rebuilt or self._started:
+            raise RuntimeError(
+                f"lit_dp: register_comm_hook({comm_hook.name}) must be called before the first synchronised backward."
+            )
+        self._comm_hook = comm_hook
+        # The buckets were built without the hook (flags in the buffer, large gradients in place).
+        self._rebuild(list(range(len(self._params))))
 
     def prepare_for_backward(self, outputs: object) -> None:
         """Arm the reducer for the next backward; called after each forward that will synchronise."""
@@ -192,6 +209,8 @@ class Reducer:
         while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
             position = self._next_bucket
             complete = self._armed and position not in partial
+            if self._comm_hook is not None:
+                self._comm_hook.settle()
             buckets[position].start(self._used, self._find_unused, self._world_size, complete)
             self._next_bucket += 1
 
@@ -291,10 +310,18 @@ class Reducer:
         self._view_of: list[torch.Tensor | None] = []
         self._bucket_of = [0] * len(self._params)
         self._view_of = [None] * len(self._params)
+        # A hook numbers the dense buckets only: torch's hooks do not apply to sparse gradients.
+        dense_count = sum(not self._sparse[indices[0]] for indices in launch_order)
+        dense_index = 0
         for position, indices in enumerate(launch_order):
-            kind = SparseBucket if self._sparse[indices[0]] else DenseBucket
             ring = self._rings[position % len(self._rings)]
-            bucket = kind(indices, [self._params[i] for i in indices], ring, self._as_view)
+            params = [self._params[i] for i in indices]
+            if self._sparse[indices[0]]:
+                bucket = SparseBucket(indices, params, ring)
+            else:
+                hook = None if self._comm_hook is None else (self._comm_hook, dense_index, dense_count)
+                bucket = DenseBucket(indices, params, ring, self._as_view, hook)
+                dense_index += 1
             self._buckets.append(bucket)
             for slot, index in enumerate(indices):
                 self._bucket_of[index] = position

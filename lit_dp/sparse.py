@@ -18,9 +18,7 @@ class SparseBucket:
 
     __slots__ = ("indices", "params", "ring", "work", "gradient", "flags", "flag_work", "native")
 
-    def __init__(
-        self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup, as_view: bool = False
-    ) -> None:
+    def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup) -> None:
         self.indices = indices
         self.params = params
         self.ring = ring

@@ -11,7 +11,7 @@ strategy in ``lit_dp.fabric`` shares them and the helpers below.
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -39,6 +39,7 @@ from typing_extensions import override
 from lit_dp.backends import AUTO, check_backend
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.cluster_environment import PaddleEnvironment
+from lit_dp.comm_hooks import describe_comm_hook, merge_lightning_names, resolve_comm_hook
 from lit_dp.config import check_local_sgd_options, check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.env import ParallelEnv
@@ -89,6 +90,16 @@ class PaddleDPStrategy(ParallelStrategy):
         local_sgd_adaptive: recompute K at each average from the loss and learning rate
             (Paddle's ``adaptive_localsgd``; automatic optimization only).
         model_averaging_period: Lightning's ``DDPStrategy`` name for ``local_sgd_steps``.
+        comm_hook: a torch DDP communication hook ``hook(state, bucket)``, or by name ``"fp16"``,
+            ``"bf16"``, ``"powersgd"`` (see docs/comm_hooks.md).
+        comm_state: the state passed to a callable ``comm_hook`` (e.g. a ``PowerSGDState``).
+        comm_wrapper: wraps ``comm_hook``, e.g. torch's ``fp16_compress_wrapper``.
+        comm_dtype: ``"fp16"`` or ``"bf16"``: Paddle's half-precision all-reduce; with a
+            ``comm_hook``, wraps it in torch's compress wrapper of that dtype.
+        powersgd_rank / powersgd_start_iter: ``comm_hook="powersgd"``'s matrix approximation
+            rank and first compressed iteration (torch's defaults: 1 and 1000).
+        ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: Lightning ``DDPStrategy``'s names for
+            ``comm_hook`` / ``comm_state`` / ``comm_wrapper``.
     """
 
     strategy_name = "paddle_dp"
@@ -112,12 +123,25 @@ class PaddleDPStrategy(ParallelStrategy):
         local_sgd_warmup_steps: int = 0,
         local_sgd_adaptive: bool = False,
         model_averaging_period: int | None = None,
+        comm_hook: str | Callable | None = None,
+        comm_state: object = None,
+        comm_wrapper: Callable | None = None,
+        comm_dtype: str | None = None,
+        powersgd_rank: int | None = None,
+        powersgd_start_iter: int | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_state: object = None,
+        ddp_comm_wrapper: Callable | None = None,
     ) -> None:
+        comm_hook = merge_lightning_names("comm_hook", comm_hook, "ddp_comm_hook", ddp_comm_hook)
+        comm_state = merge_lightning_names("comm_state", comm_state, "ddp_comm_state", ddp_comm_state)
+        comm_wrapper = merge_lightning_names("comm_wrapper", comm_wrapper, "ddp_comm_wrapper", ddp_comm_wrapper)
         local_sgd_steps = check_local_sgd_options(
             local_sgd_steps=local_sgd_steps,
             local_sgd_warmup_steps=local_sgd_warmup_steps,
             local_sgd_adaptive=local_sgd_adaptive,
             model_averaging_period=model_averaging_period,
+            comm_hook=comm_hook,
         )
         check_strategy_options(
             comm_buffer_size=comm_buffer_size,
@@ -128,6 +152,12 @@ class PaddleDPStrategy(ParallelStrategy):
             nrings=nrings,
             timeout=timeout,
             start_method=start_method,
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+            comm_wrapper=comm_wrapper,
+            comm_dtype=comm_dtype,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
         )
         if cluster_environment is None and PaddleEnvironment.detect():
             cluster_environment = PaddleEnvironment()
@@ -146,6 +176,14 @@ class PaddleDPStrategy(ParallelStrategy):
         self._nrings = nrings
         self._timeout = timeout
         self._start_method = start_method
+        self._comm_hook_options = dict(
+            comm_hook=comm_hook,
+            comm_wrapper=comm_wrapper,
+            comm_dtype=comm_dtype,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
+        )
+        self._comm_state = comm_state
         self._num_nodes = 1
         self._forward_redirection = _ManualOptimizationRedirection()
         self._local_sgd_steps = local_sgd_steps
@@ -243,7 +281,8 @@ class PaddleDPStrategy(ParallelStrategy):
             f"devices={[str(d) for d in self.parallel_devices or []]} comm_buffer_size={self._comm_buffer_size}MB "
             f"last_comm_buffer_size={self._last_comm_buffer_size}MB find_unused_parameters={self._find_unused_parameters} "
             f"gradient_as_bucket_view={self._gradient_as_bucket_view} local_sgd_steps={self._local_sgd_steps} "
-            f"local_sgd_warmup_steps={self._local_sgd_warmup_steps} local_sgd_adaptive={self._local_sgd_adaptive}"
+            f"local_sgd_warmup_steps={self._local_sgd_warmup_steps} local_sgd_adaptive={self._local_sgd_adaptive} "
+            f"comm_hook={describe_comm_hook(**self._comm_hook_options)}"
         )
 
     @override
@@ -267,13 +306,18 @@ class PaddleDPStrategy(ParallelStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        return DataParallel(
+        wrapped = DataParallel(
             model,
             comm_buffer_size=self._comm_buffer_size,
             last_comm_buffer_size=self._last_comm_buffer_size,
             find_unused_parameters=self._find_unused_parameters,
             gradient_as_bucket_view=self._gradient_as_bucket_view,
         )
+        # Built here, in each process: PowerSGD's state belongs to the process group.
+        registration = resolve_comm_hook(comm_state=self._comm_state, **self._comm_hook_options)
+        if registration is not None:
+            wrapped.register_comm_hook(*registration)
+        return wrapped
 
     def _setup_local_sgd(self) -> LocalSGD | None:
         if self._local_sgd_steps is None or not isinstance(self.model, DataParallel):
