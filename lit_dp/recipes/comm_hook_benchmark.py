@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from lit_dp.recipes.reducer_benchmark import _free_port, _init
+from lit_dp.recipes.reducer_benchmark import free_port, init_gloo_rank
 
 # fp32: no hook; allreduce_hook: torch's plain hook, i.e. the cost of the hook path itself.
 MODES = ("fp32", "allreduce_hook", "bf16", "powersgd_1", "powersgd_4")
@@ -135,7 +135,7 @@ def _worker(rank: int, config: CommHookBenchmarkConfig, port: int, results: dict
     import lit_dp
 
     torch.set_num_threads(config.threads_per_rank)
-    _init(rank, config.world_size, port)
+    init_gloo_rank(rank, config.world_size, port)
     for task in config.tasks:
         build, size, batch, loss, evaluate = TASKS[task](config)
         models, optimizers = {}, {}
@@ -180,7 +180,7 @@ def run(config: CommHookBenchmarkConfig) -> dict:
         )
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(config, _free_port(), results), nprocs=config.world_size)
+        mp.spawn(_worker, args=(config, free_port(), results), nprocs=config.world_size)
         return dict(results)
 
 

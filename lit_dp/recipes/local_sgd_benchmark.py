@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lit_dp.recipes.digits import DigitsDataModule
-from lit_dp.recipes.reducer_benchmark import _free_port, _init, digits_mlp
+from lit_dp.recipes.reducer_benchmark import free_port, init_gloo_rank, digits_mlp
 
 
 @dataclass
@@ -93,7 +93,7 @@ def _worker(rank: int, config: LocalSGDBenchmarkConfig, port: int, results: dict
     import lit_dp
 
     torch.set_num_threads(config.threads_per_rank)
-    _init(rank, config.world_size, port)
+    init_gloo_rank(rank, config.world_size, port)
     data = DigitsDataModule()
     data.setup()
     modes: list[int | None] = [None, *config.local_steps]
@@ -128,7 +128,7 @@ def run(config: LocalSGDBenchmarkConfig) -> dict[int | None, dict[str, Any]]:
     """Per mode (None: plain data parallelism; K: LocalSGD): bytes per step, mean step seconds, accuracy."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(config, _free_port(), results), nprocs=config.world_size)
+        mp.spawn(_worker, args=(config, free_port(), results), nprocs=config.world_size)
         return dict(results)
 
 
