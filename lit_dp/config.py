@@ -7,17 +7,20 @@ process starts. The same checks guard ``PaddleDPStrategy``'s constructor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dp.autotune import check_comm_buffer_size
 from lit_dp.buckets import megabytes_to_bytes
 from lit_dp.env import BACKENDS, MAX_NRINGS
 from lit_dp.process_group import parse_timeout
+from lit_dp.trace import check_trace_steps
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -34,9 +37,12 @@ def check_strategy_options(
     nrings: Any = None,
     timeout: Any = None,
     start_method: Any = "popen",
+    comm_stats: Any = False,
+    trace_dir: Any = None,
+    trace_steps: Any = (1, 4),
 ) -> None:
     """Raise ``ValueError`` naming ``prefix + option``, the value and what is allowed."""
-    megabytes_to_bytes(f"{prefix}comm_buffer_size", comm_buffer_size)
+    check_comm_buffer_size(f"{prefix}comm_buffer_size", comm_buffer_size)
     megabytes_to_bytes(f"{prefix}last_comm_buffer_size", last_comm_buffer_size)
     _check_flag(f"{prefix}find_unused_parameters", find_unused_parameters)
     _check_flag(f"{prefix}gradient_as_bucket_view", gradient_as_bucket_view)
@@ -46,6 +52,10 @@ def check_strategy_options(
         raise ValueError(f"{prefix}nrings={nrings!r} is invalid: expected an integer in [1, {MAX_NRINGS}].")
     if timeout is not None:
         parse_timeout(f"{prefix}timeout", timeout)
+    _check_flag(f"{prefix}comm_stats", comm_stats)
+    if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
+        raise ValueError(f"{prefix}trace_dir={trace_dir!r} is invalid: expected a directory path or null.")
+    check_trace_steps(f"{prefix}trace_steps", trace_steps)
 
 
 def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -64,7 +74,8 @@ class PaddleDPStrategyConfig:
     """``strategy=paddle_dp``: lit_dp's bucketed reducer (see ``PaddleDPStrategy``)."""
 
     _target_: str = "lit_dp.PaddleDPStrategy"
-    comm_buffer_size: float = 25  # bucket size limit, MB
+    # Any: MB (a number) or "auto"; OmegaConf's Union[float, str] would refuse an int such as 25.
+    comm_buffer_size: Any = 25  # bucket size limit, MB, or auto (tuned during the first steps)
     last_comm_buffer_size: float = 1  # limit of the last bucket reduced in backward, MB
     find_unused_parameters: bool = False  # tolerate parameters without a gradient
     gradient_as_bucket_view: bool = False  # .grad tensors are views into the bucket buffers
@@ -72,6 +83,9 @@ class PaddleDPStrategyConfig:
     nrings: Optional[int] = None  # communicators to spread buckets over; default FLAGS_nccl_nrings or 1
     timeout: Optional[float] = None  # seconds; default PADDLE_PG_TIMEOUT or 1800
     start_method: str = "popen"  # popen (re-run the script per rank) or spawn/fork/forkserver
+    comm_stats: bool = False  # log comm/bytes, buckets, time_ms, exposed_ms, overlap every log_every_n_steps
+    trace_dir: Optional[str] = None  # write a Chrome trace of the communication, rank{R}.json, there
+    trace_steps: List[int] = field(default_factory=lambda: [1, 4])  # traced steps: start <= step < stop
 
     def __post_init__(self) -> None:
         check_strategy_options("strategy.", **_options(self))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -12,11 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_dp.autotune import AUTO, BucketAutotuner, check_comm_buffer_size
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
+from lit_dp.comm_stats import CommObserver, CommStats
 from lit_dp.process_group import get_rings
 from lit_dp.dense import DenseBucket
 from lit_dp.reducer import Reducer
+from lit_dp.trace import TraceWriter, check_trace_steps
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +30,8 @@ class DataParallel(nn.Module):
 
     Args:
         layers: the module to train.
-        comm_buffer_size: bucket size limit in MB (Paddle's default 25).
+        comm_buffer_size: bucket size limit in MB (Paddle's default 25), or ``"auto"`` to time
+            candidate sizes during the first steps and keep the fastest (``lit_dp.autotune``).
         last_comm_buffer_size: limit in MB of the last bucket reduced (the first in forward
             order), kept small so little communication is left once backward ends.
         find_unused_parameters: allow parameters without a gradient in an iteration: they
@@ -37,6 +42,11 @@ class DataParallel(nn.Module):
         gradient_as_bucket_view: make ``.grad`` tensors views into the bucket buffers, so each
             gradient is stored once instead of twice (large gradients, reduced in place, are
             stored once without it).
+        comm_stats: measure each step's communication, read with ``comm_stats()``
+            (``lit_dp.comm_stats``).
+        trace_dir: write a Chrome trace of the communication, ``rank{R}.json``, there
+            (``lit_dp.trace``).
+        trace_steps: the synchronised steps traced, ``start <= step < stop``.
 
     ``no_sync()`` accumulates gradients locally; ``state_dict()`` is the inner module's, with
     no prefix. With a world size of 1 the module runs unchanged.
@@ -50,9 +60,19 @@ class DataParallel(nn.Module):
         find_unused_parameters: bool = False,
         group: dist.ProcessGroup | None = None,
         gradient_as_bucket_view: bool = False,
+        comm_stats: bool = False,
+        trace_dir: str | os.PathLike[str] | None = None,
+        trace_steps: tuple[int, int] = (1, 4),
     ) -> None:
         super().__init__()
-        bucket_bytes = megabytes_to_bytes("comm_buffer_size", comm_buffer_size)
+        check_comm_buffer_size("comm_buffer_size", comm_buffer_size)
+        auto = comm_buffer_size == AUTO
+        # With "auto" the first step (before the ready-order rebuild) runs in default-sized buckets.
+        bucket_bytes = megabytes_to_bytes("comm_buffer_size", 25 if auto else comm_buffer_size)
+        traced_steps = check_trace_steps("trace_steps", trace_steps)
+        self._comm_buffer_size = comm_buffer_size
+        self._observer: CommObserver | None = None
+        self._tuner: BucketAutotuner | None = None
         last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
         self._layers = layers
         self.grad_need_sync = True
@@ -73,15 +93,25 @@ class DataParallel(nn.Module):
         if not named:
             return
         sparse_ids = _sparse_gradient_parameters(layers)
+        rings = [group] if group is not None else get_rings()
+        device = named[0][1].device
+        if auto:
+            self._tuner = BucketAutotuner(rings[0], device, last_bucket_bytes)
+        trace = TraceWriter(trace_dir, dist.get_rank(), traced_steps) if trace_dir is not None else None
+        if comm_stats or trace is not None or auto:
+            self._observer = CommObserver(
+                [name for name, _ in named], device, collect=comm_stats or trace is not None, trace=trace, tuner=self._tuner
+            )
         self._reducer = Reducer(
             [param for _, param in named],
             [name for name, _ in named],
-            [group] if group is not None else get_rings(),
+            rings,
             bucket_bytes=bucket_bytes,
             last_bucket_bytes=last_bucket_bytes,
             sparse=[id(param) in sparse_ids for _, param in named],
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            observer=self._observer,
         )
         if dist.get_rank() == 0:
             sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
@@ -96,6 +126,35 @@ class DataParallel(nn.Module):
     def reducer(self) -> Reducer | None:
         """The gradient reducer; None when nothing is synchronised (world size 1, no trainable parameters)."""
         return self._reducer
+
+    @property
+    def comm_buffer_size(self) -> float | str:
+        """The bucket size in MB; with ``"auto"``, the size chosen once tuning is over."""
+        if self._tuner is not None and self._tuner.chosen_mb is not None:
+            return self._tuner.chosen_mb
+        return self._comm_buffer_size
+
+    @property
+    def autotuner(self) -> BucketAutotuner | None:
+        """The bucket-size autotuner (``comm_buffer_size="auto"``), with its sweep once decided."""
+        return self._tuner
+
+    def comm_stats(self) -> CommStats | None:
+        """This rank's statistics for the last synchronised step whose measurements are complete.
+
+        None before the first step or without ``comm_stats=True``/``trace_dir``. Never waits for
+        the device: on CUDA the step before the last is returned while the last is in flight.
+        """
+        return self._observer.last() if self._observer is not None else None
+
+    def comm_stats_mean(self) -> dict[str, float]:
+        """Mean ``time_ms``, ``exposed_ms`` and ``overlap`` over the steps so far (the first excluded)."""
+        return self._observer.mean() if self._observer is not None else {}
+
+    def flush_comm_stats(self) -> None:
+        """Resolve every finished step (waiting for the device) and write the trace collected so far."""
+        if self._observer is not None:
+            self._observer.flush()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         outputs = self._layers(*inputs, **kwargs)

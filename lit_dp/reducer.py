@@ -36,6 +36,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from lit_dp.buckets import assign_group_by_size
+from lit_dp.comm_stats import CommObserver
 from lit_dp.dense import DenseBucket
 from lit_dp.sparse import SparseBucket
 
@@ -59,6 +60,8 @@ class Reducer:
         find_unused_parameters: tolerate parameters without a gradient (see module docstring).
         gradient_as_bucket_view: make the ``.grad`` of flat (not in-place) members views into
             the bucket buffers, so they are not stored twice.
+        observer: told of each step's start, first gradient, bucket launches, end of backward
+            and completion (``lit_dp.comm_stats.CommObserver``: statistics, trace, autotune).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class Reducer:
         sparse: Sequence[bool],
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        observer: CommObserver | None = None,
     ) -> None:
         if not params:
             raise ValueError("Reducer needs at least one trainable parameter.")
@@ -94,6 +98,7 @@ class Reducer:
         self._started = False
         self._next_bucket = 0
         self._pending: list[int] = []
+        self._observer = observer
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -117,6 +122,8 @@ class Reducer:
         if self._agreed_order is not None:
             self._rebuild(self._agreed_order)
             self._agreed_order = None
+        if self._observer is not None:
+            self._observer.step_started(self)
         self._pending = [len(bucket.indices) for bucket in self._buckets]
         self._ready = bytearray(len(self._params))
         self._next_bucket = 0
@@ -155,6 +162,8 @@ class Reducer:
         if not self._started:
             self._started = True
             Variable._execution_engine.queue_callback(self._finalize_backward)
+            if self._observer is not None:
+                self._observer.backward_started()
             for unreached in self._unreached:
                 self._ready[unreached] = 1
                 self._mark_ready(unreached)
@@ -181,9 +190,13 @@ class Reducer:
         buckets, pending = self._buckets, self._pending
         while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
             buckets[self._next_bucket].start(self._used, self._find_unused, self._world_size)
+            if self._observer is not None:
+                self._observer.bucket_launched(self._next_bucket, buckets[self._next_bucket])
             self._next_bucket += 1
 
     def _finalize_backward(self) -> None:
+        if self._observer is not None:
+            self._observer.backward_ended()
         self._armed = False
         # Buckets still incomplete hold parameters without a gradient in this backward; they are
         # launched anyway (zeros) so every rank issues the same collectives and none hangs.
@@ -191,6 +204,8 @@ class Reducer:
             self._pending[pos] = 0
         self._launch_complete_buckets()
         left_alone = [entry for bucket in self._buckets for entry in bucket.finish(self._as_view, self._find_unused)]
+        if self._observer is not None:
+            self._observer.buckets_reduced()
         used, self._used = self._used, bytearray(len(self._params))
         if left_alone and not self._find_unused:
             raise RuntimeError(self._missing_gradients_message(left_alone, used))
@@ -222,6 +237,21 @@ class Reducer:
         dist.broadcast(agreed, src=dist.get_global_rank(ring, 0), group=ring)
         self._agreed_order = list(reversed(agreed.tolist()))
         self._rebuilt = True
+
+    def set_bucket_limits(self, bucket_bytes: int, last_bucket_bytes: int) -> None:
+        """Rebuild the buckets with new size limits, in the current (agreed) parameter order.
+
+        Between iterations only. Every rank must call it at the same iteration with the same
+        limits, or the ranks' buckets stop pairing up (the autotuner guarantees both).
+        """
+        if self._armed and self._started:
+            raise RuntimeError("lit_dp reducer: bucket limits can change only between iterations, not in backward.")
+        self._limits = [last_bucket_bytes, bucket_bytes]
+        if self._agreed_order is not None:
+            forward_order, self._agreed_order = self._agreed_order, None
+        else:  # buckets are in launch (reverse forward) order, members in forward order
+            forward_order = [index for bucket in reversed(self._buckets) for index in bucket.indices]
+        self._rebuild(forward_order)
 
     def _rebuild(self, forward_order: list[int]) -> None:
         self._build_buckets(forward_order)

@@ -33,13 +33,18 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from lit_dp.autotune import AUTO
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.cluster_environment import PaddleEnvironment
+from lit_dp.comm_stats import CommStatsMonitor
 from lit_dp.config import check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.env import ParallelEnv
 from lit_dp.process_group import destroy_parallel_env, init_parallel_env
 from lit_dp.reducer import UNUSED_PARAMETERS_HINT
+from lit_dp.trace import check_trace_steps
+
+CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 
 LIGHTNING_UNUSED_PARAMETERS_HINT = (
     "If this is intentional, enable unused-parameter detection: "
@@ -52,7 +57,8 @@ class PaddleDPStrategy(ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer, one process per device.
 
     Args:
-        comm_buffer_size: bucket size limit in MB.
+        comm_buffer_size: bucket size limit in MB, or ``"auto"``: tuned during the first steps
+            (``lit_dp.autotune``), then stored in checkpoints so a resumed run keeps it.
         last_comm_buffer_size: size limit in MB of the last bucket reduced in backward.
         find_unused_parameters: tolerate parameters that get no gradient in an iteration.
         gradient_as_bucket_view: make ``.grad`` tensors views into the bucket buffers.
@@ -62,6 +68,10 @@ class PaddleDPStrategy(ParallelStrategy):
             ``PADDLE_PG_TIMEOUT`` or 30 minutes.
         start_method: ``"popen"`` runs the script again per process (like ``"ddp"``);
             ``"spawn"``/``"fork"``/``"forkserver"`` use multiprocessing (like ``"ddp_spawn"``).
+        comm_stats: log ``comm/*`` communication statistics every ``log_every_n_steps``
+            (``lit_dp.comm_stats.CommStatsMonitor``).
+        trace_dir: write a Chrome trace of the communication there, ``rank{R}.json``.
+        trace_steps: the synchronised steps traced, ``(start, stop)``.
     """
 
     strategy_name = "paddle_dp"
@@ -81,6 +91,9 @@ class PaddleDPStrategy(ParallelStrategy):
         nrings: int | None = None,
         timeout: timedelta | float | None = None,
         start_method: str = "popen",
+        comm_stats: bool = False,
+        trace_dir: str | None = None,
+        trace_steps: tuple[int, int] = (1, 4),
     ) -> None:
         check_strategy_options(
             comm_buffer_size=comm_buffer_size,
@@ -91,6 +104,9 @@ class PaddleDPStrategy(ParallelStrategy):
             nrings=nrings,
             timeout=timeout,
             start_method=start_method,
+            comm_stats=comm_stats,
+            trace_dir=trace_dir,
+            trace_steps=trace_steps,
         )
         if cluster_environment is None and PaddleEnvironment.detect():
             cluster_environment = PaddleEnvironment()
@@ -111,10 +127,27 @@ class PaddleDPStrategy(ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._forward_redirection = _ManualOptimizationRedirection()
+        self._comm_stats = comm_stats
+        self._trace_dir = trace_dir
+        self._trace_steps = check_trace_steps("trace_steps", trace_steps)
+        self._tuned_buffer_size: float | None = None  # with "auto": restored, or chosen by a finished fit
 
     @property
-    def comm_buffer_size(self) -> float:
-        return self._comm_buffer_size
+    def comm_buffer_size(self) -> float | str:
+        """The bucket size in MB: with ``"auto"``, the tuned size once chosen (or restored)."""
+        return self.tuned_comm_buffer_size or self._comm_buffer_size
+
+    @property
+    def tuned_comm_buffer_size(self) -> float | None:
+        """With ``comm_buffer_size="auto"``: the size chosen in this run or restored from a checkpoint."""
+        if self._tuned_buffer_size is not None:
+            return self._tuned_buffer_size
+        tuner = self.model.autotuner if isinstance(self.model, DataParallel) else None
+        return tuner.chosen_mb if tuner is not None else None
+
+    @property
+    def comm_stats(self) -> bool:
+        return self._comm_stats
 
     @property
     def last_comm_buffer_size(self) -> float:
@@ -212,9 +245,9 @@ class PaddleDPStrategy(ParallelStrategy):
         """One line with the settings in effect, for logs."""
         return (
             f"strategy=paddle_dp backend={self.process_group_backend} world_size={self.world_size} "
-            f"devices={[str(d) for d in self.parallel_devices or []]} comm_buffer_size={self._comm_buffer_size}MB "
+            f"devices={[str(d) for d in self.parallel_devices or []]} comm_buffer_size={self._comm_buffer_size}{'' if self._comm_buffer_size == AUTO else 'MB'} "
             f"last_comm_buffer_size={self._last_comm_buffer_size}MB find_unused_parameters={self._find_unused_parameters} "
-            f"gradient_as_bucket_view={self._gradient_as_bucket_view}"
+            f"gradient_as_bucket_view={self._gradient_as_bucket_view} comm_stats={self._comm_stats}"
         )
 
     @override
@@ -234,18 +267,26 @@ class PaddleDPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if fitting and (self._comm_stats or self._comm_buffer_size == AUTO):
+            if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
+                trainer.callbacks.append(CommStatsMonitor())
 
     @override
     def _setup_model(self, model: Module) -> Module:
         if not dist.is_initialized():
             rank_zero_info("paddle_dp: a single process; the model is not wrapped and no gradients are synchronised.")
             return model
+        if self._tuned_buffer_size is not None:
+            rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {self._tuned_buffer_size:g} MB, tuned before (checkpoint or earlier fit)")
         return DataParallel(
             model,
-            comm_buffer_size=self._comm_buffer_size,
+            comm_buffer_size=self.comm_buffer_size,
             last_comm_buffer_size=self._last_comm_buffer_size,
             find_unused_parameters=self._find_unused_parameters,
             gradient_as_bucket_view=self._gradient_as_bucket_view,
+            comm_stats=self._comm_stats,
+            trace_dir=self._trace_dir,
+            trace_steps=self._trace_steps,
         )
 
     @override
@@ -304,9 +345,28 @@ class PaddleDPStrategy(ParallelStrategy):
             exception.args = (message.replace(UNUSED_PARAMETERS_HINT, LIGHTNING_UNUSED_PARAMETERS_HINT),)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None) -> None:
+        tuned = self.tuned_comm_buffer_size
+        if tuned is not None:
+            checkpoint[CHECKPOINT_KEY] = {"tuned_comm_buffer_size": tuned}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        # Lightning loads the checkpoint before `setup` wraps the model: the restored size
+        # replaces "auto" there, and no step is spent tuning again.
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        tuned = checkpoint.get(CHECKPOINT_KEY, {}).get("tuned_comm_buffer_size")
+        if tuned is not None and self._comm_buffer_size == AUTO:
+            self._tuned_buffer_size = tuned
+        return checkpoint
+
+    @override
     def teardown(self) -> None:
         lightning_module = self.lightning_module
         if isinstance(self.model, DataParallel):
+            self.model.flush_comm_stats()  # the trace of a run shorter than trace_steps
+            self._tuned_buffer_size = self.tuned_comm_buffer_size
             self.model = lightning_module
         if (
             lightning_module is not None

@@ -1,0 +1,158 @@
+"""``comm_buffer_size="auto"``: choose the bucket size by timing the first steps of training.
+
+The schedule. Training starts with the default buckets; after the first step the reducer
+rebuilds them in gradient-ready order, and tuning begins. Each candidate of
+``CANDIDATES_MB`` (1 to 100 MB) is tried in turn: the buckets are rebuilt with it, one step is
+left to warm up (new buffers), then ``MEASURE_STEPS`` steps are timed, each from one forward's
+end to the next's, i.e. a whole training iteration. A candidate that gives the same buckets as
+one already tried is skipped without spending a step: on a model of a few MB most candidates
+coincide. Every rank then holds one time per candidate; an all-reduce (MAX) gives the time as
+the slowest rank saw it (a data-parallel step is as slow as its slowest rank), rank 0 takes
+the fastest candidate (the smallest size on a tie) and broadcasts it, and every rank rebuilds
+its buckets with that size at the same step. Cost: at most
+``len(CANDIDATES_MB) * (WARMUP_STEPS + MEASURE_STEPS)`` = 35 steps, fewer when candidates
+coincide, and none at all on a model whose buckets are the same for every candidate.
+
+Horovod's autotune, the anchor, samples its fusion-buffer size and cycle time with Bayesian
+optimisation: by default 3 warm-up samples and up to 20 more, each over 10 steps (about 230
+steps); it can afford to because it tunes two parameters in a continuous range. Only the
+bucket partition matters here, and it changes at a handful of sizes, so trying each distinct
+partition once is both cheaper and exhaustive over the schedule.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from lit_dp.buckets import MB, megabytes_to_bytes
+
+if TYPE_CHECKING:
+    from lit_dp.reducer import Reducer
+
+AUTO = "auto"
+CANDIDATES_MB = (1, 2, 5, 10, 25, 50, 100)
+WARMUP_STEPS = 1
+MEASURE_STEPS = 4
+
+
+def check_comm_buffer_size(option: str, value: Any) -> None:
+    """A positive number of MB or ``"auto"``; raises ``ValueError`` naming ``option`` otherwise."""
+    if value == AUTO:
+        return
+    if isinstance(value, str):
+        raise ValueError(f"{option}={value!r} is invalid: expected a positive number of megabytes or 'auto'.")
+    try:
+        megabytes_to_bytes(option, value)
+    except ValueError as error:
+        raise ValueError(f"{error.args[0].rstrip('.')} or 'auto'.") from None
+
+
+class BucketAutotuner:
+    """Drives the schedule above from the reducer's step starts (see ``CommObserver.step_started``).
+
+    Args:
+        group: the ranks that decide together (the reducer's).
+        device: where the collectives' tensors live (the parameters' device).
+        last_bucket_bytes: the last bucket's limit, kept as configured.
+        candidates_mb / warmup_steps / measure_steps: the schedule; default the module's constants.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        last_bucket_bytes: int,
+        candidates_mb: Sequence[float] | None = None,
+        warmup_steps: int | None = None,
+        measure_steps: int | None = None,
+    ) -> None:
+        self._group = group
+        self._device = device
+        self._last_bytes = last_bucket_bytes
+        # The module's schedule, read now (not bound at import) so that it can be changed in one place.
+        self._candidates = list(CANDIDATES_MB if candidates_mb is None else candidates_mb)
+        self._warmup = WARMUP_STEPS if warmup_steps is None else warmup_steps
+        self._measure = MEASURE_STEPS if measure_steps is None else measure_steps
+        self._distinct: list[float] | None = None  # candidates giving distinct buckets, first of each
+        self._marks: list[list[Any]] = []  # step-start marks per candidate tried so far
+        self._window_start = 0
+        self._chosen: float | None = None
+        self._sweep: dict[float, float] = {}
+
+    @property
+    def chosen_mb(self) -> float | None:
+        """The size every rank adopted; None while tuning."""
+        return self._chosen
+
+    @property
+    def sweep(self) -> dict[float, float]:
+        """Slowest-rank median step time (ms) per distinct candidate tried, once decided."""
+        return dict(self._sweep)
+
+    @property
+    def tuning_steps(self) -> int:
+        """Steps the schedule takes: one window per distinct candidate (0 when there is only one)."""
+        distinct = len(self._distinct or [])
+        return distinct * (self._warmup + self._measure) if distinct > 1 else 0
+
+    def step_started(self, reducer: Reducer, step: int, mark: Any, clock: Any) -> None:
+        """Called at every synchronised step start, on every rank (so every rank switches together)."""
+        if self._chosen is not None or step == 0:
+            return  # step 0 runs before the ready-order rebuild
+        if self._distinct is None:
+            self._distinct = self._distinct_candidates(reducer)
+            if len(self._distinct) == 1:
+                self._adopt(reducer, self._distinct[0])
+                return
+        else:
+            self._marks[-1].append(mark)
+            if step - self._window_start < self._warmup + self._measure:
+                return
+        if len(self._marks) < len(self._distinct):
+            candidate = self._distinct[len(self._marks)]
+            reducer.set_bucket_limits(megabytes_to_bytes("comm_buffer_size", candidate), self._last_bytes)
+            self._marks.append([mark])
+            self._window_start = step
+            return
+        self._decide(reducer, clock)
+
+    def _distinct_candidates(self, reducer: Reducer) -> list[float]:
+        """The first candidate of each distinct bucket partition (the same computation on every rank)."""
+        distinct: dict[str, float] = {}
+        for candidate in self._candidates:
+            reducer.set_bucket_limits(megabytes_to_bytes("comm_buffer_size", candidate), self._last_bytes)
+            distinct.setdefault(repr(reducer.bucket_indices), candidate)
+        return list(distinct.values())
+
+    def _decide(self, reducer: Reducer, clock: Any) -> None:
+        assert self._distinct is not None
+        times = []
+        for marks in self._marks:
+            measured = marks[self._warmup :]
+            times.append(statistics.median(clock.elapsed_ms(a, b) for a, b in zip(measured, measured[1:])))
+        slowest = torch.tensor(times, dtype=torch.float64, device=self._device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self._group)
+        # Every rank now holds the same times; rank 0's choice is broadcast all the same, so that
+        # a tie broken differently on some rank could never split the job.
+        choice = torch.tensor([int(torch.argmin(slowest))], device=self._device)  # first minimum: the smallest
+        dist.broadcast(choice, src=dist.get_global_rank(self._group, 0), group=self._group)
+        self._sweep = dict(zip(self._distinct, slowest.tolist()))
+        self._adopt(reducer, self._distinct[int(choice.item())])
+
+    def _adopt(self, reducer: Reducer, megabytes: float) -> None:
+        self._chosen = megabytes
+        reducer.set_bucket_limits(megabytes_to_bytes("comm_buffer_size", megabytes), self._last_bytes)
+        if dist.get_rank() != 0:
+            return
+        if self._sweep:
+            swept = ", ".join(f"{mb:g} MB {ms:.2f} ms" for mb, ms in self._sweep.items())
+            detail = f"after {self.tuning_steps} tuning steps (slowest-rank step time: {swept})"
+        else:
+            detail = f"without tuning: every candidate of {list(self._candidates)} MB gives the same buckets"
+        sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in reducer.bucket_bytes)
+        print(f"[lit_dp] comm_buffer_size=auto chose {megabytes:g} MB {detail}; buckets [{sizes}] MB", flush=True)
