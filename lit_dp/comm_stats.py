@@ -189,7 +189,7 @@ class CommObserver:
         self._current: _StepRecord | None = None
         self._pending: deque[_StepRecord] = deque()
         self._last: CommStats | None = None
-        self._totals = [0, 0.0, 0.0, 0.0]  # steps, time_ms, exposed_ms, overlap (steps after the first)
+        self._totals = [0, 0.0, 0.0]  # steps, time_ms, exposed_ms (steps after the first)
 
     # The reducer's moments ------------------------------------------------------------------
 
@@ -244,12 +244,14 @@ class CommObserver:
         return self._last
 
     def mean(self) -> dict[str, float]:
-        """Mean ``time_ms``, ``exposed_ms`` and ``overlap`` over the resolved steps after the first."""
+        """Mean ``time_ms`` and ``exposed_ms`` over the resolved steps after the first, and the
+        ``overlap`` of their sums (the share of all communication time that was hidden)."""
         self._resolve()
-        steps, time_ms, exposed_ms, overlap = self._totals
+        steps, time_ms, exposed_ms = self._totals
         if not steps:
             return {}
-        return {"time_ms": time_ms / steps, "exposed_ms": exposed_ms / steps, "overlap": overlap / steps}
+        overlap = 1.0 - exposed_ms / time_ms if time_ms > 0 else 1.0
+        return {"time_ms": time_ms / steps, "exposed_ms": exposed_ms / steps, "overlap": overlap}
 
     def flush(self) -> None:
         """Resolve every finished step, waiting for the device if needed, and write the trace."""
@@ -298,7 +300,6 @@ class CommObserver:
             totals[0] += 1
             totals[1] += stats.time_ms
             totals[2] += stats.exposed_ms
-            totals[3] += stats.overlap
         if self._trace is not None:
             self._trace.add(timeline)
 
@@ -326,8 +327,8 @@ class CommStatsMonitor(pl.Callback):
     (``log_every_n_steps``) it logs rank 0's last-step ``comm/*`` figures, plus
     ``comm/exposed_ms_max``, the largest exposed time over ranks (one all-reduce of one number,
     on those steps only), and ``comm/tuned_buffer_mb`` once the autotuner has chosen. At each
-    epoch end it logs the means so far (``comm/*_mean``, also in ``trainer.callback_metrics``);
-    when training ends, rank 0 prints them.
+    epoch end it logs the means so far over steps and ranks (``comm/*_mean``, also in
+    ``trainer.callback_metrics``); when training ends, rank 0 prints its own.
     """
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -340,8 +341,11 @@ class CommStatsMonitor(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         means = {f"comm/{name}_mean": value for name, value in self._means(trainer).items()}
+        tuned = getattr(trainer.strategy, "tuned_comm_buffer_size", None)
+        if tuned is not None:
+            means["comm/tuned_buffer_mb"] = float(tuned)  # the same on every rank
         if means:
-            pl_module.log_dict(means, rank_zero_only=True)
+            pl_module.log_dict(means, sync_dist=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -349,11 +353,11 @@ class CommStatsMonitor(pl.Callback):
         last = self._model_stats(trainer)
         parts = []
         if last is not None:
-            parts.append(f"{last.bytes / 2**20:.3f} MB in {last.buckets} buckets per step")
+            parts.append(f"{last.bytes / 2**20:.3f} MB in {last.buckets} bucket{'s' * (last.buckets != 1)} per step")
         if means:
             parts.append(
                 f"time {means['time_ms']:.3f} ms, exposed {means['exposed_ms']:.3f} ms, "
-                f"overlap {means['overlap']:.2f} (means over the steps after the first)"
+                f"overlap {means['overlap']:.2f} (rank 0, means over the steps after the first)"
             )
         tuned = getattr(strategy, "tuned_comm_buffer_size", None)
         if tuned is not None:

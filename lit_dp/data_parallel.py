@@ -148,7 +148,7 @@ class DataParallel(nn.Module):
         return self._observer.last() if self._observer is not None else None
 
     def comm_stats_mean(self) -> dict[str, float]:
-        """Mean ``time_ms``, ``exposed_ms`` and ``overlap`` over the steps so far (the first excluded)."""
+        """Mean ``time_ms`` and ``exposed_ms`` over the steps so far (the first excluded), and the overlap of their sums."""
         return self._observer.mean() if self._observer is not None else {}
 
     def flush_comm_stats(self) -> None:

@@ -117,7 +117,8 @@ class PaddleDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._comm_buffer_size = comm_buffer_size
+        # Hydra hands integers (`comm_buffer_size=5`) to this Any-typed option; sizes are floats.
+        self._comm_buffer_size = comm_buffer_size if comm_buffer_size == AUTO else float(comm_buffer_size)
         self._last_comm_buffer_size = last_comm_buffer_size
         self._find_unused_parameters = find_unused_parameters
         self._gradient_as_bucket_view = gradient_as_bucket_view

@@ -1,0 +1,120 @@
+"""How good is ``comm_buffer_size="auto"``? The fixed sizes swept side by side, next to the tuner's choices.
+
+    python -m lit_dp.recipes.autotune_benchmark                # the reducer benchmark's models
+    python -m lit_dp.recipes.autotune_benchmark --threads 4 --rounds 12
+
+On 2 gloo processes, per model: one ``DataParallel`` per distinct bucket partition of the
+autotuner's schedule, timed interleaved in rounds whose order rotates (as in
+``lit_dp.recipes.reducer_benchmark``), gives the median step time of every fixed size. Then
+``--trials`` fresh ``comm_buffer_size="auto"`` wrappers train until they have chosen; each
+choice is scored by the sweep's time for that size against the best fixed size. The same
+rounds also time the 25 MB wrapper with ``comm_stats=True`` against it without, for the
+overhead of the statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lit_dp.recipes.reducer_benchmark import MODELS, _free_port, _init, _step, _time_steps
+
+STATS_MODE = "25 MB + comm_stats"
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, results: dict) -> None:
+    import lit_dp
+    from lit_dp.autotune import CANDIDATES_MB
+
+    torch.set_num_threads(args.threads)
+    _init(rank, 2, port)
+    for name in args.models:
+        build, width, batch = MODELS[name]
+        torch.manual_seed(0)
+        base = build()
+        inputs = torch.randn(batch, width)
+        # One wrapper per distinct partition (the first candidate of each, as the tuner does).
+        wrappers: dict[str, torch.nn.Module] = {}
+        seen: set[str] = set()
+        for size in CANDIDATES_MB:
+            wrapper = lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=size)
+            _step(wrapper, torch.optim.SGD(wrapper.parameters(), lr=1e-3), inputs)  # the ready-order rebuild
+            key = repr(wrapper.reducer.bucket_indices)
+            if key not in seen:
+                seen.add(key)
+                wrappers[f"{size:g} MB"] = wrapper
+        wrappers[STATS_MODE] = lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=25, comm_stats=True)
+        if "25 MB" not in wrappers:
+            wrappers["25 MB"] = lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=25)
+        optimizers = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in wrappers.items()}
+        modes = list(wrappers)
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
+        for mode in modes:
+            _time_steps(wrappers[mode], optimizers[mode], inputs, args.warmup)
+        for round_index in range(args.rounds):
+            shift = round_index % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                times[mode] += _time_steps(wrappers[mode], optimizers[mode], inputs, args.steps)
+        trials = []
+        for _ in range(args.trials):
+            tuned = lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size="auto")
+            optimizer = torch.optim.SGD(tuned.parameters(), lr=1e-3)
+            steps = 0
+            while tuned.autotuner.chosen_mb is None:
+                _step(tuned, optimizer, inputs)
+                steps += 1
+            trials.append({"chosen": tuned.comm_buffer_size, "steps": steps, "sweep": tuned.autotuner.sweep})
+        dist.barrier()
+        if rank == 0:
+            results[name] = {
+                "median_ms": {mode: statistics.median(t) * 1e3 for mode, t in times.items()},
+                "trials": trials,
+                "buckets": {mode: len(w.reducer.bucket_indices) for mode, w in wrappers.items()},
+            }
+    lit_dp.destroy_parallel_env()
+
+
+def report(results: dict) -> str:
+    lines = [
+        "| model | fixed sizes: median step ms (buckets) | best fixed | auto's choices (steps to decide) "
+        "| auto / best | comm_stats on / off |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, row in results.items():
+        fixed = {mode: ms for mode, ms in row["median_ms"].items() if mode != STATS_MODE}
+        sweep = ", ".join(f"{mode} {ms:.2f} ({row['buckets'][mode]})" for mode, ms in fixed.items())
+        best = min(fixed, key=fixed.get)
+        choices, ratios = [], []
+        for trial in row["trials"]:
+            mode = f"{trial['chosen']:g} MB"  # the first size of its partition, as in the sweep
+            choices.append(f"{trial['chosen']:g} MB ({trial['steps']})")
+            ratios.append(f"{fixed[mode] / fixed[best]:.3f}")
+        overhead = row["median_ms"][STATS_MODE] / row["median_ms"]["25 MB"]
+        lines.append(
+            f"| {name} | {sweep} | {best} | {', '.join(choices)} | {', '.join(ratios)} | {overhead:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["few_large", "many_small", "digits_mlp"], choices=sorted(MODELS))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per size per round")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--trials", type=int, default=3, help="fresh autotuned runs per model")
+    args = parser.parse_args()
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(args, _free_port(), results), nprocs=2)
+        print(report(dict(results)))
+
+
+if __name__ == "__main__":
+    main()
