@@ -1,23 +1,24 @@
 """``comm_buffer_size="auto"``: choose the bucket size by timing the first steps of training.
 
 The schedule. Training starts with the default buckets; after the first step the reducer
-rebuilds them in gradient-ready order, and tuning begins. Each candidate of
-``CANDIDATES_MB`` (1 to 100 MB) is tried in turn: the buckets are rebuilt with it, one step is
-left to warm up (new buffers), then ``MEASURE_STEPS`` steps are timed, each from one forward's
-end to the next's, i.e. a whole training iteration. A candidate that gives the same buckets as
-one already tried is skipped without spending a step: on a model of a few MB most candidates
-coincide. Every rank then holds one time per candidate; an all-reduce (MAX) gives the time as
-the slowest rank saw it (a data-parallel step is as slow as its slowest rank), rank 0 takes
-the fastest candidate (the smallest size on a tie) and broadcasts it, and every rank rebuilds
-its buckets with that size at the same step. Cost: at most
-``len(CANDIDATES_MB) * (WARMUP_STEPS + MEASURE_STEPS)`` = 35 steps, fewer when candidates
-coincide, and none at all on a model whose buckets are the same for every candidate.
+rebuilds them in gradient-ready order, and tuning begins. The candidates are
+``CANDIDATES_MB`` (1 to 100 MB); one that gives the same buckets as a smaller one is dropped
+without spending a step (on a model of a few MB most coincide). The remaining candidates are
+tried in ``PASSES`` rounds (A B C A B C, so that drift on a busy machine hits them alike); each
+time the buckets are rebuilt with it, one step is left to warm up (new buffers), then
+``MEASURE_STEPS`` steps are timed, each from one forward's end to the next's, i.e. a whole
+training iteration. Every rank then holds a median step time per candidate; an all-reduce (MAX)
+gives the time as the slowest rank saw it (a data-parallel step is as slow as its slowest
+rank), rank 0 takes the fastest candidate (the smallest size on a tie) and broadcasts it, and
+every rank rebuilds its buckets with that size at the same step. Cost: at most
+``PASSES * len(CANDIDATES_MB) * (WARMUP_STEPS + MEASURE_STEPS)`` = 56 steps, fewer when
+candidates coincide, and none at all on a model whose buckets are the same for every candidate.
 
 Horovod's autotune, the anchor, samples its fusion-buffer size and cycle time with Bayesian
 optimisation: by default 3 warm-up samples and up to 20 more, each over 10 steps (about 230
 steps); it can afford to because it tunes two parameters in a continuous range. Only the
-bucket partition matters here, and it changes at a handful of sizes, so trying each distinct
-partition once is both cheaper and exhaustive over the schedule.
+bucket partition matters here, and it changes at a handful of sizes, so timing each distinct
+partition directly is both cheaper and exhaustive over the schedule.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 AUTO = "auto"
 CANDIDATES_MB = (1, 2, 5, 10, 25, 50, 100)
 WARMUP_STEPS = 1
-MEASURE_STEPS = 4
+MEASURE_STEPS = 3
+PASSES = 2
 
 
 def check_comm_buffer_size(option: str, value: Any) -> None:
@@ -79,7 +81,7 @@ class BucketAutotuner:
         self._warmup = WARMUP_STEPS if warmup_steps is None else warmup_steps
         self._measure = MEASURE_STEPS if measure_steps is None else measure_steps
         self._distinct: list[float] | None = None  # candidates giving distinct buckets, first of each
-        self._marks: list[list[Any]] = []  # step-start marks per candidate tried so far
+        self._marks: list[list[Any]] = []  # step-start marks per window (candidate k in window k % distinct)
         self._window_start = 0
         self._chosen: float | None = None
         self._sweep: dict[float, float] = {}
@@ -98,7 +100,7 @@ class BucketAutotuner:
     def tuning_steps(self) -> int:
         """Steps the schedule takes: one window per distinct candidate (0 when there is only one)."""
         distinct = len(self._distinct or [])
-        return distinct * (self._warmup + self._measure) if distinct > 1 else 0
+        return PASSES * distinct * (self._warmup + self._measure) if distinct > 1 else 0
 
     def step_started(self, reducer: Reducer, step: int, mark: Any, clock: Any) -> None:
         """Called at every synchronised step start, on every rank (so every rank switches together)."""
@@ -113,8 +115,8 @@ class BucketAutotuner:
             self._marks[-1].append(mark)
             if step - self._window_start < self._warmup + self._measure:
                 return
-        if len(self._marks) < len(self._distinct):
-            candidate = self._distinct[len(self._marks)]
+        if len(self._marks) < PASSES * len(self._distinct):
+            candidate = self._distinct[len(self._marks) % len(self._distinct)]
             reducer.set_bucket_limits(megabytes_to_bytes("comm_buffer_size", candidate), self._last_bytes)
             self._marks.append([mark])
             self._window_start = step
@@ -131,10 +133,11 @@ class BucketAutotuner:
 
     def _decide(self, reducer: Reducer, clock: Any) -> None:
         assert self._distinct is not None
-        times = []
-        for marks in self._marks:
+        steps: list[list[float]] = [[] for _ in self._distinct]
+        for window, marks in enumerate(self._marks):
             measured = marks[self._warmup :]
-            times.append(statistics.median(clock.elapsed_ms(a, b) for a, b in zip(measured, measured[1:])))
+            steps[window % len(self._distinct)] += [clock.elapsed_ms(a, b) for a, b in zip(measured, measured[1:])]
+        times = [statistics.median(candidate_steps) for candidate_steps in steps]
         slowest = torch.tensor(times, dtype=torch.float64, device=self._device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self._group)
         # Every rank now holds the same times; rank 0's choice is broadcast all the same, so that

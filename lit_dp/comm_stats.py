@@ -235,6 +235,10 @@ class CommObserver:
         record.reduced = self._clock.mark()
         self._pending.append(record)
         self._current = None
+        if isinstance(self._clock, _HostClock):
+            # Gloo has run every completion callback before wait() returned: resolve now, so a
+            # trace ending at this step is written without waiting for another step.
+            self._resolve()
 
     # Reading ---------------------------------------------------------------------------------
 
@@ -277,12 +281,14 @@ class CommObserver:
         def host(mark: Any) -> float:
             return self._clock.to_host(mark, record.start, record.start_host)
 
+        traced = self._trace is not None and self._trace.wants(record.step)
         spans = []
         for position, nbytes, indices, launch, slots in record.buckets:
             launched = host(launch)
             # A tiny all-reduce can finish before the launch mark is taken, right after it was enqueued.
             end = max(launched, max(host(slot) for slot in slots))
-            spans.append(BucketSpan(position, nbytes, tuple(self._names[i] for i in indices), launched, end))
+            names = tuple(self._names[i] for i in indices) if traced else ()  # only the trace shows them
+            spans.append(BucketSpan(position, nbytes, names, launched, end))
         return StepTimeline(
             step=record.step,
             start=record.start_host,

@@ -88,6 +88,9 @@ class PaddleDPStrategyConfig:
     trace_steps: List[int] = field(default_factory=lambda: [1, 4])  # traced steps: start <= step < stop
 
     def __post_init__(self) -> None:
+        # Any-typed for "auto": a number gets the float type the other sizes have (5 -> 5.0).
+        if isinstance(self.comm_buffer_size, int) and not isinstance(self.comm_buffer_size, bool):
+            self.comm_buffer_size = float(self.comm_buffer_size)
         check_strategy_options("strategy.", **_options(self))
 
 

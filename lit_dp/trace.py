@@ -68,8 +68,11 @@ class TraceWriter:
     def path(self) -> Path:
         return self._path
 
+    def wants(self, step: int) -> bool:
+        return self._start <= step < self._stop and not self._written
+
     def add(self, timeline: StepTimeline) -> None:
-        if not self._start <= timeline.step < self._stop or self._written:
+        if not self.wants(timeline.step):
             return
         self._events += self._step_events(timeline)
         if timeline.step == self._stop - 1:

@@ -7,8 +7,8 @@ On 2 gloo processes, per model: one ``DataParallel`` per distinct bucket partiti
 autotuner's schedule, timed interleaved in rounds whose order rotates (as in
 ``lit_dp.recipes.reducer_benchmark``), gives the median step time of every fixed size. Then
 ``--trials`` fresh ``comm_buffer_size="auto"`` wrappers train until they have chosen; each
-choice is scored by the sweep's time for that size against the best fixed size. The same
-rounds also time the 25 MB wrapper with ``comm_stats=True`` against it without, for the
+choice is scored by the sweep's time for that size against the best fixed size. Last, two
+25 MB wrappers, one with ``comm_stats=True``, alternate round by round on their own, for the
 overhead of the statistics.
 """
 
@@ -24,7 +24,20 @@ import torch.multiprocessing as mp
 
 from lit_dp.recipes.reducer_benchmark import MODELS, _free_port, _init, _step, _time_steps
 
-STATS_MODE = "25 MB + comm_stats"
+
+
+def _interleaved_medians(wrappers: dict[str, torch.nn.Module], inputs: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
+    """Median step time (ms) per wrapper, timed in rounds whose order rotates."""
+    optimizers = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in wrappers.items()}
+    modes = list(wrappers)
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for mode in modes:
+        _time_steps(wrappers[mode], optimizers[mode], inputs, args.warmup)
+    for round_index in range(args.rounds):
+        shift = round_index % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            times[mode] += _time_steps(wrappers[mode], optimizers[mode], inputs, args.steps)
+    return {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, results: dict) -> None:
@@ -48,18 +61,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: dict) -> No
             if key not in seen:
                 seen.add(key)
                 wrappers[f"{size:g} MB"] = wrapper
-        wrappers[STATS_MODE] = lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=25, comm_stats=True)
-        if "25 MB" not in wrappers:
-            wrappers["25 MB"] = lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=25)
-        optimizers = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in wrappers.items()}
-        modes = list(wrappers)
-        times: dict[str, list[float]] = {mode: [] for mode in modes}
-        for mode in modes:
-            _time_steps(wrappers[mode], optimizers[mode], inputs, args.warmup)
-        for round_index in range(args.rounds):
-            shift = round_index % len(modes)
-            for mode in modes[shift:] + modes[:shift]:
-                times[mode] += _time_steps(wrappers[mode], optimizers[mode], inputs, args.steps)
+        sweep = _interleaved_medians(wrappers, inputs, args)
+        buckets = {mode: len(w.reducer.bucket_indices) for mode, w in wrappers.items()}
+        del wrappers
         trials = []
         for _ in range(args.trials):
             tuned = lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size="auto")
@@ -69,13 +73,17 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: dict) -> No
                 _step(tuned, optimizer, inputs)
                 steps += 1
             trials.append({"chosen": tuned.comm_buffer_size, "steps": steps, "sweep": tuned.autotuner.sweep})
+        overhead = _interleaved_medians(
+            {
+                "off": lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=25),
+                "on": lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=25, comm_stats=True),
+            },
+            inputs,
+            args,
+        )
         dist.barrier()
         if rank == 0:
-            results[name] = {
-                "median_ms": {mode: statistics.median(t) * 1e3 for mode, t in times.items()},
-                "trials": trials,
-                "buckets": {mode: len(w.reducer.bucket_indices) for mode, w in wrappers.items()},
-            }
+            results[name] = {"median_ms": sweep, "trials": trials, "buckets": buckets, "stats_on_off": overhead}
     lit_dp.destroy_parallel_env()
 
 
@@ -86,7 +94,7 @@ def report(results: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
-        fixed = {mode: ms for mode, ms in row["median_ms"].items() if mode != STATS_MODE}
+        fixed = row["median_ms"]
         sweep = ", ".join(f"{mode} {ms:.2f} ({row['buckets'][mode]})" for mode, ms in fixed.items())
         best = min(fixed, key=fixed.get)
         choices, ratios = [], []
@@ -94,7 +102,7 @@ def report(results: dict) -> str:
             mode = f"{trial['chosen']:g} MB"  # the first size of its partition, as in the sweep
             choices.append(f"{trial['chosen']:g} MB ({trial['steps']})")
             ratios.append(f"{fixed[mode] / fixed[best]:.3f}")
-        overhead = row["median_ms"][STATS_MODE] / row["median_ms"]["25 MB"]
+        overhead = row["stats_on_off"]["on"] / row["stats_on_off"]["off"]
         lines.append(
             f"| {name} | {sweep} | {best} | {', '.join(choices)} | {', '.join(ratios)} | {overhead:.3f} |"
         )
