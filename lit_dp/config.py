@@ -18,9 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_dp.autotune import check_comm_buffer_size
 from lit_dp.buckets import megabytes_to_bytes
+from lit_dp.comm_stats import check_trace_steps
 from lit_dp.env import BACKENDS, MAX_NRINGS
 from lit_dp.process_group import parse_timeout
-from lit_dp.trace import check_trace_steps
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")

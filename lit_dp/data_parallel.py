@@ -16,11 +16,10 @@ from torch import nn
 from lit_dp.autotune import AUTO, BucketAutotuner, check_comm_buffer_size
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
-from lit_dp.comm_stats import CommObserver, CommStats
+from lit_dp.comm_stats import CommObserver, CommStats, check_trace_steps
 from lit_dp.process_group import get_rings
 from lit_dp.dense import DenseBucket
 from lit_dp.reducer import Reducer
-from lit_dp.trace import TraceWriter, check_trace_steps
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,11 @@ class DataParallel(nn.Module):
         device = named[0][1].device
         if auto:
             self._tuner = BucketAutotuner(rings[0], device, last_bucket_bytes)
-        trace = TraceWriter(trace_dir, dist.get_rank(), traced_steps) if trace_dir is not None else None
+        trace = None
+        if trace_dir is not None:
+            from lit_dp.trace import TraceWriter  # imported on demand: `python -m lit_dp.trace` must find it unimported
+
+            trace = TraceWriter(trace_dir, dist.get_rank(), traced_steps)
         if comm_stats or trace is not None or auto:
             self._observer = CommObserver(
                 [name for name, _ in named], device, collect=comm_stats or trace is not None, trace=trace, tuner=self._tuner

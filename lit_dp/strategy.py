@@ -36,13 +36,12 @@ from typing_extensions import override
 from lit_dp.autotune import AUTO
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.cluster_environment import PaddleEnvironment
-from lit_dp.comm_stats import CommStatsMonitor
+from lit_dp.comm_stats import CommStatsMonitor, check_trace_steps
 from lit_dp.config import check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.env import ParallelEnv
 from lit_dp.process_group import destroy_parallel_env, init_parallel_env
 from lit_dp.reducer import UNUSED_PARAMETERS_HINT
-from lit_dp.trace import check_trace_steps
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 

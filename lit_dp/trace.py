@@ -12,6 +12,9 @@ Each file holds, per step:
   bytes and parameter names in ``args``;
 - a complete event ``exposed communication`` from the end of backward to the last completion.
 
+``lit_dp`` does not import this module (``python -m lit_dp.trace`` runs it cleanly); the
+wrappers import it only when ``trace_dir`` is set.
+
 Timestamps are wall-clock microseconds (each rank's host clock, converted from
 ``time.perf_counter``; on CUDA the spans' lengths come from CUDA events), so ranks on one host
 line up exactly and ranks on different hosts as well as their clocks agree. Merge the ranks
@@ -35,20 +38,6 @@ from lit_dp.comm_stats import StepTimeline
 
 COMPLETE = "X"
 STEPS_TRACK = 0  # step markers, backward and exposed time; bucket K is drawn on track 1 + K
-
-
-def check_trace_steps(option: str, steps: Any) -> tuple[int, int]:
-    """``(start, stop)`` synchronised steps, ``0 <= start < stop``; raises ``ValueError`` naming ``option``."""
-    values = [] if isinstance(steps, (str, bytes)) else list(steps) if hasattr(steps, "__iter__") else []
-    valid = (
-        len(values) == 2
-        and all(isinstance(value, int) and not isinstance(value, bool) for value in values)
-        and 0 <= values[0] < values[1]
-    )
-    if not valid:
-        raise ValueError(f"{option}={steps!r} is invalid: expected two integers (start, stop) with 0 <= start < stop.")
-    start, stop = values
-    return start, stop
 
 
 class TraceWriter:
@@ -164,9 +153,12 @@ def render(trace: str | Path, output: str | Path, title: str | None = None) -> P
         axes.axvline((e["ts"] - origin) / 1e3, color="gray", linewidth=0.5, linestyle=":")
     axes.set_yticks(range(len(rows)), [f"rank {pid} · {names.get((pid, tid), tid)}" for pid, tid in rows])
     axes.invert_yaxis()
-    axes.set_xlabel("ms (dotted lines: step starts)")
+    axes.set_xlabel("ms (dotted lines: step starts)", labelpad=2)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    axes.legend(handles, ["backward", "bucket all-reduce", "exposed communication"], loc="lower right", fontsize=8)
+    axes.legend(
+        handles, ["backward", "bucket all-reduce", "exposed communication"],
+        loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8,
+    )  # fmt: skip
     axes.set_title(title or f"Rendering of the Chrome trace {Path(trace).name}")
     figure.tight_layout()
     figure.savefig(output, dpi=120)

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from lit_dp.comm_stats import BucketSpan, StepTimeline
+from lit_dp.comm_stats import BucketSpan, StepTimeline, check_trace_steps
 from lit_dp.config import PaddleDPStrategyConfig
-from lit_dp.trace import check_trace_steps, main as trace_main
+from lit_dp.trace import main as trace_main
 from tests.distributed import run_ranks
 
 KB = 1024 / 2**20  # one KB in MB
