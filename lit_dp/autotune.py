@@ -7,7 +7,8 @@ without spending a step (on a model of a few MB most coincide). The remaining ca
 tried in ``PASSES`` rounds (A B C A B C, so that drift on a busy machine hits them alike); each
 time the buckets are rebuilt with it, one step is left to warm up (new buffers), then
 ``MEASURE_STEPS`` steps are timed, each from one forward's end to the next's, i.e. a whole
-training iteration. Every rank then holds a median step time per candidate; an all-reduce (MAX)
+training iteration. Every rank then holds its fastest step time per candidate (interference
+only ever adds time, so the minimum is the least noisy estimate); an all-reduce (MAX)
 gives the time as the slowest rank saw it (a data-parallel step is as slow as its slowest
 rank), rank 0 takes the fastest candidate (the smallest size on a tie) and broadcasts it, and
 every rank rebuilds its buckets with that size at the same step. Cost: at most
@@ -23,7 +24,6 @@ partition directly is both cheaper and exhaustive over the schedule.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +93,7 @@ class BucketAutotuner:
 
     @property
     def sweep(self) -> dict[float, float]:
-        """Slowest-rank median step time (ms) per distinct candidate tried, once decided."""
+        """Per distinct candidate tried, the fastest step time (ms) as the slowest rank saw it, once decided."""
         return dict(self._sweep)
 
     @property
@@ -137,7 +137,10 @@ class BucketAutotuner:
         for window, marks in enumerate(self._marks):
             measured = marks[self._warmup :]
             steps[window % len(self._distinct)] += [clock.elapsed_ms(a, b) for a, b in zip(measured, measured[1:])]
-        times = [statistics.median(candidate_steps) for candidate_steps in steps]
+        # The fastest timed step, not the median: interference (other processes, the OS) only ever
+        # adds time, so the minimum is the least noisy estimate of what a size costs (the
+        # reasoning of Python's timeit). Then the slowest rank's, since every rank waits for it.
+        times = [min(candidate_steps) for candidate_steps in steps]
         slowest = torch.tensor(times, dtype=torch.float64, device=self._device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self._group)
         # Every rank now holds the same times; rank 0's choice is broadcast all the same, so that
@@ -154,7 +157,7 @@ class BucketAutotuner:
             return
         if self._sweep:
             swept = ", ".join(f"{mb:g} MB {ms:.2f} ms" for mb, ms in self._sweep.items())
-            detail = f"after {self.tuning_steps} tuning steps (slowest-rank step time: {swept})"
+            detail = f"after {self.tuning_steps} tuning steps (fastest step, slowest rank: {swept})"
         else:
             detail = f"without tuning: every candidate of {list(self._candidates)} MB gives the same buckets"
         sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in reducer.bucket_bytes)
