@@ -325,7 +325,9 @@ def check_trace_steps(option: str, steps: Any) -> tuple[int, int]:
 
 
 
-def _completion_callback(slots: list[Any], slot: int, mark: Callable[[], Any]) -> Callable[[torch.futures.Future], None]:
+def _completion_callback(
+    slots: list[Any], slot: int, mark: Callable[[], Any]
+) -> Callable[[torch.futures.Future], None]:
     def on_complete(_future: torch.futures.Future) -> None:
         slots[slot] = mark()
 
@@ -352,7 +354,9 @@ class CommStatsMonitor(pl.Callback):
     ``trainer.callback_metrics``); when training ends, rank 0 prints its own.
     """
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not trainer._logger_connector.should_update_logs:
             return
         metrics = self._step_metrics(trainer)

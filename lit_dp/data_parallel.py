@@ -102,9 +102,9 @@ class DataParallel(nn.Module):
 
             trace = TraceWriter(trace_dir, dist.get_rank(), traced_steps)
         if comm_stats or trace is not None or auto:
-            self._observer = CommObserver(
-                [name for name, _ in named], device, collect=comm_stats or trace is not None, trace=trace, tuner=self._tuner
-            )
+            names = [name for name, _ in named]
+            collect = comm_stats or trace is not None
+            self._observer = CommObserver(names, device, collect=collect, trace=trace, tuner=self._tuner)
         self._reducer = Reducer(
             [param for _, param in named],
             [name for name, _ in named],
@@ -151,7 +151,7 @@ class DataParallel(nn.Module):
         return self._observer.last() if self._observer is not None else None
 
     def comm_stats_mean(self) -> dict[str, float]:
-        """Mean ``time_ms`` and ``exposed_ms`` over the steps so far (the first excluded), and the overlap of their sums."""
+        """Mean ``time_ms`` and ``exposed_ms`` over the steps so far (the first excluded), and their overlap."""
         return self._observer.mean() if self._observer is not None else {}
 
     def flush_comm_stats(self) -> None:

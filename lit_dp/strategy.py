@@ -245,7 +245,8 @@ class PaddleDPStrategy(ParallelStrategy):
         """One line with the settings in effect, for logs."""
         return (
             f"strategy=paddle_dp backend={self.process_group_backend} world_size={self.world_size} "
-            f"devices={[str(d) for d in self.parallel_devices or []]} comm_buffer_size={self._comm_buffer_size}{'' if self._comm_buffer_size == AUTO else 'MB'} "
+            f"devices={[str(d) for d in self.parallel_devices or []]} "
+            f"comm_buffer_size={self._comm_buffer_size}{'' if self._comm_buffer_size == AUTO else 'MB'} "
             f"last_comm_buffer_size={self._last_comm_buffer_size}MB find_unused_parameters={self._find_unused_parameters} "
             f"gradient_as_bucket_view={self._gradient_as_bucket_view} comm_stats={self._comm_stats}"
         )
@@ -277,7 +278,8 @@ class PaddleDPStrategy(ParallelStrategy):
             rank_zero_info("paddle_dp: a single process; the model is not wrapped and no gradients are synchronised.")
             return model
         if self._tuned_buffer_size is not None:
-            rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {self._tuned_buffer_size:g} MB, tuned before (checkpoint or earlier fit)")
+            size = self._tuned_buffer_size
+            rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {size:g} MB, tuned before (checkpoint or earlier fit)")
         return DataParallel(
             model,
             comm_buffer_size=self.comm_buffer_size,
@@ -345,7 +347,9 @@ class PaddleDPStrategy(ParallelStrategy):
             exception.args = (message.replace(UNUSED_PARAMETERS_HINT, LIGHTNING_UNUSED_PARAMETERS_HINT),)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
         tuned = self.tuned_comm_buffer_size
         if tuned is not None:
             checkpoint[CHECKPOINT_KEY] = {"tuned_comm_buffer_size": tuned}

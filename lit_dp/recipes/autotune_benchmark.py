@@ -26,7 +26,9 @@ from lit_dp.recipes.reducer_benchmark import MODELS, _free_port, _init, _step, _
 
 
 
-def _interleaved_medians(wrappers: dict[str, torch.nn.Module], inputs: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
+def _interleaved_medians(
+    wrappers: dict[str, torch.nn.Module], inputs: torch.Tensor, args: argparse.Namespace
+) -> dict[str, float]:
     """Median step time (ms) per wrapper, timed in rounds whose order rotates."""
     optimizers = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in wrappers.items()}
     modes = list(wrappers)

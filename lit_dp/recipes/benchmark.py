@@ -113,15 +113,19 @@ def _plot_exposed(rows: list[dict[str, Any]], path: Path) -> None:
     fixed = [r for r in rows if not isinstance(r["comm_buffer_size"], str)]
     figure, axes = plt.subplots(figsize=(6, 4))
     for strategy in sorted({r["strategy"] for r in fixed}):
-        points = sorted((float(r["comm_buffer_size"]), r["exposed_ms"], r["comm_time_ms"]) for r in fixed if r["strategy"] == strategy)
+        points = sorted(
+            (float(r["comm_buffer_size"]), r["exposed_ms"], r["comm_time_ms"]) for r in fixed if r["strategy"] == strategy
+        )
         sizes = [p[0] for p in points]
         axes.plot(sizes, [p[1] for p in points], "o-", label=f"{strategy}: exposed")
         axes.plot(sizes, [p[2] for p in points], "s--", alpha=0.6, label=f"{strategy}: communication")
     for r in rows:
         if isinstance(r["comm_buffer_size"], str) and r.get("tuned_buffer_mb") is not None:
-            axes.plot([r["tuned_buffer_mb"]], [r["exposed_ms"]], "r*", markersize=14, label=f"{r['strategy']}: auto (run mean, tuning included)")
+            label = f"{r['strategy']}: auto (run mean, tuning included)"
+            axes.plot([r["tuned_buffer_mb"]], [r["exposed_ms"]], "r*", markersize=14, label=label)
     axes.set_xscale("log")
-    sizes = sorted({float(r["comm_buffer_size"]) for r in fixed} | {r["tuned_buffer_mb"] for r in rows if r.get("tuned_buffer_mb")})
+    tuned = {r["tuned_buffer_mb"] for r in rows if r.get("tuned_buffer_mb")}
+    sizes = sorted({float(r["comm_buffer_size"]) for r in fixed} | tuned)
     axes.set_xticks(sizes, [f"{size:g}" for size in sizes])
     axes.minorticks_off()
     axes.set_xlabel("comm_buffer_size (MB)")
