@@ -5,11 +5,13 @@
 
 On 2 gloo processes, per model: one ``DataParallel`` per distinct bucket partition of the
 autotuner's schedule, timed interleaved in rounds whose order rotates (as in
-``lit_dp.recipes.reducer_benchmark``), gives the median step time of every fixed size. Then
+``lit_dp.recipes.reducer_benchmark``; each round times a block of consecutive steps, as
+training runs them), gives the step time of every fixed size. Then
 ``--trials`` fresh ``comm_buffer_size="auto"`` wrappers train until they have chosen; each
-choice is scored by the sweep's time for that size against the best fixed size. Last, two
-25 MB wrappers, one with ``comm_stats=True``, alternate round by round on their own, for the
-overhead of the statistics.
+choice is scored by the sweep's time for that size against the best fixed size. Last, three
+25 MB wrappers, the second with ``comm_stats=True``, alternate round by round on their own:
+stats on against the mean of the two without is the overhead of the statistics, and the two
+without against each other show the noise floor of that comparison.
 """
 
 from __future__ import annotations
@@ -17,28 +19,39 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_dp.recipes.reducer_benchmark import MODELS, _free_port, _init, _step, _time_steps
+from lit_dp.recipes.reducer_benchmark import MODELS, _free_port, _init, _step
 
+
+
+def _time_block(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, count: int) -> float:
+    """Seconds per step over ``count`` consecutive steps, as training runs them (no barrier between)."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(count):
+        _step(model, optimizer, inputs)
+    dist.barrier()  # the block ends when the slowest rank is done
+    return (time.perf_counter() - start) / count
 
 
 def _interleaved_medians(
     wrappers: dict[str, torch.nn.Module], inputs: torch.Tensor, args: argparse.Namespace
 ) -> dict[str, float]:
-    """Median step time (ms) per wrapper, timed in rounds whose order rotates."""
+    """Median over rounds (whose order rotates) of each wrapper's mean step time in ms."""
     optimizers = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in wrappers.items()}
     modes = list(wrappers)
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for mode in modes:
-        _time_steps(wrappers[mode], optimizers[mode], inputs, args.warmup)
+        _time_block(wrappers[mode], optimizers[mode], inputs, args.warmup)
     for round_index in range(args.rounds):
         shift = round_index % len(modes)
         for mode in modes[shift:] + modes[:shift]:
-            times[mode] += _time_steps(wrappers[mode], optimizers[mode], inputs, args.steps)
+            times[mode].append(_time_block(wrappers[mode], optimizers[mode], inputs, args.steps))
     return {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
 
 
@@ -79,6 +92,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: dict) -> No
             {
                 "off": lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=25),
                 "on": lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=25, comm_stats=True),
+                "off again": lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=25),
             },
             inputs,
             args,
@@ -91,9 +105,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: dict) -> No
 
 def report(results: dict) -> str:
     lines = [
-        "| model | fixed sizes: median step ms (buckets) | best fixed | auto's choices (steps to decide) "
-        "| auto / best | comm_stats on / off |",
-        "|---|---|---|---|---|---|",
+        "| model | fixed sizes: step ms (buckets) | best fixed | auto's choices (steps to decide) "
+        "| auto / best | comm_stats on / off | off / off again |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
         fixed = row["median_ms"]
@@ -104,9 +118,11 @@ def report(results: dict) -> str:
             mode = f"{trial['chosen']:g} MB"  # the first size of its partition, as in the sweep
             choices.append(f"{trial['chosen']:g} MB ({trial['steps']})")
             ratios.append(f"{fixed[mode] / fixed[best]:.3f}")
-        overhead = row["stats_on_off"]["on"] / row["stats_on_off"]["off"]
+        timed = row["stats_on_off"]
+        overhead = timed["on"] / ((timed["off"] + timed["off again"]) / 2)
+        noise = timed["off"] / timed["off again"]
         lines.append(
-            f"| {name} | {sweep} | {best} | {', '.join(choices)} | {', '.join(ratios)} | {overhead:.3f} |"
+            f"| {name} | {sweep} | {best} | {', '.join(choices)} | {', '.join(ratios)} | {overhead:.3f} | {noise:.3f} |"
         )
     return "\n".join(lines)
 
