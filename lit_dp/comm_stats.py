@@ -396,7 +396,9 @@ class CommStatsMonitor(pl.Callback):
         if getattr(strategy, "comm_stats", False):
             stats = self._model_stats(trainer)
             # Every rank takes part in the all-reduce, with -1 where no step is measured yet.
-            exposed = torch.tensor([stats.exposed_ms if stats is not None else -1.0], device=strategy.root_device)
+            # float64: rank 0's own value must not exceed the maximum by float32 rounding.
+            value = stats.exposed_ms if stats is not None else -1.0
+            exposed = torch.tensor([value], dtype=torch.float64, device=strategy.root_device)
             exposed_max = float(strategy.reduce(exposed, reduce_op="max").item())
             if stats is not None:
                 metrics.update(stats.as_metrics())
