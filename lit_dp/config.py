@@ -7,17 +7,20 @@ process starts. The same checks guard ``PaddleDPStrategy``'s constructor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dp.autotune import check_comm_buffer_size
 from lit_dp.backends import check_backend
 from lit_dp.buckets import megabytes_to_bytes
 from lit_dp.comm_hooks import check_comm_hook_options
+from lit_dp.comm_stats import check_trace_steps
 from lit_dp.env import MAX_NRINGS
 from lit_dp.process_group import parse_timeout
 
@@ -39,6 +42,9 @@ def check_strategy_options(
     local_sgd_steps: Any = None,
     local_sgd_warmup_steps: Any = 0,
     local_sgd_adaptive: Any = False,
+    comm_stats: Any = False,
+    trace_dir: Any = None,
+    trace_steps: Any = (1, 4),
     **comm_hook_options: Any,
 ) -> None:
     """Raise ``ValueError`` naming ``prefix + option``, the value and what is allowed.
@@ -53,7 +59,7 @@ def check_strategy_options(
         local_sgd_adaptive=local_sgd_adaptive,
         comm_hook=comm_hook_options.get("comm_hook"),
     )
-    megabytes_to_bytes(f"{prefix}comm_buffer_size", comm_buffer_size)
+    check_comm_buffer_size(f"{prefix}comm_buffer_size", comm_buffer_size)
     megabytes_to_bytes(f"{prefix}last_comm_buffer_size", last_comm_buffer_size)
     _check_flag(f"{prefix}find_unused_parameters", find_unused_parameters)
     _check_flag(f"{prefix}gradient_as_bucket_view", gradient_as_bucket_view)
@@ -64,6 +70,10 @@ def check_strategy_options(
     if timeout is not None:
         parse_timeout(f"{prefix}timeout", timeout)
     check_comm_hook_options(prefix, **comm_hook_options)
+    _check_flag(f"{prefix}comm_stats", comm_stats)
+    if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
+        raise ValueError(f"{prefix}trace_dir={trace_dir!r} is invalid: expected a directory path or null.")
+    check_trace_steps(f"{prefix}trace_steps", trace_steps)
 
 
 def check_local_sgd_options(
@@ -139,7 +149,8 @@ class PaddleDPStrategyConfig:
     """``strategy=paddle_dp``: lit_dp's bucketed reducer (see ``PaddleDPStrategy``)."""
 
     _target_: str = "lit_dp.PaddleDPStrategy"
-    comm_buffer_size: float = 25  # bucket size limit, MB
+    # Any: MB (a number) or "auto"; OmegaConf's Union[float, str] would refuse an int such as 25.
+    comm_buffer_size: Any = 25  # bucket size limit, MB, or auto (tuned during the first steps)
     last_comm_buffer_size: float = 1  # limit of the last bucket reduced in backward, MB
     find_unused_parameters: bool = False  # tolerate parameters without a gradient
     gradient_as_bucket_view: bool = False  # .grad tensors are views into the bucket buffers
@@ -154,8 +165,14 @@ class PaddleDPStrategyConfig:
     comm_dtype: Optional[str] = None  # fp16 or bf16: half-precision all-reduce (wraps comm_hook if set)
     powersgd_rank: Optional[int] = None  # comm_hook=powersgd's matrix approximation rank; default 1
     powersgd_start_iter: Optional[int] = None  # first compressed iteration (>= 2); default 1000
+    comm_stats: bool = False  # log comm/bytes, buckets, time_ms, exposed_ms, overlap every log_every_n_steps
+    trace_dir: Optional[str] = None  # write a Chrome trace of the communication, rank{R}.json, there
+    trace_steps: List[int] = field(default_factory=lambda: [1, 4])  # traced steps: start <= step < stop
 
     def __post_init__(self) -> None:
+        # Any-typed for "auto": a number gets the float type the other sizes have (5 -> 5.0).
+        if isinstance(self.comm_buffer_size, int) and not isinstance(self.comm_buffer_size, bool):
+            self.comm_buffer_size = float(self.comm_buffer_size)
         check_strategy_options("strategy.", **_options(self))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -12,10 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_dp.autotune import AUTO, BucketAutotuner, check_comm_buffer_size
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
 from lit_dp.compile import bucket_graph_breaks
 from lit_dp.comm_hooks import CommHook, check_comm_hook_options, dtype_compress_hook
+from lit_dp.comm_stats import CommObserver, CommStats, check_trace_steps
 from lit_dp.process_group import get_rings
 from lit_dp.dense import DenseBucket
 from lit_dp.reducer import Reducer
@@ -28,7 +31,8 @@ class DataParallel(nn.Module):
 
     Args:
         layers: the module to train.
-        comm_buffer_size: bucket size limit in MB (Paddle's default 25).
+        comm_buffer_size: bucket size limit in MB (Paddle's default 25), or ``"auto"`` to time
+            candidate sizes during the first steps and keep the fastest (``lit_dp.autotune``).
         last_comm_buffer_size: limit in MB of the last bucket reduced (the first in forward
             order), kept small so little communication is left once backward ends.
         find_unused_parameters: allow parameters without a gradient in an iteration: they
@@ -42,6 +46,11 @@ class DataParallel(nn.Module):
         comm_dtype: ``"fp16"`` or ``"bf16"``: all-reduce gradients in half precision (Paddle's
             fp16 all-reduce, through torch's ``fp16/bf16_compress_hook``). It takes the one
             communication hook slot (see ``register_comm_hook``).
+        comm_stats: measure each step's communication, read with ``comm_stats()``
+            (``lit_dp.comm_stats``).
+        trace_dir: write a Chrome trace of the communication, ``rank{R}.json``, there
+            (``lit_dp.trace``).
+        trace_steps: the synchronised steps traced, ``start <= step < stop``.
 
     ``no_sync()`` accumulates gradients locally (as does ``skip_grad_sync = True``, which
     ``lit_dp.LocalSGD`` sets for its local phase); ``state_dict()`` is the inner module's, with
@@ -54,16 +63,23 @@ class DataParallel(nn.Module):
     def __init__(
         self,
         layers: nn.Module,
-        comm_buffer_size: float = 25,
+        comm_buffer_size: float | str = 25,
         last_comm_buffer_size: float = 1,
         find_unused_parameters: bool = False,
         group: dist.ProcessGroup | None = None,
         gradient_as_bucket_view: bool = False,
         comm_dtype: str | None = None,
+        comm_stats: bool = False,
+        trace_dir: str | os.PathLike[str] | None = None,
+        trace_steps: tuple[int, int] = (1, 4),
     ) -> None:
         super().__init__()
-        bucket_bytes = megabytes_to_bytes("comm_buffer_size", comm_buffer_size)
+        check_comm_buffer_size("comm_buffer_size", comm_buffer_size)
         check_comm_hook_options(comm_dtype=comm_dtype)
+        traced_steps = check_trace_steps("trace_steps", trace_steps)
+        auto = comm_buffer_size == AUTO
+        # With "auto" the first step (before the ready-order rebuild) runs in default-sized buckets.
+        bucket_bytes = megabytes_to_bytes("comm_buffer_size", 25 if auto else comm_buffer_size)
         last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
         self._layers = layers
         self.grad_need_sync = True
@@ -72,10 +88,41 @@ class DataParallel(nn.Module):
         # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.compile); its
         # splitter requires at least its own first-piece size (1 MB).
         self.bucket_bytes_cap = max(bucket_bytes, dist._DEFAULT_FIRST_BUCKET_BYTES)
+        self._comm_buffer_size = comm_buffer_size
         self._comm_hook: CommHook | None = None
-        self._reducer = _build_reducer(
-            layers, group, bucket_bytes, last_bucket_bytes, find_unused_parameters, gradient_as_bucket_view
-        )
+        self._observer: CommObserver | None = None
+        self._tuner: BucketAutotuner | None = None
+        self._reducer: Reducer | None = None
+        named = _synchronised_parameters(layers, group)
+        if named:
+            rings = [group] if group is not None else get_rings()
+            device = named[0][1].device
+            if auto:
+                self._tuner = BucketAutotuner(rings[0], device, last_bucket_bytes)
+            trace = None
+            if trace_dir is not None:
+                from lit_dp.trace import TraceWriter  # imported on demand: `python -m lit_dp.trace` must find it unimported
+
+                trace = TraceWriter(trace_dir, dist.get_rank(), traced_steps)
+            if comm_stats or trace is not None or auto:
+                collect = comm_stats or trace is not None
+                names = [name for name, _ in named]
+                self._observer = CommObserver(names, device, collect=collect, trace=trace, tuner=self._tuner)
+            sparse_ids = _sparse_gradient_parameters(layers)
+            self._reducer = Reducer(
+                [param for _, param in named],
+                [name for name, _ in named],
+                rings,
+                bucket_bytes=bucket_bytes,
+                last_bucket_bytes=last_bucket_bytes,
+                sparse=[id(param) in sparse_ids for _, param in named],
+                find_unused_parameters=find_unused_parameters,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                observer=self._observer,
+            )
+            if dist.get_rank() == 0:
+                sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
+                log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
         if comm_dtype is not None:
             self.register_comm_hook(None, dtype_compress_hook(comm_dtype))
 
@@ -118,6 +165,35 @@ class DataParallel(nn.Module):
     # Not traced by dynamo: under `torch.compile(DataParallel(model))` the module call below is
     # compiled as its own frame, inside `bucket_graph_breaks`, and the reducer runs eagerly.
     @torch.compiler.disable(recursive=False)
+    @property
+    def comm_buffer_size(self) -> float | str:
+        """The bucket size in MB; with ``"auto"``, the size chosen once tuning is over."""
+        if self._tuner is not None and self._tuner.chosen_mb is not None:
+            return self._tuner.chosen_mb
+        return self._comm_buffer_size
+
+    @property
+    def autotuner(self) -> BucketAutotuner | None:
+        """The bucket-size autotuner (``comm_buffer_size="auto"``), with its sweep once decided."""
+        return self._tuner
+
+    def comm_stats(self) -> CommStats | None:
+        """This rank's statistics for the last synchronised step whose measurements are complete.
+
+        None before the first step or without ``comm_stats=True``/``trace_dir``. Never waits for
+        the device: on CUDA the step before the last is returned while the last is in flight.
+        """
+        return self._observer.last() if self._observer is not None else None
+
+    def comm_stats_mean(self) -> dict[str, float]:
+        """Mean ``time_ms`` and ``exposed_ms`` over the steps so far (the first excluded), and their overlap."""
+        return self._observer.mean() if self._observer is not None else {}
+
+    def flush_comm_stats(self) -> None:
+        """Resolve every finished step (waiting for the device) and write the trace collected so far."""
+        if self._observer is not None:
+            self._observer.flush()
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._reducer is None:
             return self._layers(*inputs, **kwargs)
@@ -179,45 +255,21 @@ def fused_allreduce_gradients(
         bucket.write_back(as_view=False, skipped=no_gradient)
 
 
-def _build_reducer(
-    layers: nn.Module,
-    group: dist.ProcessGroup | None,
-    bucket_bytes: int,
-    last_bucket_bytes: int,
-    find_unused_parameters: bool,
-    gradient_as_bucket_view: bool,
-) -> Reducer | None:
-    """Broadcast rank 0's state and build the reducer; None without a process group or trainable parameters."""
+def _synchronised_parameters(layers: nn.Module, group: dist.ProcessGroup | None) -> list[tuple[str, nn.Parameter]]:
+    """Broadcast rank 0's state; the trainable parameters to reduce (none without a process group)."""
     if not dist.is_initialized():
         warnings.warn(
             "lit_dp.DataParallel: world size is 1 and no process group exists; "
             "the module runs unchanged without gradient synchronisation.",
             stacklevel=3,
         )
-        return None
+        return []
     sync_params_buffers(layers, group=group)
-    named = [
+    return [
         (name, param)
         for name, param in layers.named_parameters()
         if param.requires_grad and not getattr(param, "no_sync", False)
     ]
-    if not named:
-        return None
-    sparse_ids = _sparse_gradient_parameters(layers)
-    reducer = Reducer(
-        [param for _, param in named],
-        [name for name, _ in named],
-        [group] if group is not None else get_rings(),
-        bucket_bytes=bucket_bytes,
-        last_bucket_bytes=last_bucket_bytes,
-        sparse=[id(param) in sparse_ids for _, param in named],
-        find_unused_parameters=find_unused_parameters,
-        gradient_as_bucket_view=gradient_as_bucket_view,
-    )
-    if dist.get_rank() == 0:
-        sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in reducer.bucket_bytes)
-        log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
-    return reducer
 
 
 def _sparse_gradient_parameters(module: nn.Module) -> set[int]:

@@ -37,6 +37,7 @@ from torch.autograd import Variable
 
 from lit_dp.buckets import assign_group_by_size
 from lit_dp.comm_hooks import CommHook
+from lit_dp.comm_stats import CommObserver
 from lit_dp.dense import DenseBucket
 from lit_dp.sparse import SparseBucket
 
@@ -60,6 +61,8 @@ class Reducer:
         find_unused_parameters: tolerate parameters without a gradient (see module docstring).
         gradient_as_bucket_view: make the ``.grad`` of flat (not in-place) members views into
             the bucket buffers, so they are not stored twice.
+        observer: told of each step's start, first gradient, bucket launches, end of backward
+            and completion (``lit_dp.comm_stats.CommObserver``: statistics, trace, autotune).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class Reducer:
         sparse: Sequence[bool],
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        observer: CommObserver | None = None,
     ) -> None:
         if not params:
             raise ValueError("Reducer needs at least one trainable parameter.")
@@ -98,6 +102,7 @@ class Reducer:
         self._pending: list[int] = []
         self._pending_flags: list[PendingFlags] = []
         self._comm_hook: CommHook | None = None
+        self._observer = observer
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -137,6 +142,8 @@ class Reducer:
         if self._agreed_order is not None:
             self._rebuild(self._agreed_order)
             self._agreed_order = None
+        if self._observer is not None:
+            self._observer.step_started(self)
         self._pending = [len(bucket.indices) for bucket in self._buckets]
         self._ready = bytearray(len(self._params))
         self._next_bucket = 0
@@ -178,6 +185,8 @@ class Reducer:
         if not self._started:
             self._started = True
             Variable._execution_engine.queue_callback(self._finalize_backward)
+            if self._observer is not None:
+                self._observer.backward_started()
             for unreached in self._unreached:
                 ready[unreached] = 1
                 self._mark_ready(unreached)
@@ -212,9 +221,13 @@ class Reducer:
             if self._comm_hook is not None:
                 self._comm_hook.settle()
             buckets[position].start(self._used, self._find_unused, self._world_size, complete)
+            if self._observer is not None:
+                self._observer.bucket_launched(position, buckets[position])
             self._next_bucket += 1
 
     def _finalize_backward(self) -> None:
+        if self._observer is not None:
+            self._observer.backward_ended()
         self._armed = False
         # Buckets still incomplete hold parameters without a gradient in this backward; they are
         # launched anyway (zeros) so every rank issues the same collectives and none hangs.
@@ -224,6 +237,8 @@ class Reducer:
         buckets = self._buckets
         for bucket in buckets:
             bucket.wait()
+        if self._observer is not None:
+            self._observer.buckets_reduced()
         used, self._used = self._used, bytearray(len(self._params))
         if self._find_unused:
             # Which parameters no rank used decides which .grad stay untouched: a host decision,
@@ -292,6 +307,21 @@ class Reducer:
         dist.broadcast(agreed, src=dist.get_global_rank(ring, 0), group=ring)
         self._agreed_order = list(reversed(agreed.tolist()))
         self._rebuilt = True
+
+    def set_bucket_limits(self, bucket_bytes: int, last_bucket_bytes: int) -> None:
+        """Rebuild the buckets with new size limits, in the current (agreed) parameter order.
+
+        Between iterations only. Every rank must call it at the same iteration with the same
+        limits, or the ranks' buckets stop pairing up (the autotuner guarantees both).
+        """
+        if self._armed and self._started:
+            raise RuntimeError("lit_dp reducer: bucket limits can change only between iterations, not in backward.")
+        self._limits = [last_bucket_bytes, bucket_bytes]
+        if self._agreed_order is not None:
+            forward_order, self._agreed_order = self._agreed_order, None
+        else:  # buckets are in launch (reverse forward) order, members in forward order
+            forward_order = [index for bucket in reversed(self._buckets) for index in bucket.indices]
+        self._rebuild(forward_order)
 
     def _rebuild(self, forward_order: list[int]) -> None:
         self._build_buckets(forward_order)

@@ -30,16 +30,18 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lit_dp.backends import AUTO, check_backend
+from lit_dp.autotune import AUTO
+from lit_dp.backends import check_backend
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.cluster_environment import PaddleEnvironment
 from lit_dp.comm_hooks import describe_comm_hook, merge_lightning_names, resolve_comm_hook
+from lit_dp.comm_stats import CommStatsMonitor, check_trace_steps
 from lit_dp.config import check_local_sgd_options, check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.env import ParallelEnv
@@ -47,7 +49,7 @@ from lit_dp.local_sgd import LocalSGD
 from lit_dp.process_group import destroy_parallel_env, init_parallel_env
 from lit_dp.reducer import UNUSED_PARAMETERS_HINT
 
-LOCAL_SGD_CHECKPOINT_KEY = "lit_dp_local_sgd"
+CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 
 # Lightning's own sentence (`DDPStrategy.on_exception`), which is what users search for, then ours.
 LIGHTNING_UNUSED_PARAMETERS_MESSAGE = (
@@ -72,7 +74,8 @@ class PaddleDPStrategy(ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer, one process per device.
 
     Args:
-        comm_buffer_size: bucket size limit in MB.
+        comm_buffer_size: bucket size limit in MB, or ``"auto"``: tuned during the first steps
+            (``lit_dp.autotune``), then stored in checkpoints so a resumed run keeps it.
         last_comm_buffer_size: size limit in MB of the last bucket reduced in backward.
         find_unused_parameters: tolerate parameters that get no gradient in an iteration.
         gradient_as_bucket_view: make ``.grad`` tensors views into the bucket buffers.
@@ -100,6 +103,10 @@ class PaddleDPStrategy(ParallelStrategy):
             rank and first compressed iteration (torch's defaults: 1 and 1000).
         ddp_comm_hook / ddp_comm_state / ddp_comm_wrapper: Lightning ``DDPStrategy``'s names for
             ``comm_hook`` / ``comm_state`` / ``comm_wrapper``.
+        comm_stats: log ``comm/*`` communication statistics every ``log_every_n_steps``
+            (``lit_dp.comm_stats.CommStatsMonitor``).
+        trace_dir: write a Chrome trace of the communication there, ``rank{R}.json``.
+        trace_steps: the synchronised steps traced, ``(start, stop)``.
     """
 
     strategy_name = "paddle_dp"
@@ -132,6 +139,9 @@ class PaddleDPStrategy(ParallelStrategy):
         ddp_comm_hook: Callable | None = None,
         ddp_comm_state: object = None,
         ddp_comm_wrapper: Callable | None = None,
+        comm_stats: bool = False,
+        trace_dir: str | None = None,
+        trace_steps: tuple[int, int] = (1, 4),
     ) -> None:
         comm_hook = merge_lightning_names("comm_hook", comm_hook, "ddp_comm_hook", ddp_comm_hook)
         comm_state = merge_lightning_names("comm_state", comm_state, "ddp_comm_state", ddp_comm_state)
@@ -158,6 +168,9 @@ class PaddleDPStrategy(ParallelStrategy):
             comm_dtype=comm_dtype,
             powersgd_rank=powersgd_rank,
             powersgd_start_iter=powersgd_start_iter,
+            comm_stats=comm_stats,
+            trace_dir=trace_dir,
+            trace_steps=trace_steps,
         )
         if cluster_environment is None and PaddleEnvironment.detect():
             cluster_environment = PaddleEnvironment()
@@ -168,7 +181,8 @@ class PaddleDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._comm_buffer_size = comm_buffer_size
+        # Hydra hands integers (`comm_buffer_size=5`) to this Any-typed option; sizes are floats.
+        self._comm_buffer_size = comm_buffer_size if comm_buffer_size == AUTO else float(comm_buffer_size)
         self._last_comm_buffer_size = last_comm_buffer_size
         self._find_unused_parameters = find_unused_parameters
         self._gradient_as_bucket_view = gradient_as_bucket_view
@@ -191,10 +205,27 @@ class PaddleDPStrategy(ParallelStrategy):
         self._local_sgd_adaptive = local_sgd_adaptive
         self._local_sgd: LocalSGD | None = None
         self._local_sgd_resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
+        self._comm_stats = comm_stats
+        self._trace_dir = trace_dir
+        self._trace_steps = check_trace_steps("trace_steps", trace_steps)
+        self._tuned_buffer_size: float | None = None  # with "auto": restored, or chosen by a finished fit
 
     @property
-    def comm_buffer_size(self) -> float:
-        return self._comm_buffer_size
+    def comm_buffer_size(self) -> float | str:
+        """The bucket size in MB: with ``"auto"``, the tuned size once chosen (or restored)."""
+        return self.tuned_comm_buffer_size or self._comm_buffer_size
+
+    @property
+    def tuned_comm_buffer_size(self) -> float | None:
+        """With ``comm_buffer_size="auto"``: the size chosen in this run or restored from a checkpoint."""
+        if self._tuned_buffer_size is not None:
+            return self._tuned_buffer_size
+        tuner = self.model.autotuner if isinstance(self.model, DataParallel) else None
+        return tuner.chosen_mb if tuner is not None else None
+
+    @property
+    def comm_stats(self) -> bool:
+        return self._comm_stats
 
     @property
     def last_comm_buffer_size(self) -> float:
@@ -278,11 +309,12 @@ class PaddleDPStrategy(ParallelStrategy):
         """One line with the settings in effect, for logs."""
         return (
             f"strategy=paddle_dp backend={self.process_group_backend} world_size={self.world_size} "
-            f"devices={[str(d) for d in self.parallel_devices or []]} comm_buffer_size={self._comm_buffer_size}MB "
+            f"devices={[str(d) for d in self.parallel_devices or []]} "
+            f"comm_buffer_size={self._comm_buffer_size}{'' if self._comm_buffer_size == AUTO else 'MB'} "
             f"last_comm_buffer_size={self._last_comm_buffer_size}MB find_unused_parameters={self._find_unused_parameters} "
             f"gradient_as_bucket_view={self._gradient_as_bucket_view} local_sgd_steps={self._local_sgd_steps} "
             f"local_sgd_warmup_steps={self._local_sgd_warmup_steps} local_sgd_adaptive={self._local_sgd_adaptive} "
-            f"comm_hook={describe_comm_hook(**self._comm_hook_options)}"
+            f"comm_hook={describe_comm_hook(**self._comm_hook_options)} comm_stats={self._comm_stats}"
         )
 
     @override
@@ -303,15 +335,24 @@ class PaddleDPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if fitting and (self._comm_stats or self._comm_buffer_size == AUTO):
+            if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
+                trainer.callbacks.append(CommStatsMonitor())
 
     @override
     def _setup_model(self, model: Module) -> Module:
+        if self._tuned_buffer_size is not None:
+            size = self._tuned_buffer_size
+            rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {size:g} MB, tuned before (checkpoint or earlier fit)")
         wrapped = DataParallel(
             model,
-            comm_buffer_size=self._comm_buffer_size,
+            comm_buffer_size=self.comm_buffer_size,
             last_comm_buffer_size=self._last_comm_buffer_size,
             find_unused_parameters=self._find_unused_parameters,
             gradient_as_bucket_view=self._gradient_as_bucket_view,
+            comm_stats=self._comm_stats,
+            trace_dir=self._trace_dir,
+            trace_steps=self._trace_steps,
         )
         # Built here, in each process: PowerSGD's state belongs to the process group.
         registration = resolve_comm_hook(comm_state=self._comm_state, **self._comm_hook_options)
@@ -354,19 +395,6 @@ class PaddleDPStrategy(ParallelStrategy):
     def on_train_end(self) -> None:
         if self._local_sgd is not None:
             self._local_sgd.finish()
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._local_sgd is not None:
-            checkpoint[LOCAL_SGD_CHECKPOINT_KEY] = self._local_sgd.state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        # Applied when the averager is built in setup(), which comes after this when resuming.
-        self._local_sgd_resumed = checkpoint.get(LOCAL_SGD_CHECKPOINT_KEY)
-        return checkpoint
 
     @override
     def model_to_device(self) -> None:
@@ -422,10 +450,38 @@ class PaddleDPStrategy(ParallelStrategy):
         restate_unused_parameters_error(exception, LIGHTNING_UNUSED_PARAMETERS_MESSAGE)
 
     @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
+        own = {}
+        if self.tuned_comm_buffer_size is not None:
+            own["tuned_comm_buffer_size"] = self.tuned_comm_buffer_size
+        if self._local_sgd is not None:
+            own["local_sgd"] = self._local_sgd.state_dict()
+        if own:
+            checkpoint[CHECKPOINT_KEY] = own
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        # Lightning loads the checkpoint before `setup` wraps the model: the restored size
+        # replaces "auto" there, and no step is spent tuning again; the LocalSGD schedule is
+        # applied when setup builds the averager.
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        own = checkpoint.get(CHECKPOINT_KEY, {})
+        tuned = own.get("tuned_comm_buffer_size")
+        if tuned is not None and self._comm_buffer_size == AUTO:
+            self._tuned_buffer_size = tuned
+        self._local_sgd_resumed = own.get("local_sgd")
+        return checkpoint
+
+    @override
     def teardown(self) -> None:
         lightning_module = self.lightning_module
         self._local_sgd = None
         if isinstance(self.model, DataParallel):
+            self.model.flush_comm_stats()  # the trace of a run shorter than trace_steps
+            self._tuned_buffer_size = self.tuned_comm_buffer_size
             self.model = lightning_module
         if (
             lightning_module is not None

@@ -1,8 +1,10 @@
-"""Compare strategies and bucket sizes by training throughput, with Hydra multirun.
+"""Compare strategies and bucket sizes by training throughput and exposed communication, with Hydra multirun.
 
     python recipes/benchmark.py -m strategy=paddle_dp,ddp strategy.comm_buffer_size=1,5,25
+    python recipes/benchmark.py -m strategy.comm_buffer_size=1,2,5,10,25,50,100,auto
 
-The sweep folder (multirun/benchmark/<time>/) gets throughput.md and throughput.png.
+The sweep folder (multirun/benchmark/<time>/) gets throughput.md, throughput.png and, for
+paddle_dp (whose comm_stats the recipes turn on), exposed.png: exposed time against bucket size.
 """
 
 import hydra

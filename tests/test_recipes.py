@@ -106,6 +106,7 @@ def test_benchmark_multirun_writes_table_and_plot(tmp_path):
     table = (tmp_path / "throughput.md").read_text()
     assert "| paddle_dp | 1 |" in table and "| ddp | 1 |" in table
     assert (tmp_path / "throughput.png").stat().st_size > 1000
+    assert (tmp_path / "exposed.png").stat().st_size > 1000  # paddle_dp's comm_stats, plotted per size
 
 
 def test_reducer_benchmark_prints_ratios(tmp_path):

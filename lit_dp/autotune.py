@@ -1,0 +1,164 @@
+"""``comm_buffer_size="auto"``: choose the bucket size by timing the first steps of training.
+
+The schedule. Training starts with the default buckets; after the first step the reducer
+rebuilds them in gradient-ready order, and tuning begins. The candidates are
+``CANDIDATES_MB`` (1 to 100 MB); one that gives the same buckets as a smaller one is dropped
+without spending a step (on a model of a few MB most coincide). The remaining candidates are
+tried in ``PASSES`` rounds (A B C A B C, so that drift on a busy machine hits them alike); each
+time the buckets are rebuilt with it, one step is left to warm up (new buffers), then
+``MEASURE_STEPS`` steps are timed, each from one forward's end to the next's, i.e. a whole
+training iteration. Every rank then holds its fastest step time per candidate (interference
+only ever adds time, so the minimum is the least noisy estimate); an all-reduce (MAX)
+gives the time as the slowest rank saw it (a data-parallel step is as slow as its slowest
+rank), rank 0 takes the fastest candidate (the smallest size on a tie) and broadcasts it, and
+every rank rebuilds its buckets with that size at the same step. Cost: at most
+``PASSES * len(CANDIDATES_MB) * (WARMUP_STEPS + MEASURE_STEPS)`` = 56 steps, fewer when
+candidates coincide, and none at all on a model whose buckets are the same for every candidate.
+
+Horovod's autotune, the anchor, samples its fusion-buffer size and cycle time with Bayesian
+optimisation: by default 3 warm-up samples and up to 20 more, each over 10 steps (about 230
+steps); it can afford to because it tunes two parameters in a continuous range. Only the
+bucket partition matters here, and it changes at a handful of sizes, so timing each distinct
+partition directly is both cheaper and exhaustive over the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from lit_dp.buckets import MB, megabytes_to_bytes
+
+if TYPE_CHECKING:
+    from lit_dp.reducer import Reducer
+
+AUTO = "auto"
+CANDIDATES_MB = (1, 2, 5, 10, 25, 50, 100)
+WARMUP_STEPS = 1
+MEASURE_STEPS = 3
+PASSES = 2
+
+
+def check_comm_buffer_size(option: str, value: Any) -> None:
+    """A positive number of MB or ``"auto"``; raises ``ValueError`` naming ``option`` otherwise."""
+    if value == AUTO:
+        return
+    if isinstance(value, str):
+        raise ValueError(f"{option}={value!r} is invalid: expected a positive number of megabytes or 'auto'.")
+    try:
+        megabytes_to_bytes(option, value)
+    except ValueError as error:
+        raise ValueError(f"{error.args[0].rstrip('.')} or 'auto'.") from None
+
+
+class BucketAutotuner:
+    """Drives the schedule above from the reducer's step starts (see ``CommObserver.step_started``).
+
+    Args:
+        group: the ranks that decide together (the reducer's).
+        device: where the collectives' tensors live (the parameters' device).
+        last_bucket_bytes: the last bucket's limit, kept as configured.
+        candidates_mb / warmup_steps / measure_steps: the schedule; default the module's constants.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        last_bucket_bytes: int,
+        candidates_mb: Sequence[float] | None = None,
+        warmup_steps: int | None = None,
+        measure_steps: int | None = None,
+    ) -> None:
+        self._group = group
+        self._device = device
+        self._last_bytes = last_bucket_bytes
+        # The module's schedule, read now (not bound at import) so that it can be changed in one place.
+        self._candidates = list(CANDIDATES_MB if candidates_mb is None else candidates_mb)
+        self._warmup = WARMUP_STEPS if warmup_steps is None else warmup_steps
+        self._measure = MEASURE_STEPS if measure_steps is None else measure_steps
+        self._distinct: list[float] | None = None  # candidates giving distinct buckets, first of each
+        self._marks: list[list[Any]] = []  # step-start marks per window (candidate k in window k % distinct)
+        self._window_start = 0
+        self._chosen: float | None = None
+        self._sweep: dict[float, float] = {}
+
+    @property
+    def chosen_mb(self) -> float | None:
+        """The size every rank adopted; None while tuning."""
+        return self._chosen
+
+    @property
+    def sweep(self) -> dict[float, float]:
+        """Per distinct candidate tried, the fastest step time (ms) as the slowest rank saw it, once decided."""
+        return dict(self._sweep)
+
+    @property
+    def tuning_steps(self) -> int:
+        """Steps the schedule takes: one window per distinct candidate (0 when there is only one)."""
+        distinct = len(self._distinct or [])
+        return PASSES * distinct * (self._warmup + self._measure) if distinct > 1 else 0
+
+    def step_started(self, reducer: Reducer, step: int, mark: Any, clock: Any) -> None:
+        """Called at every synchronised step start, on every rank (so every rank switches together)."""
+        if self._chosen is not None or step == 0:
+            return  # step 0 runs before the ready-order rebuild
+        if self._distinct is None:
+            self._distinct = self._distinct_candidates(reducer)
+            if len(self._distinct) == 1:
+                self._adopt(reducer, self._distinct[0])
+                return
+        else:
+            self._marks[-1].append(mark)
+            if step - self._window_start < self._warmup + self._measure:
+                return
+        if len(self._marks) < PASSES * len(self._distinct):
+            candidate = self._distinct[len(self._marks) % len(self._distinct)]
+            reducer.set_bucket_limits(megabytes_to_bytes("comm_buffer_size", candidate), self._last_bytes)
+            self._marks.append([mark])
+            self._window_start = step
+            return
+        self._decide(reducer, clock)
+
+    def _distinct_candidates(self, reducer: Reducer) -> list[float]:
+        """The first candidate of each distinct bucket partition (the same computation on every rank)."""
+        distinct: dict[str, float] = {}
+        for candidate in self._candidates:
+            reducer.set_bucket_limits(megabytes_to_bytes("comm_buffer_size", candidate), self._last_bytes)
+            distinct.setdefault(repr(reducer.bucket_indices), candidate)
+        return list(distinct.values())
+
+    def _decide(self, reducer: Reducer, clock: Any) -> None:
+        assert self._distinct is not None
+        steps: list[list[float]] = [[] for _ in self._distinct]
+        for window, marks in enumerate(self._marks):
+            measured = marks[self._warmup :]
+            steps[window % len(self._distinct)] += [clock.elapsed_ms(a, b) for a, b in zip(measured, measured[1:])]
+        # The fastest timed step, not the median: interference (other processes, the OS) only ever
+        # adds time, so the minimum is the least noisy estimate of what a size costs (the
+        # reasoning of Python's timeit). Then the slowest rank's, since every rank waits for it.
+        times = [min(candidate_steps) for candidate_steps in steps]
+        slowest = torch.tensor(times, dtype=torch.float64, device=self._device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self._group)
+        # Every rank now holds the same times; rank 0's choice is broadcast all the same, so that
+        # a tie broken differently on some rank could never split the job.
+        choice = torch.tensor([int(torch.argmin(slowest))], device=self._device)  # first minimum: the smallest
+        dist.broadcast(choice, src=dist.get_global_rank(self._group, 0), group=self._group)
+        self._sweep = dict(zip(self._distinct, slowest.tolist()))
+        self._adopt(reducer, self._distinct[int(choice.item())])
+
+    def _adopt(self, reducer: Reducer, megabytes: float) -> None:
+        self._chosen = megabytes
+        reducer.set_bucket_limits(megabytes_to_bytes("comm_buffer_size", megabytes), self._last_bytes)
+        if dist.get_rank() != 0:
+            return
+        if self._sweep:
+            swept = ", ".join(f"{mb:g} MB {ms:.2f} ms" for mb, ms in self._sweep.items())
+            detail = f"after {self.tuning_steps} tuning steps (fastest step, slowest rank: {swept})"
+        else:
+            detail = f"without tuning: every candidate of {list(self._candidates)} MB gives the same buckets"
+        sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in reducer.bucket_bytes)
+        print(f"[lit_dp] comm_buffer_size=auto chose {megabytes:g} MB {detail}; buckets [{sizes}] MB", flush=True)
