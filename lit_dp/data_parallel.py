@@ -162,9 +162,6 @@ class DataParallel(nn.Module):
         if dist.is_initialized() and dist.get_rank() == 0:
             log.info("lit_dp.DataParallel: communication hook %s", comm_hook.name)
 
-    # Not traced by dynamo: under `torch.compile(DataParallel(model))` the module call below is
-    # compiled as its own frame, inside `bucket_graph_breaks`, and the reducer runs eagerly.
-    @torch.compiler.disable(recursive=False)
     @property
     def comm_buffer_size(self) -> float | str:
         """The bucket size in MB; with ``"auto"``, the size chosen once tuning is over."""
@@ -194,6 +191,9 @@ class DataParallel(nn.Module):
         if self._observer is not None:
             self._observer.flush()
 
+    # Not traced by dynamo: under `torch.compile(DataParallel(model))` the module call below is
+    # compiled as its own frame, inside `bucket_graph_breaks`, and the reducer runs eagerly.
+    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._reducer is None:
             return self._layers(*inputs, **kwargs)
