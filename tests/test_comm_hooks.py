@@ -418,8 +418,8 @@ def test_a_ddp_strategy_configuration_moves_by_renaming_the_class():
     )
     DDPStrategy(**options)
     assert "comm_hook=fp16_compress_wrapper(powerSGD_hook)" in _described(PaddleDPStrategy(**options))
-    assert _described(PaddleDPStrategy()).endswith("comm_hook=none")
-    assert _described(PaddleDPStrategy(comm_dtype="bf16")).endswith("comm_hook=bf16_compress_hook")
+    assert "comm_hook=none" in _described(PaddleDPStrategy()).split()
+    assert "comm_hook=bf16_compress_hook" in _described(PaddleDPStrategy(comm_dtype="bf16")).split()
 
 
 def test_recipes_select_hooks_by_name(tmp_path):
@@ -427,10 +427,10 @@ def test_recipes_select_hooks_by_name(tmp_path):
 
     overrides = ["strategy.comm_hook=powersgd", "strategy.powersgd_rank=4", "strategy.powersgd_start_iter=10"]
     strategy = instantiate(compose_config("digits", overrides, tmp_path).strategy)
-    assert _described(strategy).endswith("comm_hook=powerSGD_hook(rank=4,start_iter=10)")
+    assert "comm_hook=powerSGD_hook(rank=4,start_iter=10)" in _described(strategy).split()
     overrides = ["strategy.comm_hook=powersgd", "strategy.comm_dtype=fp16"]
     strategy = instantiate(compose_config("digits", overrides, tmp_path).strategy)
-    assert _described(strategy).endswith("comm_hook=fp16_compress_wrapper(powerSGD_hook(rank=1,start_iter=1000))")
+    assert "comm_hook=fp16_compress_wrapper(powerSGD_hook(rank=1,start_iter=1000))" in _described(strategy).split()
 
 
 @pytest.mark.parametrize(
