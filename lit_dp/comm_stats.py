@@ -216,6 +216,8 @@ class CommObserver:
         works = getattr(bucket, "works", None)
         if works is None:  # a SparseBucket: its values (Gloo only) and its flag
             works = [work for work in (bucket.work, bucket.flag_work) if work is not None]
+        if not works:
+            return  # a bucket of a one-rank group: nothing is sent
         nbytes = bucket.nbytes or _sparse_bytes(bucket)
         slots: list[Any] = [None] * len(works)
         record.buckets.append((position, nbytes, bucket.indices, self._clock.mark(), slots))
