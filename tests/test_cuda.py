@@ -163,3 +163,33 @@ def test_lightning_fit_on_one_gpu_matches_ddp(tmp_path):
     for key in ours:
         torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), msg=lambda m: f"{key}: {m}")
     assert not torch.equal(ours["net.0.weight"].cpu(), Regressor().state_dict()["net.0.weight"])
+
+
+def stats_on_cuda(rank):
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    torch.cuda.set_device(0)
+    model = _stack(width=64, depth=4).cuda()
+    wrapped = lit_dp.DataParallel(model, comm_buffer_size=0.02, last_comm_buffer_size=0.02, comm_stats=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = torch.randn(8, 64, device="cuda")
+    for _ in range(4):
+        _step(wrapped, optimizer, inputs)
+    wrapped.flush_comm_stats()
+    stats = wrapped.comm_stats()
+    return {
+        "bytes": stats.bytes,
+        "buckets": stats.buckets,
+        "time_ms": stats.time_ms,
+        "exposed_ms": stats.exposed_ms,
+        "overlap": stats.overlap,
+        "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "bucket_count": len(wrapped.reducer.bucket_indices),
+    }
+
+
+def test_communication_statistics_from_cuda_events():
+    for rank, stats in run_ranks(stats_on_cuda, 2, timeout=120).items():
+        assert stats["bytes"] == stats["gradient_bytes"] and stats["buckets"] == stats["bucket_count"] > 1, stats
+        assert 0 <= stats["exposed_ms"] <= stats["time_ms"] and 0 <= stats["overlap"] <= 1, (rank, stats)
