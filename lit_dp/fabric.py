@@ -14,7 +14,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import ParallelStrategy
@@ -32,7 +31,7 @@ from lit_dp.backends import AUTO, check_backend
 from lit_dp.cluster_environment import PaddleEnvironment
 from lit_dp.config import check_strategy_options
 from lit_dp.data_parallel import DataParallel
-from lit_dp.process_group import destroy_parallel_env, init_parallel_env
+from lit_dp.process_group import barrier, broadcast_object, destroy_parallel_env, init_parallel_env
 from lit_dp.strategy import (
     default_backend,
     lightning_parallel_env,
@@ -203,20 +202,11 @@ class PaddleDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not dist.is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not dist.is_initialized():
-            return obj
-        container = [obj]
-        dist.broadcast_object_list(container, src)
-        return container[0]
+        return broadcast_object(obj, src)
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import socket
 import time
 import warnings
 from datetime import timedelta
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ _ACKNOWLEDGED = "lit_dp/acknowledged"
 _DEVICE = "lit_dp/device/{}"
 _POLL_SECONDS = 0.05
 _GRACE_SECONDS = 2.0
+
+T = TypeVar("T")
 
 # Ring communicators belong to the default group they were created with; keyed on it so that
 # `destroy_process_group()` (which drops every group) can never leave stale rings behind.
@@ -257,3 +259,22 @@ def _await_acknowledgements(store: dist.TCPStore, expected: int) -> None:
     deadline = time.monotonic() + _GRACE_SECONDS
     while store.add(_ACKNOWLEDGED, 0) < expected and time.monotonic() < deadline:
         time.sleep(_POLL_SECONDS)
+
+
+def barrier(device: torch.device) -> None:
+    """A barrier on the default group, if there is one; under NCCL on this rank's ``device``."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """``obj`` as global rank ``src`` has it (itself without a process group)."""
+    if not dist.is_initialized():
+        return obj
+    container = [obj]
+    dist.broadcast_object_list(container, src)
+    return container[0]

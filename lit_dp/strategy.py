@@ -46,7 +46,7 @@ from lit_dp.config import check_local_sgd_options, check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.env import ParallelEnv
 from lit_dp.local_sgd import LocalSGD
-from lit_dp.process_group import destroy_parallel_env, init_parallel_env
+from lit_dp.process_group import barrier, broadcast_object, destroy_parallel_env, init_parallel_env
 from lit_dp.reducer import UNUSED_PARAMETERS_HINT
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
@@ -424,20 +424,11 @@ class PaddleDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not dist.is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not dist.is_initialized():
-            return obj
-        container = [obj]
-        dist.broadcast_object_list(container, src)
-        return container[0]
+        return broadcast_object(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
