@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lit_dp.autotune import AUTO
+from lit_dp.autotune import AUTO, check_comm_buffer_size
 from lit_dp.backends import check_backend
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.cluster_environment import PaddleEnvironment
@@ -107,6 +107,8 @@ class PaddleDPStrategy(ParallelStrategy):
             (``lit_dp.comm_stats.CommStatsMonitor``).
         trace_dir: write a Chrome trace of the communication there, ``rank{R}.json``.
         trace_steps: the synchronised steps traced, ``(start, stop)``.
+        bucket_cap_mb / process_group_backend: Lightning ``DDPStrategy``'s names for
+            ``comm_buffer_size`` / ``backend``, so a ``DDPStrategy(...)`` moves by renaming the class.
     """
 
     strategy_name = "paddle_dp"
@@ -142,7 +144,13 @@ class PaddleDPStrategy(ParallelStrategy):
         comm_stats: bool = False,
         trace_dir: str | None = None,
         trace_steps: tuple[int, int] = (1, 4),
+        bucket_cap_mb: float | None = None,
+        process_group_backend: str | None = None,
     ) -> None:
+        comm_buffer_size = _lightning_name(
+            "comm_buffer_size", comm_buffer_size, 25, "bucket_cap_mb", bucket_cap_mb, check_comm_buffer_size
+        )
+        backend = _lightning_name("backend", backend, "auto", "process_group_backend", process_group_backend, check_backend)
         comm_hook = merge_lightning_names("comm_hook", comm_hook, "ddp_comm_hook", ddp_comm_hook)
         comm_state = merge_lightning_names("comm_state", comm_state, "ddp_comm_state", ddp_comm_state)
         comm_wrapper = merge_lightning_names("comm_wrapper", comm_wrapper, "ddp_comm_wrapper", ddp_comm_wrapper)
@@ -490,6 +498,24 @@ class PaddleDPStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_families(strategy_registry, cls)
+
+
+def _lightning_name(
+    option: str, value: Any, default: Any, lightning: str, lightning_value: Any, check: Callable[[str, Any], Any]
+) -> Any:
+    """``lightning_value`` (``DDPStrategy``'s spelling) when given, unless ``option`` says otherwise.
+
+    ``check(name, value)`` validates it under the name the user typed.
+    """
+    if lightning_value is None:
+        return value
+    check(lightning, lightning_value)
+    if value != default and value != lightning_value:
+        raise ValueError(
+            f"{option}={value!r} and {lightning}={lightning_value!r} disagree: they are the same option "
+            f"({lightning} is Lightning's DDPStrategy name); pass one of them."
+        )
+    return lightning_value
 
 
 class _ManualOptimizationRedirection(_ForwardRedirection):

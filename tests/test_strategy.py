@@ -316,3 +316,12 @@ def test_every_name_resolves_case_insensitively(name):
         assert type(strategy) is PaddleDPStrategy, spelling
         assert launcher_start_method(strategy.launcher) == start_method, spelling
         assert strategy.find_unused_parameters is find_unused, spelling
+
+
+def test_ddp_strategy_arguments_move_by_renaming_the_class():
+    moved = PaddleDPStrategy(bucket_cap_mb=5, process_group_backend="gloo", find_unused_parameters=True)
+    assert (moved.comm_buffer_size, moved.process_group_backend, moved.find_unused_parameters) == (5, "gloo", True)
+    with pytest.raises(ValueError, match=r"comm_buffer_size=10 and bucket_cap_mb=5 disagree"):
+        PaddleDPStrategy(comm_buffer_size=10, bucket_cap_mb=5)
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=-1 is invalid"):
+        PaddleDPStrategy(bucket_cap_mb=-1)
