@@ -9,6 +9,7 @@ and checkpoints hold the bare module's state (no wrapper prefix).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -29,6 +30,7 @@ from typing_extensions import override
 
 from lit_dp.backends import AUTO, check_backend
 from lit_dp.cluster_environment import PaddleEnvironment
+from lit_dp.comm_hooks import merge_lightning_names, resolve_comm_hook
 from lit_dp.config import check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.process_group import barrier, broadcast_object, destroy_parallel_env, init_parallel_env
@@ -52,8 +54,12 @@ class PaddleDPStrategy(ParallelStrategy):
 
     Options as ``lit_dp.PaddleDPStrategy`` (the Trainer's): ``comm_buffer_size``,
     ``last_comm_buffer_size``, ``find_unused_parameters``, ``gradient_as_bucket_view``,
-    ``backend``, ``nrings``, ``timeout``, ``start_method``. One device gets a process group of
-    one rank and a wrapped model, as under Fabric's ``"ddp"``.
+    ``backend``, ``nrings``, ``timeout``, ``start_method``, the communication hooks
+    (``comm_hook``, ``comm_state``, ``comm_wrapper``, ``comm_dtype``, ``powersgd_rank``,
+    ``powersgd_start_iter`` and Lightning's ``ddp_comm_*`` names), ``comm_stats``, ``trace_dir``
+    and ``trace_steps`` (read the statistics with ``module.comm_stats()``). LocalSGD, which
+    acts after each optimizer step, is ``lit_dp.LocalSGD`` in a Fabric loop. One device gets a
+    process group of one rank and a wrapped model, as under Fabric's ``"ddp"``.
     """
 
     def __init__(
@@ -71,7 +77,29 @@ class PaddleDPStrategy(ParallelStrategy):
         nrings: int | None = None,
         timeout: timedelta | float | None = None,
         start_method: str = "popen",
+        comm_hook: str | Callable | None = None,
+        comm_state: object = None,
+        comm_wrapper: Callable | None = None,
+        comm_dtype: str | None = None,
+        powersgd_rank: int | None = None,
+        powersgd_start_iter: int | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_state: object = None,
+        ddp_comm_wrapper: Callable | None = None,
+        comm_stats: bool = False,
+        trace_dir: str | None = None,
+        trace_steps: tuple[int, int] = (1, 4),
     ) -> None:
+        comm_hook = merge_lightning_names("comm_hook", comm_hook, "ddp_comm_hook", ddp_comm_hook)
+        comm_state = merge_lightning_names("comm_state", comm_state, "ddp_comm_state", ddp_comm_state)
+        comm_wrapper = merge_lightning_names("comm_wrapper", comm_wrapper, "ddp_comm_wrapper", ddp_comm_wrapper)
+        self._comm_hook_options = dict(
+            comm_hook=comm_hook,
+            comm_wrapper=comm_wrapper,
+            comm_dtype=comm_dtype,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
+        )
         check_strategy_options(
             comm_buffer_size=comm_buffer_size,
             last_comm_buffer_size=last_comm_buffer_size,
@@ -81,6 +109,11 @@ class PaddleDPStrategy(ParallelStrategy):
             nrings=nrings,
             timeout=timeout,
             start_method=start_method,
+            comm_stats=comm_stats,
+            trace_dir=trace_dir,
+            trace_steps=trace_steps,
+            comm_state=comm_state,
+            **self._comm_hook_options,
         )
         if cluster_environment is None and PaddleEnvironment.detect():
             cluster_environment = PaddleEnvironment()
@@ -99,6 +132,10 @@ class PaddleDPStrategy(ParallelStrategy):
         self._nrings = nrings
         self._timeout = timeout
         self._start_method = start_method
+        self._comm_state = comm_state
+        self._comm_stats = comm_stats
+        self._trace_dir = trace_dir
+        self._trace_steps = trace_steps
         self._num_nodes = 1
         self._backward_sync_control = _PaddleDPBackwardSyncControl()
 
@@ -171,13 +208,21 @@ class PaddleDPStrategy(ParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> DataParallel:
-        return DataParallel(
+        wrapped = DataParallel(
             module,
             comm_buffer_size=self._comm_buffer_size,
             last_comm_buffer_size=self._last_comm_buffer_size,
             find_unused_parameters=self._find_unused_parameters,
             gradient_as_bucket_view=self._gradient_as_bucket_view,
+            comm_stats=self._comm_stats,
+            trace_dir=self._trace_dir,
+            trace_steps=self._trace_steps,
         )
+        # Built here, in each process: PowerSGD's state belongs to the process group.
+        registration = resolve_comm_hook(comm_state=self._comm_state, **self._comm_hook_options)
+        if registration is not None:
+            wrapped.register_comm_hook(*registration)
+        return wrapped
 
     @override
     def module_to_device(self, module: Module) -> None:

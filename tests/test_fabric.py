@@ -150,3 +150,23 @@ def test_options_are_validated():
         fabric.PaddleDPStrategy(comm_buffer_size=0)
     with pytest.raises(ValueError, match="backend='nope' is invalid: expected 'auto', a backend"):
         fabric.PaddleDPStrategy(backend="nope")
+
+
+def hooked_run(run: Fabric) -> dict:
+    model, _ = train(run, 1)
+    module = model._forward_module
+    return {
+        "hook": module.comm_hook.name,
+        "bytes": module.comm_stats().bytes,
+        "weights": model.state_dict()["net.0.weight"].tolist(),
+    }
+
+
+def test_comm_hooks_and_statistics_through_fabric():
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    strategy = fabric.PaddleDPStrategy(ddp_comm_hook=allreduce_hook, comm_stats=True, start_method="fork")
+    ours = Fabric(strategy=strategy, accelerator="cpu", devices=2).launch(hooked_run)
+    theirs = Fabric(strategy="ddp_fork", accelerator="cpu", devices=2).launch(train_both_ways, None)
+    assert ours["hook"].endswith("allreduce_hook") and ours["bytes"] > 0
+    torch.testing.assert_close(torch.tensor(ours["weights"]), torch.tensor(theirs[1]["net.0.weight"]))
