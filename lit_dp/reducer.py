@@ -277,7 +277,7 @@ class Reducer:
         pending = self._pending_flags
         while pending and (pending[0].arrived() or len(pending) > 1):
             flags = pending.pop(0)
-            missing = [(index, total) for index, total in zip(flags.indices, flags.totals()) if total != 0]
+            missing = flags.missing()
             if missing:
                 pending.clear()
                 raise RuntimeError(self._missing_gradients_message(missing, flags.used))
@@ -400,10 +400,10 @@ def _tensors_in(value: object):
 class PendingFlags:
     """The flags of one backward on their way to the host, copied without blocking on CUDA."""
 
-    __slots__ = ("indices", "used", "_host", "_copied")
+    __slots__ = ("buckets", "used", "_host", "_copied")
 
     def __init__(self, buckets: Sequence[DenseBucket | SparseBucket], used: bytearray) -> None:
-        self.indices = [index for bucket in buckets for index in bucket.indices]
+        self.buckets = buckets
         self.used = used
         flags = torch.cat([bucket.flags for bucket in buckets])
         if flags.is_cuda:
@@ -417,7 +417,11 @@ class PendingFlags:
     def arrived(self) -> bool:
         return self._copied is None or self._copied.query()
 
-    def totals(self) -> list[float]:
+    def missing(self) -> list[tuple[int, float]]:
+        """(parameter index, flag sum) of the parameters some rank got no gradient for."""
         if self._copied is not None:
             self._copied.synchronize()  # returns at once once arrived()
-        return self._host.tolist()
+        if not self._host.any():  # the usual case, decided without a Python loop over parameters
+            return []
+        indices = [index for bucket in self.buckets for index in bucket.indices]
+        return [(index, total) for index, total in zip(indices, self._host.tolist()) if total != 0]
