@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_dp.recipes.reducer_benchmark import MODELS, _free_port, _init, _step
+from lit_dp.recipes.reducer_benchmark import MODELS, _step, free_port, init_gloo_rank
 
 
 
@@ -60,7 +60,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: dict) -> No
     from lit_dp.autotune import CANDIDATES_MB
 
     torch.set_num_threads(args.threads)
-    _init(rank, 2, port)
+    init_gloo_rank(rank, 2, port)
     for name in args.models:
         build, width, batch = MODELS[name]
         torch.manual_seed(0)
@@ -138,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(args, _free_port(), results), nprocs=2)
+        mp.spawn(_worker, args=(args, free_port(), results), nprocs=2)
         print(report(dict(results)))
 
 
