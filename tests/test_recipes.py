@@ -6,6 +6,7 @@ whose multirun needs the spawn launcher).
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import lit_dp.recipes as lit_dp_recipes
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
@@ -123,3 +126,9 @@ def test_reducer_benchmark_prints_ratios(tmp_path):
     rounding = 2 * 0.005e3 / tensors + 0.005  # the times are printed to 0.01 ms, the costs to 0.01 us
     assert ours_per_tensor == pytest.approx((ours - no_sync) * 1e3 / tensors, abs=rounding)
     assert ddp_per_tensor == pytest.approx((ddp - no_sync) * 1e3 / tensors, abs=rounding)
+
+
+@pytest.mark.parametrize("path", sorted(Path(lit_dp_recipes.__file__).parent.glob("*.py")), ids=lambda p: p.stem)
+def test_every_recipe_module_imports(path):
+    # Benchmarks run only by hand must not rot: their imports at least are checked here.
+    importlib.import_module(f"lit_dp.recipes.{path.stem}")
