@@ -22,24 +22,16 @@ from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _Sub
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
 from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lit_dp.backends import AUTO, check_backend
 from lit_dp.cluster_environment import PaddleEnvironment
-from lit_dp.comm_hooks import merge_lightning_names, resolve_comm_hook
+from lit_dp.comm_hooks import merge_lightning_names
 from lit_dp.config import check_strategy_options
 from lit_dp.data_parallel import DataParallel
-from lit_dp.process_group import barrier, broadcast_object, destroy_parallel_env, init_parallel_env
-from lit_dp.strategy import (
-    default_backend,
-    lightning_parallel_env,
-    register_families,
-    restate_unused_parameters_error,
-)
+from lit_dp.process_group import barrier, broadcast_object, destroy_parallel_env
+from lit_dp.strategy_base import DataParallelStrategyMixin, register_families, restate_unused_parameters_error
 
 FABRIC_UNUSED_PARAMETERS_MESSAGE = (
     "It looks like your model has parameters that were not used in producing the loss passed to "
@@ -49,7 +41,7 @@ FABRIC_UNUSED_PARAMETERS_MESSAGE = (
 )
 
 
-class PaddleDPStrategy(ParallelStrategy):
+class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer in Fabric, one process per device.
 
     Options as ``lit_dp.PaddleDPStrategy`` (the Trainer's): ``comm_buffer_size``,
@@ -61,6 +53,8 @@ class PaddleDPStrategy(ParallelStrategy):
     acts after each optimizer step, is ``lit_dp.LocalSGD`` in a Fabric loop. One device gets a
     process group of one rank and a wrapped model, as under Fabric's ``"ddp"``.
     """
+
+    _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)
 
     def __init__(
         self,
@@ -93,7 +87,7 @@ class PaddleDPStrategy(ParallelStrategy):
         comm_hook = merge_lightning_names("comm_hook", comm_hook, "ddp_comm_hook", ddp_comm_hook)
         comm_state = merge_lightning_names("comm_state", comm_state, "ddp_comm_state", ddp_comm_state)
         comm_wrapper = merge_lightning_names("comm_wrapper", comm_wrapper, "ddp_comm_wrapper", ddp_comm_wrapper)
-        self._comm_hook_options = dict(
+        comm_hook_options = dict(
             comm_hook=comm_hook,
             comm_wrapper=comm_wrapper,
             comm_dtype=comm_dtype,
@@ -113,7 +107,7 @@ class PaddleDPStrategy(ParallelStrategy):
             trace_dir=trace_dir,
             trace_steps=trace_steps,
             comm_state=comm_state,
-            **self._comm_hook_options,
+            **comm_hook_options,
         )
         if cluster_environment is None and PaddleEnvironment.detect():
             cluster_environment = PaddleEnvironment()
@@ -124,105 +118,35 @@ class PaddleDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
-        self._comm_buffer_size = comm_buffer_size
-        self._last_comm_buffer_size = last_comm_buffer_size
-        self._find_unused_parameters = find_unused_parameters
-        self._gradient_as_bucket_view = gradient_as_bucket_view
-        self._backend = check_backend("backend", backend)
-        self._nrings = nrings
-        self._timeout = timeout
-        self._start_method = start_method
-        self._comm_state = comm_state
-        self._comm_stats = comm_stats
-        self._trace_dir = trace_dir
-        self._trace_steps = trace_steps
-        self._num_nodes = 1
+        self._keep_options(
+            comm_buffer_size=comm_buffer_size,
+            last_comm_buffer_size=last_comm_buffer_size,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            backend=backend,
+            nrings=nrings,
+            timeout=timeout,
+            start_method=start_method,
+            comm_hook_options=comm_hook_options,
+            comm_state=comm_state,
+            comm_stats=comm_stats,
+            trace_dir=trace_dir,
+            trace_steps=trace_steps,
+        )
         self._backward_sync_control = _PaddleDPBackwardSyncControl()
 
     @property
     def comm_buffer_size(self) -> float:
         return self._comm_buffer_size
 
-    @property
-    def last_comm_buffer_size(self) -> float:
-        return self._last_comm_buffer_size
-
-    @property
-    def find_unused_parameters(self) -> bool:
-        return self._find_unused_parameters
-
-    @property
-    def gradient_as_bucket_view(self) -> bool:
-        return self._gradient_as_bucket_view
-
-    @property
-    def process_group_backend(self) -> str:
-        """The backend in effect: ``auto`` resolved against this process's device."""
-        return self._backend if self._backend != AUTO else default_backend(self.root_device)
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
-
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._set_world_ranks()
-        environment = lightning_parallel_env(
-            self.cluster_environment, self.global_rank, self.world_size, self.root_device, self._nrings
-        )
-        init_parallel_env(self.process_group_backend, self._timeout, parallel_env=environment, one_process_group=True)
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._init_process_group()
 
     @override
     def setup_module(self, module: Module) -> DataParallel:
-        wrapped = DataParallel(
-            module,
-            comm_buffer_size=self._comm_buffer_size,
-            last_comm_buffer_size=self._last_comm_buffer_size,
-            find_unused_parameters=self._find_unused_parameters,
-            gradient_as_bucket_view=self._gradient_as_bucket_view,
-            comm_stats=self._comm_stats,
-            trace_dir=self._trace_dir,
-            trace_steps=self._trace_steps,
-        )
-        # Built here, in each process: PowerSGD's state belongs to the process group.
-        registration = resolve_comm_hook(comm_state=self._comm_state, **self._comm_hook_options)
-        if registration is not None:
-            wrapped.register_comm_hook(*registration)
-        return wrapped
+        return self._wrap(module, self._comm_buffer_size)
 
     @override
     def module_to_device(self, module: Module) -> None:

@@ -4,8 +4,8 @@ Lightning launches the processes (or Paddle's launcher / torchrun / SLURM did); 
 strategy brings up the process group with ``init_parallel_env`` and wraps the LightningModule
 in ``lit_dp.DataParallel``. On one device too: a group of one rank, as under ``"ddp"``.
 
-The registered names copy Lightning's ``ddp`` families (see ``register_families``); the Fabric
-strategy in ``lit_dp.fabric`` shares them and the helpers below.
+The registered names copy Lightning's ``ddp`` families; what this strategy shares with the Fabric
+one in ``lit_dp.fabric`` is in ``lit_dp.strategy_base``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
@@ -40,14 +39,18 @@ from lit_dp.autotune import AUTO, check_comm_buffer_size
 from lit_dp.backends import check_backend
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.cluster_environment import PaddleEnvironment
-from lit_dp.comm_hooks import describe_comm_hook, merge_lightning_names, resolve_comm_hook
-from lit_dp.comm_stats import CommStatsMonitor, check_trace_steps
+from lit_dp.comm_hooks import describe_comm_hook, merge_lightning_names
+from lit_dp.comm_stats import CommStatsMonitor
 from lit_dp.config import check_local_sgd_options, check_strategy_options
 from lit_dp.data_parallel import DataParallel
-from lit_dp.env import ParallelEnv
 from lit_dp.local_sgd import LocalSGD
-from lit_dp.process_group import barrier, broadcast_object, destroy_parallel_env, init_parallel_env
-from lit_dp.reducer import UNUSED_PARAMETERS_HINT
+from lit_dp.process_group import barrier, broadcast_object, destroy_parallel_env
+from lit_dp.strategy_base import (
+    DataParallelStrategyMixin,
+    lightning_name,
+    register_families,
+    restate_unused_parameters_error,
+)
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 
@@ -60,17 +63,7 @@ LIGHTNING_UNUSED_PARAMETERS_MESSAGE = (
     "(`strategy.find_unused_parameters=true` on a recipe's command line)."
 )
 
-# Lightning's `ddp`, `ddp_spawn`, `ddp_fork`, `ddp_notebook` with their start methods
-# (lightning/pytorch/strategies/ddp.py); each also gets `_find_unused_parameters_true|false`.
-FAMILIES = (
-    ("paddle_dp", "popen"),
-    ("paddle_dp_spawn", "spawn"),
-    ("paddle_dp_fork", "fork"),
-    ("paddle_dp_notebook", "fork"),
-)
-
-
-class PaddleDPStrategy(ParallelStrategy):
+class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer, one process per device.
 
     Args:
@@ -112,6 +105,7 @@ class PaddleDPStrategy(ParallelStrategy):
     """
 
     strategy_name = "paddle_dp"
+    _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)
 
     def __init__(
         self,
@@ -147,10 +141,10 @@ class PaddleDPStrategy(ParallelStrategy):
         bucket_cap_mb: float | None = None,
         process_group_backend: str | None = None,
     ) -> None:
-        comm_buffer_size = _lightning_name(
+        comm_buffer_size = lightning_name(
             "comm_buffer_size", comm_buffer_size, 25, "bucket_cap_mb", bucket_cap_mb, check_comm_buffer_size
         )
-        backend = _lightning_name("backend", backend, "auto", "process_group_backend", process_group_backend, check_backend)
+        backend = lightning_name("backend", backend, "auto", "process_group_backend", process_group_backend, check_backend)
         comm_hook = merge_lightning_names("comm_hook", comm_hook, "ddp_comm_hook", ddp_comm_hook)
         comm_state = merge_lightning_names("comm_state", comm_state, "ddp_comm_state", ddp_comm_state)
         comm_wrapper = merge_lightning_names("comm_wrapper", comm_wrapper, "ddp_comm_wrapper", ddp_comm_wrapper)
@@ -189,33 +183,33 @@ class PaddleDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        # Hydra hands integers (`comm_buffer_size=5`) to this Any-typed option; sizes are floats.
-        self._comm_buffer_size = comm_buffer_size if comm_buffer_size == AUTO else float(comm_buffer_size)
-        self._last_comm_buffer_size = last_comm_buffer_size
-        self._find_unused_parameters = find_unused_parameters
-        self._gradient_as_bucket_view = gradient_as_bucket_view
-        self._backend = check_backend("backend", backend)
-        self._nrings = nrings
-        self._timeout = timeout
-        self._start_method = start_method
-        self._comm_hook_options = dict(
-            comm_hook=comm_hook,
-            comm_wrapper=comm_wrapper,
-            comm_dtype=comm_dtype,
-            powersgd_rank=powersgd_rank,
-            powersgd_start_iter=powersgd_start_iter,
+        self._keep_options(
+            comm_buffer_size=comm_buffer_size,
+            last_comm_buffer_size=last_comm_buffer_size,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            backend=backend,
+            nrings=nrings,
+            timeout=timeout,
+            start_method=start_method,
+            comm_hook_options=dict(
+                comm_hook=comm_hook,
+                comm_wrapper=comm_wrapper,
+                comm_dtype=comm_dtype,
+                powersgd_rank=powersgd_rank,
+                powersgd_start_iter=powersgd_start_iter,
+            ),
+            comm_state=comm_state,
+            comm_stats=comm_stats,
+            trace_dir=trace_dir,
+            trace_steps=trace_steps,
         )
-        self._comm_state = comm_state
-        self._num_nodes = 1
         self._forward_redirection = _ManualOptimizationRedirection()
         self._local_sgd_steps = local_sgd_steps
         self._local_sgd_warmup_steps = local_sgd_warmup_steps
         self._local_sgd_adaptive = local_sgd_adaptive
         self._local_sgd: LocalSGD | None = None
         self._local_sgd_resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
-        self._comm_stats = comm_stats
-        self._trace_dir = trace_dir
-        self._trace_steps = check_trace_steps("trace_steps", trace_steps)
         self._tuned_buffer_size: float | None = None  # with "auto": restored, or chosen by a finished fit
 
     @property
@@ -232,66 +226,14 @@ class PaddleDPStrategy(ParallelStrategy):
         return tuner.chosen_mb if tuner is not None else None
 
     @property
-    def comm_stats(self) -> bool:
-        return self._comm_stats
-
-    @property
-    def last_comm_buffer_size(self) -> float:
-        return self._last_comm_buffer_size
-
-    @property
-    def find_unused_parameters(self) -> bool:
-        return self._find_unused_parameters
-
-    @property
-    def gradient_as_bucket_view(self) -> bool:
-        return self._gradient_as_bucket_view
-
-    @property
     def local_sgd(self) -> LocalSGD | None:
         """The model averager while fitting with ``local_sgd_steps``; None otherwise."""
         return self._local_sgd
 
     @property
-    def process_group_backend(self) -> str:
-        """The backend in effect: ``auto`` resolved against this process's device."""
-        return self._backend if self._backend != AUTO else default_backend(self.root_device)
-
-    @property
     def is_distributed(self) -> bool:
         """Read by Lightning for strategies it does not know, e.g. to add a ``DistributedSampler``."""
         return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -301,17 +243,7 @@ class PaddleDPStrategy(ParallelStrategy):
     def setup_distributed(self) -> None:
         """Seed, ranks, then the process group: one rank's own for a single process, as under ``"ddp"``."""
         reset_seed()
-        self.set_world_ranks()
-        environment = lightning_parallel_env(
-            self.cluster_environment, self.global_rank, self.world_size, self.root_device, self._nrings
-        )
-        init_parallel_env(self.process_group_backend, self._timeout, parallel_env=environment, one_process_group=True)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._init_process_group()
 
     def describe(self) -> str:
         """One line with the settings in effect, for logs."""
@@ -352,21 +284,7 @@ class PaddleDPStrategy(ParallelStrategy):
         if self._tuned_buffer_size is not None:
             size = self._tuned_buffer_size
             rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {size:g} MB, tuned before (checkpoint or earlier fit)")
-        wrapped = DataParallel(
-            model,
-            comm_buffer_size=self.comm_buffer_size,
-            last_comm_buffer_size=self._last_comm_buffer_size,
-            find_unused_parameters=self._find_unused_parameters,
-            gradient_as_bucket_view=self._gradient_as_bucket_view,
-            comm_stats=self._comm_stats,
-            trace_dir=self._trace_dir,
-            trace_steps=self._trace_steps,
-        )
-        # Built here, in each process: PowerSGD's state belongs to the process group.
-        registration = resolve_comm_hook(comm_state=self._comm_state, **self._comm_hook_options)
-        if registration is not None:
-            wrapped.register_comm_hook(*registration)
-        return wrapped
+        return self._wrap(model, self.comm_buffer_size)
 
     def _setup_local_sgd(self) -> LocalSGD | None:
         if self._local_sgd_steps is None or not isinstance(self.model, DataParallel):
@@ -500,24 +418,6 @@ class PaddleDPStrategy(ParallelStrategy):
         register_families(strategy_registry, cls)
 
 
-def _lightning_name(
-    option: str, value: Any, default: Any, lightning: str, lightning_value: Any, check: Callable[[str, Any], Any]
-) -> Any:
-    """``lightning_value`` (``DDPStrategy``'s spelling) when given, unless ``option`` says otherwise.
-
-    ``check(name, value)`` validates it under the name the user typed.
-    """
-    if lightning_value is None:
-        return value
-    check(lightning, lightning_value)
-    if value != default and value != lightning_value:
-        raise ValueError(
-            f"{option}={value!r} and {lightning}={lightning_value!r} disagree: they are the same option "
-            f"({lightning} is Lightning's DDPStrategy name); pass one of them."
-        )
-    return lightning_value
-
-
 class _ManualOptimizationRedirection(_ForwardRedirection):
     """Under manual optimization the forward must not arm the reducer: ``manual_backward`` does.
 
@@ -539,69 +439,3 @@ class _ManualOptimizationRedirection(_ForwardRedirection):
         if isinstance(wrapper_module, DataParallel) and self._saved_sync is not None:
             wrapper_module.grad_need_sync = self._saved_sync
             self._saved_sync = None
-
-
-
-def register_families(registry: _StrategyRegistry, strategy: type) -> None:
-    """Register ``FAMILIES`` and their ``_find_unused_parameters_true|false`` forms for ``strategy``.
-
-    Lower-case, like Lightning's: the Trainer and Fabric lower-case a name before looking it up.
-    """
-    for family, start_method in FAMILIES:
-        registry.register(
-            family,
-            strategy,
-            description=f"lit_dp bucketed data parallelism, start_method {start_method!r}",
-            override=True,
-            start_method=start_method,
-        )
-        for find_unused in (False, True):
-            registry.register(
-                f"{family}_find_unused_parameters_{str(find_unused).lower()}",
-                strategy,
-                description=f"lit_dp with find_unused_parameters={find_unused}, start_method {start_method!r}",
-                override=True,
-                find_unused_parameters=find_unused,
-                start_method=start_method,
-            )
-
-
-def default_backend(device: torch.device) -> str:
-    """What ``backend="auto"`` means for ``device``: NCCL for CUDA, Gloo otherwise (as under ``"ddp"``)."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def lightning_parallel_env(
-    cluster_environment: ClusterEnvironment | None,
-    global_rank: int,
-    world_size: int,
-    device: torch.device,
-    nrings: int | None,
-) -> ParallelEnv:
-    """The job as ``init_parallel_env`` reads it, from whichever Lightning cluster environment is in use.
-
-    Paddle's ``FLAGS_nccl_nrings`` and ``PADDLE_PG_TIMEOUT`` still apply unless the
-    strategy's own options override them.
-    """
-    assert cluster_environment is not None
-    environ = {
-        "PADDLE_TRAINER_ID": str(global_rank),
-        "PADDLE_TRAINERS_NUM": str(world_size),
-        "MASTER_ADDR": cluster_environment.main_address,
-        "MASTER_PORT": str(cluster_environment.main_port),
-        "FLAGS_selected_gpus": str(device.index or 0),
-        "FLAGS_nccl_nrings": str(nrings or os.environ.get("FLAGS_nccl_nrings", "")),
-        "PADDLE_PG_TIMEOUT": os.environ.get("PADDLE_PG_TIMEOUT", ""),
-    }
-    return ParallelEnv(environ)
-
-
-def restate_unused_parameters_error(exception: BaseException, opening: str) -> None:
-    """Open the reducer's unused-parameter error with ``opening``; keep its parameter list.
-
-    The reducer's generic hint (``UNUSED_PARAMETERS_HINT``) gives way to the front door's own.
-    """
-    message = exception.args[0] if exception.args else None
-    if isinstance(message, str) and UNUSED_PARAMETERS_HINT in message:
-        details = message.replace(UNUSED_PARAMETERS_HINT, "").rstrip()
-        exception.args = (f"{opening}\n{details}",)
