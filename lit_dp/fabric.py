@@ -28,7 +28,6 @@ from typing_extensions import override
 
 from lit_dp.cluster_environment import PaddleEnvironment
 from lit_dp.comm_hooks import merge_lightning_names
-from lit_dp.config import check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.process_group import barrier, broadcast_object, destroy_parallel_env
 from lit_dp.strategy_base import DataParallelStrategyMixin, register_families, restate_unused_parameters_error
@@ -87,28 +86,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         comm_hook = merge_lightning_names("comm_hook", comm_hook, "ddp_comm_hook", ddp_comm_hook)
         comm_state = merge_lightning_names("comm_state", comm_state, "ddp_comm_state", ddp_comm_state)
         comm_wrapper = merge_lightning_names("comm_wrapper", comm_wrapper, "ddp_comm_wrapper", ddp_comm_wrapper)
-        comm_hook_options = dict(
-            comm_hook=comm_hook,
-            comm_wrapper=comm_wrapper,
-            comm_dtype=comm_dtype,
-            powersgd_rank=powersgd_rank,
-            powersgd_start_iter=powersgd_start_iter,
-        )
-        check_strategy_options(
-            comm_buffer_size=comm_buffer_size,
-            last_comm_buffer_size=last_comm_buffer_size,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            backend=backend,
-            nrings=nrings,
-            timeout=timeout,
-            start_method=start_method,
-            comm_stats=comm_stats,
-            trace_dir=trace_dir,
-            trace_steps=trace_steps,
-            comm_state=comm_state,
-            **comm_hook_options,
-        )
         if cluster_environment is None and PaddleEnvironment.detect():
             cluster_environment = PaddleEnvironment()
         super().__init__(
@@ -127,8 +104,12 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             nrings=nrings,
             timeout=timeout,
             start_method=start_method,
-            comm_hook_options=comm_hook_options,
+            comm_hook=comm_hook,
             comm_state=comm_state,
+            comm_wrapper=comm_wrapper,
+            comm_dtype=comm_dtype,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
             comm_stats=comm_stats,
             trace_dir=trace_dir,
             trace_steps=trace_steps,

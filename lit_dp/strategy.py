@@ -41,7 +41,7 @@ from lit_dp.broadcast import sync_params_buffers
 from lit_dp.cluster_environment import PaddleEnvironment
 from lit_dp.comm_hooks import describe_comm_hook, merge_lightning_names
 from lit_dp.comm_stats import CommStatsMonitor
-from lit_dp.config import check_local_sgd_options, check_strategy_options
+from lit_dp.config import check_local_sgd_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.local_sgd import LocalSGD
 from lit_dp.process_group import barrier, broadcast_object, destroy_parallel_env
@@ -155,25 +155,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             model_averaging_period=model_averaging_period,
             comm_hook=comm_hook,
         )
-        check_strategy_options(
-            comm_buffer_size=comm_buffer_size,
-            last_comm_buffer_size=last_comm_buffer_size,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            backend=backend,
-            nrings=nrings,
-            timeout=timeout,
-            start_method=start_method,
-            comm_hook=comm_hook,
-            comm_state=comm_state,
-            comm_wrapper=comm_wrapper,
-            comm_dtype=comm_dtype,
-            powersgd_rank=powersgd_rank,
-            powersgd_start_iter=powersgd_start_iter,
-            comm_stats=comm_stats,
-            trace_dir=trace_dir,
-            trace_steps=trace_steps,
-        )
         if cluster_environment is None and PaddleEnvironment.detect():
             cluster_environment = PaddleEnvironment()
         super().__init__(
@@ -192,14 +173,12 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             nrings=nrings,
             timeout=timeout,
             start_method=start_method,
-            comm_hook_options=dict(
-                comm_hook=comm_hook,
-                comm_wrapper=comm_wrapper,
-                comm_dtype=comm_dtype,
-                powersgd_rank=powersgd_rank,
-                powersgd_start_iter=powersgd_start_iter,
-            ),
+            comm_hook=comm_hook,
             comm_state=comm_state,
+            comm_wrapper=comm_wrapper,
+            comm_dtype=comm_dtype,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
             comm_stats=comm_stats,
             trace_dir=trace_dir,
             trace_steps=trace_steps,

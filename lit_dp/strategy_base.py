@@ -25,6 +25,7 @@ from lit_dp.autotune import AUTO
 from lit_dp.backends import check_backend
 from lit_dp.comm_hooks import resolve_comm_hook
 from lit_dp.comm_stats import check_trace_steps
+from lit_dp.config import check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.env import ParallelEnv
 from lit_dp.process_group import init_parallel_env
@@ -44,8 +45,8 @@ FAMILIES = (
 class DataParallelStrategyMixin:
     """Kept options, process layout, process group and wrapping, for both front doors.
 
-    A concrete strategy validates its options, calls ``_keep_options`` and names its Lightning
-    launchers in ``_launchers`` (script launcher, multiprocessing launcher).
+    A concrete strategy hands its options to ``_keep_options`` (which validates them) and names
+    its Lightning launchers in ``_launchers`` (script launcher, multiprocessing launcher).
     """
 
     _launchers: tuple[type, type]
@@ -63,12 +64,39 @@ class DataParallelStrategyMixin:
         nrings: int | None,
         timeout: timedelta | float | None,
         start_method: str,
-        comm_hook_options: dict[str, Any],
+        comm_hook: str | Callable | None,
         comm_state: object,
+        comm_wrapper: Callable | None,
+        comm_dtype: str | None,
+        powersgd_rank: int | None,
+        powersgd_start_iter: int | None,
         comm_stats: bool,
         trace_dir: str | None,
         trace_steps: tuple[int, int],
     ) -> None:
+        """Validate the options (a ``ValueError`` naming the option) and keep them."""
+        comm_hook_options = dict(
+            comm_hook=comm_hook,
+            comm_wrapper=comm_wrapper,
+            comm_dtype=comm_dtype,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
+        )
+        check_strategy_options(
+            comm_buffer_size=comm_buffer_size,
+            last_comm_buffer_size=last_comm_buffer_size,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            backend=backend,
+            nrings=nrings,
+            timeout=timeout,
+            start_method=start_method,
+            comm_state=comm_state,
+            comm_stats=comm_stats,
+            trace_dir=trace_dir,
+            trace_steps=trace_steps,
+            **comm_hook_options,
+        )
         # Hydra hands integers (`comm_buffer_size=5`) to this Any-typed option; sizes are floats.
         self._comm_buffer_size = comm_buffer_size if comm_buffer_size == AUTO else float(comm_buffer_size)
         self._last_comm_buffer_size = last_comm_buffer_size
