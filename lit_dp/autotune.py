@@ -4,16 +4,22 @@ The schedule. Training starts with the default buckets; after the first step the
 rebuilds them in gradient-ready order, and tuning begins. The candidates are
 ``CANDIDATES_MB`` (1 to 100 MB); one that gives the same buckets as a smaller one is dropped
 without spending a step (on a model of a few MB most coincide). The remaining candidates are
-tried in ``PASSES`` rounds (A B C A B C, so that drift on a busy machine hits them alike); each
+tried in passes (A B C A B C ..., so that drift on a busy machine hits them alike); each
 time the buckets are rebuilt with it, one step is left to warm up (new buffers), then
 ``MEASURE_STEPS`` steps are timed, each from one forward's end to the next's, i.e. a whole
-training iteration. Every rank then holds its fastest step time per candidate (interference
-only ever adds time, so the minimum is the least noisy estimate); an all-reduce (MAX)
-gives the time as the slowest rank saw it (a data-parallel step is as slow as its slowest
-rank), rank 0 takes the fastest candidate (the smallest size on a tie) and broadcasts it, and
-every rank rebuilds its buckets with that size at the same step. Cost: at most
-``PASSES * len(CANDIDATES_MB) * (WARMUP_STEPS + MEASURE_STEPS)`` = 56 steps, fewer when
-candidates coincide, and none at all on a model whose buckets are the same for every candidate.
+training iteration. The passes fill a budget of ``TUNING_STEPS`` steps, at least
+``MIN_PASSES`` of them: the fewer the distinct candidates, the more steps each gets, since
+single steps vary by 10 to 30% on a shared machine and the sizes worth telling apart differ
+by a few percent. Every rank then holds, per candidate, the mean of its timed steps without
+the fastest and the slowest eighth: the typical step, which is what a bucket size changes,
+unmoved by a lone spike (a collection pause, another process). Not the fastest step: that is
+the one where communication happened to interfere least with compute, and on a shared CPU it
+is nearly the same for every size; and on 2 gloo ranks this trimmed mean ranked two sizes 5%
+apart correctly more often than the median did. An all-reduce (MAX) gives the time as the
+slowest rank saw it (a data-parallel step is as slow as its slowest rank), rank 0 takes the
+fastest candidate (the smallest size on a tie) and broadcasts it, and every rank rebuilds its
+buckets with that size at the same step. Cost: ``TUNING_STEPS`` = 120 steps or fewer (105 with all 7 candidates
+distinct), and none at all on a model whose buckets are the same for every candidate.
 
 Horovod's autotune, the anchor, samples its fusion-buffer size and cycle time with Bayesian
 optimisation: by default 3 warm-up samples and up to 20 more, each over 10 steps (about 230
@@ -24,6 +30,7 @@ partition directly is both cheaper and exhaustive over the schedule.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +45,9 @@ if TYPE_CHECKING:
 AUTO = "auto"
 CANDIDATES_MB = (1, 2, 5, 10, 25, 50, 100)
 WARMUP_STEPS = 1
-MEASURE_STEPS = 3
-PASSES = 2
+MEASURE_STEPS = 4
+TUNING_STEPS = 120
+MIN_PASSES = 2
 
 
 def check_comm_buffer_size(option: str, value: Any) -> None:
@@ -54,6 +62,12 @@ def check_comm_buffer_size(option: str, value: Any) -> None:
         raise ValueError(f"{error.args[0].rstrip('.')} or 'auto'.") from None
 
 
+def _trimmed_mean(values: Sequence[float]) -> float:
+    """The mean without the smallest and the largest eighth of ``values``."""
+    cut = len(values) // 8
+    return statistics.mean(sorted(values)[cut : len(values) - cut])
+
+
 class BucketAutotuner:
     """Drives the schedule above from the reducer's step starts (see ``CommObserver.step_started``).
 
@@ -61,25 +75,18 @@ class BucketAutotuner:
         group: the ranks that decide together (the reducer's).
         device: where the collectives' tensors live (the parameters' device).
         last_bucket_bytes: the last bucket's limit, kept as configured.
-        candidates_mb / warmup_steps / measure_steps: the schedule; default the module's constants.
     """
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        device: torch.device,
-        last_bucket_bytes: int,
-        candidates_mb: Sequence[float] | None = None,
-        warmup_steps: int | None = None,
-        measure_steps: int | None = None,
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, last_bucket_bytes: int) -> None:
         self._group = group
         self._device = device
         self._last_bytes = last_bucket_bytes
         # The module's schedule, read now (not bound at import) so that it can be changed in one place.
-        self._candidates = list(CANDIDATES_MB if candidates_mb is None else candidates_mb)
-        self._warmup = WARMUP_STEPS if warmup_steps is None else warmup_steps
-        self._measure = MEASURE_STEPS if measure_steps is None else measure_steps
+        self._candidates = list(CANDIDATES_MB)
+        self._warmup = WARMUP_STEPS
+        self._window = WARMUP_STEPS + MEASURE_STEPS
+        self._budget = TUNING_STEPS
+        self._passes = MIN_PASSES
         self._distinct: list[float] | None = None  # candidates giving distinct buckets, first of each
         self._marks: list[list[Any]] = []  # step-start marks per window (candidate k in window k % distinct)
         self._window_start = 0
@@ -93,14 +100,14 @@ class BucketAutotuner:
 
     @property
     def sweep(self) -> dict[float, float]:
-        """Per distinct candidate tried, the fastest step time (ms) as the slowest rank saw it, once decided."""
+        """Per distinct candidate tried, the typical step time (ms) as the slowest rank saw it, once decided."""
         return dict(self._sweep)
 
     @property
     def tuning_steps(self) -> int:
-        """Steps the schedule takes: one window per distinct candidate (0 when there is only one)."""
+        """Steps the schedule takes: a window per distinct candidate and pass (0 when there is only one)."""
         distinct = len(self._distinct or [])
-        return PASSES * distinct * (self._warmup + self._measure) if distinct > 1 else 0
+        return self._passes * distinct * self._window if distinct > 1 else 0
 
     def step_started(self, reducer: Reducer, step: int, mark: Any, clock: Any) -> None:
         """Called at every synchronised step start, on every rank (so every rank switches together)."""
@@ -111,11 +118,12 @@ class BucketAutotuner:
             if len(self._distinct) == 1:
                 self._adopt(reducer, self._distinct[0])
                 return
+            self._passes = max(MIN_PASSES, self._budget // (len(self._distinct) * self._window))
         else:
             self._marks[-1].append(mark)
-            if step - self._window_start < self._warmup + self._measure:
+            if step - self._window_start < self._window:
                 return
-        if len(self._marks) < PASSES * len(self._distinct):
+        if len(self._marks) < self._passes * len(self._distinct):
             candidate = self._distinct[len(self._marks) % len(self._distinct)]
             reducer.set_bucket_limits(megabytes_to_bytes("comm_buffer_size", candidate), self._last_bytes)
             self._marks.append([mark])
@@ -137,10 +145,8 @@ class BucketAutotuner:
         for window, marks in enumerate(self._marks):
             measured = marks[self._warmup :]
             steps[window % len(self._distinct)] += [clock.elapsed_ms(a, b) for a, b in zip(measured, measured[1:])]
-        # The fastest timed step, not the median: interference (other processes, the OS) only ever
-        # adds time, so the minimum is the least noisy estimate of what a size costs (the
-        # reasoning of Python's timeit). Then the slowest rank's, since every rank waits for it.
-        times = [min(candidate_steps) for candidate_steps in steps]
+        # Then the slowest rank's time (every rank waits for it in the all-reduces).
+        times = [_trimmed_mean(candidate_steps) for candidate_steps in steps]
         slowest = torch.tensor(times, dtype=torch.float64, device=self._device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self._group)
         # Every rank now holds the same times; rank 0's choice is broadcast all the same, so that
@@ -157,7 +163,7 @@ class BucketAutotuner:
             return
         if self._sweep:
             swept = ", ".join(f"{mb:g} MB {ms:.2f} ms" for mb, ms in self._sweep.items())
-            detail = f"after {self.tuning_steps} tuning steps (fastest step, slowest rank: {swept})"
+            detail = f"after {self.tuning_steps} tuning steps (typical step, slowest rank: {swept})"
         else:
             detail = f"without tuning: every candidate of {list(self._candidates)} MB gives the same buckets"
         sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in reducer.bucket_bytes)

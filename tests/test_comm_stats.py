@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from lit_dp.autotune import MEASURE_STEPS, WARMUP_STEPS
 from lit_dp.comm_stats import BucketSpan, StepTimeline, check_trace_steps
 from lit_dp.config import PaddleDPStrategyConfig
 from lit_dp.trace import main as trace_main
@@ -29,6 +30,11 @@ TRACED = (1, 3)
 # except with PREFERRED buckets.
 CANDIDATES = (4 * KB, 20 * KB, 40 * KB, 1.0)
 DISTINCT = 3
+# A budget for 2 passes and a bit (a pass times each distinct partition once: a warm-up step,
+# then the timed ones); the tuner spends whole passes only.
+PASSES = 2
+TUNING_BUDGET = (PASSES * DISTINCT + 1) * (WARMUP_STEPS + MEASURE_STEPS)
+MAX_TUNING_STEPS = PASSES * DISTINCT * (WARMUP_STEPS + MEASURE_STEPS)
 EXPECTED_SIZE = "expected a positive number of megabytes or 'auto'"
 PREFERRED = 20 * KB
 
@@ -68,12 +74,12 @@ def stats_trace_and_autotune(rank: int, trace_dir: str) -> dict:
     # Autotune: rank 1 sleeps 30 ms per step unless the buckets are those of PREFERRED, so the
     # slowest rank's step time (both ranks wait for it in the all-reduce) picks PREFERRED.
     tuned_model = make_model()
-    with mock.patch.object(lit_dp.autotune, "CANDIDATES_MB", CANDIDATES):
+    with mock.patch.multiple(lit_dp.autotune, CANDIDATES_MB=CANDIDATES, TUNING_STEPS=TUNING_BUDGET):
         tuned = lit_dp.DataParallel(tuned_model, comm_buffer_size="auto", last_comm_buffer_size=4 * KB)
     preferred = _partition(tuned_model, PREFERRED)
     optimizer = torch.optim.SGD(tuned_model.parameters(), lr=0.01)
     steps = 0
-    while tuned.autotuner.chosen_mb is None and steps < 40:
+    while tuned.autotuner.chosen_mb is None and steps < 2 + MAX_TUNING_STEPS:
         if rank == 1 and tuned.reducer.bucket_indices != preferred:
             time.sleep(0.03)
         train_step(tuned, optimizer, steps)
@@ -135,7 +141,49 @@ def test_stats_trace_and_autotune_on_two_ranks(tmp_path):
     assert first["sweep"] == second["sweep"] and sorted(first["sweep"]) == [4 * KB, 20 * KB, 40 * KB]
     assert first["tuned_buckets"] == second["tuned_buckets"] == first["preferred_buckets"]
     assert first["steps"] == 1 + first["tuning_steps"] + 1  # step 0, the windows, the deciding step
-    assert first["tuning_steps"] == 2 * DISTINCT * 4  # 2 passes of (1 warm-up + 3 timed steps)
+    assert first["tuning_steps"] == MAX_TUNING_STEPS
+
+
+HOOK_DELAY_S = 0.05
+
+
+def stats_with_a_slow_hook(rank: int) -> list[float]:
+    """A hook whose result comes 50 ms after its all-reduce: communication time must include it."""
+    import threading
+
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+
+    def slow_allreduce(state: None, bucket) -> torch.futures.Future:
+        gradients = bucket.buffer().div_(dist.get_world_size())
+        work = dist.all_reduce(gradients, async_op=True)
+        result: torch.futures.Future = torch.futures.Future()
+
+        def finish_later() -> None:  # on its own thread, so the hook returns at once, as real ones do
+            work.wait()
+            time.sleep(HOOK_DELAY_S)
+            result.set_result(gradients)
+
+        threading.Thread(target=finish_later, daemon=True).start()
+        return result
+
+    wrapped = lit_dp.DataParallel(make_model(), comm_stats=True)
+    wrapped.register_comm_hook(None, slow_allreduce)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    times = []
+    for step in range(2):
+        train_step(wrapped, optimizer, step)
+        times.append(wrapped.comm_stats().time_ms)
+    return times
+
+
+def test_comm_time_includes_the_hooks_collectives():
+    for rank, times in run_ranks(stats_with_a_slow_hook, 2, timeout=60).items():
+        # Without the hook's future, only the flags' all-reduce (well under a millisecond) would count.
+        assert all(ms >= 0.8 * HOOK_DELAY_S * 1e3 for ms in times), f"rank {rank}: {times}"
 
 
 def test_exposed_time_is_communication_after_backward():

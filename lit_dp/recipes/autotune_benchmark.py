@@ -12,12 +12,18 @@ choice is scored by the sweep's time for that size against the best fixed size. 
 25 MB wrappers, the second with ``comm_stats=True``, alternate round by round on their own:
 stats on against the mean of the two without is the overhead of the statistics, and the two
 without against each other show the noise floor of that comparison.
+
+The ranks run with glibc's malloc thresholds fixed (unless the environment sets them): by
+default glibc decides from the process's history whether a freed block of several MB goes back
+to the OS, so a 16 MB gradient costs page faults in some wrappers' steps and not in others'.
+That moved two identical wrappers 10 to 15% apart; with fixed thresholds they agree to 2 to 3%.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 
@@ -129,13 +135,16 @@ def report(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["few_large", "many_small", "digits_mlp"], choices=sorted(MODELS))
+    parser.add_argument("--models", nargs="+", default=["few_large", "many_small", "digits_mlp", "deep_mlp"], choices=sorted(MODELS))
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per size per round")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--trials", type=int, default=3, help="fresh autotuned runs per model")
     args = parser.parse_args()
+    # Read by each spawned rank's C library at start (see the module docstring).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 * 2**20))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 * 2**30))
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_worker, args=(args, free_port(), results), nprocs=2)

@@ -66,12 +66,22 @@ def digits_mlp() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(widths[-1], 10))
 
 
+def deep_mlp() -> nn.Module:
+    """24 layers of 512 x 512 (1 MB of weights each, 24 MB in all): the bucket size sets how many
+    all-reduces a step makes (about one per layer at 1 MB, two at 25 MB), so it matters here."""
+    layers: list[nn.Module] = []
+    for _ in range(24):
+        layers += [nn.Linear(512, 512), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
 # name: (builder, input width, batch per rank)
 MODELS = {
     "few_large": (few_large_tensors, 2048, 8),
     "many_small": (many_small_tensors, 32, 64),
     "many_small_norm": (many_small_norm, 64, 32),
     "digits_mlp": (digits_mlp, 64, 32),
+    "deep_mlp": (deep_mlp, 512, 32),
 }
 MODES = ("none", "ddp", "lit_dp")
 
