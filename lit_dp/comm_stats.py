@@ -216,13 +216,17 @@ class CommObserver:
         works = getattr(bucket, "works", None)
         if works is None:  # a SparseBucket: its values (Gloo only) and its flag
             works = [work for work in (bucket.work, bucket.flag_work) if work is not None]
-        if not works:
+        futures = [work.get_future() for work in works]
+        hook_future = getattr(bucket, "future", None)
+        if hook_future is not None:  # a communication hook's: its collectives are the bucket's gradients
+            futures.append(hook_future)
+        if not futures:
             return  # a bucket of a one-rank group: nothing is sent
         nbytes = bucket.nbytes or _sparse_bytes(bucket)
-        slots: list[Any] = [None] * len(works)
+        slots: list[Any] = [None] * len(futures)
         record.buckets.append((position, nbytes, bucket.indices, self._clock.mark(), slots))
-        for slot, work in enumerate(works):
-            work.get_future().then(_completion_callback(slots, slot, self._clock.mark))
+        for slot, future in enumerate(futures):
+            future.then(_completion_callback(slots, slot, self._clock.mark))
 
     def backward_ended(self) -> None:
         """The reducer's end-of-backward callback runs: the last gradient is ready."""
