@@ -30,7 +30,7 @@ from lit_dp.cluster_environment import PaddleEnvironment
 from lit_dp.comm_hooks import merge_lightning_names
 from lit_dp.data_parallel import DataParallel
 from lit_dp.process_group import barrier, broadcast_object, destroy_parallel_env
-from lit_dp.strategy_base import DataParallelStrategyMixin, register_families, restate_unused_parameters_error
+from lit_dp.strategy_base import DataParallelStrategyMixin, register_families
 
 FABRIC_UNUSED_PARAMETERS_MESSAGE = (
     "It looks like your model has parameters that were not used in producing the loss passed to "
@@ -54,6 +54,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """
 
     _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)
+    _unused_parameters_message = FABRIC_UNUSED_PARAMETERS_MESSAGE
 
     def __init__(
         self,
@@ -132,15 +133,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def module_to_device(self, module: Module) -> None:
         module.to(self.root_device)
-
-    @override
-    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        try:
-            super().backward(tensor, module, *args, **kwargs)
-        except RuntimeError as error:
-            # Fabric has no `on_exception` hook: the reducer's error is restated on its way out.
-            restate_unused_parameters_error(error, FABRIC_UNUSED_PARAMETERS_MESSAGE)
-            raise
 
     @override
     def all_reduce(

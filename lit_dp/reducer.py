@@ -63,7 +63,13 @@ class Reducer:
             the bucket buffers, so they are not stored twice.
         observer: told of each step's start, first gradient, bucket launches, end of backward
             and completion (``lit_dp.comm_stats.CommObserver``: statistics, trace, autotune).
+
+    ``unused_parameters_opening``, when a front door (the Lightning and Fabric strategies) sets
+    it, opens the missing-gradient error in place of the generic hint: the error may surface in
+    a forward (on CUDA, where flags are read a step late) or in backward, and reads the same.
     """
+
+    unused_parameters_opening: str | None = None
 
     def __init__(
         self,
@@ -288,10 +294,13 @@ class Reducer:
             f"{', including this one' if not used[index] else ''})"
             for index, count in missing
         ]
-        return (
+        details = (
             "lit_dp reducer: trainable parameters received no gradient in this backward while "
-            "find_unused_parameters=False:\n" + "\n".join(lines[:20]) + "\n" + UNUSED_PARAMETERS_HINT
+            "find_unused_parameters=False:\n" + "\n".join(lines[:20])
         )
+        if self.unused_parameters_opening is not None:
+            return f"{self.unused_parameters_opening}\n{details}"
+        return f"{details}\n{UNUSED_PARAMETERS_HINT}"
 
     def _agree_on_ready_order(self) -> None:
         """Adopt rank 0's observed ready order for the buckets (Paddle and DDP do the same).

@@ -49,7 +49,6 @@ from lit_dp.strategy_base import (
     DataParallelStrategyMixin,
     lightning_name,
     register_families,
-    restate_unused_parameters_error,
 )
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
@@ -106,6 +105,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     strategy_name = "paddle_dp"
     _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)
+    _unused_parameters_message = LIGHTNING_UNUSED_PARAMETERS_MESSAGE
 
     def __init__(
         self,
@@ -343,7 +343,12 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        restate_unused_parameters_error(exception, LIGHTNING_UNUSED_PARAMETERS_MESSAGE)
+        # In the launching process of a spawned job the reducer's error arrives inside the rank's
+        # traceback; Lightning's sentence is moved to the front, as DDPStrategy does with its own.
+        opening = self._unused_parameters_message
+        message = exception.args[0] if exception.args else None
+        if isinstance(message, str) and opening in message and not message.startswith(opening):
+            exception.args = (f"{opening}\n{message.replace(opening, '').strip()}",)
 
     @override
     def save_checkpoint(

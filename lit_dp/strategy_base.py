@@ -29,7 +29,6 @@ from lit_dp.config import check_strategy_options
 from lit_dp.data_parallel import DataParallel
 from lit_dp.env import ParallelEnv
 from lit_dp.process_group import init_parallel_env
-from lit_dp.reducer import UNUSED_PARAMETERS_HINT
 
 # Lightning's `ddp`, `ddp_spawn`, `ddp_fork`, `ddp_notebook` with their start methods
 # (lightning/pytorch/strategies/ddp.py); each also gets `_find_unused_parameters_true|false`.
@@ -45,11 +44,14 @@ FAMILIES = (
 class DataParallelStrategyMixin:
     """Kept options, process layout, process group and wrapping, for both front doors.
 
-    A concrete strategy hands its options to ``_keep_options`` (which validates them) and names
-    its Lightning launchers in ``_launchers`` (script launcher, multiprocessing launcher).
+    A concrete strategy hands its options to ``_keep_options`` (which validates them), names
+    its Lightning launchers in ``_launchers`` (script launcher, multiprocessing launcher) and
+    gives the sentence that opens a missing-gradient error in ``_unused_parameters_message``
+    (Lightning's own, which is what users search for).
     """
 
     _launchers: tuple[type, type]
+    _unused_parameters_message: str
     cluster_environment: ClusterEnvironment | None
     parallel_devices: list[torch.device] | None
 
@@ -191,6 +193,8 @@ class DataParallelStrategyMixin:
             trace_dir=self._trace_dir,
             trace_steps=self._trace_steps,
         )
+        if wrapped.reducer is not None:
+            wrapped.reducer.unused_parameters_opening = self._unused_parameters_message
         # Built here, in each process: PowerSGD's state belongs to the process group.
         registration = resolve_comm_hook(comm_state=self._comm_state, **self._comm_hook_options)
         if registration is not None:
@@ -268,14 +272,3 @@ def lightning_parallel_env(
         "PADDLE_PG_TIMEOUT": os.environ.get("PADDLE_PG_TIMEOUT", ""),
     }
     return ParallelEnv(environ)
-
-
-def restate_unused_parameters_error(exception: BaseException, opening: str) -> None:
-    """Open the reducer's unused-parameter error with ``opening``; keep its parameter list.
-
-    The reducer's generic hint (``UNUSED_PARAMETERS_HINT``) gives way to the front door's own.
-    """
-    message = exception.args[0] if exception.args else None
-    if isinstance(message, str) and UNUSED_PARAMETERS_HINT in message:
-        details = message.replace(UNUSED_PARAMETERS_HINT, "").rstrip()
-        exception.args = (f"{opening}\n{details}",)
