@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # What a lent GPU machine runs (see ../shared/GPU.md and docs/benchmarks.md): the `cuda` tests,
-# the GPU benchmark, and, given "cpu", the CPU reducer benchmark on that machine's idle cores.
+# the GPU benchmark, and on that machine's idle CPU cores (quieter than the project's 2-core machine):
+# "cpu", the CPU reducer benchmark; "onedevice", the one-rank-group benchmark on GPU and CPU;
+# "autotune", comm_buffer_size=auto against the sweep of fixed sizes.
 # Run from the repository root with the Hydra wheels in .whl/; logs go to $OUT (or gpu-logs/).
-#   bash scripts/gpu_checks.sh tests bench cpu
+#   bash scripts/gpu_checks.sh tests bench cpu onedevice autotune
 set -uo pipefail
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -15,6 +17,9 @@ for part in "$@"; do
     tests) python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="" 2>&1 | tee "$out/cuda-tests.log" ;;
     bench) python3 recipes/bench_reducer.py device=cuda 2>&1 | tee "$out/gpu-bench.log" ;;
     cpu) python3 recipes/bench_reducer.py measure_memory=false 2>&1 | tee "$out/cpu-bench.log" ;;
+    onedevice) { python3 recipes/bench_one_device.py device=cuda threads=8
+                 python3 recipes/bench_one_device.py; } 2>&1 | tee "$out/one-device.log" ;;
+    autotune) python3 -m lit_dp.recipes.autotune_benchmark --rounds 10 --trials 5 2>&1 | tee "$out/autotune.log" ;;
     recipe) python3 recipes/charlm.py experiment=charlm_gpt2 trainer.devices=1 trainer.max_steps=60 \
               trainer.val_check_interval=60 trainer.limit_val_batches=2 2>&1 | tail -40 | tee "$out/charlm-gpt2.log" ;;
     *) echo "unknown part: $part" ;;
