@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from typing import NoReturn, TypeVar
 
@@ -29,9 +30,15 @@ _GRACE_SECONDS = 2.0
 
 T = TypeVar("T")
 
-# Ring communicators belong to the default group they were created with; keyed on it so that
-# `destroy_process_group()` (which drops every group) can never leave stale rings behind.
-_rings_by_world: dict[dist.ProcessGroup, list[dist.ProcessGroup]] = {}
+# The extra ring communicators (ring 0 is the default group itself), keyed weakly on the default
+# group they were created with: once torch lets go of it (`destroy_process_group()` drops every
+# group), its rings go too, in this process. A strong reference would defer a destroyed Gloo
+# group's destructor to whatever next drops it: under a fork launcher, the child's
+# `init_parallel_env`, where the parent's Gloo worker threads do not exist and the destructor
+# waits for them forever (see docs/fabric.md).
+_extra_rings_by_world: weakref.WeakKeyDictionary[dist.ProcessGroup, list[dist.ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def resolve_backend(backend: str) -> str:
@@ -104,8 +111,6 @@ def init_parallel_env(
                 f"but the environment describes world size {env.world_size}."
             )
         return world
-    # Rings of a group destroyed behind our back would keep its store, and its port, alive.
-    _rings_by_world.clear()
     if env.world_size < 2 and not one_process_group:
         warnings.warn(
             "init_parallel_env: world size is 1 (PADDLE_TRAINERS_NUM unset or 1); "
@@ -129,15 +134,13 @@ def init_parallel_env(
     store = _rendezvous(env, deadline, device) if env.world_size > 1 else dist.HashStore()
     dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=deadline)
     world = dist.group.WORLD
-    _rings_by_world[world] = [world] + [
-        dist.new_group(backend=chosen, timeout=deadline) for _ in range(env.nrings - 1)
-    ]
+    _extra_rings_by_world[world] = [dist.new_group(backend=chosen, timeout=deadline) for _ in range(env.nrings - 1)]
     return world
 
 
 def destroy_parallel_env() -> None:
     """Destroy the default group and its rings, releasing the rendezvous port for a later init."""
-    _rings_by_world.clear()
+    _extra_rings_by_world.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -151,7 +154,7 @@ def get_rings() -> list[dist.ProcessGroup]:
     if not dist.is_initialized():
         return []
     world = dist.group.WORLD
-    return list(_rings_by_world.get(world, [world]))
+    return [world, *_extra_rings_by_world.get(world, [])]
 
 
 def _select_cuda_device(device_id: int) -> None:
