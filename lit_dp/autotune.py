@@ -62,6 +62,13 @@ def check_comm_buffer_size(option: str, value: Any) -> None:
         raise ValueError(f"{error.args[0].rstrip('.')} or 'auto'.") from None
 
 
+def settled_step() -> int:
+    """The first synchronised step whose buckets are final, at the latest: step 0 runs in
+    registration order, the tuning steps follow, and the deciding step runs with the choice."""
+    window = WARMUP_STEPS + MEASURE_STEPS
+    return 1 + max(TUNING_STEPS, MIN_PASSES * len(CANDIDATES_MB) * window)
+
+
 def _trimmed_mean(values: Sequence[float]) -> float:
     """The mean without the smallest and the largest eighth of ``values``."""
     cut = len(values) // 8

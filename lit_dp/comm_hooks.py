@@ -95,6 +95,27 @@ class CommHook:
         # Hooks communicate on their state's group, by default the world group.
         self._ordered = dist.is_initialized() and dist.get_backend() != "nccl"
 
+    def check_layout_settled_by(self, step: int) -> None:
+        """Raise if the hook keeps per-bucket memory before synchronised ``step``, from which on the
+        buckets no longer change (``comm_buffer_size="auto"`` rebuilds them until then).
+
+        PowerSGD's error feedback and warm start are tensors per ``index()``, created at its first
+        compressed step: a later layout hands it a bucket of another size. Only PowerSGD's state
+        is known here; other hooks with per-bucket state are the user's to check (see
+        docs/comm_hooks.md).
+        """
+        state = self.state
+        if not isinstance(state, powerSGD_hook.PowerSGDState):
+            return
+        keeps_memory = state.use_error_feedback or state.warm_start
+        if keeps_memory and state.start_powerSGD_iter < step:
+            raise ValueError(
+                f"comm_buffer_size='auto' rebuilds the buckets until synchronised step {step}, but {self.name} "
+                f"with start_powerSGD_iter={state.start_powerSGD_iter} keeps per-bucket memory from its first "
+                f"compressed step: expected start_powerSGD_iter >= {step} (strategy option powersgd_start_iter), "
+                "or a fixed comm_buffer_size."
+            )
+
     def launch(
         self, index: int, count: int, gradients: torch.Tensor, params: list[nn.Parameter]
     ) -> torch.futures.Future:

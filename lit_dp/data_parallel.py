@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_dp.autotune import AUTO, BucketAutotuner, check_comm_buffer_size
+from lit_dp.autotune import AUTO, BucketAutotuner, check_comm_buffer_size, settled_step
 from lit_dp.broadcast import sync_params_buffers
 from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
 from lit_dp.compile import bucket_graph_breaks
@@ -156,6 +156,8 @@ class DataParallel(nn.Module):
                 f"lit_dp.DataParallel: a communication hook ({self._comm_hook.name}) is already registered; "
                 f"register_comm_hook({comm_hook.name}) can only be called once."
             )
+        if self._tuner is not None and self._tuner.chosen_mb is None:
+            comm_hook.check_layout_settled_by(settled_step())
         if self._reducer is not None:
             self._reducer.register_comm_hook(comm_hook)
         self._comm_hook = comm_hook

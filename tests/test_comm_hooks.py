@@ -497,3 +497,24 @@ def test_strategy_registers_a_named_hook(two_ranks):
     for report in two_ranks.values():
         # comm_dtype around a named hook is torch's compress wrapper; 3 synchronised steps counted.
         assert report["strategy"] == ("fp16_compress_wrapper_hook", 2, 3)
+
+
+def test_powersgd_memory_must_start_after_autotune_has_settled_the_buckets():
+    """``comm_buffer_size="auto"`` rebuilds the buckets during tuning; PowerSGD's per-bucket
+    error feedback, created at its first compressed step, would then meet a bucket of another size."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    from lit_dp import DataParallel, ParallelEnv, init_parallel_env
+    from lit_dp.autotune import settled_step
+
+    init_parallel_env(parallel_env=ParallelEnv({}), backend="gloo", one_process_group=True)
+    early = powersgd.PowerSGDState(process_group=None, start_powerSGD_iter=2)
+    wrapped = DataParallel(MODELS["tied"](), comm_buffer_size="auto")
+    with pytest.raises(ValueError, match=rf"start_powerSGD_iter=2 .*expected start_powerSGD_iter >= {settled_step()}"):
+        wrapped.register_comm_hook(early, powersgd.powerSGD_hook)
+    late = powersgd.PowerSGDState(process_group=None, start_powerSGD_iter=settled_step())
+    DataParallel(MODELS["tied"](), comm_buffer_size="auto").register_comm_hook(late, powersgd.powerSGD_hook)
+    # Without error feedback or warm start PowerSGD keeps nothing per bucket: any start is fine.
+    stateless = powersgd.PowerSGDState(None, start_powerSGD_iter=2, use_error_feedback=False, warm_start=False)
+    DataParallel(MODELS["tied"](), comm_buffer_size="auto").register_comm_hook(stateless, powersgd.powerSGD_hook)
+    DataParallel(MODELS["tied"](), comm_buffer_size=5).register_comm_hook(early, powersgd.powerSGD_hook)
