@@ -18,8 +18,9 @@ is nearly the same for every size; and on 2 gloo ranks this trimmed mean ranked 
 apart correctly more often than the median did. An all-reduce (MAX) gives the time as the
 slowest rank saw it (a data-parallel step is as slow as its slowest rank), rank 0 takes the
 fastest candidate (the smallest size on a tie) and broadcasts it, and every rank rebuilds its
-buckets with that size at the same step. Cost: ``TUNING_STEPS`` = 120 steps or fewer (105 with all 7 candidates
-distinct), and none at all on a model whose buckets are the same for every candidate.
+buckets with that size at the same step. Cost: ``TUNING_STEPS`` = 120 steps or fewer (105 with
+all 7 candidates distinct), and none at all on a model whose buckets are the same for every
+candidate.
 
 Horovod's autotune, the anchor, samples its fusion-buffer size and cycle time with Bayesian
 optimisation: by default 3 warm-up samples and up to 20 more, each over 10 steps (about 230
@@ -152,7 +153,7 @@ class BucketAutotuner:
         for window, marks in enumerate(self._marks):
             measured = marks[self._warmup :]
             steps[window % len(self._distinct)] += [clock.elapsed_ms(a, b) for a, b in zip(measured, measured[1:])]
-        # Then the slowest rank's time (every rank waits for it in the all-reduces).
+        # Each candidate's typical step on this rank, then the slowest rank's (every rank waits for it).
         times = [_trimmed_mean(candidate_steps) for candidate_steps in steps]
         slowest = torch.tensor(times, dtype=torch.float64, device=self._device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self._group)

@@ -135,7 +135,9 @@ def report(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["few_large", "many_small", "digits_mlp", "deep_mlp"], choices=sorted(MODELS))
+    parser.add_argument(
+        "--models", nargs="+", default=["few_large", "many_small", "digits_mlp", "deep_mlp"], choices=sorted(MODELS)
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per size per round")
