@@ -15,8 +15,8 @@ without against each other show the noise floor of that comparison.
 
 The ranks run with glibc's malloc thresholds fixed (unless the environment sets them): by
 default glibc decides from the process's history whether a freed block of several MB goes back
-to the OS, so a 16 MB gradient costs page faults in some wrappers' steps and not in others'.
-That moved two identical wrappers 10 to 15% apart; with fixed thresholds they agree to 2 to 3%.
+to the OS, so a 16 MB gradient likely costs page faults in some wrappers' steps and not in others'.
+That moved two identical wrappers 10 to 15% apart; with fixed thresholds, within 3.3%.
 """
 
 from __future__ import annotations
