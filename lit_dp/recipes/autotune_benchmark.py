@@ -31,33 +31,28 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_dp.recipes.reducer_benchmark import MODELS, _step, free_port, init_gloo_rank
+from lit_dp.recipes.reducer_benchmark import MODELS, _step, free_port, init_gloo_rank, interleaved_times
 
 
 
-def _time_block(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, count: int) -> float:
-    """Seconds per step over ``count`` consecutive steps, as training runs them (no barrier between)."""
+def _time_block(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, count: int
+) -> list[float]:
+    """One sample: seconds per step over ``count`` consecutive steps, as training runs them (no
+    barrier between)."""
     dist.barrier()
     start = time.perf_counter()
     for _ in range(count):
         _step(model, optimizer, inputs)
     dist.barrier()  # the block ends when the slowest rank is done
-    return (time.perf_counter() - start) / count
+    return [(time.perf_counter() - start) / count]
 
 
 def _interleaved_medians(
     wrappers: dict[str, torch.nn.Module], inputs: torch.Tensor, args: argparse.Namespace
 ) -> dict[str, float]:
     """Median over rounds (whose order rotates) of each wrapper's mean step time in ms."""
-    optimizers = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in wrappers.items()}
-    modes = list(wrappers)
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
-    for mode in modes:
-        _time_block(wrappers[mode], optimizers[mode], inputs, args.warmup)
-    for round_index in range(args.rounds):
-        shift = round_index % len(modes)
-        for mode in modes[shift:] + modes[:shift]:
-            times[mode].append(_time_block(wrappers[mode], optimizers[mode], inputs, args.steps))
+    times = interleaved_times(wrappers, inputs, _time_block, args.warmup, args.rounds, args.steps)
     return {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
 
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lit_dp.data_parallel import DataParallel
 from lit_dp.env import ParallelEnv
 from lit_dp.process_group import destroy_parallel_env, init_parallel_env
-from lit_dp.recipes.reducer_benchmark import MODELS
+from lit_dp.recipes.reducer_benchmark import MODELS, _step, interleaved_times
 
 MODES = ("bare", "ddp", "lit_dp")
 
@@ -51,9 +51,7 @@ def _time_steps(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torc
     times = []
     for _ in range(count):
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        model(inputs).square().mean().backward()
-        optimizer.step()
+        _step(model, optimizer, inputs)
         if inputs.is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -73,15 +71,8 @@ def run(config: OneDeviceBenchmarkConfig) -> dict[str, dict[str, float]]:
             torch.manual_seed(0)
             base = build().to(device)
             models = {mode: _wrap(mode, copy.deepcopy(base), device) for mode in MODES}
-            optimizers = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in models.items()}
             inputs = torch.randn(batch, width, device=device)
-            times: dict[str, list[float]] = {mode: [] for mode in MODES}
-            for mode in MODES:
-                _time_steps(models[mode], optimizers[mode], inputs, config.warmup)
-            for round_index in range(config.rounds):
-                shift = round_index % len(MODES)
-                for mode in MODES[shift:] + MODES[:shift]:
-                    times[mode] += _time_steps(models[mode], optimizers[mode], inputs, config.steps)
+            times = interleaved_times(models, inputs, _time_steps, config.warmup, config.rounds, config.steps)
             results[name] = {mode: statistics.median(t) for mode, t in times.items()}
     finally:
         if owns_group:

@@ -12,6 +12,7 @@ import os
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,29 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tens
     optimizer.step()
 
 
+def interleaved_times(
+    models: dict[str, nn.Module],
+    inputs: torch.Tensor,
+    time_steps: Callable[[nn.Module, torch.optim.Optimizer, torch.Tensor, int], list[float]],
+    warmup: int,
+    rounds: int,
+    steps: int,
+) -> dict[str, list[float]]:
+    """Each model's samples from ``time_steps``: all warmed up, then timed in ``rounds`` of
+    ``steps`` each, in an order that rotates so no model always follows the same one (caches,
+    allocator state) and drift hits them alike."""
+    optimizers = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in models.items()}
+    modes = list(models)
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for mode in modes:
+        time_steps(models[mode], optimizers[mode], inputs, warmup)
+    for round_index in range(rounds):
+        shift = round_index % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            times[mode] += time_steps(models[mode], optimizers[mode], inputs, steps)
+    return times
+
+
 def _time_steps(model, optimizer, inputs, count) -> list[float]:
     times = []
     for _ in range(count):
@@ -131,16 +155,8 @@ def _speed_worker(rank: int, config: BenchmarkConfig, port: int, results: dict) 
         torch.manual_seed(0)
         base = build()
         models = {mode: _wrap(mode, copy.deepcopy(base), config) for mode in MODES}
-        optimizers = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in models.items()}
         inputs = torch.randn(batch, width)
-        times: dict[str, list[float]] = {mode: [] for mode in MODES}
-        for mode in MODES:
-            _time_steps(models[mode], optimizers[mode], inputs, config.warmup)
-        for round_index in range(config.rounds):
-            # Rotate the order so no mode always follows the same one (caches, allocator state).
-            shift = round_index % len(MODES)
-            for mode in MODES[shift:] + MODES[:shift]:
-                times[mode] += _time_steps(models[mode], optimizers[mode], inputs, config.steps)
+        times = interleaved_times(models, inputs, _time_steps, config.warmup, config.rounds, config.steps)
         if rank == 0:
             row = {mode: statistics.median(t) for mode, t in times.items()}
             row["buckets"] = len(models["lit_dp"].reducer.bucket_indices)
