@@ -1,30 +1,92 @@
 """lit_dp: Paddle-style data parallelism for PyTorch and Lightning.
 
-``import lit_dp`` registers ``"paddle_dp"`` and the rest of its families (``_spawn``, ``_fork``,
-``_notebook``, each with ``_find_unused_parameters_true|false``) in the Trainer's strategy
-registry (``lit_dp.PaddleDPStrategy``) and in Fabric's (``lit_dp.fabric.PaddleDPStrategy``).
+``"paddle_dp"`` and the rest of its families (``_spawn``, ``_fork``, ``_notebook``, each with
+``_find_unused_parameters_true|false``) are registered in the Trainer's strategy registry
+(``lit_dp.PaddleDPStrategy``) and in Fabric's (``lit_dp.fabric.PaddleDPStrategy``) as soon as
+both ``lit_dp`` and ``lightning`` are imported, in either order.
+
+``import lit_dp`` itself imports torch and lit_dp only: the Lightning layer
+(``lit_dp.strategies``) loads when Lightning does, or when one of its names is first used.
+Importing Lightning costs seconds and, through torchmetrics, loads matplotlib wherever it is
+installed; a user of ``DataParallel`` alone pays for neither.
 """
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lit_dp import fabric
-from lit_dp.broadcast import sync_params_buffers
-from lit_dp.buckets import assign_group_by_size
-from lit_dp.cluster_environment import PaddleEnvironment
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
 from lit_dp.data_parallel import DataParallel, fused_allreduce_gradients
-from lit_dp.env import ParallelEnv
+from lit_dp.gradients.broadcast import sync_params_buffers
+from lit_dp.gradients.buckets import assign_group_by_size
+from lit_dp.gradients.reducer import Reducer
+from lit_dp.job.env import ParallelEnv
+from lit_dp.job.process_group import destroy_parallel_env, get_rings, init_parallel_env
 from lit_dp.local_sgd import LocalSGD
-from lit_dp.process_group import destroy_parallel_env, get_rings, init_parallel_env
-from lit_dp.reducer import Reducer
-from lit_dp.strategy import PaddleDPStrategy
+from lit_dp.options import Options
 
-PaddleDPStrategy.register_strategies(StrategyRegistry)
-fabric.PaddleDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+# Public names of the Lightning layer, loaded on first use (PEP 562).
+_LIGHTNING_LAYER = {
+    "PaddleDPStrategy": ("lit_dp.strategies.trainer", "PaddleDPStrategy"),
+    "PaddleEnvironment": ("lit_dp.job.cluster_environment", "PaddleEnvironment"),
+    "fabric": ("lit_dp.strategies.fabric", None),
+}
+# Each registers its strategy families when it is imported.
+_REGISTERING_MODULES = ("lit_dp.strategies.trainer", "lit_dp.strategies.fabric")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LIGHTNING_LAYER:
+        raise AttributeError(f"module 'lit_dp' has no attribute {name!r}")
+    module_name, attribute = _LIGHTNING_LAYER[name]
+    module = importlib.import_module(module_name)
+    return module if attribute is None else getattr(module, attribute)
+
+
+def _load_lightning_layer() -> None:
+    for module_name in _REGISTERING_MODULES:
+        importlib.import_module(module_name)
+
+
+class _AfterLightningLoads(importlib.abc.MetaPathFinder):
+    """Loads the Lightning layer right after ``lightning`` is imported, so its registries know us.
+
+    Lightning has no entry point for third-party strategies; its registries are filled at
+    import. Finding ``lightning``'s own spec and running our step after its module executes is
+    the standard post-import hook; the finder removes itself on first use.
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: ModuleType | None = None) -> Any:
+        if fullname != "lightning":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            return spec
+        execute = spec.loader.exec_module
+
+        def execute_then_load_ours(module: ModuleType) -> None:
+            execute(module)
+            _load_lightning_layer()
+
+        spec.loader.exec_module = execute_then_load_ours  # type: ignore[method-assign]
+        return spec
+
+
+if "lightning" in sys.modules:
+    _load_lightning_layer()
+else:
+    sys.meta_path.insert(0, _AfterLightningLoads())
 
 __all__ = [
     "DataParallel",
     "LocalSGD",
+    "Options",
     "PaddleDPStrategy",
     "PaddleEnvironment",
     "ParallelEnv",

@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_dp.autotune import AUTO, BucketAutotuner, check_comm_buffer_size, settled_step
-from lit_dp.broadcast import sync_params_buffers
-from lit_dp.buckets import MB, assign_group_by_size, megabytes_to_bytes
-from lit_dp.compile import bucket_graph_breaks
-from lit_dp.comm_hooks import CommHook, check_comm_hook_options, dtype_compress_hook
-from lit_dp.comm_stats import CommObserver, CommStats, check_trace_steps
-from lit_dp.process_group import get_rings
-from lit_dp.dense import DenseBucket
-from lit_dp.reducer import Reducer
+from lit_dp.gradients.broadcast import sync_params_buffers
+from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, MB, assign_group_by_size, megabytes_to_bytes
+from lit_dp.gradients.compile import bucket_graph_breaks
+from lit_dp.gradients.dense import DenseBucket
+from lit_dp.gradients.hooks import CommHook, dtype_compress_hook
+from lit_dp.gradients.reducer import Reducer
+from lit_dp.job.process_group import get_rings
+from lit_dp.observability.autotune import AUTO, BucketAutotuner, settled_step
+from lit_dp.observability.stats import CommObserver, CommStats
+from lit_dp.options import MODULE, Options, options_doc
+
+if TYPE_CHECKING:
+    from lit_dp.observability.trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
@@ -31,26 +34,15 @@ class DataParallel(nn.Module):
 
     Args:
         layers: the module to train.
-        comm_buffer_size: bucket size limit in MB (Paddle's default 25), or ``"auto"`` to time
-            candidate sizes during the first steps and keep the fastest (``lit_dp.autotune``).
-        last_comm_buffer_size: limit in MB of the last bucket reduced (the first in forward
-            order), kept small so little communication is left once backward ends.
-        find_unused_parameters: allow parameters without a gradient in an iteration: they
-            contribute zeros, and those used by no rank keep their ``.grad`` untouched. Costs a
-            graph walk per forward.
         group: the process group; defaults to the rings created by ``init_parallel_env``
             (the default group when there is one ring).
-        gradient_as_bucket_view: make ``.grad`` tensors views into the bucket buffers, so each
-            gradient is stored once instead of twice (large gradients, reduced in place, are
-            stored once without it).
-        comm_dtype: ``"fp16"`` or ``"bf16"``: all-reduce gradients in half precision (Paddle's
-            fp16 all-reduce, through torch's ``fp16/bf16_compress_hook``). It takes the one
-            communication hook slot (see ``register_comm_hook``).
-        comm_stats: measure each step's communication, read with ``comm_stats()``
-            (``lit_dp.comm_stats``).
-        trace_dir: write a Chrome trace of the communication, ``rank{R}.json``, there
-            (``lit_dp.trace``).
-        trace_steps: the synchronised steps traced, ``start <= step < stop``.
+        options: options already validated by a front door (the strategies pass theirs);
+            otherwise the keyword arguments below are validated here.
+        unused_parameters_message: the sentence that opens a missing-gradient error (the
+            strategies give Lightning's); by default a hint naming ``find_unused_parameters``.
+
+    Options (``lit_dp.options``), as keyword arguments:
+{options}
 
     ``no_sync()`` accumulates gradients locally (as does ``skip_grad_sync = True``, which
     ``lit_dp.LocalSGD`` sets for its local phase); ``state_dict()`` is the inner module's, with
@@ -63,68 +55,71 @@ class DataParallel(nn.Module):
     def __init__(
         self,
         layers: nn.Module,
-        comm_buffer_size: float | str = 25,
-        last_comm_buffer_size: float = 1,
-        find_unused_parameters: bool = False,
         group: dist.ProcessGroup | None = None,
-        gradient_as_bucket_view: bool = False,
-        comm_dtype: str | None = None,
-        comm_stats: bool = False,
-        trace_dir: str | os.PathLike[str] | None = None,
-        trace_steps: tuple[int, int] = (1, 4),
+        *,
+        options: Options | None = None,
+        unused_parameters_message: str | None = None,
+        **option_values: Any,
     ) -> None:
         super().__init__()
-        check_comm_buffer_size("comm_buffer_size", comm_buffer_size)
-        check_comm_hook_options(comm_dtype=comm_dtype)
-        traced_steps = check_trace_steps("trace_steps", trace_steps)
-        auto = comm_buffer_size == AUTO
+        if options is None:
+            options = Options.build(option_values, MODULE)
+        elif option_values:
+            raise TypeError(f"DataParallel: pass options= or keyword options, not both (got {sorted(option_values)}).")
+        auto = options.comm_buffer_size == AUTO
         # With "auto" the first step (before the ready-order rebuild) runs in default-sized buckets.
-        bucket_bytes = megabytes_to_bytes("comm_buffer_size", 25 if auto else comm_buffer_size)
-        last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", last_comm_buffer_size)
+        bucket_bytes = megabytes_to_bytes("comm_buffer_size", DEFAULT_BUCKET_MB if auto else options.comm_buffer_size)
+        last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", options.last_comm_buffer_size)
         self._layers = layers
+        self._options = options
         self.grad_need_sync = True
         # Set by lit_dp.LocalSGD for its local phase: backward then communicates nothing.
         self.skip_grad_sync = False
-        # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.compile); its
-        # splitter requires at least its own first-piece size (1 MB).
+        # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.gradients.compile);
+        # its splitter requires at least its own first-piece size (1 MB).
         self.bucket_bytes_cap = max(bucket_bytes, dist._DEFAULT_FIRST_BUCKET_BYTES)
-        self._comm_buffer_size = comm_buffer_size
         self._comm_hook: CommHook | None = None
-        self._observer: CommObserver | None = None
+        self._stats: CommObserver | None = None
+        self._trace: TraceWriter | None = None
         self._tuner: BucketAutotuner | None = None
         self._reducer: Reducer | None = None
         named = _synchronised_parameters(layers, group)
         if named:
             rings = [group] if group is not None else get_rings()
             device = named[0][1].device
-            if auto:
-                self._tuner = BucketAutotuner(rings[0], device, last_bucket_bytes)
-            trace = None
-            if trace_dir is not None:
-                from lit_dp.trace import TraceWriter  # imported on demand: `python -m lit_dp.trace` must find it unimported
-
-                trace = TraceWriter(trace_dir, dist.get_rank(), traced_steps)
-            if comm_stats or trace is not None or auto:
-                collect = comm_stats or trace is not None
-                names = [name for name, _ in named]
-                self._observer = CommObserver(names, device, collect=collect, trace=trace, tuner=self._tuner)
+            names = [name for name, _ in named]
             sparse_ids = _sparse_gradient_parameters(layers)
             self._reducer = Reducer(
                 [param for _, param in named],
-                [name for name, _ in named],
+                names,
                 rings,
                 bucket_bytes=bucket_bytes,
                 last_bucket_bytes=last_bucket_bytes,
                 sparse=[id(param) in sparse_ids for _, param in named],
-                find_unused_parameters=find_unused_parameters,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                observer=self._observer,
+                find_unused_parameters=options.find_unused_parameters,
+                gradient_as_bucket_view=options.gradient_as_bucket_view,
+                unused_parameters_message=unused_parameters_message,
             )
+            self._observe(self._reducer, device, names)
             if dist.get_rank() == 0:
                 sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
                 log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
-        if comm_dtype is not None:
-            self.register_comm_hook(None, dtype_compress_hook(comm_dtype))
+        if options.comm_dtype is not None:
+            self.register_comm_hook(None, dtype_compress_hook(options.comm_dtype))
+
+    def _observe(self, reducer: Reducer, device: torch.device, names: list[str]) -> None:
+        """Subscribe what the options ask for to the reducer's events."""
+        options = self._options
+        if options.comm_buffer_size == AUTO:
+            last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", options.last_comm_buffer_size)
+            self._tuner = BucketAutotuner(reducer, device, last_bucket_bytes)
+        if options.trace_dir is not None:
+            from lit_dp.observability.trace import TraceWriter  # on demand: `python -m lit_dp.observability.trace` must find it unimported
+
+            self._trace = TraceWriter(options.trace_dir, dist.get_rank(), options.trace_steps, names)
+        if options.comm_stats or self._trace is not None:
+            self._stats = CommObserver(device, [self._trace.add] if self._trace is not None else [])
+            reducer.add_observer(self._stats)
 
     @property
     def module(self) -> nn.Module:
@@ -165,11 +160,16 @@ class DataParallel(nn.Module):
             log.info("lit_dp.DataParallel: communication hook %s", comm_hook.name)
 
     @property
+    def options(self) -> Options:
+        """The options in effect."""
+        return self._options
+
+    @property
     def comm_buffer_size(self) -> float | str:
         """The bucket size in MB; with ``"auto"``, the size chosen once tuning is over."""
         if self._tuner is not None and self._tuner.chosen_mb is not None:
             return self._tuner.chosen_mb
-        return self._comm_buffer_size
+        return self._options.comm_buffer_size
 
     @property
     def autotuner(self) -> BucketAutotuner | None:
@@ -182,16 +182,18 @@ class DataParallel(nn.Module):
         None before the first step or without ``comm_stats=True``/``trace_dir``. Never waits for
         the device: on CUDA the step before the last is returned while the last is in flight.
         """
-        return self._observer.last() if self._observer is not None else None
+        return self._stats.last() if self._stats is not None else None
 
     def comm_stats_mean(self) -> dict[str, float]:
         """Mean ``time_ms`` and ``exposed_ms`` over the steps so far (the first excluded), and their overlap."""
-        return self._observer.mean() if self._observer is not None else {}
+        return self._stats.mean() if self._stats is not None else {}
 
     def flush_comm_stats(self) -> None:
         """Resolve every finished step (waiting for the device) and write the trace collected so far."""
-        if self._observer is not None:
-            self._observer.flush()
+        if self._stats is not None:
+            self._stats.flush()
+        if self._trace is not None:
+            self._trace.write()
 
     # Not traced by dynamo: under `torch.compile(DataParallel(model))` the module call below is
     # compiled as its own frame, inside `bucket_graph_breaks`, and the reducer runs eagerly.
@@ -203,9 +205,18 @@ class DataParallel(nn.Module):
             outputs = self._layers(*inputs, **kwargs)
         # The forward decides whether the next backward synchronises (as in torch DDP and Paddle),
         # so `no_sync()` must wrap the forward, not only the backward.
-        if self.grad_need_sync and not self.skip_grad_sync and torch.is_grad_enabled():
-            self._reducer.prepare_for_backward(outputs)
+        if torch.is_grad_enabled():
+            self.prepare_for_backward(outputs)
         return outputs
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Arm the reducer for a backward from ``outputs`` unless gradients stay local.
+
+        ``forward`` calls it; so does the Trainer strategy's ``manual_backward`` under manual
+        optimization, where the forward must not decide.
+        """
+        if self._reducer is not None and self.grad_need_sync and not self.skip_grad_sync:
+            self._reducer.prepare_for_backward(outputs)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -281,3 +292,6 @@ def _sparse_gradient_parameters(module: nn.Module) -> set[int]:
         for sub in module.modules()
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
     }
+
+
+DataParallel.__doc__ = DataParallel.__doc__.format(options=options_doc(MODULE))

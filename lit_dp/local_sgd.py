@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_dp.buckets import assign_group_by_size, megabytes_to_bytes
+from lit_dp.gradients.buckets import assign_group_by_size, megabytes_to_bytes
 from lit_dp.data_parallel import DataParallel
-from lit_dp.process_group import get_rings
+from lit_dp.job.process_group import get_rings
 
 # Paddle's AdaptiveLocalSGDOptimizer bounds the period to [1, 16].
 ADAPTIVE_MIN_LOCAL_STEPS = 1

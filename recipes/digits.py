@@ -10,8 +10,8 @@
 import hydra
 from omegaconf import DictConfig
 
-from lit_dp.config import register_configs
-from lit_dp.recipes.train import train
+from lit_dp_recipes.config import register_configs
+from lit_dp_recipes.train import train
 
 register_configs()
 

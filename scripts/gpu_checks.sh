@@ -15,11 +15,11 @@ python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightnin
 for part in "$@"; do
   case "$part" in
     tests) python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="" 2>&1 | tee "$out/cuda-tests.log" ;;
-    bench) python3 recipes/bench_reducer.py device=cuda 2>&1 | tee "$out/gpu-bench.log" ;;
-    cpu) python3 recipes/bench_reducer.py measure_memory=false 2>&1 | tee "$out/cpu-bench.log" ;;
-    onedevice) { python3 recipes/bench_one_device.py device=cuda threads=8
-                 python3 recipes/bench_one_device.py; } 2>&1 | tee "$out/one-device.log" ;;
-    autotune) python3 -m lit_dp.recipes.autotune_benchmark --rounds 10 --trials 5 2>&1 | tee "$out/autotune.log" ;;
+    bench) python3 -m benchmarks.bench_reducer device=cuda 2>&1 | tee "$out/gpu-bench.log" ;;
+    cpu) python3 -m benchmarks.bench_reducer measure_memory=false 2>&1 | tee "$out/cpu-bench.log" ;;
+    onedevice) { python3 -m benchmarks.bench_one_device device=cuda threads=8
+                 python3 -m benchmarks.bench_one_device; } 2>&1 | tee "$out/one-device.log" ;;
+    autotune) python3 -m benchmarks.autotune_benchmark --rounds 10 --trials 5 2>&1 | tee "$out/autotune.log" ;;
     recipe) python3 recipes/charlm.py experiment=charlm_gpt2 trainer.devices=1 trainer.max_steps=60 \
               trainer.val_check_interval=60 trainer.limit_val_batches=2 2>&1 | tail -40 | tee "$out/charlm-gpt2.log" ;;
     *) echo "unknown part: $part" ;;

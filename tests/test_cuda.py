@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from lit_dp.recipes.gpu_benchmark import SYNC_REPORT
-from tests.distributed import run_ranks
-from tests.test_compile import launch_fractions_and_weights
-from tests.test_data_parallel import TINY_MB, equivalence_cases
+from benchmarks.gpu_benchmark import SYNC_REPORT
+from tests.helpers.distributed import run_ranks
+from tests.helpers.overlap import launch_fractions_and_weights
+from tests.helpers.equivalence import TINY_MB, equivalence_cases
 
 pytestmark = [
     pytest.mark.cuda,
@@ -156,7 +156,7 @@ def test_inductor_keeps_overlap_and_eager_weights(nccl_world_of_one, variant):
 
 
 def test_lightning_fit_on_one_gpu_matches_ddp(tmp_path):
-    from tests.test_strategy import Regressor, fit_weights
+    from tests.helpers.lightning import Regressor, fit_weights
 
     ours = fit_weights("paddle_dp", tmp_path, accelerator="gpu", devices=1)
     theirs = fit_weights("ddp", tmp_path, accelerator="gpu", devices=1)

@@ -24,9 +24,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_dp import PaddleDPStrategy
-from lit_dp.config import check_local_sgd_options, register_configs
-from lit_dp.recipes.train import train
-from tests.distributed import run_ranks
+from lit_dp import Options
+from lit_dp_recipes.config import register_configs
+from lit_dp_recipes.train import train
+from tests.helpers.distributed import run_ranks
 
 FEATURES = 6
 # A micro-batch per rank: (inputs, targets).
@@ -344,7 +345,7 @@ def test_lightning_strategy_matches_the_simulation_and_resumes_on_schedule(tmp_p
         (dict(local_sgd_steps=0), "local_sgd_steps=0 is invalid: expected an integer >= 1"),
         (dict(model_averaging_period=-2), "model_averaging_period=-2 is invalid"),
         (dict(local_sgd_steps=4, local_sgd_warmup_steps=-1), "local_sgd_warmup_steps=-1 is invalid: expected an integer >= 0"),
-        (dict(local_sgd_steps=4, model_averaging_period=8), "local_sgd_steps=4 and model_averaging_period=8 disagree"),
+        (dict(local_sgd_steps=4, model_averaging_period=8), "local_sgd_steps=4 and model_averaging_period=8 are the same option"),
         (dict(local_sgd_adaptive=True), "local_sgd_adaptive=True needs local_sgd_steps"),
         (dict(local_sgd_steps=2.5), "local_sgd_steps=2.5 is invalid"),
     ],
@@ -357,7 +358,8 @@ def test_strategy_rejects_bad_options_by_name(options, message):
 def test_hydra_options_reach_the_strategy_and_bad_values_fail_before_any_trainer(tmp_path, monkeypatch):
     cfg = compose_config(["experiment=local_sgd", "strategy.local_sgd_adaptive=true"], tmp_path)
     strategy = instantiate(cfg.strategy)
-    assert (strategy._local_sgd_steps, strategy._local_sgd_warmup_steps, strategy._local_sgd_adaptive) == (4, 20, True)
+    options = strategy.options
+    assert (options.local_sgd_steps, options.local_sgd_warmup_steps, options.local_sgd_adaptive) == (4, 20, True)
     monkeypatch.setattr(pl, "Trainer", _trainer_must_not_be_built)
     for overrides, message in (
         (["strategy.local_sgd_steps=0"], "strategy.local_sgd_steps=0 is invalid: expected an integer >= 1"),
@@ -379,16 +381,17 @@ def _trainer_must_not_be_built(*args, **kwargs):
 
 
 def test_a_comm_hook_that_already_skips_communication_is_rejected():
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import post_localSGD_hook
 
     with pytest.raises(ValueError, match="local_sgd_steps=4 with comm_hook='post_localSGD_hook' is invalid"):
-        check_local_sgd_options(local_sgd_steps=4, comm_hook=post_localSGD_hook)
-    with pytest.raises(ValueError, match="strategy.model_averaging_period=2 with strategy.comm_hook='noop' is invalid"):
-        check_local_sgd_options("strategy.", model_averaging_period=2, comm_hook="noop")
-    assert check_local_sgd_options(local_sgd_steps=4, comm_hook=allreduce_hook) == 4
-    assert check_local_sgd_options(local_sgd_steps=4, comm_hook="fp16") == 4
-    assert check_local_sgd_options(comm_hook="noop") is None  # no LocalSGD: the hook alone is fine
+        Options.build(dict(local_sgd_steps=4, comm_hook=post_localSGD_hook), "trainer")
+    with pytest.raises(ValueError, match="strategy.local_sgd_steps=2 with strategy.comm_hook='noop_hook' is invalid"):
+        Options.build(dict(model_averaging_period=2, comm_hook=noop_hook), "trainer", prefix="strategy.")
+    assert Options.build(dict(local_sgd_steps=4, comm_hook=allreduce_hook), "trainer").local_sgd_steps == 4
+    assert Options.build(dict(local_sgd_steps=4, comm_hook="fp16"), "trainer").local_sgd_steps == 4
+    assert Options.build(dict(comm_hook=noop_hook), "trainer").local_sgd_steps is None  # the hook alone is fine
 
 
 def test_library_rejects_bad_arguments_by_name():

@@ -1,0 +1,81 @@
+"""Bucket assignment: which gradients travel together in one all-reduce.
+
+A pure function with Paddle's semantics (``core.eager_assign_group_by_size``), tested without
+processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+MB = 1024 * 1024
+DEFAULT_BUCKET_MB = 25.0  # Paddle's comm_buffer_size (and torch DDP's bucket_cap_mb)
+
+
+def megabytes_to_bytes(option: str, megabytes: float) -> int:
+    """Validate a bucket size given in MB (fractions allowed) and convert it to bytes."""
+    if isinstance(megabytes, bool) or not isinstance(megabytes, (int, float)) or not megabytes > 0:
+        raise ValueError(f"{option}={megabytes!r} is invalid: expected a positive number of megabytes.")
+    return max(1, int(megabytes * MB))
+
+
+def assign_group_by_size(
+    tensors: Sequence[torch.Tensor],
+    is_sparse: Sequence[bool],
+    group_size_limits: Sequence[int],
+) -> list[list[int]]:
+    """Group tensor indices into buckets bounded in bytes.
+
+    Tensors are taken in the given (forward) order. Each (dtype, device) pair fills its own open
+    group, so groups never mix dtypes or devices; a group closes once its size reaches its limit
+    (the tensor that crosses the limit stays in it). The first group closed for a pair is bounded
+    by ``group_size_limits[0]``, later ones by the next limit, the last limit repeating. Each
+    sparse tensor is a group of its own. Groups come back ordered by their first index.
+
+    The first group in forward order is the last one reduced in backward; a small first limit
+    (Paddle's ``last_comm_buffer_size``) keeps the communication left after backward short.
+
+    Args:
+        tensors: the tensors (usually parameters) in forward order.
+        is_sparse: one flag per tensor: its gradient is sparse.
+        group_size_limits: byte limits, e.g. ``[1 * MB, 25 * MB]``.
+
+    Returns:
+        Lists of indices into ``tensors``; every index appears exactly once.
+    """
+    if len(is_sparse) != len(tensors):
+        raise ValueError(
+            f"is_sparse has {len(is_sparse)} entries but tensors has {len(tensors)}: expected one flag per tensor."
+        )
+    if not group_size_limits:
+        raise ValueError("group_size_limits is empty: expected at least one positive byte limit.")
+    for limit in group_size_limits:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise ValueError(
+                f"group_size_limits={list(group_size_limits)!r} is invalid: expected positive integers (bytes)."
+            )
+
+    groups: list[list[int]] = []
+    open_groups: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    limit_index: dict[tuple[torch.dtype, torch.device], int] = {}
+    last_limit = len(group_size_limits) - 1
+    for index, tensor in enumerate(tensors):
+        if is_sparse[index]:
+            groups.append([index])
+            continue
+        key = (tensor.dtype, tensor.device)
+        members, size = open_groups.get(key, ([], 0))
+        members.append(index)
+        size += tensor.numel() * tensor.element_size()
+        level = limit_index.setdefault(key, 0)
+        if size >= group_size_limits[level]:
+            groups.append(members)
+            limit_index[key] = min(level + 1, last_limit)
+            open_groups.pop(key, None)
+        else:
+            open_groups[key] = (members, size)
+    groups.extend(members for members, _ in open_groups.values())
+    groups.sort(key=lambda group: group[0])
+    return groups

@@ -1,0 +1,287 @@
+"""Communication hooks: torch DDP's ``register_comm_hook`` contract over lit_dp's dense buckets.
+
+A hook is ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``, called once per dense
+bucket and synchronised backward; the future's value is the bucket's averaged flat gradient, which
+lit_dp writes back into ``.grad``. ``bucket`` offers what torch's own hooks call on
+``dist.GradBucket`` (``torch/distributed/algorithms/ddp_comm_hooks/``), so they run unchanged:
+``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, the ``fp16/bf16_compress_wrapper``
+wrappers, ``powerSGD_hook`` and ``batched_powerSGD_hook``.
+
+This module also turns the strategy's options (``comm_hook``, ``comm_state``, ``comm_wrapper``,
+Lightning's ``ddp_comm_*`` names, the recipe names ``fp16|bf16|powersgd`` and Paddle's
+``comm_dtype``) into the one ``(state, hook)`` pair to register, validating them first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+Hook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+HOOK_NAMES = ("fp16", "bf16", "powersgd")
+COMM_DTYPES = ("fp16", "bf16")
+# Recipe names -> torch's hooks; comm_dtype with another hook -> torch's wrappers.
+_COMPRESS_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+_COMPRESS_WRAPPERS = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
+# torch's PowerSGDState defaults, used when the recipe options are left unset.
+POWERSGD_DEFAULT_RANK = 1
+POWERSGD_DEFAULT_START_ITER = 1000
+
+
+class GradBucket:
+    """The surface of ``torch.distributed.GradBucket`` that communication hooks call.
+
+    ``index()`` is the bucket's position among the dense buckets in launch order (0 is reduced
+    first, as in DDP); it is stable once the buckets are rebuilt after the first iteration.
+    ``buffer()`` holds the bucket's gradients only, flat and not divided by the world size.
+    """
+
+    __slots__ = ("_index", "_count", "_buffer", "_params")
+
+    def __init__(self, index: int, count: int, buffer: torch.Tensor, params: list[nn.Parameter]) -> None:
+        self._index = index
+        self._count = count
+        self._buffer = buffer
+        self._params = params
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        """True for the bucket reduced last in an iteration (PowerSGD counts iterations on it)."""
+        return self._index == self._count - 1
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace the tensor ``buffer()`` and ``gradients()`` return (the compress wrappers do)."""
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """One view into ``buffer()`` per parameter, shaped like it (PowerSGD writes through them)."""
+        pieces = self._buffer.split([p.numel() for p in self._params])
+        return [piece.view(param.shape) for piece, param in zip(pieces, self._params)]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._params)
+
+
+class CommHook:
+    """A registered ``(state, hook)``: calls the hook per bucket and checks what comes back.
+
+    With Gloo a future completes on a worker thread of the process group, and hooks such as
+    PowerSGD issue further collectives from their ``then`` callbacks, i.e. from that thread. Two
+    buckets in flight would then issue collectives in an order that differs between ranks, and
+    Gloo matches collectives by order (measured: PowerSGD on 2 ranks with several buckets fails
+    with a connection reset). So with Gloo a bucket (and any collective lit_dp issues after it)
+    waits until the previous bucket's future has completed: ``settle()``. With NCCL a future
+    completes as soon as its work is enqueued, callbacks run in the calling thread in order, and
+    buckets overlap freely.
+    """
+
+    def __init__(self, state: object, hook: Hook) -> None:
+        check_hook("hook", hook)
+        self.state = state
+        self.hook = hook
+        self.name = hook_name(hook)
+        self._in_flight: torch.futures.Future | None = None
+        # Hooks communicate on their state's group, by default the world group.
+        self._ordered = dist.is_initialized() and dist.get_backend() != "nccl"
+
+    def check_layout_settled_by(self, step: int) -> None:
+        """Raise if the hook keeps per-bucket memory before synchronised ``step``, from which on the
+        buckets no longer change (``comm_buffer_size="auto"`` rebuilds them until then).
+
+        PowerSGD's error feedback and warm start are tensors per ``index()``, created at its first
+        compressed step: a later layout hands it a bucket of another size. Only PowerSGD's state
+        is known here; other hooks with per-bucket state are the user's to check (see
+        docs/comm_hooks.md).
+        """
+        state = self.state
+        if not isinstance(state, powerSGD_hook.PowerSGDState):
+            return
+        keeps_memory = state.use_error_feedback or state.warm_start
+        if keeps_memory and state.start_powerSGD_iter < step:
+            raise ValueError(
+                f"comm_buffer_size='auto' rebuilds the buckets until synchronised step {step}, but {self.name} "
+                f"with start_powerSGD_iter={state.start_powerSGD_iter} keeps per-bucket memory from its first "
+                f"compressed step: expected start_powerSGD_iter >= {step} (strategy option powersgd_start_iter), "
+                "or a fixed comm_buffer_size."
+            )
+
+    def launch(
+        self, index: int, count: int, gradients: torch.Tensor, params: list[nn.Parameter]
+    ) -> torch.futures.Future:
+        """Call the hook on one bucket's flat gradients; returns its future."""
+        try:
+            future = self.hook(self.state, GradBucket(index, count, gradients, params))
+        except Exception as error:
+            raise RuntimeError(f"lit_dp: communication hook {self.name} raised on bucket {index}: {error!r}") from error
+        # torch._C.Future: what Work.get_future() and Future.then() return (torch.futures.Future derives from it).
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(
+                f"lit_dp: communication hook {self.name} returned {type(future).__qualname__} for bucket {index}: "
+                "expected a torch.futures.Future whose value is the bucket's averaged flat gradient tensor."
+            )
+        self._in_flight = future if self._ordered else None
+        return future
+
+    def settle(self) -> None:
+        """With Gloo, wait for the last bucket's future, so collectives keep one order on every rank."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            self._wait(future, index=None)
+
+    def collect(self, future: torch.futures.Future, index: int, gradients: torch.Tensor) -> None:
+        """Wait for the hook's result and write it into ``gradients`` (unless it already is that tensor)."""
+        if future is self._in_flight:
+            self._in_flight = None
+        value = self._wait(future, index)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"lit_dp: communication hook {self.name} returned a future whose value is "
+                f"{type(value).__qualname__} for bucket {index}: expected a tensor of {gradients.numel()} elements."
+            )
+        if value.shape != gradients.shape or value.device != gradients.device or not value.is_floating_point():
+            raise ValueError(
+                f"lit_dp: communication hook {self.name} returned a tensor of shape {tuple(value.shape)}, "
+                f"{value.dtype} on {value.device} for bucket {index}: expected shape {tuple(gradients.shape)} "
+                f"(the bucket's flat gradients), a floating-point dtype, on {gradients.device}."
+            )
+        # torch's compress wrappers return their half-precision buffer; DDP casts it back the same way.
+        if value.data_ptr() != gradients.data_ptr() or value.dtype != gradients.dtype or value.stride() != (1,):
+            gradients.copy_(value)
+
+    def _wait(self, future: torch.futures.Future, index: int | None) -> Any:
+        try:
+            return future.wait()
+        except Exception as error:
+            bucket = "a bucket" if index is None else f"bucket {index}"
+            raise RuntimeError(f"lit_dp: communication hook {self.name} failed on {bucket}: {error}") from error
+
+
+def hook_name(hook: object) -> str:
+    """``module.qualname`` of a hook (torch's wrappers are named ``fp16_compress_wrapper_hook``)."""
+    module = getattr(hook, "__module__", None)
+    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    return f"{module}.{name}" if module else name
+
+
+def check_hook(option: str, hook: object) -> None:
+    if not callable(hook):
+        raise ValueError(
+            f"{option}={hook!r} is invalid: expected a callable hook(state, bucket) -> torch.futures.Future."
+        )
+
+
+def dtype_compress_hook(comm_dtype: str) -> Hook:
+    """Paddle's fp16/bf16 all-reduce: torch's compress hook for ``comm_dtype``."""
+    return _COMPRESS_HOOKS[comm_dtype.lower()]
+
+
+def check_comm_hook_options(
+    prefix: str = "",
+    *,
+    comm_hook: Any = None,
+    comm_state: Any = None,
+    comm_wrapper: Any = None,
+    comm_dtype: Any = None,
+    powersgd_rank: Any = None,
+    powersgd_start_iter: Any = None,
+) -> None:
+    """The hook options that cannot go together; raises ``ValueError`` naming ``prefix + option``.
+
+    Each option's own value is checked where it is declared (``lit_dp.options``).
+    """
+    named = isinstance(comm_hook, str)
+    if comm_wrapper is not None:
+        check_hook(f"{prefix}comm_wrapper", comm_wrapper)
+        if comm_hook is None:
+            raise ValueError(f"{prefix}comm_wrapper={hook_name(comm_wrapper)} is invalid without a comm_hook to wrap.")
+    if comm_state is not None and (comm_hook is None or named):
+        raise ValueError(
+            f"{prefix}comm_state={comm_state!r} is invalid with comm_hook={comm_hook!r}: a state goes with a "
+            "callable comm_hook (the named hooks build their own)."
+        )
+    if comm_dtype is not None:
+        if named and comm_hook.lower() in COMM_DTYPES:
+            raise ValueError(
+                f"{prefix}comm_dtype={comm_dtype!r} is invalid with comm_hook={comm_hook!r}: both compress to half "
+                "precision; set one of them."
+            )
+        if comm_wrapper is not None:
+            raise ValueError(
+                f"{prefix}comm_dtype={comm_dtype!r} is invalid with comm_wrapper={hook_name(comm_wrapper)}: "
+                "comm_dtype wraps the hook itself; set one of them."
+            )
+    powersgd = named and comm_hook.lower() == "powersgd"
+    for option, value in (("powersgd_rank", powersgd_rank), ("powersgd_start_iter", powersgd_start_iter)):
+        if value is not None and not powersgd:
+            raise ValueError(
+                f"{prefix}{option}={value!r} is invalid with comm_hook={comm_hook!r}: "
+                "it applies to comm_hook='powersgd'."
+            )
+
+
+def resolve_comm_hook(
+    comm_hook: str | Hook | None = None,
+    comm_state: object = None,
+    comm_wrapper: Callable[[Hook], Hook] | None = None,
+    comm_dtype: str | None = None,
+    powersgd_rank: int | None = None,
+    powersgd_start_iter: int | None = None,
+) -> tuple[object, Hook] | None:
+    """The ``(state, hook)`` to register for the strategy's options, or None for plain all-reduce.
+
+    Call it in each process, after the process group exists: PowerSGD's state is built here.
+    """
+    if comm_hook is None:
+        return None if comm_dtype is None else (None, dtype_compress_hook(comm_dtype))
+    state, hook = comm_state, comm_hook
+    if isinstance(comm_hook, str):
+        name = comm_hook.lower()
+        if name in _COMPRESS_HOOKS:
+            return None, _COMPRESS_HOOKS[name]
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=powersgd_rank or POWERSGD_DEFAULT_RANK,
+            start_powerSGD_iter=powersgd_start_iter or POWERSGD_DEFAULT_START_ITER,
+        )
+        hook = powerSGD_hook.powerSGD_hook
+    if comm_wrapper is not None:
+        hook = comm_wrapper(hook)
+    elif comm_dtype is not None:
+        hook = _COMPRESS_WRAPPERS[comm_dtype.lower()](hook)
+    return state, hook
+
+
+def describe_comm_hook(
+    comm_hook: str | Hook | None = None,
+    comm_wrapper: Callable[[Hook], Hook] | None = None,
+    comm_dtype: str | None = None,
+    powersgd_rank: int | None = None,
+    powersgd_start_iter: int | None = None,
+) -> str:
+    """A short text for the start-up line, e.g. ``fp16_compress_wrapper(powerSGD_hook(rank=1,start_iter=1000))``."""
+    if comm_hook is None:
+        return "none" if comm_dtype is None else f"{comm_dtype.lower()}_compress_hook"
+    if isinstance(comm_hook, str) and comm_hook.lower() in _COMPRESS_HOOKS:
+        text = f"{comm_hook.lower()}_compress_hook"
+    elif isinstance(comm_hook, str):
+        rank = powersgd_rank or POWERSGD_DEFAULT_RANK
+        start = powersgd_start_iter or POWERSGD_DEFAULT_START_ITER
+        text = f"powerSGD_hook(rank={rank},start_iter={start})"
+    else:
+        text = getattr(comm_hook, "__qualname__", type(comm_hook).__qualname__)
+    if comm_wrapper is not None:
+        return f"{getattr(comm_wrapper, '__qualname__', type(comm_wrapper).__qualname__)}({text})"
+    if comm_dtype is not None:
+        return f"{comm_dtype.lower()}_compress_wrapper({text})"
+    return text

@@ -1,0 +1,101 @@
+"""Sparse gradients (``nn.Embedding(sparse=True)``): reduced alone, outside the dense buckets.
+
+Gloo all-reduces sparse COO tensors natively; NCCL has no sparse all-reduce, so there the
+indices and values are all-gathered and summed locally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class SparseBucket:
+    """One parameter with a sparse gradient, with the same start/wait/write_back protocol as ``DenseBucket``."""
+
+    __slots__ = ("indices", "params", "ring", "work", "gradient", "flags", "flag_work", "native")
+
+    def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup) -> None:
+        self.indices = indices
+        self.params = params
+        self.ring = ring
+        self.native = dist.get_backend(ring) == "gloo"
+        self.work: dist.Work | None = None
+        self.flag_work: dist.Work | None = None
+        self.gradient: torch.Tensor | None = None
+        self.flags = torch.zeros(1, device=params[0].device)
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def sent_bytes(self) -> int:
+        """The bytes of the sparse gradient's values and indices started last."""
+        gradient = self.gradient
+        return 0 if gradient is None else gradient.values().nbytes + gradient.indices().nbytes
+
+    def futures(self) -> list[torch.futures.Future]:
+        """Futures of the collectives started last: the values (Gloo only) and the flag."""
+        return [work.get_future() for work in (self.work, self.flag_work) if work is not None]
+
+    def start(self, used: bytearray, flag_used: bool, world_size: int, complete: bool = False) -> None:
+        param = self.params[0]
+        has_grad = bool(used[self.indices[0]]) and param.grad is not None
+        if has_grad:
+            gradient = param.grad if param.grad.is_sparse else param.grad.to_sparse()
+            gradient = gradient.coalesce() / world_size
+        else:
+            gradient = torch.sparse_coo_tensor(
+                torch.empty(param.dim(), 0, dtype=torch.long, device=param.device),
+                torch.empty(0, dtype=param.dtype, device=param.device),
+                param.shape,
+            )
+        self.gradient = gradient
+        self.flags.fill_(float(has_grad == flag_used))
+        if self.native:
+            self.work = dist.all_reduce(self.gradient, group=self.ring, async_op=True)
+        self.flag_work = dist.all_reduce(self.flags, group=self.ring, async_op=True)
+
+    def wait(self) -> None:
+        assert self.gradient is not None and self.flag_work is not None, "wait() before start()"
+        if self.native:
+            assert self.work is not None
+            self.work.wait()  # gloo writes the sparse sum into its input
+        else:
+            self.gradient = allgather_sparse_sum(self.gradient, self.ring)
+        self.flag_work.wait()
+        self.work = self.flag_work = None
+
+    def write_back(self, as_view: bool, skipped: Collection[int]) -> None:
+        reduced, self.gradient = self.gradient, None
+        if not skipped:
+            self.params[0].grad = reduced.coalesce()
+
+
+def allgather_sparse_sum(gradient: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum sparse COO tensors over ``group`` with all-gathers (for backends without sparse all-reduce)."""
+    gradient = gradient.coalesce()
+    indices, values = gradient.indices(), gradient.values()
+    world_size = dist.get_world_size(group)
+    count = torch.tensor([values.shape[0]], dtype=torch.long, device=values.device)
+    counts = [torch.empty_like(count) for _ in range(world_size)]
+    dist.all_gather(counts, count, group=group)
+    sizes = [int(c.item()) for c in counts]
+    longest = max(sizes)
+    # all_gather needs equal shapes: pad to the longest, then cut each rank's part back.
+    padded_indices = indices.new_zeros(indices.shape[0], longest)
+    padded_indices[:, : indices.shape[1]] = indices
+    padded_values = values.new_zeros((longest, *values.shape[1:]))
+    padded_values[: values.shape[0]] = values
+    all_indices = [torch.empty_like(padded_indices) for _ in range(world_size)]
+    all_values = [torch.empty_like(padded_values) for _ in range(world_size)]
+    dist.all_gather(all_indices, padded_indices, group=group)
+    dist.all_gather(all_values, padded_values, group=group)
+    return torch.sparse_coo_tensor(
+        torch.cat([part[:, :n] for part, n in zip(all_indices, sizes)], dim=1),
+        torch.cat([part[:n] for part, n in zip(all_values, sizes)]),
+        gradient.shape,
+    ).coalesce()

@@ -1,0 +1,283 @@
+"""Bringing up torch.distributed from a ``ParallelEnv``: Paddle's ``init_parallel_env``.
+
+Steps: resolve the backend, select the device (NCCL), rendezvous through a ``TCPStore``
+hosted by rank 0 with a named-rank arrival check, create the default process group, then the
+extra ring communicators (``FLAGS_nccl_nrings``) the reducer spreads buckets over.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import warnings
+import weakref
+from datetime import timedelta
+from typing import NoReturn, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from lit_dp.job.backends import AUTO, check_backend, uses_nccl
+from lit_dp.job.env import ParallelEnv, format_endpoint
+
+_ARRIVED = "lit_dp/arrived/{}"
+_ARRIVED_COUNT = "lit_dp/arrived"
+_MISSING = "lit_dp/missing"
+_ACKNOWLEDGED = "lit_dp/acknowledged"
+_DEVICE = "lit_dp/device/{}"
+_POLL_SECONDS = 0.05
+_GRACE_SECONDS = 2.0
+
+T = TypeVar("T")
+
+# The extra ring communicators (ring 0 is the default group itself), keyed weakly on the default
+# group they were created with: once torch lets go of it (`destroy_process_group()` drops every
+# group), its rings go too, in this process. A strong reference would defer a destroyed Gloo
+# group's destructor to whatever next drops it: under a fork launcher, the child's
+# `init_parallel_env`, where the parent's Gloo worker threads do not exist and the destructor
+# waits for them forever (see docs/fabric.md).
+_extra_rings_by_world: weakref.WeakKeyDictionary[dist.ProcessGroup, list[dist.ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` becomes NCCL when CUDA is available, else Gloo; NCCL without CUDA is an error.
+
+    Any other backend torch.distributed reports available (``mpi``, ``ucc``, the per-device
+    ``"cpu:gloo,cuda:nccl"``) passes through unchanged.
+    """
+    name = check_backend("backend", backend)
+    if name == AUTO:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if uses_nccl(name) and not torch.cuda.is_available():
+        raise ValueError(
+            f"backend={name!r} needs CUDA, but torch.cuda.is_available() is False on this machine: "
+            "use backend='gloo' (or 'auto') for CPU training."
+        )
+    return name
+
+
+def parse_timeout(option: str, timeout: timedelta | float) -> timedelta:
+    """A positive duration from a timedelta or a number of seconds, or a ValueError naming ``option``."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"{option}={timeout!r} is invalid: expected a datetime.timedelta or a number of seconds.")
+    if not seconds > 0:
+        raise ValueError(f"{option}={timeout!r} is invalid: expected a positive duration.")
+    return timedelta(seconds=seconds)
+
+
+def resolve_timeout(timeout: timedelta | float | None, env: ParallelEnv) -> timedelta:
+    """The argument (a timedelta or seconds) wins; else ``PADDLE_PG_TIMEOUT`` (milliseconds)."""
+    if timeout is None:
+        return timedelta(milliseconds=env.pg_timeout)
+    return parse_timeout("timeout", timeout)
+
+
+def init_parallel_env(
+    backend: str | None = None,
+    timeout: timedelta | float | None = None,
+    *,
+    parallel_env: ParallelEnv | None = None,
+    one_process_group: bool = False,
+) -> dist.ProcessGroup | None:
+    """Create torch.distributed's default process group from the launcher's variables.
+
+    Args:
+        backend: ``"auto"`` or any backend torch.distributed reports available (``"gloo"``,
+            ``"nccl"``, ``"cpu:gloo,cuda:nccl"``, ...); defaults to ``PADDLE_DISTRI_BACKEND``.
+        timeout: bounds the rendezvous and every collective (timedelta or seconds); defaults to
+            ``PADDLE_PG_TIMEOUT``.
+        parallel_env: the job description; defaults to ``ParallelEnv()`` over ``os.environ``.
+            The Lightning strategy passes one built from Lightning's cluster environment.
+        one_process_group: at world size 1, create a group of one rank instead of none, so that
+            code calling ``torch.distributed`` runs unchanged on one device (what the Lightning
+            strategies ask for, like Lightning's ``"ddp"``).
+
+    Returns:
+        The default process group, or None (with a warning, Paddle's documented behaviour) for
+        a world size of 1 unless ``one_process_group``. A second call returns the existing group.
+    """
+    env = ParallelEnv() if parallel_env is None else parallel_env
+    if dist.is_initialized():
+        world = dist.group.WORLD
+        if dist.get_world_size(world) != env.world_size:
+            raise RuntimeError(
+                f"init_parallel_env: a process group of world size {dist.get_world_size(world)} already exists, "
+                f"but the environment describes world size {env.world_size}."
+            )
+        return world
+    if env.world_size < 2 and not one_process_group:
+        warnings.warn(
+            "init_parallel_env: world size is 1 (PADDLE_TRAINERS_NUM unset or 1); "
+            "no process group is created and training runs in this single process.",
+            stacklevel=2,
+        )
+        return None
+    chosen = resolve_backend(env.backend if backend is None else backend)
+    deadline = resolve_timeout(timeout, env)
+    if env.world_size > 1 and (env.master_addr is None or env.master_port is None):
+        raise ValueError(
+            f"init_parallel_env: world size is {env.world_size} but no rendezvous address is set: expected "
+            "MASTER_ADDR and MASTER_PORT, PADDLE_MASTER, or PADDLE_TRAINER_ENDPOINTS."
+        )
+    device = None
+    if uses_nccl(chosen):
+        _select_cuda_device(env.device_id)
+        device = cuda_device_identity(env.device_id)
+
+    # One rank has nobody to meet: an in-memory store, and no port to bind or collide on.
+    store = _rendezvous(env, deadline, device) if env.world_size > 1 else dist.HashStore()
+    dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=deadline)
+    world = dist.group.WORLD
+    _extra_rings_by_world[world] = [dist.new_group(backend=chosen, timeout=deadline) for _ in range(env.nrings - 1)]
+    return world
+
+
+def destroy_parallel_env() -> None:
+    """Destroy the default group and its rings, releasing the rendezvous port for a later init."""
+    _extra_rings_by_world.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rings() -> list[dist.ProcessGroup]:
+    """The communicators buckets are spread over: ring 0 is the default group.
+
+    Empty when no process group exists; just the default group when it was not created by
+    ``init_parallel_env`` (for example by torchrun code calling ``init_process_group`` itself).
+    """
+    if not dist.is_initialized():
+        return []
+    world = dist.group.WORLD
+    return [world, *_extra_rings_by_world.get(world, [])]
+
+
+def _select_cuda_device(device_id: int) -> None:
+    count = torch.cuda.device_count()
+    if device_id >= count:
+        raise ValueError(
+            f"FLAGS_selected_gpus selects device {device_id}, but this process sees {count} CUDA device(s): "
+            f"expected an id in [0, {count})."
+        )
+    torch.cuda.set_device(device_id)
+
+
+def cuda_device_identity(device_id: int) -> str:
+    """This process's CUDA device as ``host/uuid (cuda:N)``: the same physical GPU gives the same
+    host and uuid whatever ``CUDA_VISIBLE_DEVICES`` renumbers it to."""
+    return f"{socket.gethostname()}/{torch.cuda.get_device_properties(device_id).uuid} (cuda:{device_id})"
+
+
+def register_device(store: dist.Store, rank: int, identity: str) -> None:
+    """Record that ``rank`` drives the device ``identity`` (before the rendezvous completes)."""
+    key = _DEVICE.format(identity.split(" ")[0])
+    store.set(f"{key}/{store.add(key, 1)}", str(rank))
+
+
+def check_device_unshared(store: dist.Store, env: ParallelEnv, identity: str) -> None:
+    """Raise, on every rank involved, if another rank registered the same device.
+
+    NCCL refuses two ranks on one GPU only after a long wait ("Duplicate GPU detected"); the
+    registrations are complete once every rank arrived, so this costs one store round trip.
+    """
+    key = _DEVICE.format(identity.split(" ")[0])
+    count = store.add(key, 0)
+    if count < 2:
+        return
+    ranks = sorted(int(store.get(f"{key}/{n}")) for n in range(1, count + 1))
+    raise ValueError(
+        f"rank {env.rank}: ranks {ranks} all resolve to the same CUDA device {identity} under NCCL, which needs "
+        "one device per rank: give each local rank its own device with FLAGS_selected_gpus (Paddle's launcher), "
+        "LOCAL_RANK (torchrun, Lightning) or CUDA_VISIBLE_DEVICES, or use backend='gloo' to share a device."
+    )
+
+
+def _rendezvous(env: ParallelEnv, timeout: timedelta, device: str | None = None) -> dist.TCPStore:
+    """Connect to rank 0's store and wait until every rank has checked in.
+
+    torch's own store rendezvous reports a missing peer only as a bare timeout. Here each rank
+    bumps a counter; rank 0 decides when the timeout passes, publishes the ranks that never
+    arrived, and waits briefly for the others to read it, so every rank names them. A rank that
+    drives a CUDA device under NCCL (``device``) registers it first, and all check for sharing.
+    """
+    address = format_endpoint(env.master_addr, env.master_port)
+    seconds = timeout.total_seconds()
+    try:
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            world_size=env.world_size,
+            is_master=env.rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as error:
+        role = "host" if env.rank == 0 else "reach"
+        raise RuntimeError(
+            f"rank {env.rank} could not {role} the rendezvous store at {address} within {seconds:g}s "
+            f"(rank 0 hosts it; is it running, and is the port free?): {error}"
+        ) from error
+    if device is not None:
+        register_device(store, env.rank, device)
+    store.set(_ARRIVED.format(env.rank), "1")
+    store.add(_ARRIVED_COUNT, 1)
+    # Other ranks give rank 0 a moment longer, so the verdict (and its list of names) is rank 0's.
+    deadline = time.monotonic() + seconds + (0 if env.rank == 0 else _GRACE_SECONDS)
+    try:
+        while store.add(_ARRIVED_COUNT, 0) < env.world_size:
+            if env.rank != 0 and store.check([_MISSING]):
+                store.add(_ACKNOWLEDGED, 1)
+                _raise_missing(env, address, seconds, store.get(_MISSING).decode())
+            if time.monotonic() >= deadline:
+                if env.rank != 0:
+                    raise RuntimeError(f"rank {env.rank}: rank 0 gave no verdict on the rendezvous at {address}")
+                missing = [r for r in range(env.world_size) if not store.check([_ARRIVED.format(r)])]
+                store.set(_MISSING, str(missing))
+                _await_acknowledgements(store, env.world_size - len(missing) - 1)
+                _raise_missing(env, address, seconds, str(missing))
+            time.sleep(_POLL_SECONDS)
+    except dist.DistError as error:
+        raise RuntimeError(
+            f"rank {env.rank}: the rendezvous store at {address} (hosted by rank 0) went away before all "
+            f"{env.world_size} ranks arrived: {error}"
+        ) from error
+    if device is not None:
+        check_device_unshared(store, env, device)
+    return store
+
+
+def _raise_missing(env: ParallelEnv, address: str, seconds: float, missing: str) -> NoReturn:
+    raise RuntimeError(
+        f"rank {env.rank}: rank(s) {missing} of world size {env.world_size} did not arrive at the rendezvous "
+        f"{address} within {seconds:g}s (PADDLE_PG_TIMEOUT or timeout=)."
+    )
+
+
+def _await_acknowledgements(store: dist.TCPStore, expected: int) -> None:
+    deadline = time.monotonic() + _GRACE_SECONDS
+    while store.add(_ACKNOWLEDGED, 0) < expected and time.monotonic() < deadline:
+        time.sleep(_POLL_SECONDS)
+
+
+def barrier(device: torch.device) -> None:
+    """A barrier on the default group, if there is one; under NCCL on this rank's ``device``."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """``obj`` as global rank ``src`` has it (itself without a process group)."""
+    if not dist.is_initialized():
+        return obj
+    container = [obj]
+    dist.broadcast_object_list(container, src)
+    return container[0]

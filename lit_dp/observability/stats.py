@@ -1,0 +1,269 @@
+"""Per-step communication statistics of the reducer, measured on every rank.
+
+For each synchronised step the reducer tells a ``CommObserver`` five moments
+(``lit_dp.gradients.events``): the step
+starts (the forward armed the reducer), the first gradient is ready (backward is under way), a
+bucket's all-reduce was launched, backward ended (the autograd engine ran the reducer's
+end-of-backward callback: the last gradient is ready) and every bucket was reduced. From them:
+
+- ``bytes``: gradient bytes all-reduced (the parameters' own bytes; the reducer's per-parameter
+  flags are not counted);
+- ``buckets``: buckets launched;
+- ``time_ms``: communication time, the time during which at least one bucket's all-reduce was in
+  flight (from its launch to its completion; overlapping all-reduces count once);
+- ``exposed_ms``: the part of that time after backward ended, i.e. what communication added to
+  the step once the last gradient was ready;
+- ``overlap``: the share of communication time hidden under backward, ``1 - exposed / time``.
+
+Clocks (``lit_dp.observability.clocks``). On CPU, host time (``time.perf_counter``); a bucket completes when its all-reduce's
+future runs its callback (Gloo runs it on its own thread the moment the collective finishes;
+it may wait for the interpreter lock while the main thread runs Python). On CUDA every moment
+is a ``torch.cuda.Event`` recorded on the current stream; a bucket's completion event is
+recorded in its future's callback, which runs on a stream made to wait on the communicator's
+stream, so the event fires when the all-reduce does. Nothing synchronises the host: events are
+read lazily, once ``query()`` says they completed, when statistics are asked for or at the next
+step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lit_dp.gradients.events import BucketLaunch, ReducerObserver
+from lit_dp.observability.clocks import CudaClock, HostClock, clock_for
+
+
+@dataclass(frozen=True)
+class CommStats:
+    """The communication of one synchronised step on one rank (see the module docstring)."""
+
+    step: int
+    bytes: int
+    buckets: int
+    time_ms: float
+    exposed_ms: float
+    overlap: float
+
+    def as_metrics(self) -> dict[str, float]:
+        """The ``comm/*`` names the Lightning strategy logs."""
+        return {
+            "comm/bytes": float(self.bytes),
+            "comm/buckets": float(self.buckets),
+            "comm/time_ms": self.time_ms,
+            "comm/exposed_ms": self.exposed_ms,
+            "comm/overlap": self.overlap,
+        }
+
+
+@dataclass(frozen=True)
+class BucketSpan:
+    """One bucket's all-reduce in host seconds: launch (the collective was enqueued) to completion."""
+
+    index: int
+    bytes: int
+    indices: tuple[int, ...]  # the reducer's parameter indices
+    launch: float
+    end: float
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """One synchronised step's moments, in host seconds (``time.perf_counter``'s clock)."""
+
+    step: int
+    start: float
+    backward_start: float
+    backward_end: float
+    reduced: float
+    buckets: tuple[BucketSpan, ...]
+
+    def stats(self) -> CommStats:
+        spans = sorted((bucket.launch, bucket.end) for bucket in self.buckets)
+        total = exposed = 0.0
+        run_start, run_end = spans[0] if spans else (0.0, 0.0)
+        for launch, end in [*spans[1:], (float("inf"), float("inf"))]:
+            if launch > run_end:  # a gap: close the current run of overlapping all-reduces
+                total += run_end - run_start
+                exposed += max(0.0, run_end - max(run_start, self.backward_end))
+                run_start, run_end = launch, end
+            else:
+                run_end = max(run_end, end)
+        return CommStats(
+            step=self.step,
+            bytes=sum(bucket.bytes for bucket in self.buckets),
+            buckets=len(self.buckets),
+            time_ms=total * 1e3,
+            exposed_ms=exposed * 1e3,
+            overlap=1.0 - exposed / total if total > 0 else 1.0,
+        )
+
+
+class _StepRecord:
+    """The raw marks of one step; completion marks are filled in by the all-reduces' callbacks."""
+
+    __slots__ = ("step", "start_host", "start", "backward_start", "backward_end", "reduced", "buckets")
+
+    def __init__(self, step: int, start: Any) -> None:
+        self.step = step
+        self.start_host = time.perf_counter()
+        self.start = start
+        self.backward_start: Any = None
+        self.backward_end: Any = None
+        self.reduced: Any = None
+        # (position, bytes, parameter indices, launch mark, one completion slot per collective)
+        self.buckets: list[tuple[int, int, list[int], Any, list[Any]]] = []
+
+
+class CommObserver(ReducerObserver):
+    """Records the reducer's moments and resolves them into ``CommStats`` and ``StepTimeline``s.
+
+    Args:
+        device: the parameters' device; CUDA selects event timing.
+        timeline_sinks: called with each resolved step's timeline (the trace writer's ``add``).
+    """
+
+    def __init__(
+        self, device: torch.device, timeline_sinks: Sequence[Callable[[StepTimeline], None]] = ()
+    ) -> None:
+        self._clock = clock_for(device)
+        self._sinks = list(timeline_sinks)
+        self._current: _StepRecord | None = None
+        self._pending: deque[_StepRecord] = deque()
+        self._last: CommStats | None = None
+        self._totals = [0, 0.0, 0.0]  # steps, time_ms, exposed_ms (steps after the first)
+
+    # The reducer's moments ------------------------------------------------------------------
+
+    @override
+    def step_started(self, step: int) -> None:
+        mark = self._clock.mark()
+        self._resolve()
+        self._current = _StepRecord(step, mark)
+
+    @override
+    def backward_started(self, step: int) -> None:
+        if self._current is not None:
+            self._current.backward_start = self._clock.mark()
+
+    @override
+    def bucket_launched(self, launch: BucketLaunch) -> None:
+        record = self._current
+        if record is None or not launch.futures:  # nothing is sent in a group of one rank
+            return
+        slots: list[Any] = [None] * len(launch.futures)
+        record.buckets.append((launch.position, launch.nbytes, launch.indices, self._clock.mark(), slots))
+        for slot, future in enumerate(launch.futures):
+            future.then(_completion_callback(slots, slot, self._clock.mark))
+
+    @override
+    def backward_ended(self, step: int) -> None:
+        if self._current is not None:
+            self._current.backward_end = self._clock.mark()
+
+    @override
+    def step_ended(self, step: int) -> None:
+        record = self._current
+        if record is None:
+            return
+        record.reduced = self._clock.mark()
+        self._pending.append(record)
+        self._current = None
+        if isinstance(self._clock, HostClock):
+            # Gloo has run every completion callback before wait() returned: resolve now, so a
+            # trace ending at this step is written without waiting for another step.
+            self._resolve()
+
+    # Reading ---------------------------------------------------------------------------------
+
+    def last(self) -> CommStats | None:
+        """The latest step whose measurements are complete (no host synchronisation)."""
+        self._resolve()
+        return self._last
+
+    def mean(self) -> dict[str, float]:
+        """Mean ``time_ms`` and ``exposed_ms`` over the resolved steps after the first, and the
+        ``overlap`` of their sums (the share of all communication time that was hidden)."""
+        self._resolve()
+        steps, time_ms, exposed_ms = self._totals
+        if not steps:
+            return {}
+        overlap = 1.0 - exposed_ms / time_ms if time_ms > 0 else 1.0
+        return {"time_ms": time_ms / steps, "exposed_ms": exposed_ms / steps, "overlap": overlap}
+
+    def flush(self) -> None:
+        """Resolve every finished step, waiting for the device if needed."""
+        if self._pending and isinstance(self._clock, CudaClock):
+            torch.cuda.synchronize()
+        self._resolve()
+
+    def _resolve(self) -> None:
+        clock = self._clock
+        while self._pending:
+            record = self._pending[0]
+            marks = [record.start, record.backward_start, record.backward_end, record.reduced]
+            marks += [bucket[3] for bucket in record.buckets]
+            marks += [slot for bucket in record.buckets for slot in bucket[4]]
+            if not all(clock.done(mark) for mark in marks):
+                return
+            self._pending.popleft()
+            self._account(self._timeline(record))
+
+    def _timeline(self, record: _StepRecord) -> StepTimeline:
+        def host(mark: Any) -> float:
+            return self._clock.to_host(mark, record.start, record.start_host)
+
+        spans = []
+        for position, nbytes, indices, launch, slots in record.buckets:
+            launched = host(launch)
+            # A tiny all-reduce can finish before the launch mark is taken, right after it was enqueued.
+            end = max(launched, max(host(slot) for slot in slots))
+            spans.append(BucketSpan(position, nbytes, tuple(indices), launched, end))
+        return StepTimeline(
+            step=record.step,
+            start=record.start_host,
+            backward_start=host(record.backward_start),
+            backward_end=host(record.backward_end),
+            reduced=host(record.reduced),
+            buckets=tuple(spans),
+        )
+
+    def _account(self, timeline: StepTimeline) -> None:
+        stats = timeline.stats()
+        self._last = stats
+        if stats.step > 0:  # the first step runs in registration-order buckets, before the rebuild
+            totals = self._totals
+            totals[0] += 1
+            totals[1] += stats.time_ms
+            totals[2] += stats.exposed_ms
+        for sink in self._sinks:
+            sink(timeline)
+
+
+def check_trace_steps(option: str, steps: Any) -> tuple[int, int]:
+    """The traced steps ``(start, stop)``, ``0 <= start < stop``; raises ``ValueError`` naming ``option``."""
+    values = [] if isinstance(steps, (str, bytes)) else list(steps) if hasattr(steps, "__iter__") else []
+    valid = (
+        len(values) == 2
+        and all(isinstance(value, int) and not isinstance(value, bool) for value in values)
+        and 0 <= values[0] < values[1]
+    )
+    if not valid:
+        raise ValueError(f"{option}={steps!r} is invalid: expected two integers (start, stop) with 0 <= start < stop.")
+    start, stop = values
+    return start, stop
+
+
+def _completion_callback(
+    slots: list[Any], slot: int, mark: Callable[[], Any]
+) -> Callable[[torch.futures.Future], None]:
+    def on_complete(_future: torch.futures.Future) -> None:
+        slots[slot] = mark()
+
+    return on_complete

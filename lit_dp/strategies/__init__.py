@@ -1,0 +1,1 @@
+"""The Lightning layer: the Trainer's and Fabric's strategies, and what they share."""

@@ -1,0 +1,150 @@
+"""``lit_dp.fabric.PaddleDPStrategy``: ``Fabric(strategy="paddle_dp")`` for hand-written loops.
+
+The Fabric twin of ``lit_dp.PaddleDPStrategy``, as Lightning has a ``DDPStrategy`` in
+``lightning.fabric.strategies`` next to the Trainer's: same options, same registered names, the
+same ``lit_dp.DataParallel``. ``fabric.setup(model, optimizer)`` wraps the model,
+``fabric.backward`` synchronises, ``fabric.no_backward_sync(model)`` is ``DataParallel.no_sync``,
+and checkpoints hold the bare module's state (no wrapper prefix).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import override
+
+from lit_dp.data_parallel import DataParallel
+from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel_env
+from lit_dp.options import FABRIC, Options, options_doc
+from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
+
+FABRIC_UNUSED_PARAMETERS_MESSAGE = (
+    "It looks like your model has parameters that were not used in producing the loss passed to "
+    "fabric.backward. If this is intentional, you must enable the detection of unused parameters in lit_dp, either "
+    "by setting the string value `Fabric(strategy='paddle_dp_find_unused_parameters_true')` or by setting the flag "
+    "in the strategy with `Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(find_unused_parameters=True))`."
+)
+
+
+class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
+    """Data parallelism with lit_dp's bucketed reducer in Fabric, one process per device.
+
+    The first five arguments are Lightning's, set by Fabric. The options (``lit_dp.options``)
+    are keyword arguments (Lightning ``DDPStrategy``'s names accepted for ours), or one
+    ``options=Options.build(...)`` already validated:
+{options}
+
+    Read the statistics with ``module.comm_stats()``. LocalSGD, which acts after each optimizer
+    step, is ``lit_dp.LocalSGD`` in a Fabric loop. One device gets a process group of one rank
+    and a wrapped model, as under Fabric's ``"ddp"``.
+    """
+
+    _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)
+    _unused_parameters_message = FABRIC_UNUSED_PARAMETERS_MESSAGE
+    _options_scope = FABRIC
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        options: Options | None = None,
+        **values: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=default_cluster_environment(cluster_environment),
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._keep_options(options, values)
+        self._backward_sync_control = _PaddleDPBackwardSyncControl()
+
+    @property
+    def comm_buffer_size(self) -> float | str:
+        return self._options.comm_buffer_size
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._init_process_group()
+
+    @override
+    def setup_module(self, module: Module) -> DataParallel:
+        return self._wrap(module, self._options)
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        module.to(self.root_device)
+
+    @override
+    def all_reduce(
+        self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return broadcast_object(obj, src)
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        if isinstance(module, DataParallel):
+            module = module.module
+        return super().get_module_state_dict(module)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        if isinstance(module, DataParallel):
+            module = module.module
+        super().load_module_state_dict(module=module, state_dict=state_dict, strict=strict)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        destroy_parallel_env()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_families(strategy_registry, cls)
+
+
+class _PaddleDPBackwardSyncControl(_BackwardSyncControl):
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        """``DataParallel.no_sync``: forward and backward inside accumulate gradients locally."""
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, DataParallel):
+            raise TypeError(
+                "Blocking backward sync is only possible if the module passed to"
+                f" `{self.__class__.__name__}.no_backward_sync` is wrapped in `lit_dp.DataParallel`."
+                f" Got: {module.__class__.__name__}."
+            )
+        return module.no_sync()
+
+
+PaddleDPStrategy.__doc__ = PaddleDPStrategy.__doc__.format(options=options_doc(FABRIC))
+# `import lit_dp` loads this module once Lightning is imported (see lit_dp/__init__.py).
+PaddleDPStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -1,0 +1,185 @@
+"""Callbacks the recipes share: a start-up summary line, throughput meters, compilation."""
+
+from __future__ import annotations
+
+import time
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+
+from lit_dp.strategies.trainer import PaddleDPStrategy
+
+
+def describe_strategy(strategy: Strategy, world_size: int) -> str:
+    """One line with the strategy, backend, world size, devices and bucket sizes in effect."""
+    if isinstance(strategy, PaddleDPStrategy):
+        return strategy.describe()
+    devices = [str(d) for d in getattr(strategy, "parallel_devices", None) or [strategy.root_device]]
+    line = f"strategy={type(strategy).__name__} world_size={world_size} devices={devices}"
+    if isinstance(strategy, DDPStrategy):
+        cap = strategy._ddp_kwargs.get("bucket_cap_mb", 25)
+        line += f" backend={strategy.process_group_backend} bucket_cap_mb={cap}MB"
+    return line
+
+
+class RunSummary(pl.Callback):
+    """Prints, on rank 0 once the processes are up, the parallel settings actually in effect."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.is_global_zero:
+            print(f"[lit_dp] {describe_strategy(trainer.strategy, trainer.world_size)}", flush=True)
+
+
+class StepThroughput(pl.Callback):
+    """Logs ``samples_per_sec`` (all ranks together) over the steps so far, after ``warmup`` steps.
+
+    Validation and epoch boundaries are excluded: only training steps are timed.
+    """
+
+    def __init__(self, warmup: int = 5) -> None:
+        self.warmup = warmup
+        self._started: float | None = None
+        self._samples = 0
+        self._seconds = 0.0
+        self._steps = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._samples, self._seconds, self._steps = 0, 0.0, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._steps += 1
+        if self._steps > self.warmup and self._started is not None:
+            self._seconds += time.perf_counter() - self._started
+            self._samples += len(batch[0]) * trainer.world_size
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._seconds > 0:
+            pl_module.log("samples_per_sec", self._samples / self._seconds, rank_zero_only=True)
+
+
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendor's data sheets; the first
+# name contained in torch.cuda.get_device_name() wins, so the PCIe H100 precedes the SXM one.
+PEAK_BF16_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+}
+BF16_PRECISIONS = ("bf16-mixed", "bf16-true", "bf16")
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a known GPU, by the name CUDA reports; None for others."""
+    return next((peak for name, peak in PEAK_BF16_FLOPS.items() if name in device_name), None)
+
+
+class TokenThroughput(pl.Callback):
+    """Logs ``tokens_per_sec`` (all ranks together) and, when the peak is known, ``mfu``.
+
+    Tokens per step come from the batch's input shape; time is the wall clock from the end of
+    step ``warmup`` (so compilation is excluded) with validation left out, read after a device
+    synchronisation once per logging interval. MFU (model FLOPs utilisation, PaLM's appendix B)
+    is ``flops_per_token * tokens_per_sec / (peak * world_size)`` where the LightningModule has
+    ``flops_per_token(length)`` (``CharGPT`` has nanoGPT's estimate) and the peak is
+    ``peak_flops`` or, in bf16 precision on a GPU of ``PEAK_BF16_FLOPS``, its data-sheet value.
+    Elsewhere (CPU, unknown GPU, fp32) only tokens/s is logged.
+    """
+
+    def __init__(self, warmup: int = 10, peak_flops: float | None = None) -> None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"callbacks.throughput.warmup={warmup!r} is invalid: expected an integer >= 1.")
+        if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float)) or peak_flops <= 0):
+            raise ValueError(
+                f"callbacks.throughput.peak_flops={peak_flops!r} is invalid: expected a positive FLOP/s figure "
+                "(e.g. 989e12) or null."
+            )
+        self.warmup = warmup
+        self.peak_flops = peak_flops
+        self._steps = 0
+        self._tokens = 0
+        self._length = 0
+        self._seconds = 0.0
+        self._since: float | None = None  # wall clock of the last restart; None while paused
+        self._paused = False  # by validation
+
+    def _peak(self, trainer: pl.Trainer) -> float | None:
+        if self.peak_flops is not None:
+            return float(self.peak_flops)
+        device = trainer.strategy.root_device
+        if device.type != "cuda" or str(trainer.precision) not in BF16_PRECISIONS:
+            return None
+        return peak_bf16_flops(torch.cuda.get_device_name(device))
+
+    def _now(self, trainer: pl.Trainer) -> float:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)  # the host runs ahead of the GPU
+        return time.perf_counter()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._steps, self._tokens, self._seconds, self._since, self._paused = 0, 0, 0.0, None, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._steps += 1
+        if self._steps == self.warmup:
+            self._since = self._now(trainer)
+            return
+        if self._since is None:
+            return
+        inputs = batch[0]
+        self._tokens += inputs.numel() * trainer.world_size
+        self._length = inputs.shape[-1]
+        if trainer.global_step % trainer.log_every_n_steps == 0:
+            self._log(trainer, pl_module)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._since is not None:
+            now = self._now(trainer)
+            self._seconds += now - self._since
+            self._since = None
+            self._paused = True
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._paused:
+            self._paused = False
+            self._since = self._now(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._since is not None and self._tokens:
+            self._log(trainer, pl_module)
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        now = self._now(trainer)
+        self._seconds += now - self._since
+        self._since = now
+        tokens_per_sec = self._tokens / self._seconds
+        pl_module.log("tokens_per_sec", tokens_per_sec, rank_zero_only=True)
+        peak = self._peak(trainer)
+        flops_per_token = getattr(pl_module, "flops_per_token", None)
+        if peak is not None and flops_per_token is not None:
+            mfu = flops_per_token(self._length) * tokens_per_sec / (peak * trainer.world_size)
+            pl_module.log("mfu", mfu, rank_zero_only=True)
+
+
+class CompileModel(pl.Callback):
+    """Compiles the LightningModule's forward with ``torch.compile`` in every rank (``compile=true``).
+
+    ``nn.Module.compile`` compiles in place, so the model stays a LightningModule: Lightning
+    refuses the ``OptimizedModule`` that ``torch.compile(model)`` returns with any strategy but
+    its own DDP, FSDP and single-device ones (``_verify_strategy_supports_compile``). It runs in
+    ``setup``, after the ranks are launched and before the strategy wraps the model, because a
+    compiled forward does not survive pickling to spawned ranks (``nn.Module.__getstate__``
+    drops it). The strategy then wraps a compiled module: ``DataParallel(torch.compile(model))``.
+    """
+
+    def __init__(self, backend: str = "inductor") -> None:
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in backends:
+            raise ValueError(f"compile_backend={backend!r} is invalid: expected a torch.compile backend, one of {backends}.")
+        self.backend = backend
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        pl_module.compile(backend=self.backend)

@@ -1,0 +1,143 @@
+"""Structured configs for the recipes: typed Hydra schemas for ``strategy=`` and ``trainer=``.
+
+The strategy schemas are generated from ``lit_dp.options.Options``, the one declaration of
+lit_dp's options: every field of the strategy's scope that a command line can express, with
+its default. Hydra checks the types when it composes (``strategy.nrings=abc`` fails there);
+the values themselves are checked once, by ``Options.build`` in ``build_strategy``, which
+``train`` calls before anything else, and the strategy receives them built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra.utils import get_method, instantiate
+from lightning.pytorch.strategies import DDPStrategy
+from omegaconf import DictConfig, OmegaConf
+
+from lit_dp.options import DDP, TRAINER, Options, option_fields
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+
+
+def strategy_schema(name: str, target: str, scope: str) -> type:
+    """A Hydra schema with ``_target_`` and the command-line options of ``scope``."""
+    fields: list[tuple[str, Any, Any]] = [("_target_", str, dataclasses.field(default=target))]
+    for option in option_fields(scope):
+        config_type = option.metadata["config"]
+        if config_type is None:
+            continue  # a Python object (a hook callable, its state): not expressible in YAML
+        default = option.default
+        if isinstance(default, tuple):  # OmegaConf keeps sequences as lists
+            fields.append((option.name, config_type, dataclasses.field(default_factory=lambda d=default: list(d))))
+        else:
+            fields.append((option.name, config_type, dataclasses.field(default=default)))
+    return dataclasses.make_dataclass(name, fields)
+
+
+# Options tagged `ddp`: the recipes' torch-DDP config shares our names for side-by-side runs.
+PaddleDPStrategyConfig = strategy_schema("PaddleDPStrategyConfig", "lit_dp.PaddleDPStrategy", TRAINER)
+DDPStrategyConfig = strategy_schema("DDPStrategyConfig", "lit_dp_recipes.config.ddp_strategy", DDP)
+
+
+@dataclass
+class TrainerConfig:
+    """The ``lightning.pytorch.Trainer`` arguments the recipes expose."""
+
+    _target_: str = "lightning.pytorch.Trainer"
+    accelerator: str = "cpu"  # cpu, gpu, cuda, mps or auto
+    devices: Any = 2  # processes per node: a positive integer, "auto", or a list of device ids
+    num_nodes: int = 1
+    max_epochs: Optional[int] = None
+    max_steps: int = -1
+    precision: Any = "32-true"
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = None
+    log_every_n_steps: int = 10
+    val_check_interval: Any = None
+    limit_train_batches: Any = None
+    limit_val_batches: Any = None
+    enable_progress_bar: bool = True
+    enable_checkpointing: bool = True
+    enable_model_summary: bool = True
+    default_root_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check_choice("trainer.accelerator", self.accelerator, ACCELERATORS)
+        devices = self.devices
+        valid = (
+            devices == "auto"
+            or (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1)
+            or (isinstance(devices, (list, tuple)) and devices and all(isinstance(d, int) and d >= 0 for d in devices))
+        )
+        if not valid:
+            raise ValueError(
+                f"trainer.devices={devices!r} is invalid: expected a positive integer, 'auto', "
+                "or a list of device ids such as [0,1]."
+            )
+        for option in ("num_nodes", "accumulate_grad_batches"):
+            value = getattr(self, option)
+            if value < 1:
+                raise ValueError(f"trainer.{option}={value!r} is invalid: expected an integer >= 1.")
+        if self.max_epochs is not None and self.max_epochs < -1:
+            raise ValueError(f"trainer.max_epochs={self.max_epochs!r} is invalid: expected >= -1 (or null).")
+
+
+def ddp_strategy(options: Options | None = None, **values: Any) -> DDPStrategy:
+    """Lightning's ``DDPStrategy`` configured from lit_dp's option names (validated like ours)."""
+    options = options if options is not None else Options.build(values, DDP)
+    # last_comm_buffer_size has no DDP counterpart (DDP sizes its first bucket itself): accepted
+    # so that one sweep covers both strategies.
+    return DDPStrategy(
+        bucket_cap_mb=options.comm_buffer_size,
+        find_unused_parameters=options.find_unused_parameters,
+        gradient_as_bucket_view=options.gradient_as_bucket_view,
+        process_group_backend=None if options.backend == "auto" else options.backend,
+        timeout=timedelta(seconds=options.timeout if options.timeout is not None else 1800),
+        start_method=options.start_method,
+    )
+
+
+STRATEGY_SCOPES = {PaddleDPStrategyConfig: TRAINER, DDPStrategyConfig: DDP}
+SCHEMAS = {
+    ("strategy", "paddle_dp_schema"): PaddleDPStrategyConfig,
+    ("strategy", "ddp_schema"): DDPStrategyConfig,
+    ("trainer", "trainer_schema"): TrainerConfig,
+}
+
+
+def register_configs() -> None:
+    """Make the schemas available to ``conf/`` (``defaults: [paddle_dp_schema]`` and so on)."""
+    store = ConfigStore.instance()
+    for (group, name), schema in SCHEMAS.items():
+        store.store(group=group, name=name, node=schema)
+
+
+def build_strategy(node: DictConfig) -> Any:
+    """The strategy ``cfg.strategy`` describes, its options validated once, named as on the command line.
+
+    A config of lit_dp's schemas is validated by ``Options.build`` (errors read
+    ``strategy.comm_buffer_size=-1.0 is invalid: ...``) and handed over built; any other
+    strategy config is instantiated as it is.
+    """
+    scope = STRATEGY_SCOPES.get(OmegaConf.get_type(node))
+    if scope is None:
+        return instantiate(node)
+    values = OmegaConf.to_container(node, resolve=True)
+    target = get_method(values.pop("_target_"))
+    return target(options=Options.build(values, scope, prefix="strategy."))
+
+
+def validate_trainer(cfg: DictConfig) -> None:
+    """Check the trainer section (``TrainerConfig.__post_init__``); raises ``ValueError`` naming the key."""
+    if OmegaConf.get_type(cfg.trainer) is TrainerConfig:
+        OmegaConf.to_object(cfg.trainer)
+
+
+def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value.lower() not in allowed:
+        raise ValueError(f"{option}={value!r} is invalid: expected one of {', '.join(allowed)}.")

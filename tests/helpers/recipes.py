@@ -1,0 +1,53 @@
+"""Running the recipes and benchmarks as a user does, and composing their configs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from lit_dp_recipes.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = ROOT / "conf"
+QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+
+
+def run_recipe(name: str, *overrides: str, timeout: float = 240, env: dict[str, str] | None = None) -> str:
+    """``python recipes/<name>.py overrides...``; its output, or a failure showing the end of it."""
+    return _run([sys.executable, str(ROOT / "recipes" / f"{name}.py"), *overrides], f"recipes/{name}.py", timeout, env)
+
+
+def run_benchmark(name: str, *overrides: str, timeout: float = 240) -> str:
+    """``python -m benchmarks.<name> overrides...`` from the repository root; its output."""
+    return _run([sys.executable, "-m", f"benchmarks.{name}", *overrides], f"benchmarks/{name}.py", timeout, None)
+
+
+def _run(command: list[str], label: str, timeout: float, env: dict[str, str] | None) -> str:
+    result = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{label} failed ({result.returncode}):\n{output[-4000:]}"
+    return output
+
+
+def final_metrics(output: str) -> dict[str, float]:
+    line = next(line for line in output.splitlines() if line.startswith("[lit_dp] final "))
+    return {key: float(value) for key, value in re.findall(r"(\w+)=([-\d.]+)", line)}
+
+
+def compose_config(name: str, overrides: list[str], tmp_path: Path):
+    """The recipe config ``name`` with ``overrides``, writing under ``tmp_path``."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=name, overrides=[f"paths.output_dir={tmp_path}", *overrides])

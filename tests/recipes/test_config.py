@@ -1,0 +1,147 @@
+"""Every config composes and instantiates; bad values fail with the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+
+from lit_dp import PaddleDPStrategy
+from lit_dp import Options
+from lit_dp_recipes.config import PaddleDPStrategyConfig, build_strategy, register_configs, validate_trainer
+from lit_dp_recipes.train import train
+from tests.helpers.recipes import CONF, compose_config
+
+PRIMARY = ["digits", "charlm", "benchmark"]
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+register_configs()
+
+
+@pytest.mark.parametrize("name", PRIMARY)
+@pytest.mark.parametrize("strategy", ["paddle_dp", "ddp"])
+def test_primary_configs_compose_and_instantiate(name, strategy, tmp_path):
+    cfg = compose_config(name, [f"strategy={strategy}"], tmp_path)
+    validate_trainer(cfg)
+    assert isinstance(instantiate(cfg.model, _convert_="all"), pl.LightningModule)
+    assert isinstance(instantiate(cfg.data, _convert_="all"), pl.LightningDataModule)
+    built = build_strategy(cfg.strategy)
+    assert isinstance(built, PaddleDPStrategy) == (strategy == "paddle_dp")
+    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
+    trainer = instantiate(cfg.trainer, strategy=built, callbacks=callbacks, logger=False)
+    assert trainer.strategy is built
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_configs_compose(experiment, tmp_path):
+    primary = "charlm" if experiment.startswith("charlm") else "digits"
+    cfg = compose_config(primary, [f"experiment={experiment}"], tmp_path)
+    validate_trainer(cfg)
+    build_strategy(cfg.strategy)
+
+
+def test_overrides_reach_the_strategy(tmp_path):
+    cfg = compose_config(
+        "digits",
+        ["strategy.comm_buffer_size=5", "strategy.backend=gloo", "strategy.nrings=2", "trainer.devices=3"],
+        tmp_path,
+    )
+    strategy = build_strategy(cfg.strategy)
+    assert (strategy.comm_buffer_size, strategy.process_group_backend, strategy.options.nrings) == (5, "gloo", 2)
+    assert cfg.trainer.devices == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("strategy.comm_buffer_size=-1", r"strategy.comm_buffer_size=-1 is invalid: expected a positive number"),
+        ("strategy.comm_buffer_size=abc", r"strategy.comm_buffer_size='abc' is invalid: .* megabytes or 'auto'"),
+        ("strategy.last_comm_buffer_size=0", r"strategy.last_comm_buffer_size=0.0 is invalid"),
+        ("strategy.backend=foo", r"strategy.backend='foo' is invalid: expected 'auto', a backend torch.distributed reports available"),
+        ("strategy.nrings=9", r"strategy.nrings=9 is invalid: expected an integer in \[1, 8\]"),
+        ("strategy.timeout=-5", r"strategy.timeout=-5.0 is invalid: expected a positive duration"),
+        ("strategy.start_method=thread", r"strategy.start_method='thread' is invalid"),
+        ("trainer.devices=zero", r"trainer.devices='zero' is invalid: expected a positive integer, 'auto'"),
+        ("trainer.devices=0", r"trainer.devices=0 is invalid"),
+        ("trainer.accelerator=tpuu", r"trainer.accelerator='tpuu' is invalid: expected one of"),
+        ("trainer.num_nodes=0", r"trainer.num_nodes=0 is invalid: expected an integer >= 1"),
+    ],
+)
+def test_bad_values_fail_in_train_before_anything_is_built(override, message, tmp_path, monkeypatch):
+    cfg = compose_config("digits", [override], tmp_path)
+    monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
+    with pytest.raises(ValueError, match=message):
+        train(cfg)
+
+
+def _must_not_be_called(*args, **kwargs):
+    raise AssertionError("a Trainer was built from an invalid config")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("strategy.find_unused_parameters=maybe", "find_unused_parameters"),
+        ("strategy.bucket_size=5", "bucket_size"),
+    ],
+)
+def test_wrong_types_and_unknown_keys_fail_at_composition(override, message, tmp_path):
+    with pytest.raises(ConfigCompositionException) as error:
+        compose_config("digits", [override], tmp_path)
+    assert message in str(error.value) + str(error.value.__cause__)
+
+
+def test_structured_config_is_generated_from_the_one_declaration_of_options():
+    schema = vars(PaddleDPStrategyConfig())
+    defaults = PaddleDPStrategy().options
+    assert schema.pop("_target_") == "lit_dp.PaddleDPStrategy"
+    # Every option a command line can express, with the library's default; Python objects stay out.
+    assert {name: getattr(defaults, name) for name in schema} == {
+        name: tuple(value) if isinstance(value, list) else value for name, value in schema.items()
+    }
+    assert {"comm_state", "comm_wrapper"}.isdisjoint(schema) and "comm_hook" in schema
+    assert Options.build({name: getattr(defaults, name) for name in schema}, "trainer") == defaults
+
+
+def test_slurm_launcher_config_composes(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs the lit_dp[slurm] extra")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("digits", overrides=["hydra/launcher=slurm_gpu", "trainer=multinode"], return_hydra_config=True)
+    assert cfg.hydra.launcher.nodes == 2
+
+
+def test_tensorboard_logger_is_skipped_where_tensorboard_is_missing(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_dp_recipes import train as train_module
+
+    cfg = compose_config("digits", [], tmp_path)
+    real_find_spec = train_module.importlib.util.find_spec
+    monkeypatch.setattr(
+        train_module.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real_find_spec(name)
+    )
+    loggers = train_module._loggers(cfg.logger)
+    assert [type(logger) for logger in loggers] == [CSVLogger]
+
+
+def test_charlm_gpt2_experiment_is_gpt2_small_compiled_in_bf16(tmp_path):
+    cfg = compose_config("charlm", ["experiment=charlm_gpt2"], tmp_path)
+    validate_trainer(cfg)
+    assert (cfg.compile, cfg.compile_backend) == (True, "inductor")
+    assert (cfg.trainer.accelerator, cfg.trainer.precision) == ("gpu", "bf16-mixed")
+    with torch.device("meta"):  # 86M parameters: no memory needed to check the shape
+        model = instantiate(cfg.model, _convert_="all")
+    assert (model.hparams.n_layer, model.hparams.n_head, model.hparams.n_embd, model.hparams.block_size) == (12, 12, 768, 1024)
+    assert instantiate(cfg.callbacks.throughput).peak_flops is None
+
+
+def test_bad_compile_options_fail_in_train_before_anything_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
+    with pytest.raises(ValueError, match=r"compile='maybe' is invalid: expected true or false"):
+        train(compose_config("charlm", ["compile=maybe"], tmp_path))
+    with pytest.raises(ValueError, match=r"compile_backend='inductr' is invalid: expected a torch.compile backend"):
+        train(compose_config("charlm", ["compile=true", "compile_backend=inductr"], tmp_path))

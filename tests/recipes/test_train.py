@@ -1,0 +1,110 @@
+"""The recipes end to end, as a user runs them: `python recipes/<name>.py overrides...`.
+
+Each run is a real 2-process job under Lightning's subprocess launcher (except the benchmark,
+whose multirun needs the spawn launcher).
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lit_dp_recipes as lit_dp_recipes
+from tests.helpers.recipes import QUIET, ROOT, final_metrics, run_benchmark, run_recipe
+
+@pytest.mark.slow
+def test_digits_trains_to_95_percent_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    output = run_recipe("digits", *QUIET, "trainer.max_epochs=12", "strategy.comm_buffer_size=5", f"hydra.run.dir={run_dir}")
+    summary = next(line for line in output.splitlines() if line.startswith("[lit_dp] strategy="))
+    assert "backend=gloo world_size=2" in summary and "comm_buffer_size=5.0MB" in summary
+    assert final_metrics(output)["val_acc"] >= 0.95
+    # One folder for the run, shared by both ranks; Lightning's CSV log and checkpoints in it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert list(run_dir.glob("csv/version_*/metrics.csv"))
+
+    resumed = run_recipe(
+        "digits", *QUIET, "trainer.max_epochs=13", f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+        f"hydra.run.dir={tmp_path / 'resumed'}",
+    )
+    assert "Restoring states from the checkpoint path" in resumed
+    assert final_metrics(resumed)["val_acc"] >= 0.95
+
+
+@pytest.mark.slow
+def test_charlm_compiled_runs_a_few_steps_and_logs_tokens_per_second_and_mfu(tmp_path):
+    from lit_dp_recipes.charlm import CharGPT
+
+    output = run_recipe(
+        "charlm", *QUIET, "experiment=charlm_tiny", "compile=true", "compile_backend=aot_eager",
+        "+callbacks.throughput._target_=lit_dp_recipes.callbacks.TokenThroughput", "+callbacks.throughput.warmup=2",
+        "+callbacks.throughput.peak_flops=1e6",  # a made-up peak: CPUs have no entry in the table
+        f"hydra.run.dir={tmp_path}",
+        env={"TORCH_LOGS": "graph_code"},  # dynamo prints each graph it compiles, tagged with the rank
+    )
+    metrics = final_metrics(output)
+    assert 0 < metrics["val_loss"] < 6.0  # below a uniform guess over 256 bytes (ln 256 = 5.55) plus slack
+    assert metrics["tokens_per_sec"] > 0
+    flops_per_token = CharGPT(block_size=32, n_layer=1, n_head=2, n_embd=32).flops_per_token(32)  # charlm_tiny
+    expected_mfu = flops_per_token * metrics["tokens_per_sec"] / (1e6 * 2)  # 2 ranks
+    assert metrics["mfu"] == pytest.approx(expected_mfu, rel=1e-3)
+    compiled = [line for line in output.splitlines() if "===== __compiled_fn" in line]
+    assert any(line.startswith("[rank0]") for line in compiled) and any(line.startswith("[rank1]") for line in compiled)
+
+
+def test_bad_override_fails_before_any_process_starts(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "digits.py"), "strategy.comm_buffer_size=-1", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "strategy.comm_buffer_size=-1 is invalid: expected a positive number of megabytes" in result.stderr
+    assert "[lit_dp] strategy=" not in result.stdout
+    assert not list(tmp_path.glob("train_ddp_process_*.log")), "a rank was started"
+
+
+@pytest.mark.slow
+def test_benchmark_multirun_writes_table_and_plot(tmp_path):
+    run_benchmark(
+        "bench_training_sweep",
+        "-m",
+        "strategy=paddle_dp,ddp",
+        "strategy.comm_buffer_size=1",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=8",
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    table = (tmp_path / "throughput.md").read_text()
+    assert "| paddle_dp | 1 |" in table and "| ddp | 1 |" in table
+    assert (tmp_path / "throughput.png").stat().st_size > 1000
+    assert (tmp_path / "exposed.png").stat().st_size > 1000  # paddle_dp's comm_stats, plotted per size
+
+
+def test_reducer_benchmark_prints_ratios(tmp_path):
+    output = run_benchmark(
+        "bench_reducer", "steps=1", "warmup=1", "rounds=3", "models=[many_small]", "measure_memory=false",
+        f"hydra.run.dir={tmp_path}",
+    )
+    [row] = [line for line in output.splitlines() if line.startswith("| many_small |")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    no_sync, ddp, ours, ratio, ddp_per_tensor, ours_per_tensor = (float(cell) for cell in cells[3:])
+    assert 0 < no_sync and 0 < ddp and 0 < ours
+    assert ratio == pytest.approx(ours / ddp, abs=1e-3)
+    tensors = int(cells[1])
+    rounding = 2 * 0.005e3 / tensors + 0.005  # the times are printed to 0.01 ms, the costs to 0.01 us
+    assert ours_per_tensor == pytest.approx((ours - no_sync) * 1e3 / tensors, abs=rounding)
+    assert ddp_per_tensor == pytest.approx((ddp - no_sync) * 1e3 / tensors, abs=rounding)
+
+
+@pytest.mark.parametrize("path", sorted(Path(lit_dp_recipes.__file__).parent.glob("*.py")), ids=lambda p: p.stem)
+def test_every_recipe_module_imports(path):
+    # Benchmarks run only by hand must not rot: their imports at least are checked here.
+    importlib.import_module(f"lit_dp_recipes.{path.stem}")

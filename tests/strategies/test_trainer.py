@@ -1,0 +1,232 @@
+"""Trainer(strategy="paddle_dp") against Trainer(strategy="ddp") on 2 CPU processes."""
+
+from __future__ import annotations
+
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lit_dp import PaddleDPStrategy, PaddleEnvironment
+from tests.helpers.distributed import run_ranks
+from tests.helpers.lightning import REGISTERED, Regressor, assert_same_weights, fit_weights, trainer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_same_weights_as_ddp(tmp_path, accumulate):
+    ours = fit_weights("paddle_dp_spawn", tmp_path, accumulate_grad_batches=accumulate)
+    theirs = fit_weights("ddp_spawn", tmp_path, accumulate_grad_batches=accumulate)
+    assert_same_weights(ours, theirs)
+    untrained = Regressor().state_dict()
+    assert not torch.equal(ours["net.0.weight"], untrained["net.0.weight"]), "training changed nothing"
+
+
+@pytest.mark.slow
+def test_manual_optimization_matches_ddp(tmp_path):
+    ours = fit_weights("paddle_dp_spawn", tmp_path, module=Regressor(manual=True))
+    theirs = fit_weights("ddp_spawn", tmp_path, module=Regressor(manual=True))
+    assert_same_weights(ours, theirs)
+
+
+def test_sync_dist_logging_averages_over_ranks(tmp_path):
+    run = trainer("paddle_dp_spawn", tmp_path, max_epochs=1, limit_train_batches=2)
+    run.fit(Regressor())
+    assert run.callback_metrics["rank_mean"].item() == pytest.approx(0.5)
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
+    uninterrupted = fit_weights("paddle_dp_spawn", tmp_path / "a", max_epochs=4)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    first = trainer("paddle_dp_spawn", tmp_path / "b", enable_checkpointing=True, callbacks=[checkpoints])
+    first.fit(Regressor())
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["state_dict"]
+    assert not any(key.startswith(("_layers.", "module.")) for key in state), "wrapper prefix in checkpoint"
+    resumed = Regressor()
+    trainer("paddle_dp_spawn", tmp_path / "c", max_epochs=4).fit(resumed, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert_same_weights(resumed.state_dict(), uninterrupted)
+
+
+LIGHTNING_SENTENCE = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+    "training_step."
+)
+
+
+def test_unused_parameter_error_names_the_strategy_option(tmp_path):
+    with pytest.raises(Exception) as error:
+        trainer("paddle_dp_spawn", tmp_path, max_epochs=1).fit(Regressor(unused=True))
+    message = str(error.value)
+    assert message.startswith(LIGHTNING_SENTENCE), message
+    assert "spare.weight (missing on 2 of 2 ranks" in message
+    assert "strategy='paddle_dp_find_unused_parameters_true'" in message
+    assert "PaddleDPStrategy(find_unused_parameters=True)" in message
+
+
+def test_one_rank_failing_fails_the_job_quickly_with_its_error(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(Exception, match="deliberate failure on rank 1"):
+        trainer(PaddleDPStrategy(start_method="spawn", timeout=30), tmp_path, max_epochs=1).fit(Regressor(fail_rank=1))
+    assert time.monotonic() - started < 60
+
+
+def test_one_rank_dying_fails_the_job_quickly(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(Exception, match="process 1 terminated with exit code 7"):
+        trainer(PaddleDPStrategy(start_method="spawn", timeout=30), tmp_path, max_epochs=1).fit(
+            Regressor(fail_rank=1, die=True)
+        )
+    assert time.monotonic() - started < 60
+
+
+class UserSampler(Regressor):
+    """User code that calls torch.distributed unconditionally, as many datamodules and callbacks do."""
+
+    def train_dataloader(self):
+        dataset = super().train_dataloader().dataset
+        return DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, shuffle=False))
+
+
+class RecordGroup(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.seen = (dist.get_rank(), dist.get_world_size(), dist.get_backend())
+
+
+def test_one_device_is_a_one_rank_group_like_ddp(tmp_path):
+    """devices=1: a group of one rank and a wrapped model, so user code calling torch.distributed runs."""
+    weights = {}
+    for name in ("paddle_dp", "ddp"):
+        module, record = UserSampler(), RecordGroup()
+        trainer(name, tmp_path, devices=1, max_epochs=1, callbacks=[record]).fit(module)
+        assert record.seen == (0, 1, "gloo"), name
+        weights[name] = module.state_dict()
+        if name == "paddle_dp":
+            assert module.wrapper == "DataParallel"
+            assert not dist.is_initialized(), "teardown must destroy the one-rank group"
+    assert_same_weights(weights["paddle_dp"], weights["ddp"])
+    assert not torch.equal(weights["ddp"]["net.0.weight"], Regressor().state_dict()["net.0.weight"]), "no training"
+
+
+def test_one_device_unused_parameter_raises_as_on_many(tmp_path):
+    with pytest.raises(RuntimeError) as error:
+        trainer("paddle_dp", tmp_path, devices=1, max_epochs=1).fit(Regressor(unused=True))
+    message = str(error.value)
+    assert message.startswith(LIGHTNING_SENTENCE), message
+    assert "spare.weight (missing on 1 of 1 ranks, including this one)" in message
+    trainer("paddle_dp_find_unused_parameters_true", tmp_path, devices=1, max_epochs=1).fit(Regressor(unused=True))
+
+
+def test_one_device_benchmark_reports_ratios():
+    from benchmarks.one_device_benchmark import OneDeviceBenchmarkConfig, report, run
+
+    config = OneDeviceBenchmarkConfig(steps=1, warmup=1, rounds=1, models=("many_small",))
+    table = report(run(config), config)
+    assert "| lit_dp / bare | lit_dp / DDP |" in table and "| many_small |" in table
+    assert not dist.is_initialized(), "the benchmark must destroy the group it created"
+
+
+def test_backend_passes_through_to_the_process_group(tmp_path):
+    record = RecordGroup()
+    strategy = PaddleDPStrategy(backend=" CPU:Gloo ")  # torch's per-device form
+    trainer(strategy, tmp_path, devices=1, max_epochs=1, limit_train_batches=1, callbacks=[record]).fit(Regressor())
+    assert strategy.process_group_backend == "cpu:gloo"
+    assert record.seen == (0, 1, "cpu:gloo")
+    assert PaddleDPStrategy(backend="cpu:gloo,cuda:nccl").process_group_backend == "cpu:gloo,cuda:nccl"
+    assert PaddleDPStrategy(backend="GLOO").process_group_backend == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("no_such", r"backend='no_such' is invalid: expected 'auto', a backend .* available here \(gloo, nccl"),
+        ("cpu:gloo,cuda:no_such", r"backend\(s\) 'no_such' are not available .*; available: gloo, nccl"),
+        ("cpu:gloo,cpu:nccl", "expected '<device>:<backend>' pairs separated by commas, one per device type"),
+    ],
+)
+def test_unavailable_backend_is_a_clear_error(backend, message):
+    with pytest.raises(ValueError, match=message):
+        PaddleDPStrategy(backend=backend)
+
+
+@pytest.mark.skipif(dist.is_mpi_available(), reason="checks the error where torch has no MPI")
+def test_mpi_without_mpi_names_the_available_backends():
+    with pytest.raises(ValueError, match=r"backend='mpi' is invalid: .*available here \(gloo"):
+        PaddleDPStrategy(backend="mpi")
+
+
+def fit_twice_under_paddle_launcher(rank, tmp_path):
+    assert isinstance(PaddleDPStrategy().cluster_environment, PaddleEnvironment)
+    weights = []
+    for _ in range(2):  # a second fit in the same process must work after teardown
+        module = Regressor()
+        trainer(PaddleDPStrategy(), tmp_path, max_epochs=1).fit(module)
+        assert module.wrapper == "DataParallel"
+        assert not dist.is_initialized(), "teardown must destroy the process group"
+        weights.append(module.net[0].weight.sum().item())
+    return weights
+
+
+def test_paddle_launcher_variables_drive_lightning_and_a_second_fit_works(tmp_path):
+    results = run_ranks(fit_twice_under_paddle_launcher, 2, str(tmp_path), timeout=120)
+    assert results[0] == results[1]
+    assert results[0][0] == pytest.approx(results[0][1])
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("comm_buffer_size", -1, "comm_buffer_size=-1 is invalid: expected a positive number of megabytes"),
+        ("last_comm_buffer_size", 0, "last_comm_buffer_size=0 is invalid"),
+        ("backend", "nope", "backend='nope' is invalid: expected 'auto', a backend torch.distributed reports"),
+        ("nrings", 9, r"nrings=9 is invalid: expected an integer in \[1, 8\]"),
+        ("timeout", -3, "timeout=-3 is invalid: expected a positive duration"),
+        ("start_method", "thread", "start_method='thread' is invalid"),
+        ("find_unused_parameters", "yes", "find_unused_parameters='yes' is invalid: expected True or False"),
+    ],
+)
+def test_options_are_validated(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        PaddleDPStrategy(**{option: value})
+
+
+def launcher_start_method(launcher) -> str:
+    if isinstance(launcher, _SubprocessScriptLauncher):
+        return "popen"
+    assert isinstance(launcher, _MultiProcessingLauncher), type(launcher)
+    return launcher._start_method
+
+
+def test_the_families_mirror_lightnings_ddp_names():
+    ours = {name for name in StrategyRegistry.available_strategies() if name.startswith("paddle_dp")}
+    lightning = {name for name in StrategyRegistry.available_strategies() if name.startswith("ddp")}
+    assert ours == set(REGISTERED)
+    assert ours == {"paddle_dp" + name[len("ddp") :] for name in lightning}
+    for name, (start_method, find_unused) in REGISTERED.items():
+        twin = StrategyRegistry["ddp" + name[len("paddle_dp") :]]["init_params"]
+        assert (twin["start_method"], twin.get("find_unused_parameters", False)) == (start_method, find_unused), name
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED))
+def test_every_name_resolves_case_insensitively(name):
+    start_method, find_unused = REGISTERED[name]
+    for spelling in (name, name.upper()):
+        strategy = pl.Trainer(strategy=spelling, accelerator="cpu", devices=2, logger=False).strategy
+        assert type(strategy) is PaddleDPStrategy, spelling
+        assert launcher_start_method(strategy.launcher) == start_method, spelling
+        assert strategy.find_unused_parameters is find_unused, spelling
+
+
+def test_ddp_strategy_arguments_move_by_renaming_the_class():
+    moved = PaddleDPStrategy(bucket_cap_mb=5, process_group_backend="gloo", find_unused_parameters=True)
+    assert (moved.comm_buffer_size, moved.process_group_backend, moved.find_unused_parameters) == (5, "gloo", True)
+    with pytest.raises(ValueError, match=r"comm_buffer_size=10 and bucket_cap_mb=5 are the same option"):
+        PaddleDPStrategy(comm_buffer_size=10, bucket_cap_mb=5)
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=-1 is invalid"):
+        PaddleDPStrategy(bucket_cap_mb=-1)
