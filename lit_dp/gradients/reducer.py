@@ -40,6 +40,7 @@ from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.sparse import SparseBucket
+from lit_dp.gradients.waiting import UNWATCHED, Waiter
 
 UNUSED_PARAMETERS_HINT = (
     "If parameters are legitimately unused in some iterations, pass find_unused_parameters=True "
@@ -92,8 +93,10 @@ class Reducer:
         self._find_unused = find_unused_parameters
         self._as_view = gradient_as_bucket_view
         self._world_size = dist.get_world_size(self._rings[0])
+        self.divisor = self._world_size  # what gradients are divided by (lit_dp.join: the ranks still in)
         count = len(self._params)
         self._used = bytearray(count)  # a gradient was accumulated since the last synchronisation
+        self._nothing_used = bytearray(count)  # what a shadow step hands the buckets
         self._ready = bytearray(count)  # marked ready in the armed backward
         self._unreached: list[int] = []
         self._partial: set[int] = set()  # buckets holding parameters this backward cannot reach
@@ -110,6 +113,9 @@ class Reducer:
         self._observers: list[ReducerObserver] = []
         self._step = -1  # the synchronised step armed last
         self._requested_limits: list[int] | None = None
+        self._waiter: Waiter = UNWATCHED
+        self._shadowing = False  # in shadow_step: nothing of this rank's goes into the buckets
+        self._shadow_writes_back = False
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -137,6 +143,24 @@ class Reducer:
     def group(self) -> dist.ProcessGroup:
         """The ranks whose gradients are averaged (the first ring)."""
         return self._rings[0]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters (and so the buckets) live."""
+        return self._params[0].device
+
+    @property
+    def waiter(self) -> Waiter:
+        """How this reducer waits for its collectives (``set_waiter``)."""
+        return self._waiter
+
+    def set_waiter(self, waiter: Waiter) -> None:
+        """Wait for every collective of this reducer through ``waiter`` (the hang watchdog's)."""
+        self._waiter = waiter
+        for bucket in self._buckets:
+            bucket.waiter = waiter
+        if self._comm_hook is not None:
+            self._comm_hook.waiter = waiter
 
     def add_observer(self, observer: ReducerObserver) -> None:
         """Tell ``observer`` of every step's moments from now on (see ``lit_dp.gradients.events``)."""
@@ -171,6 +195,7 @@ class Reducer:
                 f"lit_dp: register_comm_hook({comm_hook.name}) must be called before the first synchronised backward."
             )
         self._comm_hook = comm_hook
+        comm_hook.waiter = self._waiter
         # The buckets were built without the hook (flags in the buffer, large gradients in place).
         self._rebuild(list(range(len(self._params))))
 
@@ -198,6 +223,28 @@ class Reducer:
             reached = _reached_parameters(outputs)
             self._unreached = [i for i, p in enumerate(self._params) if id(p) not in reached]
             self._partial = {self._bucket_of[i] for i in self._unreached}
+
+    def shadow_step(self, write_back: bool = False) -> None:
+        """Issue exactly the collectives of one synchronised step while contributing nothing.
+
+        For a rank that has run out of inputs (``lit_dp.join``): the step is counted and
+        announced to the observers, the buckets are rebuilt when a real step would rebuild them,
+        and they are launched in the same order as the other ranks', through the communication
+        hook if there is one, with zeros for gradients and flags of 0 ("not used here" with
+        ``find_unused_parameters``, "not missing here" without), so the flags' sums count only
+        the ranks that took the step. On the first step it takes part in the broadcast of the
+        agreed bucket order. ``write_back``: the averages land in ``.grad`` as after a real
+        step (the Trainer's joined rank then steps its optimizer like the others).
+        """
+        self.prepare_for_backward(None)
+        self._shadowing, self._shadow_writes_back = True, write_back
+        try:
+            self._started = True
+            for observer in self._observers:
+                observer.backward_started(self._step)
+            self._finalize_backward()
+        finally:
+            self._shadowing = self._shadow_writes_back = False
 
     def _make_hook(self, index: int):
         # A weak reference: the parameters outlive the reducer (the model is unwrapped after
@@ -258,13 +305,14 @@ class Reducer:
 
     def _launch_complete_buckets(self) -> None:
         buckets, pending, partial = self._buckets, self._pending, self._partial
+        used, flag_used = (self._nothing_used, True) if self._shadowing else (self._used, self._find_unused)
         while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
             position = self._next_bucket
             complete = self._armed and position not in partial
             if self._comm_hook is not None:
                 self._comm_hook.settle()
             bucket = buckets[position]
-            bucket.start(self._used, self._find_unused, self._world_size, complete)
+            bucket.start(used, flag_used, self.divisor, complete)
             if self._observers:
                 launch = BucketLaunch(self._step, position, bucket.indices, bucket.sent_bytes(), bucket.futures())
                 for observer in self._observers:
@@ -284,6 +332,8 @@ class Reducer:
         for bucket in buckets:
             bucket.wait()
         used, self._used = self._used, bytearray(len(self._params))
+        if self._shadowing:
+            used = bytearray(b"\x01") * len(used)  # this rank is not among those missing a gradient
         if self._find_unused:
             # Which parameters no rank used decides which .grad stay untouched: a host decision,
             # so the flags are read here (on CUDA the one synchronisation of such a step).
@@ -292,6 +342,8 @@ class Reducer:
             skipped = [()] * len(buckets)
             self._pending_flags.append(PendingFlags(buckets, used))
             self._check_pending_flags()  # at once where the flags are already on the host
+        if self._shadowing and not self._shadow_writes_back:
+            skipped = [range(len(bucket.indices)) for bucket in buckets]  # releases the buckets' results only
         for bucket, members in zip(buckets, skipped):
             bucket.write_back(self._as_view, members)
         if not self._rebuilt:
@@ -350,10 +402,13 @@ class Reducer:
         buffers are not alive together.
         """
         seen = set(self._order)
-        order = self._order + [i for i in range(len(self._params)) if i not in seen]
+        # Parameters not seen (all of them on a rank that joined before its first step) keep
+        # their place in the current launch order.
+        order = self._order + [i for i in reversed(self._forward_order()) if i not in seen]
         agreed = torch.tensor(order, dtype=torch.long, device=self._params[0].device)
         ring = self._rings[0]
-        dist.broadcast(agreed, src=dist.get_global_rank(ring, 0), group=ring)
+        work = dist.broadcast(agreed, src=dist.get_global_rank(ring, 0), group=ring, async_op=True)
+        self._waiter.wait(work, "the broadcast of the agreed bucket order")
         self._agreed_order = list(reversed(agreed.tolist()))
         self._rebuilt = True
 
@@ -393,6 +448,7 @@ class Reducer:
                 hook = None if self._comm_hook is None else (self._comm_hook, dense_index, dense_count)
                 bucket = DenseBucket(indices, params, ring, self._as_view, hook)
                 dense_index += 1
+            bucket.waiter = self._waiter
             self._buckets.append(bucket)
             for slot, index in enumerate(indices):
                 self._bucket_of[index] = position
