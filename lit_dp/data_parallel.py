@@ -236,6 +236,12 @@ class DataParallel(nn.Module, Joinable):
             notify(self)  # inside a Join context: "still in", before this step's collectives
             self._reducer.prepare_for_backward(outputs)
 
+    def shadow_backward(self) -> None:
+        """Take this step's synchronisation without a batch (the Trainer's ``uneven_inputs``):
+        the others' averaged gradients land in ``.grad``, nothing of this rank's is added."""
+        if self._reducer is not None and self.grad_need_sync and not self.skip_grad_sync:
+            self._reducer.shadow_step(write_back=True)
+
     def join(
         self,
         divide_by_initial_world_size: bool = True,

@@ -194,6 +194,7 @@ class HangWatchdog(ReducerObserver, Waiter):
         raise CollectiveHangError(summary)
 
     def _diagnose(self, what: str, since: float) -> str:
+        waited = time.monotonic() - since
         what, waited_bucket = (what, None) if what else self._bucket_waited_for()
         try:
             self._store.add(f"{self._prefix}/alarm", 1)
@@ -203,7 +204,7 @@ class HangWatchdog(ReducerObserver, Waiter):
             reports = {self._rank: self._report()}
             what += f" (the rendezvous store stopped answering: {error})"
         lines = [
-            f"lit_dp hang watchdog: on rank {self._rank}, {what} waited {time.monotonic() - since:.1f}s, longer than "
+            f"lit_dp hang watchdog: on rank {self._rank}, {what} waited {waited:.1f}s, longer than "
             f"hang_timeout={self._timeout:g}s (strategy option hang_timeout). Where each rank is:"
         ]
         lines += [f"  {_describe(rank, reports.get(rank), self._reply_seconds)}" for rank in self._ranks]
@@ -351,7 +352,9 @@ def _main_thread_position() -> str:
     if frame is None:
         return innermost
     user = _frame_text(frame)
-    return user if user == innermost else f"{user} (innermost: {innermost})"
+    if user == innermost or threading.current_thread() is threading.main_thread():
+        return user  # answering from the main thread: its innermost frames are the diagnosis itself
+    return f"{user} (innermost: {innermost})"
 
 
 def _frame_text(frame: Any) -> str:
