@@ -238,9 +238,10 @@ class DataParallel(nn.Module, Joinable):
 
     def shadow_backward(self) -> None:
         """Take this step's synchronisation without a batch (the Trainer's ``uneven_inputs``):
-        the others' averaged gradients land in ``.grad``, nothing of this rank's is added."""
+        gradients accumulated here since the last synchronisation count, and the averages land
+        in ``.grad`` (``Reducer.shadow_step``)."""
         if self._reducer is not None and self.grad_need_sync and not self.skip_grad_sync:
-            self._reducer.shadow_step(write_back=True)
+            self._reducer.shadow_step(takes_step=True)
 
     def join(
         self,

@@ -39,6 +39,7 @@ Limits, as in torch: collectives the join cannot see (``SyncBatchNorm``, the use
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -66,11 +67,21 @@ class JoinState:
     """What a ``DataParallel`` keeps for ``Join``: set by the hook, read by the notifications."""
 
     divide_by_initial_world_size: bool = True
-    local_sgd: LocalSGD | None = None  # set by lit_dp.LocalSGD: its collectives are part of a step
     steps: int = 0  # notifications sent by this rank, i.e. steps it took inside the context
     shadowed: int = 0  # steps shadowed after joining
     joined: bool = False
     context: int = 0  # which Join context of the job this is, the same on every rank (store keys)
+    # Set by lit_dp.LocalSGD: its collectives are part of a step. Weak, since the LocalSGD holds
+    # the model: a cycle would keep the process group (and its port) alive until a GC pass.
+    _local_sgd: weakref.ref[LocalSGD] | None = None
+
+    @property
+    def local_sgd(self) -> LocalSGD | None:
+        return self._local_sgd() if self._local_sgd is not None else None
+
+    @local_sgd.setter
+    def local_sgd(self, local_sgd: LocalSGD | None) -> None:
+        self._local_sgd = weakref.ref(local_sgd) if local_sgd is not None else None
 
 
 def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None) -> None:

@@ -212,7 +212,7 @@ class Options:
     )  # fmt: skip
     hang_timeout: Optional[float] = option(
         DEFAULT_HANG_TIMEOUT, "seconds a lit_dp collective may wait before the job ends naming the stuck rank, with "
-        "every rank's stack in <log dir>/lit_dp_hang; None: off",
+        "every rank's stack in <log dir>/lit_dp_hang (default 300, at most half of timeout); None: off",
         _optional_seconds, scope=EVERYWHERE, config=Optional[float],
     )  # fmt: skip
     uneven_inputs: bool = option(
@@ -258,6 +258,11 @@ class Options:
                     f"({name if name in aliases else first} is Lightning's DDPStrategy name for it): pass one of them."
                 )
             values[ours] = accepted[ours].metadata["check"](f"{prefix}{name}", value)
+        timeout = values.get("timeout")
+        if "hang_timeout" not in values and timeout is not None and "hang_timeout" in accepted:
+            # The default stays well under a process-group timeout shorter than itself.
+            seconds = parse_timeout("timeout", timeout).total_seconds()
+            values["hang_timeout"] = min(DEFAULT_HANG_TIMEOUT, seconds / 2)
         options = cls(**values)
         options._check_combinations(prefix)
         return options

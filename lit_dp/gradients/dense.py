@@ -119,13 +119,15 @@ class DenseBucket:
             futures.append(self.future)
         return futures
 
-    def start(self, used: bytearray, flag_used: bool, world_size: int, complete: bool = False) -> None:
+    def start(self, used: bytearray, flag_used: bool | None, world_size: int, complete: bool = False) -> None:
         """Scale the gradients (zeros where absent), set the flags and start the all-reduces.
 
         ``complete``: every member's gradient arrived in this backward (the reducer knows), so
         no member needs checking. A hook gets the gradients undivided: dividing is its job, as
         in torch DDP. ``world_size`` is the divisor: the group's size, or under ``lit_dp.join``
         the ranks still in, which an averaging all-reduce cannot divide by (it is summed then).
+        ``flag_used=None``: every flag 0, this rank neither using nor missing a parameter (a rank
+        that ran out of inputs, without ``find_unused_parameters``).
         """
         average = self.average_op if world_size == self.size else None
         # Flags are set with fills, never copied from host memory: on CUDA a copy from pageable
@@ -137,7 +139,7 @@ class DenseBucket:
             present = None
         else:
             present = [bool(used[i]) and p.grad is not None for i, p in zip(self.indices, self.params)]
-            absent = 0.0 if flag_used else one
+            absent = 0.0 if flag_used or flag_used is None else one
             for k, has_grad in enumerate(present):
                 if not has_grad:
                     self.flags[k].fill_(absent)

@@ -114,8 +114,8 @@ class Reducer:
         self._step = -1  # the synchronised step armed last
         self._requested_limits: list[int] | None = None
         self._waiter: Waiter = UNWATCHED
-        self._shadowing = False  # in shadow_step: nothing of this rank's goes into the buckets
-        self._shadow_writes_back = False
+        self._shadowing = False  # in shadow_step
+        self._shadow_takes_step = False
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -224,27 +224,31 @@ class Reducer:
             self._unreached = [i for i, p in enumerate(self._params) if id(p) not in reached]
             self._partial = {self._bucket_of[i] for i in self._unreached}
 
-    def shadow_step(self, write_back: bool = False) -> None:
-        """Issue exactly the collectives of one synchronised step while contributing nothing.
+    def shadow_step(self, takes_step: bool = False) -> None:
+        """Issue exactly the collectives of one synchronised step without a backward of this rank's.
 
         For a rank that has run out of inputs (``lit_dp.join``): the step is counted and
         announced to the observers, the buckets are rebuilt when a real step would rebuild them,
         and they are launched in the same order as the other ranks', through the communication
-        hook if there is one, with zeros for gradients and flags of 0 ("not used here" with
-        ``find_unused_parameters``, "not missing here" without), so the flags' sums count only
-        the ranks that took the step. On the first step it takes part in the broadcast of the
-        agreed bucket order. ``write_back``: the averages land in ``.grad`` as after a real
-        step (the Trainer's joined rank then steps its optimizer like the others).
+        hook if there is one. The rank is never counted as missing a gradient, so the flags'
+        sums count only the ranks that took the step. On the first step it takes part in the
+        broadcast of the agreed bucket order.
+
+        Under torch's ``Join`` (``takes_step=False``) it contributes zeros and leaves ``.grad``
+        alone, as DDP's joined ranks do. The Trainer's rank without a batch takes the step with
+        the others (``takes_step=True``): gradients it accumulated since the last
+        synchronisation (earlier micro-batches of an accumulation window) count, and the
+        averages land in ``.grad`` so that its optimizer steps like the others'.
         """
         self.prepare_for_backward(None)
-        self._shadowing, self._shadow_writes_back = True, write_back
+        self._shadowing, self._shadow_takes_step = True, takes_step
         try:
             self._started = True
             for observer in self._observers:
                 observer.backward_started(self._step)
             self._finalize_backward()
         finally:
-            self._shadowing = self._shadow_writes_back = False
+            self._shadowing = self._shadow_takes_step = False
 
     def _make_hook(self, index: int):
         # A weak reference: the parameters outlive the reducer (the model is unwrapped after
@@ -305,7 +309,10 @@ class Reducer:
 
     def _launch_complete_buckets(self) -> None:
         buckets, pending, partial = self._buckets, self._pending, self._partial
-        used, flag_used = (self._nothing_used, True) if self._shadowing else (self._used, self._find_unused)
+        used, flag_used = self._used, self._find_unused
+        if self._shadowing:  # flags: "used here" where it is, never "missing here" (None)
+            used = self._used if self._shadow_takes_step else self._nothing_used
+            flag_used = True if self._find_unused else None
         while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
             position = self._next_bucket
             complete = self._armed and position not in partial
@@ -342,7 +349,7 @@ class Reducer:
             skipped = [()] * len(buckets)
             self._pending_flags.append(PendingFlags(buckets, used))
             self._check_pending_flags()  # at once where the flags are already on the host
-        if self._shadowing and not self._shadow_writes_back:
+        if self._shadowing and not self._shadow_takes_step:
             skipped = [range(len(bucket.indices)) for bucket in buckets]  # releases the buckets' results only
         for bucket, members in zip(buckets, skipped):
             bucket.write_back(self._as_view, members)

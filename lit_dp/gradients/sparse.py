@@ -44,7 +44,7 @@ class SparseBucket:
         """Futures of the collectives started last: the values (Gloo only) and the flag."""
         return [work.get_future() for work in (self.work, self.flag_work) if work is not None]
 
-    def start(self, used: bytearray, flag_used: bool, world_size: int, complete: bool = False) -> None:
+    def start(self, used: bytearray, flag_used: bool | None, world_size: int, complete: bool = False) -> None:
         param = self.params[0]
         has_grad = bool(used[self.indices[0]]) and param.grad is not None
         if has_grad:
@@ -59,7 +59,7 @@ class SparseBucket:
                 param.shape,
             )
         self.gradient = gradient
-        self.flags.fill_(float(has_grad == flag_used))
+        self.flags.fill_(0.0 if flag_used is None else float(has_grad == flag_used))
         if self.native:
             self.work = dist.all_reduce(self.gradient, group=self.ring, async_op=True)
         self.flag_work = dist.all_reduce(self.flags, group=self.ring, async_op=True)

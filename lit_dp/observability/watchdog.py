@@ -79,11 +79,15 @@ class HangWatchdog(ReducerObserver, Waiter):
     def __init__(self, reducer: Reducer, hang_timeout: float, store: dist.Store, directory: str | None) -> None:
         self.directory = directory or os.getcwd()
         self.joined = False  # set by lit_dp.join while this rank shadows the others
-        self._reducer = reducer
+        # Weak: the reducer holds this watchdog (observer, waiter); a cycle would keep its process
+        # group, and so rank 0's rendezvous port, alive after the group is destroyed.
+        self._reducer = weakref.ref(reducer)
         self._timeout = hang_timeout
         self._deadline = timedelta(seconds=hang_timeout)
         self._timed = dist.get_backend(reducer.group) != "nccl"
-        self._store = store
+        # The store is looked up at each use, never kept: holding it would keep rank 0's
+        # rendezvous port open after the group is destroyed (a second fit could not bind it).
+        self._world = weakref.ref(dist.group.WORLD)
         self._rank = dist.get_rank()
         self._ranks = dist.get_process_group_ranks(reducer.group)
         # Every rank starts one watchdog per DataParallel, in the same order: the n-th gets the same number everywhere.
@@ -121,6 +125,13 @@ class HangWatchdog(ReducerObserver, Waiter):
     @property
     def hang_timeout(self) -> float:
         return self._timeout
+
+    @property
+    def _store(self) -> dist.Store:
+        store = rendezvous_store() if not self._stop.is_set() else None
+        if store is None or dist.group.WORLD is not self._world():
+            raise RuntimeError("lit_dp hang watchdog: the process group it watched is gone")
+        return store
 
     def close(self) -> None:
         """Stop the thread and faulthandler's timer."""
@@ -255,7 +266,7 @@ class HangWatchdog(ReducerObserver, Waiter):
             "pid": os.getpid(),
             "step": self._step,
             "launched": self._launched,
-            "buckets": len(self._reducer.bucket_bytes),
+            "buckets": len(reducer.bucket_bytes) if (reducer := self._reducer()) is not None else 0,
             "state": state,
             "where": _main_thread_position(),
         }

@@ -193,7 +193,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             )
         # The exchange runs on the host: under NCCL on a Gloo group of its own.
         group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
-        uneven = UnevenInputs(group, lambda: model.reducer.waiter if model.reducer is not None else None)
+        uneven = UnevenInputs(group, model.reducer.waiter)
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, UnevenMetricsCallback)]
         trainer.callbacks.append(UnevenMetricsCallback(uneven))
         return uneven
 
@@ -393,7 +394,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def teardown(self) -> None:
         lightning_module = self.lightning_module
         self._local_sgd = None
-        self._uneven = None
+        if self._uneven is not None:
+            self._uneven.close()
+            self._uneven = None
         if isinstance(self.model, DataParallel):
             if self.model.watchdog is not None:
                 self.model.watchdog.close()

@@ -13,11 +13,11 @@ has run out:
   peer's, broadcast once, if it never had one), so the hooks that see batches keep working,
   and the strategy learns, per batch, whether this rank takes it for real.
 - On such a replayed batch the strategy does not run the user's ``training_step``: the
-  reducer's ``shadow_step`` issues the step's collectives with zeros, the averaged gradients of
-  the others land in ``.grad``, and the optimizer steps like everyone else's, so weights and
-  optimizer state stay identical (gradients are divided by the world size, as with the
-  distributed sampler's padding, but without counting any sample twice). ``validation_step``
-  is skipped the same way.
+  reducer's ``shadow_step`` issues the step's collectives without a backward of this rank's
+  (gradients it accumulated earlier in an accumulation window still count), the average lands
+  in ``.grad``, and the optimizer steps like everyone else's, so weights and optimizer state
+  stay identical. Gradients are divided by the world size, as with the distributed sampler's
+  padding, but without counting any sample twice. ``validation_step`` is skipped the same way.
 - Collectives the replaying rank cannot match, those of the user's own ``training_step`` or
   ``validation_step`` (``self.log(..., sync_dist=True)`` at step level, ``all_gather``) while
   some rank is out, raise at once with the remedy instead of hanging.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -68,7 +68,7 @@ class UnevenInputs:
         waiter: how its waits are made (the hang watchdog's, when on).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, waiter: Callable[[], Waiter | None]) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, waiter: Waiter) -> None:
         self._group = group
         self._waiter = waiter
         self._ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
@@ -76,6 +76,12 @@ class UnevenInputs:
         self.current: BatchPlan | None = None
         self.real_batches: dict[str, list[int]] = {"train": [], "val": []}
         self._in_user_step: str | None = None
+
+    def close(self) -> None:
+        """Let go of the group: the trainer's loaders outlive the fit and still reference this object,
+        and a group kept alive keeps rank 0's rendezvous port bound."""
+        self._group = None
+        self._waiter = UNWATCHED
 
     @property
     def replaying(self) -> bool:
@@ -130,7 +136,7 @@ class UnevenInputs:
         flags[position] = int(has_batch)
         flags[world + position] = int(needs_template)
         work = dist.all_reduce(flags, group=self._group, async_op=True)
-        (self._waiter() or UNWATCHED).wait(work, f"the per-batch exchange of uneven inputs ({kind})")
+        self._waiter.wait(work, f"the per-batch exchange of uneven inputs ({kind})")
         values = [bool(v) for v in flags.tolist()]
         return values[:world], values[world:]
 
