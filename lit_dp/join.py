@@ -197,6 +197,10 @@ class DataParallelJoin(Join):
     def __exit__(
         self, type: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
+        watchdog = self._model.watchdog
+        if watchdog is not None and type is None and self._enable:
+            # torch's loop starts with its count of the ranks still in: watched from the first wait on.
+            watchdog.untimed_wait_started("the next step of the ranks still in (torch's Join loop)")
         try:
             super().__exit__(type, value, traceback)
         except RuntimeError as error:
@@ -208,6 +212,9 @@ class DataParallelJoin(Join):
                 f"{steps} synchronised step(s) inside the context; the ranks still in raise at their step {steps} "
                 "(counted from 0)."
             ) from error
+        finally:
+            if watchdog is not None:
+                watchdog.untimed_wait_ended()
 
 
 def _early_termination_message(model: DataParallel, still_in: int) -> str:

@@ -191,8 +191,8 @@ def feature_cases(rank: int, world_size: int) -> dict[str, object]:
     return outcome
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_hooks_no_sync_local_sgd_autotune_and_early_termination(world_size):
+def test_hooks_no_sync_local_sgd_autotune_and_early_termination():
+    world_size = 2  # the schedule equivalence runs on 3
     results = run_ranks(feature_cases, world_size, world_size, timeout=150)
     early = list(range(world_size - 1))
     for rank, outcome in results.items():

@@ -41,6 +41,8 @@ import sysconfig
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -94,7 +96,8 @@ class HangWatchdog(ReducerObserver, Waiter):
         instance = (store.add(f"{_NAMESPACE}/instances", 1) - 1) // len(self._ranks)
         self._prefix = f"{_NAMESPACE}/{instance}"
         self._poll_seconds = min(5.0, max(0.1, hang_timeout / 20))
-        self._reply_seconds = min(30.0, max(5.0, hang_timeout / 10))
+        # Answering takes one poll and a store write; the margin is for a loaded machine.
+        self._reply_seconds = min(30.0, max(3.0, hang_timeout / 10))
         self._step = -1
         self._launched = -1
         self._launches: list[tuple[BucketLaunch, float]] = []
@@ -189,6 +192,15 @@ class HangWatchdog(ReducerObserver, Waiter):
             finally:
                 self._waiting = None
         return future.wait()
+
+    @contextmanager
+    def watching(self, what: str) -> Iterator[None]:
+        """Watch a collective lit_dp does not wait for itself (the strategy's ``reduce``, ``barrier``, ...)."""
+        self.untimed_wait_started(what)
+        try:
+            yield
+        finally:
+            self.untimed_wait_ended()
 
     def untimed_wait_started(self, what: str) -> None:
         """The main thread enters a wait with no deadline of ours (torch's Join loop): the thread watches it."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -329,31 +329,37 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if isinstance(self.model, DataParallel) and not self.lightning_module.automatic_optimization:
             self.model.prepare_for_backward(closure_loss)
 
+    @contextmanager
+    def _collective(self, name: str) -> Generator[None, None, None]:
+        """One of the strategy's collectives: refused where uneven inputs cannot match it, and
+        watched by the hang watchdog (its thread: the wait itself has no deadline)."""
+        if self._uneven is not None:
+            self._uneven.check_collective(name)
+        watchdog = self.model.watchdog if isinstance(self.model, DataParallel) else None
+        with watchdog.watching(f"strategy.{name}") if watchdog is not None else nullcontext():
+            yield
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._uneven is not None:
-            self._uneven.check_collective("barrier")
-        barrier(self.root_device)
+        with self._collective("barrier"):
+            barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if self._uneven is not None:
-            self._uneven.check_collective("broadcast")
-        return broadcast_object(obj, src)
+        with self._collective("broadcast"):
+            return broadcast_object(obj, src)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        if self._uneven is not None:
-            self._uneven.check_collective("all_gather")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        with self._collective("all_gather"):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if self._uneven is not None and isinstance(tensor, Tensor):
-            self._uneven.check_collective("reduce")
-        if isinstance(tensor, Tensor):
+        if not isinstance(tensor, Tensor):
+            return tensor
+        with self._collective("reduce (self.log(..., sync_dist=True), reduce_boolean_decision)"):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     @override
     def on_exception(self, exception: BaseException) -> None:
