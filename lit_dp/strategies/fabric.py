@@ -4,7 +4,9 @@ The Fabric twin of ``lit_dp.PaddleDPStrategy``, as Lightning has a ``DDPStrategy
 ``lightning.fabric.strategies`` next to the Trainer's: same options, same registered names, the
 same ``lit_dp.DataParallel``. ``fabric.setup(model, optimizer)`` wraps the model,
 ``fabric.backward`` synchronises, ``fabric.no_backward_sync(model)`` is ``DataParallel.no_sync``,
-and checkpoints hold the bare module's state (no wrapper prefix).
+and checkpoints hold the bare module's state (no wrapper prefix). Ranks with different numbers
+of batches train inside ``with fabric.strategy.join(model):`` (torch's ``Join``, see
+``lit_dp.join``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _Sub
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
 from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
+from lightning.fabric.wrappers import _FabricModule
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
+from lit_dp.join import DataParallelJoin
 from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel_env
 from lit_dp.options import FABRIC, Options, options_doc
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
@@ -86,6 +90,27 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def setup_module(self, module: Module) -> DataParallel:
         return self._wrap(module, self._options)
+
+    def join(
+        self,
+        module: Module,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> DataParallelJoin:
+        """Train on uneven inputs in a hand-written loop: ``with fabric.strategy.join(model):``.
+
+        ``model`` is what ``fabric.setup`` returned. Ranks that run out of batches shadow the
+        others' synchronised steps until all have, then every rank holds the same parameters
+        (``lit_dp.DataParallel.join``; the arguments are torch DDP's ``join``'s).
+        """
+        inner = module._forward_module if isinstance(module, _FabricModule) else module
+        if not isinstance(inner, DataParallel):
+            raise TypeError(
+                f"{type(self).__name__}.join expects the module returned by fabric.setup (a lit_dp.DataParallel "
+                f"inside), got {type(inner).__name__}."
+            )
+        return inner.join(divide_by_initial_world_size, enable, throw_on_early_termination)
 
     @override
     def module_to_device(self, module: Module) -> None:
