@@ -19,8 +19,8 @@ from lit_dp.gradients.compile import bucket_graph_breaks
 from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.hooks import CommHook, dtype_compress_hook
 from lit_dp.gradients.reducer import Reducer
-from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
 from lit_dp.job.process_group import get_rings
+from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
 from lit_dp.observability.autotune import AUTO, BucketAutotuner, settled_step
 from lit_dp.observability.stats import CommObserver, CommStats
 from lit_dp.observability.watchdog import HangWatchdog

@@ -259,8 +259,9 @@ class Options:
                 )
             values[ours] = accepted[ours].metadata["check"](f"{prefix}{name}", value)
         timeout = values.get("timeout")
-        if "hang_timeout" not in values and timeout is not None and "hang_timeout" in accepted:
-            # The default stays well under a process-group timeout shorter than itself.
+        default_hang = values.get("hang_timeout", DEFAULT_HANG_TIMEOUT) == DEFAULT_HANG_TIMEOUT
+        if default_hang and timeout is not None and "hang_timeout" in accepted:
+            # The default (also as a Hydra schema passes it) stays well under a shorter process-group timeout.
             seconds = parse_timeout("timeout", timeout).total_seconds()
             values["hang_timeout"] = min(DEFAULT_HANG_TIMEOUT, seconds / 2)
         options = cls(**values)

@@ -10,9 +10,6 @@ of those ranks. Tolerances: ``assert_close``'s defaults; the sums are only reord
 
 from __future__ import annotations
 
-import copy
-
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,7 +18,7 @@ from torch.distributed.algorithms.join import Join
 
 import lit_dp
 from tests.helpers.distributed import run_ranks
-from tests.helpers.models import MODELS, FEATURES, uses_sometimes
+from tests.helpers.models import FEATURES, MODELS, uses_sometimes
 
 TINY_MB = 64 / 2**20  # nearly one bucket per parameter
 

@@ -227,8 +227,10 @@ class HangWatchdog(ReducerObserver, Waiter):
             reports = {self._rank: self._report()}
             what += f" (the rendezvous store stopped answering: {error})"
         lines = [
-            f"lit_dp hang watchdog: on rank {self._rank}, {what} waited {waited:.1f}s, longer than "
-            f"hang_timeout={self._timeout:g}s (strategy option hang_timeout). Where each rank is:"
+            (
+                f"lit_dp hang watchdog: on rank {self._rank}, {what} waited {waited:.1f}s, longer than "
+                f"hang_timeout={self._timeout:g}s (strategy option hang_timeout). Where each rank is:"
+            )
         ]
         lines += [f"  {_describe(rank, reports.get(rank), self._reply_seconds)}" for rank in self._ranks]
         lines += _behind(self._ranks, reports, waited_bucket)

@@ -146,7 +146,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             f"find_unused_parameters={options.find_unused_parameters} "
             f"gradient_as_bucket_view={options.gradient_as_bucket_view} local_sgd_steps={options.local_sgd_steps} "
             f"local_sgd_warmup_steps={options.local_sgd_warmup_steps} local_sgd_adaptive={options.local_sgd_adaptive} "
-            f"comm_hook={describe_comm_hook(**options.hook_options())} comm_stats={options.comm_stats}"
+            f"comm_hook={describe_comm_hook(**options.hook_options())} comm_stats={options.comm_stats} "
+            f"uneven_inputs={options.uneven_inputs} hang_timeout={options.hang_timeout}"
         )
 
     @override

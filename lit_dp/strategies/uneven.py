@@ -40,8 +40,13 @@ import torch.distributed as dist
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.connectors.logger_connector.result import (
+    _Metadata,
+    _ResultCollection,
+    _ResultMetric,
+    _Sync,
+)
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultCollection, _ResultMetric, _Sync
 from typing_extensions import override
 
 from lit_dp.gradients.waiting import UNWATCHED, Waiter

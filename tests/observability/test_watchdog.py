@@ -9,7 +9,6 @@ The others must end with an error naming them, long before the process group's t
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 
 import pytest

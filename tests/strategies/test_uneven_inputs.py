@@ -188,6 +188,9 @@ def test_options_are_validated_naming_both_when_they_conflict():
     with pytest.raises(ValueError, match=r"hang_timeout=60 with timeout=30 is invalid"):
         PaddleDPStrategy(hang_timeout=60, timeout=30)
     assert Options.build({"hang_timeout": None}, "module").hang_timeout is None
+    # The default stays under a shorter process-group timeout, also when a Hydra schema passes it.
+    assert PaddleDPStrategy(timeout=60).options.hang_timeout == 30
+    assert PaddleDPStrategy(timeout=60, hang_timeout=300.0).options.hang_timeout == 30
     with pytest.raises(ValueError, match="uneven_inputs=True is not an option of lit_dp.DataParallel"):
         Options.build({"uneven_inputs": True}, "module")
 
