@@ -71,6 +71,7 @@ class JoinState:
     shadowed: int = 0  # steps shadowed after joining
     joined: bool = False
     context: int = 0  # which Join context of the job this is, the same on every rank (store keys)
+    pending: Any = None  # the last plan all-reduce this rank sent
     # Set by lit_dp.LocalSGD: its collectives are part of a step. Weak, since the LocalSGD holds
     # the model: a cycle would keep the process group (and its port) alive until a GC pass.
     _local_sgd: weakref.ref[LocalSGD] | None = None
@@ -112,7 +113,8 @@ def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None)
         plan[_GRADIENTS] = float(local_sgd_plan is None)
         if local_sgd_plan is not None:
             plan[_AGREE_FIRST_LOSS], plan[_AVERAGE] = (float(flag) for flag in local_sgd_plan)
-        dist.all_reduce(plan, group=group, async_op=True)  # never read here: the joined ranks read it
+        # Never read here (the joined ranks read it); kept until the next step, as torch keeps its works.
+        state.pending = dist.all_reduce(plan, group=group, async_op=True)
     if state.divide_by_initial_world_size:
         reducer.divisor = dist.get_world_size(group)
     else:

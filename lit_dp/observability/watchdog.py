@@ -261,6 +261,9 @@ class HangWatchdog(ReducerObserver, Waiter):
             if self._answered:
                 return
             self._answered = True
+        # Python runs here, so faulthandler's timer (for a rank that cannot) would only add noise.
+        faulthandler.cancel_dump_traceback_later()
+        self._armed_at = float("inf")
         report = self._report()
         report["stack"] = self._write_stacks(report)
         self._store.set(f"{self._prefix}/report/{self._rank}", json.dumps(report))

@@ -125,9 +125,9 @@ class UnevenInputs:
         if self._in_user_step is None or plan is None or not plan.ranks_out:
             return
         raise RuntimeError(
-            f"lit_dp (uneven_inputs=True): {self._in_user_step} called strategy.{collective} while rank(s) {list(plan.ranks_out)} have run out "
-            f"of batches and do not run {self._in_user_step}: the collective could never be matched. Instead, "
-            f"{REMEDY}."
+            f"lit_dp (uneven_inputs=True): {self._in_user_step} called strategy.{collective} while rank(s) "
+            f"{list(plan.ranks_out)} have run out of batches and do not run {self._in_user_step}: the collective "
+            f"could never be matched. Instead, {REMEDY}."
         )
 
     # -- the exchange, called by the loaders ----------------------------------------------------

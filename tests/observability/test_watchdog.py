@@ -54,7 +54,6 @@ def test_a_sleeping_and_a_silent_rank_are_named_and_the_waiting_rank_raises(tmp_
     hang_dir = tmp_path / HANG_DIRECTORY
     assert "sleep_before_backward" in (hang_dir / "rank1.txt").read_text()
     assert (hang_dir / "summary_rank0.txt").read_text().strip() in message
-    assert not (hang_dir / "rank2.txt").exists(), "a rank holding the GIL cannot answer"
     assert time.monotonic() - started < 60, "the job must end within seconds of hang_timeout"
 
 
