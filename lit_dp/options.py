@@ -217,7 +217,7 @@ class Options:
     )  # fmt: skip
     uneven_inputs: bool = option(
         False, "ranks may have different numbers of batches: a rank that runs out takes the others' remaining "
-        "steps without data (contributing zero gradients) so every epoch ends together",
+        "steps without data, so every epoch ends together on every rank",
         _flag, scope=frozenset({TRAINER}), config=bool,
     )  # fmt: skip
     local_sgd_steps: Optional[int] = option(
