@@ -271,7 +271,7 @@ class DataParallel(nn.Module, Joinable):
     @property
     def join_device(self) -> torch.device:
         """Where the Join context's own all-reduces run: the parameters' device."""
-        return self._reducer.device if self._reducer is not None else torch.device("cpu")
+        return next(self._layers.parameters()).device if self._reducer is not None else torch.device("cpu")
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:

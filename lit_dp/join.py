@@ -42,7 +42,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,9 +51,10 @@ from torch.distributed.algorithms.join import Join, JoinHook
 from lit_dp.gradients.broadcast import sync_params_buffers
 from lit_dp.job.process_group import rendezvous_store
 
-if TYPE_CHECKING:
-    from lit_dp.data_parallel import DataParallel
-    from lit_dp.local_sgd import LocalSGD
+# The model is a ``lit_dp.DataParallel`` and the averager a ``lit_dp.LocalSGD``; both import this
+# module, so they are typed ``Any`` here rather than imported (no import circle).
+DataParallel = Any
+LocalSGD = Any
 
 # The plan's slots: this step synchronises gradients / agrees LocalSGD's first loss / averages.
 _GRADIENTS, _AGREE_FIRST_LOSS, _AVERAGE = range(3)

@@ -40,7 +40,7 @@ from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.sparse import SparseBucket
-from lit_dp.gradients.waiting import UNWATCHED, Waiter
+from lit_dp.gradients.waiting import Waiter
 
 UNUSED_PARAMETERS_HINT = (
     "If parameters are legitimately unused in some iterations, pass find_unused_parameters=True "
@@ -113,9 +113,8 @@ class Reducer:
         self._observers: list[ReducerObserver] = []
         self._step = -1  # the synchronised step armed last
         self._requested_limits: list[int] | None = None
-        self._waiter: Waiter = UNWATCHED
-        self._shadowing = False  # in shadow_step
-        self._shadow_takes_step = False
+        self.waiter = Waiter()  # every wait of this reducer's collectives (the hang watchdog sets a deadline)
+        self._shadowing = self._shadow_takes_step = False  # in shadow_step
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -143,24 +142,6 @@ class Reducer:
     def group(self) -> dist.ProcessGroup:
         """The ranks whose gradients are averaged (the first ring)."""
         return self._rings[0]
-
-    @property
-    def device(self) -> torch.device:
-        """Where the parameters (and so the buckets) live."""
-        return self._params[0].device
-
-    @property
-    def waiter(self) -> Waiter:
-        """How this reducer waits for its collectives (``set_waiter``)."""
-        return self._waiter
-
-    def set_waiter(self, waiter: Waiter) -> None:
-        """Wait for every collective of this reducer through ``waiter`` (the hang watchdog's)."""
-        self._waiter = waiter
-        for bucket in self._buckets:
-            bucket.waiter = waiter
-        if self._comm_hook is not None:
-            self._comm_hook.waiter = waiter
 
     def add_observer(self, observer: ReducerObserver) -> None:
         """Tell ``observer`` of every step's moments from now on (see ``lit_dp.gradients.events``)."""
@@ -195,7 +176,7 @@ class Reducer:
                 f"lit_dp: register_comm_hook({comm_hook.name}) must be called before the first synchronised backward."
             )
         self._comm_hook = comm_hook
-        comm_hook.waiter = self._waiter
+        comm_hook.waiter = self.waiter
         # The buckets were built without the hook (flags in the buffer, large gradients in place).
         self._rebuild(list(range(len(self._params))))
 
@@ -225,20 +206,12 @@ class Reducer:
             self._partial = {self._bucket_of[i] for i in self._unreached}
 
     def shadow_step(self, takes_step: bool = False) -> None:
-        """Issue exactly the collectives of one synchronised step without a backward of this rank's.
+        """The collectives of one synchronised step, without a backward of this rank's (``lit_dp.join``).
 
-        For a rank that has run out of inputs (``lit_dp.join``): the step is counted and
-        announced to the observers, the buckets are rebuilt when a real step would rebuild them,
-        and they are launched in the same order as the other ranks', through the communication
-        hook if there is one. The rank is never counted as missing a gradient, so the flags'
-        sums count only the ranks that took the step. On the first step it takes part in the
-        broadcast of the agreed bucket order.
-
-        Under torch's ``Join`` (``takes_step=False``) it contributes zeros and leaves ``.grad``
-        alone, as DDP's joined ranks do. The Trainer's rank without a batch takes the step with
-        the others (``takes_step=True``): gradients it accumulated since the last
-        synchronisation (earlier micro-batches of an accumulation window) count, and the
-        averages land in ``.grad`` so that its optimizer steps like the others'.
+        Counted and announced like a real step; the flags never count this rank as missing a
+        gradient. ``takes_step=False`` (torch's Join): zeros, ``.grad`` left alone, as in DDP.
+        ``True`` (the Trainer's rank without a batch): what it accumulated since the last
+        synchronisation counts, and the averages land in ``.grad`` for its optimizer.
         """
         self.prepare_for_backward(None)
         self._shadowing, self._shadow_takes_step = True, takes_step
@@ -415,7 +388,7 @@ class Reducer:
         agreed = torch.tensor(order, dtype=torch.long, device=self._params[0].device)
         ring = self._rings[0]
         work = dist.broadcast(agreed, src=dist.get_global_rank(ring, 0), group=ring, async_op=True)
-        self._waiter.wait(work, "the broadcast of the agreed bucket order")
+        self.waiter.wait(work, "the broadcast of the agreed bucket order")
         self._agreed_order = list(reversed(agreed.tolist()))
         self._rebuilt = True
 
@@ -455,7 +428,7 @@ class Reducer:
                 hook = None if self._comm_hook is None else (self._comm_hook, dense_index, dense_count)
                 bucket = DenseBucket(indices, params, ring, self._as_view, hook)
                 dense_index += 1
-            bucket.waiter = self._waiter
+            bucket.waiter = self.waiter
             self._buckets.append(bucket)
             for slot, index in enumerate(indices):
                 self._bucket_of[index] = position

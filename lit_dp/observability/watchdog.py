@@ -20,8 +20,9 @@ needs no GIL, writes its stack to the rank's stderr once it has started no synch
 is created up front, and the job's log holds it.
 
 Mechanics and their cost per step (none measurable, see ``benchmarks/watchdog.py``): the
-position is a few attribute writes per bucket (the reducer's observer events); on Gloo a wait
-is ``work.wait(timeout)`` instead of ``work.wait()``; a communication hook's future is waited
+position is a few attribute writes per bucket (the reducer's observer events); the reducer's
+``Waiter`` (``lit_dp.gradients.waiting``) gets the deadline, so on Gloo a wait is
+``work.wait(timeout)`` instead of ``work.wait()`` and a communication hook's future is waited
 on through a done-callback and an event; a daemon thread polls the store for alarms every few
 seconds. Waits that cannot carry a deadline, NCCL's (a wait there only orders the GPU stream;
 a deadline would synchronise the host at every bucket) and torch's Join loop, are watched by
@@ -37,42 +38,28 @@ import json
 import os
 import socket
 import sys
-import sysconfig
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, NoReturn
 
-import torch
 import torch.distributed as dist
 from typing_extensions import override
 
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.reducer import Reducer
-from lit_dp.gradients.waiting import CollectiveHangError, Waiter
+from lit_dp.gradients.waiting import CollectiveHangError
 from lit_dp.job.process_group import rendezvous_store
+from lit_dp.observability.hang_report import behind_lines, describe_rank, main_thread_position
 
 DEFAULT_HANG_TIMEOUT = 300.0
 HANG_DIRECTORY = "lit_dp_hang"
 _NAMESPACE = "lit_dp/watchdog"
 _STORE_ERRORS = (RuntimeError, ValueError, dist.DistError)
-# Frames under these directories are machinery (installed packages, the standard library,
-# lit_dp itself); the innermost frame outside them is the user's.
-_LIBRARY_ROOTS = tuple(
-    os.path.join(path, "")
-    for path in (
-        sysconfig.get_paths()["purelib"],
-        sysconfig.get_paths()["stdlib"],
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-)
-
-
-class HangWatchdog(ReducerObserver, Waiter):
-    """Watches ``reducer``'s collectives (its observer and its waiter) and answers alarms.
+class HangWatchdog(ReducerObserver):
+    """Watches ``reducer``'s collectives (as its observer, and through its waiter) and answers alarms.
 
     Start it with ``HangWatchdog.start``; ``directory`` is where ``lit_dp_hang/`` goes (the
     strategies point it at the run's log directory; default: the working directory).
@@ -85,7 +72,6 @@ class HangWatchdog(ReducerObserver, Waiter):
         # group, and so rank 0's rendezvous port, alive after the group is destroyed.
         self._reducer = weakref.ref(reducer)
         self._timeout = hang_timeout
-        self._deadline = timedelta(seconds=hang_timeout)
         self._timed = dist.get_backend(reducer.group) != "nccl"
         # The store is looked up at each use, never kept: holding it would keep rank 0's
         # rendezvous port open after the group is destroyed (a second fit could not bind it).
@@ -101,7 +87,6 @@ class HangWatchdog(ReducerObserver, Waiter):
         self._step = -1
         self._launched = -1
         self._launches: list[tuple[BucketLaunch, float]] = []
-        self._waiting: tuple[str, float] | None = None  # a timed wait of the main thread: what, since
         self._untimed: tuple[str, float] | None = None  # a wait only the thread can watch
         self._answer_lock = threading.Lock()
         self._answered = False
@@ -116,7 +101,8 @@ class HangWatchdog(ReducerObserver, Waiter):
             return None
         watchdog = cls(reducer, hang_timeout, store, directory)
         reducer.add_observer(watchdog)
-        reducer.set_waiter(watchdog)
+        if watchdog._timed:
+            reducer.waiter.watch(hang_timeout, watchdog._hang)
         thread = threading.Thread(
             target=_watch, args=(weakref.ref(watchdog), watchdog._stop, watchdog._poll_seconds), daemon=True
         )
@@ -161,37 +147,7 @@ class HangWatchdog(ReducerObserver, Waiter):
         self._launched = launch.position
         self._launches.append((launch, time.monotonic()))
 
-    # -- waits ---------------------------------------------------------------------------------
-
-    @override
-    def wait(self, work: dist.Work, what: str = "") -> None:
-        if not self._timed:
-            work.wait()
-            return
-        since = time.monotonic()
-        self._waiting = (what, since)
-        try:
-            work.wait(self._deadline)
-        except RuntimeError:
-            if time.monotonic() - since < self._timeout:
-                raise  # a failure of the collective (a peer gone), not a deadline
-            self._hang(what, since)
-        finally:
-            self._waiting = None
-
-    @override
-    def wait_future(self, future: torch.futures.Future, what: str = "") -> Any:
-        if self._timed and not future.done():
-            arrived = threading.Event()
-            future.add_done_callback(lambda _: arrived.set())
-            since = time.monotonic()
-            self._waiting = (what, since)
-            try:
-                if not arrived.wait(self._timeout):
-                    self._hang(what, since)
-            finally:
-                self._waiting = None
-        return future.wait()
+    # -- waits the main thread cannot bound itself --------------------------------------------
 
     @contextmanager
     def watching(self, what: str) -> Iterator[None]:
@@ -232,8 +188,8 @@ class HangWatchdog(ReducerObserver, Waiter):
                 f"hang_timeout={self._timeout:g}s (strategy option hang_timeout). Where each rank is:"
             )
         ]
-        lines += [f"  {_describe(rank, reports.get(rank), self._reply_seconds)}" for rank in self._ranks]
-        lines += _behind(self._ranks, reports, waited_bucket)
+        lines += [f"  {describe_rank(rank, reports.get(rank), self._reply_seconds)}" for rank in self._ranks]
+        lines += behind_lines(self._ranks, reports, waited_bucket)
         folder = os.path.join(self.directory, HANG_DIRECTORY)
         lines.append(
             f"Stacks: {folder}/rank<R>.txt for the ranks that answered; a rank that could not run Python gets its "
@@ -270,7 +226,8 @@ class HangWatchdog(ReducerObserver, Waiter):
         self._store.add(f"{self._prefix}/reported", 1)
 
     def _report(self) -> dict[str, Any]:
-        waiting = self._waiting or self._untimed
+        reducer = self._reducer()
+        waiting = (reducer.waiter.waiting if reducer is not None else None) or self._untimed
         if waiting is not None:
             what = waiting[0] or self._bucket_waited_for()[0]
             state = f"waiting for {what} for {time.monotonic() - waiting[1]:.1f}s"
@@ -283,9 +240,9 @@ class HangWatchdog(ReducerObserver, Waiter):
             "pid": os.getpid(),
             "step": self._step,
             "launched": self._launched,
-            "buckets": len(reducer.bucket_bytes) if (reducer := self._reducer()) is not None else 0,
+            "buckets": len(reducer.bucket_bytes) if reducer is not None else 0,
             "state": state,
-            "where": _main_thread_position(),
+            "where": main_thread_position(),
         }
 
     def _write_stacks(self, report: dict[str, Any]) -> str | None:
@@ -367,65 +324,3 @@ def _watch(watchdog_ref: weakref.ref[HangWatchdog], stop: threading.Event, poll_
         except _STORE_ERRORS:
             return  # the store is gone: the job is over
         del watchdog
-
-
-def _main_thread_position() -> str:
-    """``file:line in function`` of the main thread's innermost frame and of its innermost user frame."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    if frame is None:
-        return "unknown"
-    innermost = _frame_text(frame)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_ROOTS):
-        frame = frame.f_back
-    if frame is None:
-        return innermost
-    user = _frame_text(frame)
-    if user == innermost or threading.current_thread() is threading.main_thread():
-        return user  # answering from the main thread: its innermost frames are the diagnosis itself
-    return f"{user} (innermost: {innermost})"
-
-
-def _frame_text(frame: Any) -> str:
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-
-
-def _describe(rank: int, report: dict[str, Any] | None, reply_seconds: float) -> str:
-    if report is None:
-        return (
-            f"rank {rank}: did not answer within {reply_seconds:g}s: outside lit_dp's collectives and unable to run "
-            "Python (C code holding the GIL), or gone"
-        )
-    launched = (
-        "no bucket of it launched yet"
-        if report["launched"] < 0
-        else f"launched buckets 0-{report['launched']} of {report['buckets']}"
-    )
-    return (
-        f"rank {rank} ({report['host']}, pid {report['pid']}): step {report['step']}, {launched}; {report['state']}; "
-        f"at {report['where']}"
-    )
-
-
-def _behind(ranks: list[int], reports: dict[int, dict[str, Any]], waited: tuple[int, int] | None) -> list[str]:
-    """One line per rank behind the bucket waited for, or what else explains the wait."""
-    silent = [rank for rank in ranks if rank not in reports]
-    if waited is None:
-        outside = [rank for rank, report in reports.items() if report["state"].startswith("outside")]
-        culprits = sorted(outside + silent)
-        return [f"Not in lit_dp's collectives: rank(s) {culprits}."] if culprits else []
-    step, bucket = waited
-    lines = []
-    for rank, report in sorted(reports.items()):
-        their_step, their_bucket = report["step"], report["launched"]
-        if (their_step, their_bucket) >= (step, bucket):
-            continue
-        if their_step == step:
-            last = f"its last was bucket {their_bucket}" if their_bucket >= 0 else "it launched none of that step"
-        else:
-            last = f"its last was bucket {their_bucket} of step {their_step}"
-        lines.append(f"Behind: rank {rank} never launched bucket {bucket} of step {step}; {last}.")
-    if silent:
-        lines.append(f"Silent: rank(s) {silent} (see above).")
-    if not lines:
-        lines.append("Every rank that answered launched that bucket: the collective itself is stuck (network or backend).")
-    return lines

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,7 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
@@ -44,7 +44,7 @@ from lit_dp.observability.autotune import AUTO
 from lit_dp.options import TRAINER, Options, options_doc
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.monitor import CommStatsMonitor
-from lit_dp.strategies.uneven import UnevenInputs, UnevenMetricsCallback, check_equal_lengths, gather_lengths
+from lit_dp.strategies.reliability import ReliabilityMixin
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 
@@ -59,7 +59,7 @@ LIGHTNING_UNUSED_PARAMETERS_MESSAGE = (
 
 
 
-class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
+class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer, one process per device.
 
     The first five arguments are Lightning's, set by the Trainer. The options (``lit_dp.options``)
@@ -99,7 +99,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._local_sgd: LocalSGD | None = None
         self._local_sgd_resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
         self._tuned_buffer_size: float | None = None  # with "auto": restored, or chosen by a finished fit
-        self._uneven: UnevenInputs | None = None  # uneven_inputs=True, while fitting
 
     @property
     def comm_buffer_size(self) -> float | str:
@@ -171,96 +170,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if fitting and (self._options.comm_stats or self._options.comm_buffer_size == AUTO):
             if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
                 trainer.callbacks.append(CommStatsMonitor())
-        if fitting and isinstance(self.model, DataParallel):
-            if self.model.watchdog is not None:
-                self.model.watchdog.directory = trainer.log_dir or trainer.default_root_dir
-            if self._options.uneven_inputs:
-                self._uneven = self._setup_uneven_inputs(trainer, self.model)
-
-    def _setup_uneven_inputs(self, trainer: pl.Trainer, model: DataParallel) -> UnevenInputs | None:
-        if model.reducer is None or self.world_size < 2:
-            return None
-        if self._layer_sync is not None:
-            raise ValueError(
-                "uneven_inputs=True with Trainer(sync_batchnorm=True) is invalid: SyncBatchNorm all-reduces inside "
-                "the forward, which a rank that has run out of batches does not run; expected one of them."
-            )
-        assert self.lightning_module is not None
-        if not self.lightning_module.automatic_optimization:
-            raise ValueError(
-                "uneven_inputs=True needs automatic optimization: under manual optimization the strategy cannot "
-                "know how many synchronised backwards a training_step takes, so a rank without a batch could not "
-                "take them with the others."
-            )
-        # The exchange runs on the host: under NCCL on a Gloo group of its own.
-        group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
-        uneven = UnevenInputs(group, model.reducer.waiter)
-        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, UnevenMetricsCallback)]
-        trainer.callbacks.append(UnevenMetricsCallback(uneven))
-        return uneven
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Training: with different lengths on the ranks, an error now (or, with ``uneven_inputs``, a
-        loader that replays until every rank is out); validation under ``uneven_inputs``: the same."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or self.world_size < 2 or not dist.is_initialized():
-            return dataloader
-        training = trainer.state.stage == RunningStage.TRAINING
-        if not training and self._uneven is None:
-            return dataloader
-        lengths = gather_lengths(dataloader)
-        if self._uneven is None:
-            check_equal_lengths(lengths, trainer.limit_train_batches)
-            return dataloader
-        known = None if None in lengths else max(lengths)  # type: ignore[type-var]
-        return self._uneven.wrap(dataloader, "train" if training else "val", known)
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        if self._uneven is not None and self.lightning_module is not None:
-            trainer = self.lightning_module.trainer
-            if trainer.training:
-                self._uneven.start_batch("train")
-            elif trainer.validating or trainer.sanity_checking:
-                self._uneven.start_batch("val")
-        return super().batch_to_device(batch, device, dataloader_idx)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        uneven = self._uneven
-        if uneven is None:
-            return super().training_step(*args, **kwargs)
-        if uneven.replaying:
-            # No batch of this rank's: Lightning backpropagates this, and `backward` below takes
-            # the step's collectives with the others instead.
-            return torch.zeros((), device=self.root_device, requires_grad=True)
-        with uneven.user_step("training_step"):
-            return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(self.model, DataParallel) and self.model.watchdog is not None:
-            self.model.watchdog.heartbeat()
-        uneven = self._uneven
-        if uneven is None:
-            return super().validation_step(*args, **kwargs)
-        if uneven.replaying:
-            return None
-        with uneven.user_step("validation_step"):
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def on_validation_end(self) -> None:
-        if self._uneven is not None:
-            self._uneven.reset("val")
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._uneven is not None and self._uneven.replaying and isinstance(self.model, DataParallel):
-            self.model.shadow_backward()
-            return closure_loss
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if fitting:
+            self._setup_reliability(trainer)
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -298,8 +209,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._local_sgd is not None:
             loss = output if self._options.local_sgd_adaptive else None
-            joined = self._uneven is not None and self._uneven.replaying
-            self._local_sgd.step(loss, optimizer.param_groups[0]["lr"], joined=joined)
+            self._local_sgd.step(loss, optimizer.param_groups[0]["lr"], joined=self._replaying)
         return output
 
     @override
@@ -330,16 +240,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if isinstance(self.model, DataParallel) and not self.lightning_module.automatic_optimization:
             self.model.prepare_for_backward(closure_loss)
 
-    @contextmanager
-    def _collective(self, name: str) -> Generator[None, None, None]:
-        """One of the strategy's collectives: refused where uneven inputs cannot match it, and
-        watched by the hang watchdog (its thread: the wait itself has no deadline)."""
-        if self._uneven is not None:
-            self._uneven.check_collective(name)
-        watchdog = self.model.watchdog if isinstance(self.model, DataParallel) else None
-        with watchdog.watching(f"strategy.{name}") if watchdog is not None else nullcontext():
-            yield
-
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         with self._collective("barrier"):
@@ -349,11 +249,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         with self._collective("broadcast"):
             return broadcast_object(obj, src)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        with self._collective("all_gather"):
-            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
@@ -401,12 +296,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def teardown(self) -> None:
         lightning_module = self.lightning_module
         self._local_sgd = None
-        if self._uneven is not None:
-            self._uneven.close()
-            self._uneven = None
+        self._teardown_reliability()
         if isinstance(self.model, DataParallel):
-            if self.model.watchdog is not None:
-                self.model.watchdog.close()
             self.model.flush_comm_stats()  # the trace of a run shorter than trace_steps
             self._tuned_buffer_size = self.tuned_comm_buffer_size
             self.model = lightning_module

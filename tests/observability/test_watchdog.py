@@ -17,7 +17,8 @@ from torch import nn
 
 import lit_dp
 from lit_dp.gradients.waiting import CollectiveHangError
-from lit_dp.observability.watchdog import HANG_DIRECTORY, _behind
+from lit_dp.observability.hang_report import behind_lines
+from lit_dp.observability.watchdog import HANG_DIRECTORY
 from tests.helpers.distributed import run_ranks
 
 HANG_TIMEOUT = 2.0
@@ -83,13 +84,13 @@ def test_the_summary_names_who_is_behind_and_who_is_silent():
         1: {"step": 7, "launched": 2, "state": "outside lit_dp's collectives"},
         2: {"step": 6, "launched": 5, "state": "outside lit_dp's collectives"},
     }
-    lines = _behind([0, 1, 2, 3], reports, (7, 3))
+    lines = behind_lines([0, 1, 2, 3], reports, (7, 3))
     assert lines == [
         "Behind: rank 1 never launched bucket 3 of step 7; its last was bucket 2.",
         "Behind: rank 2 never launched bucket 3 of step 7; its last was bucket 5 of step 6.",
         "Silent: rank(s) [3] (see above).",
     ]
-    assert _behind([0, 1], {0: reports[0], 1: {"step": 7, "launched": 4, "state": "waiting"}}, (7, 3)) == [
+    assert behind_lines([0, 1], {0: reports[0], 1: {"step": 7, "launched": 4, "state": "waiting"}}, (7, 3)) == [
         "Every rank that answered launched that bucket: the collective itself is stuck (network or backend)."
     ]
-    assert _behind([0, 1, 2], reports, None) == ["Not in lit_dp's collectives: rank(s) [1, 2]."]
+    assert behind_lines([0, 1, 2], reports, None) == ["Not in lit_dp's collectives: rank(s) [1, 2]."]
