@@ -16,7 +16,7 @@ from lit_dp.gradients.broadcast import sync_params_buffers
 from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, MB, assign_group_by_size, megabytes_to_bytes
 from lit_dp.gradients.compile import bucket_graph_breaks
 from lit_dp.gradients.dense import DenseBucket
-from lit_dp.gradients.hooks import CommHook, dtype_compress_hook
+from lit_dp.gradients.hooks import CommHook, resolve_comm_hook
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.job.process_group import get_rings
 from lit_dp.observability.autotune import AUTO, BucketAutotuner, settled_step
@@ -104,8 +104,10 @@ class DataParallel(nn.Module):
             if dist.get_rank() == 0:
                 sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
                 log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
-        if options.comm_dtype is not None:
-            self.register_comm_hook(None, dtype_compress_hook(options.comm_dtype))
+        # Built here, in each process: PowerSGD's state belongs to the process group.
+        registration = resolve_comm_hook(comm_state=options.comm_state, **options.hook_options())
+        if registration is not None:
+            self.register_comm_hook(*registration)
 
     def _observe(self, reducer: Reducer, device: torch.device, names: list[str]) -> None:
         """Subscribe what the options ask for to the reducer's events."""

@@ -190,18 +190,22 @@ class Options:
     )  # fmt: skip
     comm_hook: Any = option(
         None, "fp16, bf16, powersgd (torch's hook of that name) or a callable hook(state, bucket)",
-        _comm_hook, config=Optional[str], lightning="ddp_comm_hook",
+        _comm_hook, scope=EVERYWHERE, config=Optional[str], lightning="ddp_comm_hook",
     )  # fmt: skip
-    comm_state: Any = option(None, "the state handed to a callable comm_hook", _anything, lightning="ddp_comm_state")
+    comm_state: Any = option(
+        None, "the state handed to a callable comm_hook", _anything, scope=EVERYWHERE, lightning="ddp_comm_state"
+    )
     comm_wrapper: Any = option(
-        None, "wraps comm_hook, e.g. torch's fp16_compress_wrapper", _anything, lightning="ddp_comm_wrapper"
-    )
+        None, "wraps comm_hook, e.g. torch's fp16_compress_wrapper", _anything, scope=EVERYWHERE,
+        lightning="ddp_comm_wrapper",
+    )  # fmt: skip
     powersgd_rank: Optional[int] = option(
-        None, "comm_hook=powersgd: matrix approximation rank; None: 1", _count(1, optional=True), config=Optional[int]
-    )
+        None, "comm_hook=powersgd: matrix approximation rank; None: 1",
+        _count(1, optional=True), scope=EVERYWHERE, config=Optional[int],
+    )  # fmt: skip
     powersgd_start_iter: Optional[int] = option(
         None, "comm_hook=powersgd: first compressed iteration, >= 2; None: 1000",
-        _count(2, optional=True), config=Optional[int],
+        _count(2, optional=True), scope=EVERYWHERE, config=Optional[int],
     )  # fmt: skip
     local_sgd_steps: Optional[int] = option(
         None, "LocalSGD: average the models every K local steps; None: off",

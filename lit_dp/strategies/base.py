@@ -21,7 +21,6 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
-from lit_dp.gradients.hooks import resolve_comm_hook
 from lit_dp.job.backends import AUTO
 from lit_dp.job.cluster_environment import PaddleEnvironment
 from lit_dp.job.env import ParallelEnv
@@ -128,12 +127,7 @@ class DataParallelStrategyMixin:
         )
 
     def _wrap(self, module: Module, options: Options) -> DataParallel:
-        wrapped = DataParallel(module, options=options, unused_parameters_message=self._unused_parameters_message)
-        # Built here, in each process: PowerSGD's state belongs to the process group.
-        registration = resolve_comm_hook(comm_state=options.comm_state, **options.hook_options())
-        if registration is not None:
-            wrapped.register_comm_hook(*registration)
-        return wrapped
+        return DataParallel(module, options=options, unused_parameters_message=self._unused_parameters_message)
 
 
 def register_families(registry: _StrategyRegistry, strategy: type) -> None:
