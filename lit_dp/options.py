@@ -304,3 +304,27 @@ def options_doc(scope: str) -> str:
         alias = f" (Lightning: ``{f.metadata['lightning']}``)" if f.metadata["lightning"] else ""
         lines.append(f"        {f.name} = {default!r}: {f.metadata['help']}{alias}.")
     return "\n".join(lines)
+
+
+def options_markdown() -> str:
+    """docs/options.md: every option with its default, where it applies and its help."""
+    fronts = ((TRAINER, "Trainer"), (FABRIC, "Fabric"), (MODULE, "DataParallel"))
+    lines = [
+        "# Options",
+        "",
+        "Every lit_dp option, generated from its one declaration in `lit_dp/options.py`",
+        "(`lit_dp.options.options_markdown()`; a test keeps this page equal to it). The",
+        "Trainer and Fabric strategies and `DataParallel` take them as keyword arguments; the recipes'",
+        "`strategy.<option>=...` takes those with a Hydra type. Lightning `DDPStrategy`'s names are",
+        "accepted for ours. Each value is checked once, where it enters, with an error naming the option.",
+        "",
+        "| option | default | where | Hydra | Lightning's name | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in dataclasses.fields(Options):
+        meta = f.metadata
+        where = ", ".join(name for scope, name in fronts if scope in meta["scope"])
+        hydra = "yes" if meta["config"] is not None else "no"
+        lightning = f"`{meta['lightning']}`" if meta["lightning"] else ""
+        lines.append(f"| `{f.name}` | `{f.default!r}` | {where} | {hydra} | {lightning} | {meta['help']} |")
+    return "\n".join(lines) + "\n"

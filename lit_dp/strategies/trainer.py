@@ -43,7 +43,6 @@ from lit_dp.local_sgd import LocalSGD
 from lit_dp.observability.autotune import AUTO
 from lit_dp.options import TRAINER, Options, options_doc
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
-from lit_dp.strategies.monitor import CommStatsMonitor
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 
@@ -166,6 +165,10 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         if fitting and (self._options.comm_stats or self._options.comm_buffer_size == AUTO):
+            # Imported here: the monitor imports Lightning at its top, and Lightning's import loads
+            # this module (lit_dp/__init__.py), so importing the monitor first must not need us.
+            from lit_dp.strategies.monitor import CommStatsMonitor
+
             if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
                 trainer.callbacks.append(CommStatsMonitor())
 

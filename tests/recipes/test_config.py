@@ -16,7 +16,7 @@ from lit_dp_recipes.config import PaddleDPStrategyConfig, build_strategy, regist
 from lit_dp_recipes.train import train
 from tests.helpers.recipes import CONF, compose_config
 
-PRIMARY = ["digits", "charlm", "benchmark"]
+PRIMARY = ["digits", "charlm"]
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 register_configs()

@@ -1,18 +1,17 @@
-"""The GPT benchmark of `benchmarks/bench_reducer.py device=cuda`: its options, its tables on CPU, its sync counter on CUDA."""
+"""benchmarks/gpt_gpu.py: its options, its tables on CPU, its sync counter on CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks.gpu_benchmark import GPTBenchmarkConfig, count_syncs, select_benchmark
+from benchmarks.gpt_gpu import GPTBenchmarkConfig, count_syncs
 from tests.helpers.recipes import run_benchmark
 
 TINY = [
-    "benchmark=gpt", "device=cpu", "gpt.n_layer=1", "gpt.n_head=2", "gpt.n_embd=32", "gpt.block_size=32",
-    "gpt.vocab_size=64", "gpt.shapes=[[4,32]]", "gpt.compile_shapes=[[4,16]]", "gpt.compile_backend=aot_eager",
-    "gpt.warmup=1", "gpt.steps=2", "gpt.rounds=2", "gpt.compile_rounds=1", "gpt.shared_n_layer=1",
-    "gpt.shared_n_head=2", "gpt.shared_n_embd=32", "gpt.shared_shape=[4,32]", "gpt.shared_rounds=2",
+    "device=cpu", "n_layer=1", "n_head=2", "n_embd=32", "block_size=32", "vocab_size=64", "shapes=[[4,32]]",
+    "compile_shapes=[[4,16]]", "compile_backend=aot_eager", "warmup=1", "steps=2", "rounds=2", "compile_rounds=1",
+    "shared_n_layer=1", "shared_n_head=2", "shared_n_embd=32", "shared_shape=[4,32]", "shared_rounds=2",
 ]
 
 
@@ -26,7 +25,7 @@ def table_rows(output: str, label: str) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_gpt_benchmark_on_cpu_prints_eager_compiled_and_shared_rows(tmp_path):
-    output = run_benchmark("bench_reducer", *TINY, f"hydra.run.dir={tmp_path}")
+    output = run_benchmark("gpt_gpu", *TINY, f"hydra.run.dir={tmp_path}")
     eager = table_rows(output, "eager")
     compiled = table_rows(output, "torch.compile (aot_eager)")
     assert [row[1] for row in eager] == ["4 x 32", "4 x 32"]  # part 1, then part 2 (2 Gloo ranks)
@@ -45,39 +44,19 @@ def test_gpt_benchmark_on_cpu_prints_eager_compiled_and_shared_rows(tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"shapes": [[8, 2048]]}, r"gpt.shapes has \[8, 2048\]: expected \[batch, length\] .* length <= gpt.block_size=1024"),
-        ({"compile_shapes": [[0, 16]]}, r"gpt.compile_shapes has \[0, 16\]"),
-        ({"shared_shape": [8]}, r"gpt.shared_shape has \[8\]"),
-        ({"n_embd": 100}, r"gpt.n_embd=100 is invalid: expected a multiple of gpt.n_head=12"),
-        ({"rounds": 0}, r"gpt.rounds=0 is invalid: expected a positive integer"),
-        ({"sync_steps": -1}, r"gpt.sync_steps=-1 is invalid: expected a non-negative integer"),
-        ({"shared_ranks": 1}, r"gpt.shared_ranks=1 is invalid: expected 0 \(skip part 2\) or at least 2"),
+        ({"shapes": [[8, 2048]]}, r"shapes has \[8, 2048\]: expected \[batch, length\] .* length <= block_size=1024"),
+        ({"compile_shapes": [[0, 16]]}, r"compile_shapes has \[0, 16\]"),
+        ({"shared_shape": [8]}, r"shared_shape has \[8\]"),
+        ({"n_embd": 100}, r"n_embd=100 is invalid: expected a multiple of n_head=12"),
+        ({"rounds": 0}, r"rounds=0 is invalid: expected a positive integer"),
+        ({"sync_steps": -1}, r"sync_steps=-1 is invalid: expected a non-negative integer"),
+        ({"shared_ranks": 1}, r"shared_ranks=1 is invalid: expected 0 \(skip part 2\) or at least 2"),
+        ({"device": "tpu"}, r"device='tpu' is invalid: expected one of cpu, cuda"),
     ],
 )
 def test_bad_gpt_benchmark_options_name_the_key(options, message):
     with pytest.raises(ValueError, match=message):
         GPTBenchmarkConfig(**options)
-
-
-@pytest.mark.parametrize(
-    ("choice", "device", "expected"),
-    [("auto", "cpu", "reducer"), ("auto", "cuda", "gpt"), ("gpt", "cpu", "gpt"), ("reducer", "cpu", "reducer")],
-)
-def test_benchmark_selection(choice, device, expected):
-    assert select_benchmark(choice, device) == expected
-
-
-@pytest.mark.parametrize(
-    ("choice", "device", "message"),
-    [
-        ("auto", "tpu", r"device='tpu' is invalid: expected one of cpu, cuda"),
-        ("reducer", "cuda", r"device='cuda' is invalid for benchmark=reducer: expected cpu \(or benchmark=gpt\)"),
-        ("gtp", "cuda", r"benchmark='gtp' is invalid: expected one of auto, reducer, gpt"),
-    ],
-)
-def test_bad_benchmark_or_device_names_the_key(choice, device, message):
-    with pytest.raises(ValueError, match=message):
-        select_benchmark(choice, device)
 
 
 @pytest.mark.cuda

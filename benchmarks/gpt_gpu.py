@@ -1,8 +1,8 @@
 """GPT step times on one GPU: the bare model, torch DDP and lit_dp, eager and compiled.
 
-    python -m benchmarks.bench_reducer device=cuda
-    python -m benchmarks.bench_reducer device=cuda gpt.rounds=6 gpt.compile_shapes=[]
-    python -m benchmarks.bench_reducer benchmark=gpt device=cpu gpt.n_layer=2 ...  # a smoke test of this code
+    python -m benchmarks.gpt_gpu                                  # GPT-2 small on cuda:0
+    python -m benchmarks.gpt_gpu rounds=6 compile_shapes=[]
+    python -m benchmarks.gpt_gpu device=cpu n_layer=2 ...           # a smoke test of this code
 
 Two parts, each a Markdown table (medians, the lit_dp / DDP ratio):
 
@@ -16,7 +16,8 @@ Two parts, each a Markdown table (medians, the lit_dp / DDP ratio):
    not NCCL's overlap).
 
 The modes run interleaved in rounds whose order rotates, so drift hits them alike; on CUDA each
-block of steps is timed with CUDA events after a warm-up (see ``../shared/GPU.md``).
+block of steps is timed with CUDA events after a warm-up (docs/benchmarks.md says how the
+figures there were taken).
 """
 
 from __future__ import annotations
@@ -30,46 +31,29 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import hydra
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from omegaconf import DictConfig
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.common import MODES, config_from, init_gloo_rank, run_ranks, wrap
 from lit_dp_recipes.charlm import CharGPT
-from benchmarks.reducer_benchmark import free_port, init_gloo_rank
 
 log = logging.getLogger(__name__)
 
-MODES = ("none", "ddp", "lit_dp")
 DEVICES = ("cpu", "cuda")
-BENCHMARKS = ("auto", "reducer", "gpt")
 
 # What torch.cuda.set_sync_debug_mode("warn") says for each synchronising call.
 SYNC_REPORT = "called a synchronizing CUDA operation"
 
 
-def select_benchmark(benchmark: str, device: str) -> str:
-    """``reducer`` (the 2-process CPU benchmark of small models) or ``gpt`` (this module's).
-
-    ``auto`` picks the GPT benchmark on CUDA; the reducer benchmark runs on CPU only.
-    """
-    if benchmark not in BENCHMARKS:
-        raise ValueError(f"benchmark={benchmark!r} is invalid: expected one of {', '.join(BENCHMARKS)}.")
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r} is invalid: expected one of {', '.join(DEVICES)}.")
-    if benchmark == "auto":
-        return "gpt" if device == "cuda" else "reducer"
-    if benchmark == "reducer" and device != "cpu":
-        raise ValueError(f"device={device!r} is invalid for benchmark=reducer: expected cpu (or benchmark=gpt).")
-    return benchmark
-
-
 @dataclass
 class GPTBenchmarkConfig:
-    """What to measure (the ``gpt:`` section of ``conf/bench_reducer.yaml``)."""
+    """What to measure (``benchmarks/conf/gpt_gpu.yaml``)."""
 
+    device: str = "cuda"  # cuda (cuda:0) or cpu, a smoke test of this code
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
@@ -93,27 +77,29 @@ class GPTBenchmarkConfig:
     shared_rounds: int = 6
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is invalid: expected one of {', '.join(DEVICES)}.")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "steps", "rounds"):
             _require_positive(name, getattr(self, name))
         for name in ("warmup", "compile_rounds", "sync_steps", "shared_ranks", "shared_rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"gpt.{name}={value!r} is invalid: expected a non-negative integer.")
+                raise ValueError(f"{name}={value!r} is invalid: expected a non-negative integer.")
         for width, heads, prefix in ((self.n_embd, self.n_head, ""), (self.shared_n_embd, self.shared_n_head, "shared_")):
             if width % heads:
-                raise ValueError(f"gpt.{prefix}n_embd={width} is invalid: expected a multiple of gpt.{prefix}n_head={heads}.")
+                raise ValueError(f"{prefix}n_embd={width} is invalid: expected a multiple of {prefix}n_head={heads}.")
         self.shapes = [_shape("shapes", shape, self.block_size) for shape in self.shapes]
         self.compile_shapes = [_shape("compile_shapes", shape, self.block_size) for shape in self.compile_shapes]
         self.shared_shape = _shape("shared_shape", self.shared_shape, self.block_size)
         if self.shared_ranks == 1:
-            raise ValueError("gpt.shared_ranks=1 is invalid: expected 0 (skip part 2) or at least 2 ranks.")
+            raise ValueError("shared_ranks=1 is invalid: expected 0 (skip part 2) or at least 2 ranks.")
         if not self.compile_backend:
-            raise ValueError("gpt.compile_backend='' is invalid: expected a torch.compile backend such as inductor.")
+            raise ValueError("compile_backend='' is invalid: expected a torch.compile backend such as inductor.")
 
 
 def _require_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"gpt.{name}={value!r} is invalid: expected a positive integer.")
+        raise ValueError(f"{name}={value!r} is invalid: expected a positive integer.")
 
 
 def _shape(name: str, shape: object, block_size: int) -> list[int]:
@@ -124,8 +110,8 @@ def _shape(name: str, shape: object, block_size: int) -> list[int]:
         or shape[1] > block_size
     ):
         raise ValueError(
-            f"gpt.{name} has {shape!r}: expected [batch, length] with positive integers and length <= "
-            f"gpt.block_size={block_size}."
+            f"{name} has {shape!r}: expected [batch, length] with positive integers and length <= "
+            f"block_size={block_size}."
         )
     return list(shape)
 
@@ -168,28 +154,9 @@ def build_gpt(config: GPTBenchmarkConfig, shared: bool = False) -> CharGPT:
 
 
 def _wrap(mode: str, model: nn.Module, config: GPTBenchmarkConfig, group: dist.ProcessGroup) -> nn.Module:
-    import lit_dp
-
-    if mode == "ddp":
-        device = _device_of(model)
-        return DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=config.comm_buffer_size,
-            process_group=group,
-        )
-    if mode == "lit_dp":
-        return lit_dp.DataParallel(
-            model,
-            comm_buffer_size=config.comm_buffer_size,
-            last_comm_buffer_size=config.last_comm_buffer_size,
-            group=group,
-        )
-    return model
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    if mode != "lit_dp":
+        return wrap(mode, model, config.comm_buffer_size, group)
+    return wrap(mode, model, config.comm_buffer_size, group, last_comm_buffer_size=config.last_comm_buffer_size)
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -304,11 +271,11 @@ def _one_rank_rows(config: GPTBenchmarkConfig, device: torch.device, group: dist
     return rows
 
 
-def _shared_worker(rank: int, config: GPTBenchmarkConfig, device_type: str, port: int, results: dict) -> None:
+def _shared_worker(rank: int, config: GPTBenchmarkConfig, port: int, results: dict) -> None:
     import lit_dp
 
     init_gloo_rank(rank, config.shared_ranks, port)
-    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", 0) if config.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
@@ -334,15 +301,13 @@ def _device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
-def run_gpt(config: GPTBenchmarkConfig, device_type: str) -> GPTResults:
+def run(config: GPTBenchmarkConfig) -> GPTResults:
     """Part 1 in this process (a one-rank group), then part 2 in ``config.shared_ranks`` spawned processes."""
-    if device_type not in DEVICES:
-        raise ValueError(f"device={device_type!r} is invalid: expected one of {', '.join(DEVICES)}.")
-    if device_type == "cuda" and not torch.cuda.is_available():
+    if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' is invalid here: torch.cuda.is_available() is False.")
     if dist.is_initialized():
-        raise RuntimeError("run_gpt creates its own process groups: destroy the existing one first.")
-    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+        raise RuntimeError("the GPT benchmark creates its own process groups: destroy the existing one first.")
+    device = torch.device("cuda", 0) if config.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -357,10 +322,8 @@ def run_gpt(config: GPTBenchmarkConfig, device_type: str) -> GPTResults:
         _free_device_memory()  # the ranks of part 2 share the device
     results = GPTResults(_device_name(device), backend, params, rows)
     if config.shared_ranks:
-        with mp.Manager() as manager:
-            shared = manager.dict()
-            mp.spawn(_shared_worker, args=(config, device_type, free_port(), shared), nprocs=config.shared_ranks)
-            results.shared, results.shared_params = shared["row"], shared["params"]
+        shared = run_ranks(_shared_worker, config.shared_ranks, config)
+        results.shared, results.shared_params = shared["row"], shared["params"]
     return results
 
 
@@ -382,7 +345,7 @@ def _count(params: int) -> str:
     return f"{params / 1e6:.1f}M parameters" if params >= 1e6 else f"{params} parameters"
 
 
-def report_gpt(results: GPTResults, config: GPTBenchmarkConfig) -> str:
+def report(results: GPTResults, config: GPTBenchmarkConfig) -> str:
     header = [
         "| step | batch x length | bare (ms) | torch DDP (ms) | lit_dp (ms) | lit_dp / DDP | per-round lit_dp / DDP "
         "| host syncs per step (bare / DDP / lit_dp) |",
@@ -409,3 +372,13 @@ def report_gpt(results: GPTResults, config: GPTBenchmarkConfig) -> str:
             _row_line(results.shared, "eager"),
         ]
     return "\n".join(lines)
+
+
+@hydra.main(config_path="conf", config_name="gpt_gpu", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    config = config_from(GPTBenchmarkConfig, cfg)
+    print(report(run(config), config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,9 @@
 """LocalSGD against plain data parallelism: bytes communicated, step time and digits accuracy.
 
-Every mode trains the same 3 x 1024 MLP (``reducer_benchmark.digits_mlp``) on the same digits
+    python -m benchmarks.local_sgd
+    python -m benchmarks.local_sgd epochs=8 warmup_steps=20 plot=docs/local_sgd.png
+
+Every mode trains the same 3 x 1024 MLP (``benchmarks.common.digits_mlp``) on the same digits
 shards for the same number of epochs in the same 2 gloo processes; modes take turns in rounds
 whose order rotates, so machine drift hits them alike. Bytes are counted at the collectives
 (``all_reduce`` and ``broadcast`` payloads of rank 0, per optimizer step); step time is the mean
@@ -18,13 +21,14 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import hydra
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from omegaconf import DictConfig
 
+from benchmarks.common import config_from, digits_mlp, init_gloo_rank, run_ranks
 from lit_dp_recipes.digits import DigitsDataModule
-from benchmarks.reducer_benchmark import free_port, init_gloo_rank, digits_mlp
 
 
 @dataclass
@@ -126,10 +130,7 @@ def _summary(row: dict[str, Any]) -> dict[str, Any]:
 
 def run(config: LocalSGDBenchmarkConfig) -> dict[int | None, dict[str, Any]]:
     """Per mode (None: plain data parallelism; K: LocalSGD): bytes per step, mean step seconds, accuracy."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(config, free_port(), results), nprocs=config.world_size)
-        return dict(results)
+    return run_ranks(_worker, config.world_size, config)
 
 
 def report(results: dict[int | None, dict[str, Any]], config: LocalSGDBenchmarkConfig) -> str:
@@ -178,3 +179,13 @@ def _plot(results: dict[int | None, dict[str, Any]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+@hydra.main(config_path="conf", config_name="local_sgd", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    config = config_from(LocalSGDBenchmarkConfig, cfg)
+    print(report(run(config), config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,13 +1,13 @@
 """How good is ``comm_buffer_size="auto"``? The fixed sizes swept side by side, next to the tuner's choices.
 
-    python -m benchmarks.autotune_benchmark                # the reducer benchmark's models
-    python -m benchmarks.autotune_benchmark --threads 4 --rounds 12
+    python -m benchmarks.autotune                        # the reducer benchmark's models and deep_mlp
+    python -m benchmarks.autotune threads=4 rounds=12 models=[deep_mlp]
 
 On 2 gloo processes, per model: one ``DataParallel`` per distinct bucket partition of the
 autotuner's schedule, timed interleaved in rounds whose order rotates (as in
-``benchmarks.reducer_benchmark``; each round times a block of consecutive steps, as
+``benchmarks.reducer``; each round times a block of consecutive steps, as
 training runs them), gives the step time of every fixed size. Then
-``--trials`` fresh ``comm_buffer_size="auto"`` wrappers train until they have chosen; each
+``trials`` fresh ``comm_buffer_size="auto"`` wrappers train until they have chosen; each
 choice is scored by the sweep's time for that size against the best fixed size. Last, three
 25 MB wrappers, the second with ``comm_stats=True``, alternate round by round on their own:
 stats on against the mean of the two without is the overhead of the statistics, and the two
@@ -21,48 +21,59 @@ That moved two identical wrappers 10 to 15% apart; with fixed thresholds, within
 
 from __future__ import annotations
 
-import argparse
 import copy
-import os
 import statistics
-import time
+from dataclasses import dataclass
 
+import hydra
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from omegaconf import DictConfig
 
-from benchmarks.reducer_benchmark import MODELS, _step, free_port, init_gloo_rank, interleaved_times
+from benchmarks.common import (
+    MODELS,
+    block_of_steps,
+    config_from,
+    fixed_malloc_thresholds,
+    init_gloo_rank,
+    interleaved_times,
+    run_ranks,
+    train_step,
+)
 
 
+@dataclass
+class AutotuneBenchmarkConfig:
+    """What to measure."""
 
-def _time_block(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, count: int
-) -> list[float]:
-    """One sample: seconds per step over ``count`` consecutive steps, as training runs them (no
-    barrier between)."""
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(count):
-        _step(model, optimizer, inputs)
-    dist.barrier()  # the block ends when the slowest rank is done
-    return [(time.perf_counter() - start) / count]
+    models: tuple[str, ...] = ("few_large", "many_small", "digits_mlp", "deep_mlp")
+    threads: int = 1  # torch threads per rank
+    rounds: int = 8
+    steps: int = 10  # timed steps per size per round
+    warmup: int = 5
+    trials: int = 3  # fresh autotuned runs per model
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.models) - set(MODELS))
+        if unknown:
+            raise ValueError(f"models={list(self.models)} is invalid: {unknown} unknown; expected some of {sorted(MODELS)}.")
 
 
 def _interleaved_medians(
-    wrappers: dict[str, torch.nn.Module], inputs: torch.Tensor, args: argparse.Namespace
+    wrappers: dict[str, torch.nn.Module], inputs: torch.Tensor, config: AutotuneBenchmarkConfig
 ) -> dict[str, float]:
     """Median over rounds (whose order rotates) of each wrapper's mean step time in ms."""
-    times = interleaved_times(wrappers, inputs, _time_block, args.warmup, args.rounds, args.steps)
+    times = interleaved_times(wrappers, inputs, block_of_steps, config.warmup, config.rounds, config.steps)
     return {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, results: dict) -> None:
+def _worker(rank: int, config: AutotuneBenchmarkConfig, port: int, results: dict) -> None:
     import lit_dp
     from lit_dp.observability.autotune import CANDIDATES_MB
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(config.threads)
     init_gloo_rank(rank, 2, port)
-    for name in args.models:
+    for name in config.models:
         build, width, batch = MODELS[name]
         torch.manual_seed(0)
         base = build()
@@ -72,21 +83,21 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: dict) -> No
         seen: set[str] = set()
         for size in CANDIDATES_MB:
             wrapper = lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=size)
-            _step(wrapper, torch.optim.SGD(wrapper.parameters(), lr=1e-3), inputs)  # the ready-order rebuild
+            train_step(wrapper, torch.optim.SGD(wrapper.parameters(), lr=1e-3), inputs)  # the ready-order rebuild
             key = repr(wrapper.reducer.bucket_indices)
             if key not in seen:
                 seen.add(key)
                 wrappers[f"{size:g} MB"] = wrapper
-        sweep = _interleaved_medians(wrappers, inputs, args)
+        sweep = _interleaved_medians(wrappers, inputs, config)
         buckets = {mode: len(w.reducer.bucket_indices) for mode, w in wrappers.items()}
         del wrappers
         trials = []
-        for _ in range(args.trials):
+        for _ in range(config.trials):
             tuned = lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size="auto")
             optimizer = torch.optim.SGD(tuned.parameters(), lr=1e-3)
             steps = 0
             while tuned.autotuner.chosen_mb is None:
-                _step(tuned, optimizer, inputs)
+                train_step(tuned, optimizer, inputs)
                 steps += 1
             trials.append({"chosen": tuned.comm_buffer_size, "steps": steps, "sweep": tuned.autotuner.sweep})
         overhead = _interleaved_medians(
@@ -96,7 +107,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: dict) -> No
                 "off again": lit_dp.DataParallel(copy.deepcopy(base), comm_buffer_size=25),
             },
             inputs,
-            args,
+            config,
         )
         dist.barrier()
         if rank == 0:
@@ -128,24 +139,12 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--models", nargs="+", default=["few_large", "many_small", "digits_mlp", "deep_mlp"], choices=sorted(MODELS)
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per size per round")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--trials", type=int, default=3, help="fresh autotuned runs per model")
-    args = parser.parse_args()
+@hydra.main(config_path="conf", config_name="autotune", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    config = config_from(AutotuneBenchmarkConfig, cfg)
     # Read by each spawned rank's C library at start (see the module docstring).
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 * 2**20))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(4 * 2**30))
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(args, free_port(), results), nprocs=2)
-        print(report(dict(results)))
+    with fixed_malloc_thresholds(32 * 2**20, trim_bytes=4 * 2**30):
+        print(report(run_ranks(_worker, 2, config)))
 
 
 if __name__ == "__main__":

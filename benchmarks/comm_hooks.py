@@ -1,5 +1,11 @@
 """Gradient compression side by side: bytes all-reduced, step time and what training reaches.
 
+    python -m benchmarks.comm_hooks
+    python -m benchmarks.comm_hooks steps=100 tasks=[digits] modes=[fp32,powersgd_1]
+
+Prints a Markdown table: bytes all-reduced per step, median step time, and the digits accuracy
+and the charlm validation loss each mode reaches after the same steps.
+
 Every mode trains its own copy of the same model on the same batches in the same 2 gloo
 processes; the modes take turns step by step (the order rotating), so machine drift hits them
 alike. Bytes are the payload of every ``all_reduce`` a step issues (gradients, PowerSGD's P and
@@ -14,13 +20,14 @@ import threading
 import time
 from dataclasses import dataclass
 
+import hydra
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from omegaconf import DictConfig
 from torch import nn
 
-from benchmarks.reducer_benchmark import free_port, init_gloo_rank
+from benchmarks.common import config_from, init_gloo_rank, run_ranks
 
 # fp32: no hook; allreduce_hook: torch's plain hook, i.e. the cost of the hook path itself.
 MODES = ("fp32", "allreduce_hook", "bf16", "powersgd_1", "powersgd_4")
@@ -77,7 +84,7 @@ def _wrap(mode: str, model: nn.Module, start_iter: int) -> nn.Module:
 
 
 def _digits(config: CommHookBenchmarkConfig):
-    """The 3 x 1024 MLP of benchmarks/bench_training_sweep.py on the digits; metric: validation accuracy."""
+    """The 3 x 1024 MLP of the training sweep on the digits; metric: validation accuracy."""
     from lit_dp_recipes.digits import DigitsDataModule, MLPClassifier
 
     data = DigitsDataModule()
@@ -178,10 +185,7 @@ def run(config: CommHookBenchmarkConfig) -> dict:
             f"steps={config.steps} is invalid with powersgd_start_iter={config.powersgd_start_iter}: "
             "expected more steps than the warm-up."
         )
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(config, free_port(), results), nprocs=config.world_size)
-        return dict(results)
+    return run_ranks(_worker, config.world_size, config)
 
 
 def report(results: dict, config: CommHookBenchmarkConfig) -> str:
@@ -203,3 +207,13 @@ def report(results: dict, config: CommHookBenchmarkConfig) -> str:
                 f"| {metric[task]} {shown} |"
             )
     return "\n".join(lines)
+
+
+@hydra.main(config_path="conf", config_name="comm_hooks", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    config = config_from(CommHookBenchmarkConfig, cfg)
+    print(report(run(config), config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,8 @@
 """What one device pays for a process group of one rank: lit_dp and torch DDP against the bare model.
 
+    python -m benchmarks.one_device
+    python -m benchmarks.one_device device=cuda threads=8
+
 Under ``"paddle_dp"`` and ``"ddp"`` a single device still gets a one-rank group and a wrapped
 model (so code calling ``torch.distributed`` works and misuse raises as on many devices). This
 times a training step three ways in one process, interleaved in rounds whose order rotates so
@@ -14,17 +17,14 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import hydra
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from lit_dp.data_parallel import DataParallel
-from lit_dp.job.env import ParallelEnv
-from lit_dp.job.process_group import destroy_parallel_env, init_parallel_env
-from benchmarks.reducer_benchmark import MODELS, _step, interleaved_times
-
-MODES = ("bare", "ddp", "lit_dp")
+from benchmarks.common import MODELS, MODES, config_from, interleaved_times, train_step, wrap
+from lit_dp import ParallelEnv, destroy_parallel_env, init_parallel_env
 
 
 @dataclass
@@ -39,19 +39,11 @@ class OneDeviceBenchmarkConfig:
     models: tuple[str, ...] = ("digits_mlp", "many_small", "few_large")
 
 
-def _wrap(mode: str, model: nn.Module, device: torch.device) -> nn.Module:
-    if mode == "ddp":
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if mode == "lit_dp":
-        return DataParallel(model)
-    return model
-
-
 def _time_steps(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, count: int) -> list[float]:
     times = []
     for _ in range(count):
         start = time.perf_counter()
-        _step(model, optimizer, inputs)
+        train_step(model, optimizer, inputs)
         if inputs.is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -70,7 +62,7 @@ def run(config: OneDeviceBenchmarkConfig) -> dict[str, dict[str, float]]:
             build, width, batch = MODELS[name]
             torch.manual_seed(0)
             base = build().to(device)
-            models = {mode: _wrap(mode, copy.deepcopy(base), device) for mode in MODES}
+            models = {mode: wrap(mode, copy.deepcopy(base)) for mode in MODES}
             inputs = torch.randn(batch, width, device=device)
             times = interleaved_times(models, inputs, _time_steps, config.warmup, config.rounds, config.steps)
             results[name] = {mode: statistics.median(t) for mode, t in times.items()}
@@ -86,9 +78,19 @@ def report(results: dict[str, dict[str, float]], config: OneDeviceBenchmarkConfi
         "|---|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
-        bare, ddp, ours = row["bare"], row["ddp"], row["lit_dp"]
+        bare, ddp, ours = row["none"], row["ddp"], row["lit_dp"]
         lines.append(
             f"| {name} | {bare * 1e3:.3f} | {ddp * 1e3:.3f} | {ours * 1e3:.3f} | {ddp / bare:.3f} "
             f"| {ours / bare:.3f} | {ours / ddp:.3f} |"
         )
     return "\n".join(lines)
+
+
+@hydra.main(config_path="conf", config_name="one_device", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    config = config_from(OneDeviceBenchmarkConfig, cfg)
+    print(report(run(config), config))
+
+
+if __name__ == "__main__":
+    main()
