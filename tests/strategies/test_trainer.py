@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -185,3 +186,11 @@ def test_ddp_strategy_arguments_move_by_renaming_the_class():
         PaddleDPStrategy(comm_buffer_size=10, bucket_cap_mb=5)
     with pytest.raises(ValueError, match=r"bucket_cap_mb=-1 is invalid"):
         PaddleDPStrategy(bucket_cap_mb=-1)
+
+
+def test_a_mocked_init_process_group_sets_up_like_ddp():
+    # Lightning's own tests, and users', mock the process-group creation; lit_dp must not need the group.
+    strategy = pl.Trainer(strategy=PaddleDPStrategy(backend="gloo"), accelerator="cpu", devices=1, logger=False).strategy
+    with mock.patch("torch.distributed.init_process_group") as init:
+        strategy.setup_environment()
+    assert init.call_args.kwargs["world_size"] == 1 and init.call_args.args[0] == "gloo"
