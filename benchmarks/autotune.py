@@ -25,15 +25,13 @@ import copy
 import statistics
 from dataclasses import dataclass
 
-import hydra
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
 from benchmarks.common import (
     MODELS,
+    benchmark_main,
     block_of_steps,
-    config_from,
     fixed_malloc_thresholds,
     init_gloo_rank,
     interleaved_times,
@@ -139,12 +137,14 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="conf", config_name="autotune", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    config = config_from(AutotuneBenchmarkConfig, cfg)
+def run(config: AutotuneBenchmarkConfig) -> dict:
+    """Per model: the fixed sizes' step times, the autotuned trials, the statistics' overhead."""
     # Read by each spawned rank's C library at start (see the module docstring).
     with fixed_malloc_thresholds(32 * 2**20, trim_bytes=4 * 2**30):
-        print(report(run_ranks(_worker, 2, config)))
+        return run_ranks(_worker, 2, config)
+
+
+main = benchmark_main("autotune", AutotuneBenchmarkConfig, lambda config: report(run(config)))
 
 
 if __name__ == "__main__":

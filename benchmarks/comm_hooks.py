@@ -20,14 +20,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-import hydra
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig
 from torch import nn
 
-from benchmarks.common import config_from, init_gloo_rank, run_ranks
+from benchmarks.common import benchmark_main, init_gloo_rank, run_ranks
 
 # fp32: no hook; allreduce_hook: torch's plain hook, i.e. the cost of the hook path itself.
 MODES = ("fp32", "allreduce_hook", "bf16", "powersgd_1", "powersgd_4")
@@ -209,10 +207,7 @@ def report(results: dict, config: CommHookBenchmarkConfig) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="conf", config_name="comm_hooks", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    config = config_from(CommHookBenchmarkConfig, cfg)
-    print(report(run(config), config))
+main = benchmark_main("comm_hooks", CommHookBenchmarkConfig, lambda config: report(run(config), config))
 
 
 if __name__ == "__main__":

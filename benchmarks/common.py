@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 Config = TypeVar("Config")
 # The modes compared: no synchronisation (the floor), torch DDP (the yardstick), lit_dp.
 MODES = ("none", "ddp", "lit_dp")
+CONFIGS = Path(__file__).resolve().parent / "conf"
 
 
 def few_large_tensors() -> nn.Module:
@@ -207,6 +209,18 @@ def fixed_malloc_thresholds(mmap_bytes: int, trim_bytes: int | None = None) -> I
     finally:
         for name in added:
             del os.environ[name]
+
+
+def benchmark_main(config_name: str, config_cls: type[Config], run_and_report: Callable[[Config], str]) -> Callable[[], None]:
+    """A script's entry point: its Hydra config ``benchmarks/conf/<config_name>.yaml`` as
+    ``config_cls``, measured and printed by ``run_and_report``."""
+    import hydra
+
+    @hydra.main(config_path=str(CONFIGS), config_name=config_name, version_base="1.3")
+    def main(cfg: Any) -> None:
+        print(run_and_report(config_from(config_cls, cfg)))
+
+    return main
 
 
 def config_from(cls: type[Config], cfg: Any) -> Config:

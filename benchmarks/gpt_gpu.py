@@ -31,14 +31,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import hydra
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig
 from torch import nn
 
-from benchmarks.common import MODES, config_from, init_gloo_rank, run_ranks, wrap
+from benchmarks.common import MODES, benchmark_main, init_gloo_rank, run_ranks, wrap
 from lit_dp_recipes.charlm import CharGPT
 
 log = logging.getLogger(__name__)
@@ -374,10 +372,7 @@ def report(results: GPTResults, config: GPTBenchmarkConfig) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="conf", config_name="gpt_gpu", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    config = config_from(GPTBenchmarkConfig, cfg)
-    print(report(run(config), config))
+main = benchmark_main("gpt_gpu", GPTBenchmarkConfig, lambda config: report(run(config), config))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,11 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import hydra
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
-from benchmarks.common import config_from, digits_mlp, init_gloo_rank, run_ranks
+from benchmarks.common import benchmark_main, digits_mlp, init_gloo_rank, run_ranks
 from lit_dp_recipes.digits import DigitsDataModule
 
 
@@ -181,10 +179,7 @@ def _plot(results: dict[int | None, dict[str, Any]], path: Path) -> None:
     plt.close(figure)
 
 
-@hydra.main(config_path="conf", config_name="local_sgd", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    config = config_from(LocalSGDBenchmarkConfig, cfg)
-    print(report(run(config), config))
+main = benchmark_main("local_sgd", LocalSGDBenchmarkConfig, lambda config: report(run(config), config))
 
 
 if __name__ == "__main__":

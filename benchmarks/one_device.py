@@ -17,13 +17,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import hydra
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 
-from benchmarks.common import MODELS, MODES, config_from, interleaved_times, train_step, wrap
+from benchmarks.common import MODELS, MODES, benchmark_main, interleaved_times, train_step, wrap
 from lit_dp import ParallelEnv, destroy_parallel_env, init_parallel_env
 
 
@@ -86,10 +84,7 @@ def report(results: dict[str, dict[str, float]], config: OneDeviceBenchmarkConfi
     return "\n".join(lines)
 
 
-@hydra.main(config_path="conf", config_name="one_device", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    config = config_from(OneDeviceBenchmarkConfig, cfg)
-    print(report(run(config), config))
+main = benchmark_main("one_device", OneDeviceBenchmarkConfig, lambda config: report(run(config), config))
 
 
 if __name__ == "__main__":

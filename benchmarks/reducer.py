@@ -15,15 +15,13 @@ import resource
 import statistics
 from dataclasses import dataclass
 
-import hydra
 import torch
-from omegaconf import DictConfig
 
 from benchmarks.common import (
     MODELS,
     MODES,
     barrier_aligned_steps,
-    config_from,
+    benchmark_main,
     few_large_tensors,
     fixed_malloc_thresholds,
     init_gloo_rank,
@@ -132,9 +130,7 @@ def report(speed: dict, memory: dict) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(config_path="conf", config_name="reducer", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    print(report(*run(config_from(ReducerBenchmarkConfig, cfg))))
+main = benchmark_main("reducer", ReducerBenchmarkConfig, lambda config: report(*run(config)))
 
 
 if __name__ == "__main__":
