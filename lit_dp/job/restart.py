@@ -32,8 +32,9 @@ class Restart:
     limit: int | None
 
     def describe(self) -> str:
-        noun = "requeue" if self.launcher == "slurm" else "restart"
-        return f"{self.launcher} {noun} {self.count}" + ("" if self.limit is None else f" of {self.limit}")
+        """``restart 1 of 3`` (torchrun), ``SLURM requeue 2`` (SLURM sets no limit it tells)."""
+        what = "SLURM requeue" if self.launcher == "slurm" else "restart"
+        return f"{what} {self.count}" + ("" if self.limit is None else f" of {self.limit}")
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class JobAttempt:
     Attributes:
         job_id: the id that every attempt of the job shares, prefixed by the launcher that gave
             it (``slurm-123``, ``torchrun-<run id>``, ``paddle-<job id>``); None outside a
-            launcher that names its jobs. SLURM's wins over torchrun's when torchrun runs inside
+            launcher that names its jobs, and for torchrun's default run id ``none`` (its static
+            rendezvous without ``--rdzv-id``) and Paddle's ``default``, which every job shares. SLURM's wins over torchrun's when torchrun runs inside
             a SLURM job: a requeue starts a new torchrun (with a new run id) under the same
             ``SLURM_JOB_ID``.
         restarts: the restart counters of the launchers in effect, outermost first (SLURM, then
@@ -68,7 +70,8 @@ class JobAttempt:
             restarts.append(Restart("slurm", _read_count(env, "SLURM_RESTART_COUNT"), None))
         run_id = _read_id(env, "TORCHELASTIC_RUN_ID")
         if run_id is not None:
-            job_id = job_id or f"torchrun-{run_id}"
+            # "none" is torchrun's default --rdzv-id outside --standalone: every such job shares it.
+            job_id = job_id or (f"torchrun-{run_id}" if run_id != "none" else None)
             count = _read_count(env, "TORCHELASTIC_RESTART_COUNT")
             limit = _read_count(env, "TORCHELASTIC_MAX_RESTARTS") if "TORCHELASTIC_MAX_RESTARTS" in env else None
             if limit is not None and count > limit:
@@ -95,7 +98,7 @@ class JobAttempt:
         return "/".join(f"{restart.launcher}_{restart.count}" for restart in self.restarts) or "attempt_0"
 
     def describe(self) -> str:
-        """``torchrun restart 1 of 3``, ``slurm requeue 2``, or ``first attempt``."""
+        """``restart 1 of 3`` (torchrun), ``SLURM requeue 2``, both joined, or ``first attempt``."""
         return ", ".join(restart.describe() for restart in self.restarts) or "first attempt"
 
 

@@ -148,7 +148,7 @@ def test_restarted_attempts_on_torchruns_agent_store_never_meet_earlier_keys():
         _rendezvous(_rank_env(0, port), timedelta(seconds=1), None, _torchrun_attempt(2, port))
     message = str(error.value)
     assert "rank(s) [1] of world size 2 did not arrive" in message
-    assert "(torchrun restart 2 of 2) within 1s" in message
+    assert "(restart 2 of 2) within 1s" in message
     del agent_store
 
 

@@ -24,7 +24,7 @@ def test_torchrun_restart_with_its_agent_store():
     assert attempt.job_id == "torchrun-a1b2"
     assert attempt.restarts == (Restart("torchrun", 1, 3),)
     assert attempt.is_restart and not attempt.is_last
-    assert attempt.key == "torchrun_1" and attempt.describe() == "torchrun restart 1 of 3"
+    assert attempt.key == "torchrun_1" and attempt.describe() == "restart 1 of 3"
     assert attempt.agent_store == ("127.0.0.1", 29500)
 
 
@@ -40,7 +40,7 @@ def test_torchrun_inside_slurm_keeps_the_slurm_job_id_and_counts_both():
     )
     assert attempt.job_id == "slurm-4242"
     assert attempt.key == "slurm_2/torchrun_0"
-    assert attempt.describe() == "slurm requeue 2, torchrun restart 0"
+    assert attempt.describe() == "SLURM requeue 2, restart 0"
     assert attempt.is_restart
 
 
@@ -49,6 +49,9 @@ def test_slurm_before_any_requeue_and_paddle_job_id():
     assert JobAttempt.from_environ({"PADDLE_JOB_ID": "resnet"}).job_id == "paddle-resnet"
     # "default" is the id Paddle's launcher gives every job that names none: not this job's own.
     assert JobAttempt.from_environ({"PADDLE_JOB_ID": "default"}).job_id is None
+    # Likewise "none", torchrun's run id without --standalone or --rdzv-id; its restarts still count.
+    static = JobAttempt.from_environ({"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert static.job_id is None and static.is_restart
 
 
 @pytest.mark.parametrize(
