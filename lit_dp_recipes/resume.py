@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.strategies import Strategy
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
@@ -119,18 +122,28 @@ def resolve_ckpt_path(ckpt_path: str | None, folders: list[Path], attempt: JobAt
     return str(newest.path)
 
 
+class LauncherTerminated(RuntimeError):
+    """The launcher stopped this worker (SIGTERM): another worker of the attempt failed."""
+
+
 @contextmanager
 def last_attempt_report(folders: list[Path], attempt: JobAttempt) -> Iterator[None]:
     """On the launcher's last attempt, a failure names the restart count and the checkpoint to resume from.
 
-    Under torchrun the error is also written to the worker's error file, which the agent prints
-    in its closing summary, the last thing the user sees.
+    When a rank dies, torchrun stops the others with SIGTERM, often before their own collective
+    fails; without a handler they die silently and torchrun's summary shows only signals. So on
+    the last attempt SIGTERM raises ``LauncherTerminated`` (Lightning's own SIGTERM handler
+    calls ours too), and the report goes to the worker's traceback and to its torchrun error
+    file, which the agent prints in its closing summary: the last thing the user sees.
     """
+    if not attempt.is_last or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     except Exception as error:
-        if not attempt.is_last:
-            raise
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's SIGTERM must not cut the report short
         newest = newest_checkpoint(folders)
         where = (
             f"{newest.path} (step {newest.step}); resume by hand with ckpt_path={newest.path}, or run again with "
@@ -142,14 +155,21 @@ def last_attempt_report(folders: list[Path], attempt: JobAttempt) -> Iterator[No
             f"[lit_dp] {attempt.describe()} failed, and the launcher allows no more restarts: "
             f"{type(error).__name__}: {error}\nThe job would have resumed from {where}."
         )
-        _record_for_torchrun(report)
-        raise report from error
+        try:
+            raise report from error
+        except RuntimeError:
+            _record_for_torchrun(report)  # its traceback ends with the report
+            raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise LauncherTerminated(f"stopped by the launcher (signal {signum}): another rank of this attempt failed")
 
 
 def _record_for_torchrun(error: BaseException) -> None:
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
         ErrorHandler().record_exception(error)
 
 
