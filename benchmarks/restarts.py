@@ -150,8 +150,10 @@ def _hung_in(output: str) -> str:
 
 
 def _cause(output: str) -> str:
-    errors = [line.strip() for line in output.splitlines() if "Error" in line and "Traceback" not in line]
-    return errors[0][:200] if errors else output.strip().splitlines()[-1][:200]
+    """The first exception a worker of the restarted attempt raised (``RuntimeError: Gloo connectFullMesh ...``)."""
+    restarted = output.split("[lit_dp] resuming from")[-1]  # the first attempt's survivors fail too, as expected
+    exceptions = re.findall(r"^\s*((?:[\w.]+\.)?\w*(?:Error|Exception): .*)$", restarted, re.MULTILINE)
+    return exceptions[0].strip()[:200] if exceptions else output.strip().splitlines()[-1][:200]
 
 
 def report(outcomes: list[Outcome], args: argparse.Namespace) -> str:
