@@ -221,7 +221,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         # Called after Lightning restored the loops and before the first batch is fetched.
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
         return continue_epoch(dataloader, trainer.fit_loop)
