@@ -10,9 +10,12 @@ brings up the process group and wraps the model.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.nn import Module
 from typing_extensions import override
@@ -22,12 +25,6 @@ from lit_dp.job.backends import AUTO
 from lit_dp.job.env import ParallelEnv
 from lit_dp.job.process_group import init_parallel_env
 from lit_dp.options import Options
-
-# This module is loaded while Lightning's own import finishes (lit_dp/__init__.py): it imports no
-# Lightning module at its top, so importing it first cannot meet a half-initialised lit_dp module.
-if TYPE_CHECKING:
-    from lightning.fabric.plugins import ClusterEnvironment
-    from lightning.fabric.strategies import _StrategyRegistry
 
 # Lightning's `ddp`, `ddp_spawn`, `ddp_fork`, `ddp_notebook` with their start methods
 # (lightning/pytorch/strategies/ddp.py); each also gets `_find_unused_parameters_true|false`.
@@ -116,8 +113,6 @@ class DataParallelStrategyMixin:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        from lightning.fabric.utilities.rank_zero import rank_zero_only
-
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _init_process_group(self) -> None:
@@ -161,7 +156,9 @@ def register_families(registry: _StrategyRegistry, strategy: type) -> None:
 def default_cluster_environment(given: ClusterEnvironment | None) -> ClusterEnvironment | None:
     """``given``, else ``PaddleEnvironment`` when Paddle's launcher started this process (else
     None: Lightning then detects torchrun, SLURM, ... itself)."""
-    from lit_dp.job.cluster_environment import PaddleEnvironment  # imports Lightning: see the note above
+    # Imported here: importing cluster_environment first imports Lightning, whose import loads
+    # this module (lit_dp/__init__.py); a module-level import would meet it half-initialised.
+    from lit_dp.job.cluster_environment import PaddleEnvironment
 
     if given is None and PaddleEnvironment.detect():
         return PaddleEnvironment()

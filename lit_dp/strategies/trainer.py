@@ -43,6 +43,9 @@ from lit_dp.local_sgd import LocalSGD
 from lit_dp.observability.autotune import AUTO
 from lit_dp.options import TRAINER, Options, options_doc
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
+from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
+from lit_dp.strategies.monitor import CommStatsMonitor
+from lit_dp.strategies.resume import continue_epoch
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 
@@ -67,7 +70,10 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 {options}
 
     With ``comm_buffer_size="auto"`` the tuned size is stored in checkpoints, so a resumed run
-    keeps it; LocalSGD's schedule is stored too.
+    keeps it; LocalSGD's schedule is stored too. Checkpoints are written atomically
+    (``AtomicCheckpointIO``, unless another ``checkpoint_io`` is given), and a fit resumed from a
+    checkpoint taken inside an epoch goes on at the next batch of that epoch
+    (``lit_dp.strategies.resume``).
     """
 
     strategy_name = "paddle_dp"
@@ -89,7 +95,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=default_cluster_environment(cluster_environment),
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self._keep_options(options, values)
@@ -165,10 +171,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         if fitting and (self._options.comm_stats or self._options.comm_buffer_size == AUTO):
-            # Imported here: the monitor imports Lightning at its top, and Lightning's import loads
-            # this module (lit_dp/__init__.py), so importing the monitor first must not need us.
-            from lit_dp.strategies.monitor import CommStatsMonitor
-
             if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
                 trainer.callbacks.append(CommStatsMonitor())
 
@@ -215,6 +217,14 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def on_train_end(self) -> None:
         if self._local_sgd is not None:
             self._local_sgd.finish()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # Called after Lightning restored the loops and before the first batch is fetched.
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        return continue_epoch(dataloader, trainer.fit_loop)
 
     @override
     def model_to_device(self) -> None:
