@@ -95,8 +95,9 @@ class ShardedOptimizer(Optimizer):
         if optimizer.state:  # stepped or loaded before: keep the owned part of its state
             self.load_state_dict(optimizer.state_dict())
             optimizer.state.clear()
-        optimizer.register_step_pre_hook(_refuse_step)
-        self._hooks = self._wait_in_forward(model) if self._overlap and self._gather is not None else []
+        self._hooks = [optimizer.register_step_pre_hook(_refuse_step)]
+        if self._overlap and self._gather is not None:
+            self._hooks += self._wait_in_forward(model)
         weakref.finalize(self, _remove_hooks, self._hooks)
 
     def _build_gather(self, model: DataParallel) -> ParameterGather | None:
@@ -228,6 +229,20 @@ class ShardedOptimizer(Optimizer):
         consolidated, self._consolidated = self._consolidated, None
         return consolidated
 
+    def unwrap(self, to: int = 0) -> Optimizer:
+        """The wrapped optimizer, holding the whole state on rank ``to`` (none elsewhere); call on every rank.
+
+        For the end of training (the Trainer strategy does it when fitting ends, so that
+        ``trainer.save_checkpoint`` works after ``fit`` as under ``"ddp"``); this wrapper must
+        not step afterwards.
+        """
+        self.wait_for_parameters()
+        self.consolidate_state_dict(to)
+        _remove_hooks(self._hooks)
+        if self._consolidated is not None:
+            self.wrapped.load_state_dict(self.state_dict())
+        return self.wrapped
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load an unsharded (or consolidated) optimizer state: this rank keeps its owned part."""
         saved_groups = state_dict["param_groups"]
@@ -251,6 +266,7 @@ class ShardedOptimizer(Optimizer):
                     local_state[position] = state_dict["state"][saved_index[id(param)]]
                 position += 1
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self.state = self.local_optimizer.state  # loading replaced the local optimizer's dict
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(_hyperparameters(saved))
 

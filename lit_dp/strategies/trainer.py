@@ -24,6 +24,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -42,6 +43,7 @@ from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel
 from lit_dp.local_sgd import LocalSGD
 from lit_dp.observability.autotune import AUTO
 from lit_dp.options import TRAINER, Options, options_doc
+from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.monitor import CommStatsMonitor
 
@@ -68,7 +70,10 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 {options}
 
     With ``comm_buffer_size="auto"`` the tuned size is stored in checkpoints, so a resumed run
-    keeps it; LocalSGD's schedule is stored too.
+    keeps it; LocalSGD's schedule is stored too. With ``sharding_stage`` the optimizers from
+    ``configure_optimizers`` are rebuilt over each rank's parameters (``lit_dp.ShardedOptimizer``),
+    ``gradient_clip_val`` clips by the global norm and checkpoints hold the consolidated
+    optimizer state (docs/sharding.md).
     """
 
     strategy_name = "paddle_dp"
@@ -144,7 +149,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             f"find_unused_parameters={options.find_unused_parameters} "
             f"gradient_as_bucket_view={options.gradient_as_bucket_view} local_sgd_steps={options.local_sgd_steps} "
             f"local_sgd_warmup_steps={options.local_sgd_warmup_steps} local_sgd_adaptive={options.local_sgd_adaptive} "
-            f"comm_hook={describe_comm_hook(**options.hook_options())} comm_stats={options.comm_stats}"
+            f"comm_hook={describe_comm_hook(**options.hook_options())} comm_stats={options.comm_stats} "
+            f"sharding_stage={options.sharding_stage} sharding_overlap={options.sharding_overlap}"
         )
 
     @override
@@ -152,6 +158,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_sharding_precision(self.precision_plugin)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -163,6 +171,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         elif dist.is_initialized():
             sync_params_buffers(self.model)
         self.setup_precision_plugin()
+        if fitting and self._options.sharding_stage is not None:
+            _clip_by_sharded_norm(self.precision_plugin)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         if fitting and (self._options.comm_stats or self._options.comm_buffer_size == AUTO):
@@ -175,6 +185,28 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             size = self._tuned_buffer_size
             rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {size:g} MB, tuned before (checkpoint or earlier fit)")
         return self._wrap(model, self._options.replace(comm_buffer_size=self.comm_buffer_size))
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        # The schedulers keep the optimizers configure_optimizers built, whose groups the
+        # sharded ones share (see lit_dp.sharding).
+        self.optimizers = [self._shard(optimizer, self.model) for optimizer in self.optimizers]
+
+    def wait_for_parameters(self) -> None:
+        """With ``sharding_overlap``: finish gathering the updated parameters, before they are read outside a forward."""
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, ShardedOptimizer):
+                optimizer.wait_for_parameters()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.wait_for_parameters()
+        return super().lightning_module_state_dict()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.wait_for_parameters()
 
     def _setup_local_sgd(self) -> LocalSGD | None:
         options = self._options
@@ -210,6 +242,11 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        # Callbacks have had their on_train_end (a last checkpoint): hand back the optimizers
+        # configure_optimizers built, rank 0's with the whole state, as the model is unwrapped.
+        self.optimizers = [
+            optimizer.unwrap() if isinstance(optimizer, ShardedOptimizer) else optimizer for optimizer in self.optimizers
+        ]
         if self._local_sgd is not None:
             self._local_sgd.finish()
 
@@ -309,6 +346,30 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_families(strategy_registry, cls)
+
+
+def _clip_by_sharded_norm(plugin: Precision) -> None:
+    """Make ``gradient_clip_val`` (algorithm ``norm``) clip a ``ShardedOptimizer`` by the global norm.
+
+    Lightning clips through the precision plugin, with ``torch.nn.utils.clip_grad_norm_`` over
+    the optimizer's parameters; under stage 2 a rank holds only its own gradients, so that norm
+    would be this rank's. Lightning has no strategy hook for clipping (its FSDP and DeepSpeed
+    strategies bring their own precision plugins), so the plugin instance in use gets this
+    method for sharded optimizers, and keeps its own for any other.
+    """
+    clip_grad_by_norm = plugin.clip_grad_by_norm
+    if getattr(clip_grad_by_norm, "sharded", False):
+        return
+
+    def clip_sharded_by_norm(optimizer: Any, clip_val: float) -> None:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(inner, ShardedOptimizer):
+            inner.clip_grad_norm_(clip_val)
+        else:
+            clip_grad_by_norm(optimizer, clip_val)
+
+    clip_sharded_by_norm.sharded = True  # type: ignore[attr-defined]
+    plugin.clip_grad_by_norm = clip_sharded_by_norm  # type: ignore[method-assign]
 
 
 class _ManualOptimizationRedirection(_ForwardRedirection):
