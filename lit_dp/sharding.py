@@ -78,7 +78,9 @@ class ShardedOptimizer(Optimizer):
         self._rank = dist.get_rank(self._group) if self._group is not None else 0
         self._world_size = dist.get_world_size(self._group) if self._group is not None else 1
         self._overlap = model.options.sharding_overlap
-        self.wrapped = optimizer
+        # The user's optimizer, under the name wrappers use (DeepSpeed's, LightningOptimizer's), so
+        # Lightning's LearningRateMonitor sees the one its scheduler holds.
+        self.optimizer = optimizer
         # The same group dicts as `optimizer`'s: what its scheduler writes, this wrapper reads.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._params = [param for group in self.param_groups for param in group["params"]]
@@ -148,7 +150,7 @@ class ShardedOptimizer(Optimizer):
                 self._gather.wait()
         # LR schedulers built on the wrapped optimizer check that it stepped before they do
         # (torch.optim.lr_scheduler's `_opt_called`): it stepped, through this wrapper.
-        self.wrapped._opt_called = True  # type: ignore[attr-defined]
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return loss
 
     def wait_for_parameters(self) -> None:
@@ -240,8 +242,8 @@ class ShardedOptimizer(Optimizer):
         self.consolidate_state_dict(to)
         _remove_hooks(self._hooks)
         if self._consolidated is not None:
-            self.wrapped.load_state_dict(self.state_dict())
-        return self.wrapped
+            self.optimizer.load_state_dict(self.state_dict())
+        return self.optimizer
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load an unsharded (or consolidated) optimizer state: this rank keeps its owned part."""

@@ -62,17 +62,9 @@ class ParameterGather:
             for param in chunk:
                 self._bucket_of[id(param)] = launch
 
-    @property
-    def bucket_count(self) -> int:
-        return len(self._buckets)
-
     def bucket_of(self, param: nn.Parameter) -> int | None:
         """The launch position of ``param``'s bucket; None for a parameter not gathered here."""
         return self._bucket_of.get(id(param))
-
-    @property
-    def pending(self) -> bool:
-        return self._waited < len(self._works)
 
     def start(self) -> None:
         """Launch every bucket's broadcast (after the owners' step)."""
