@@ -252,8 +252,9 @@ class ShardedOptimizer(Optimizer):
         sizes = [len(group["params"]) for group in self.param_groups]
         if saved_sizes != sizes:
             raise ValueError(
-                f"lit_dp.ShardedOptimizer.load_state_dict: the saved state has parameter groups of sizes {saved_sizes}, "
-                f"this optimizer {sizes}: expected the state of the same optimizer over the same parameters."
+                f"lit_dp.ShardedOptimizer.load_state_dict: the saved state has parameter groups of sizes "
+                f"{saved_sizes}, this optimizer {sizes}: expected the state of the same optimizer over the same "
+                "parameters."
             )
         saved_index = {
             id(param): index
@@ -262,7 +263,9 @@ class ShardedOptimizer(Optimizer):
         }
         local_groups, local_state, position = [], {}, 0
         for saved, group in zip(saved_groups, self.local_optimizer.param_groups):
-            local_groups.append({**_hyperparameters(saved), "params": list(range(position, position + len(group["params"])))})
+            local_groups.append(
+                {**_hyperparameters(saved), "params": list(range(position, position + len(group["params"])))}
+            )
             for param in group["params"]:
                 if saved_index[id(param)] in state_dict["state"]:
                     local_state[position] = state_dict["state"][saved_index[id(param)]]

@@ -233,10 +233,8 @@ def test_sharded_training_equals_unsharded_and_one_process_and_resumes_on_anothe
 
 
 REFUSALS = [
-    "sharding_stage=2 with sparse gradients (parameter 'embedding.weight', an embedding built with sparse=True) is "
-    "invalid",
-    "lit_dp.ShardedOptimizer needs the model wrapped as lit_dp.DataParallel(..., sharding_stage=1 or 2); got "
-    "DataParallel with sharding_stage=None",
+    "sharding_stage=2 with sparse gradients (parameter 'embedding.weight', an embedding built with sparse=True)",
+    "needs the model wrapped as lit_dp.DataParallel(..., sharding_stage=1 or 2); got DataParallel with sharding_stage",
     "register_comm_hook(tests.test_sharding._noop) with sharding_stage=2 is invalid",
     "lit_dp.LocalSGD with a DataParallel built with sharding_stage=1 is invalid",
     "is wrapped by lit_dp.ShardedOptimizer",

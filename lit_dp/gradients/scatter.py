@@ -7,10 +7,11 @@ in ready order or with tuned sizes like any other bucket. What changes is the da
 - The flat buffer is laid out by owner, ``[owner 0's members | owner 1's | ...]``, so each
   owner's gradients are one contiguous segment, and one collective delivers each segment to
   its owner: ``reduce_scatter`` on NCCL (torch turns an uneven split into grouped
-  ``ncclReduce`` calls), one ``reduce`` per owner on Gloo. Measured on 2 Gloo ranks of this
-  machine (medians, 8 MB): all-reduce 8.8 ms, Gloo's own reduce-scatter 9.4 ms, one reduce per
-  owner 5.6 ms; so Gloo gets the reduces. Either way a rank sends each gradient byte towards
-  one owner instead of to every rank: about half an all-reduce's traffic.
+  ``ncclReduce`` calls), one ``reduce`` per owner on Gloo. Measured on 2 Gloo ranks of a
+  shared 2-core machine (medians of 7 rounds, 8 MB): all-reduce 8.8 ms, Gloo's own
+  reduce-scatter 9.4 ms, one reduce per owner 5.6 ms; so Gloo gets the reduces. Either way a
+  rank sends each gradient byte towards one owner instead of to every rank: about half an
+  all-reduce's traffic.
 - The buffer is allocated when the bucket launches and freed at the write-back; the caller's
   own segment lives in a small persistent tensor (``own``), whose views become the owned
   parameters' ``.grad``. Gradients the rank does not own are set to None as soon as they are
@@ -98,7 +99,9 @@ class ScatterBucket:
         contribute zeros. Flags sum to a count of ranks, as in ``DenseBucket``.
         """
         self.flags.fill_(1.0 if flag_used else 0.0)
-        present = None if complete else [bool(used[i]) and p.grad is not None for i, p in zip(self.indices, self.params)]
+        present = (
+            None if complete else [bool(used[i]) and p.grad is not None for i, p in zip(self.indices, self.params)]
+        )
         if present is not None:
             for k, has_grad in enumerate(present):
                 if not has_grad:

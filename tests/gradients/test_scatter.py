@@ -53,7 +53,9 @@ def check_step(model, reference, rank: int, label: str) -> None:
         torch.testing.assert_close(param.grad, ref.grad, msg=lambda m: f"{label}: {name}: {m}")
         owned_bytes += param.numel() * param.element_size()
         grads.append(param.grad)
-    assert storage_bytes(grads) == owned_bytes, f"{label}: gradient storage {storage_bytes(grads)} != owned {owned_bytes}"
+    assert storage_bytes(grads) == owned_bytes, (
+        f"{label}: gradient storage {storage_bytes(grads)} != owned {owned_bytes}"
+    )
 
 
 def train(rank, world_size, name, find_unused, accumulate, model, reference, steps=STEPS, label=""):

@@ -8,7 +8,6 @@ oracle is the unsharded fit: weights and optimizer state within torch.testing's 
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric import Fabric
