@@ -10,6 +10,7 @@ since a spawn costs seconds here.
 from __future__ import annotations
 
 import copy
+import warnings
 from contextlib import nullcontext
 from unittest import mock
 
@@ -110,10 +111,13 @@ def run_case(rank: int, world_size: int, case: tuple) -> dict:
     others = [make(model.parameters()) for model in (unsharded, reference)]
     schedulers = [scheduler] + [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in others]
     models, optimizers = [sharded, unsharded, reference], [optimizer, *others]
-    for step in range(STEPS):
-        train(rank, world_size, models, optimizers, clip, accumulate, step, 1)
-        for each in schedulers:
-            each.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            train(rank, world_size, models, optimizers, clip, accumulate, step, 1)
+            for each in schedulers:
+                each.step()
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
     optimizer.wait_for_parameters()
     for (key, ours), theirs, ref in zip(base.named_parameters(), plain.parameters(), reference.parameters()):
         torch.testing.assert_close(ours, ref, msg=lambda m: f"{label}: {key} vs single process: {m}")
@@ -181,8 +185,12 @@ def refusals(rank: int) -> list[str]:
             build()
         messages.append(str(raised.value))
     model = lit_dp.DataParallel(nn.Linear(2, 2), sharding_stage=1)
-    users = torch.optim.SGD(model.parameters(), lr=0.1)
+    users = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    users.step()  # stepped before it is wrapped: the wrapper keeps the owned part of its state
     optimizer = lit_dp.ShardedOptimizer(users, model)
+    assert not users.state, "the wrapped optimizer's own copy of the state must be freed"
+    assert {id(p) for p in optimizer.state} == {id(p) for p in model.parameters() if model.owner_of(p) == rank}
     for call, error in [
         (users.step, RuntimeError),
         (optimizer.state_dict, RuntimeError),

@@ -41,11 +41,14 @@ def assert_same_state(ours: dict, theirs: dict) -> None:
             torch.testing.assert_close(ours["state"][index][key], value, msg=lambda m: f"{index}.{key}: {m}")
 
 
-def fit(tmp_path, name, stage, ckpt_path=None, max_epochs=2, callbacks=(), **kwargs):
-    module = Scheduled()
+def fit(tmp_path, name, stage, ckpt_path=None, max_epochs=2, callbacks=(), overlap=False, manual=False, **kwargs):
+    module = Scheduled(manual=manual)
+    if not manual:  # Lightning refuses both under manual optimization
+        kwargs.update(gradient_clip_val=CLIP, accumulate_grad_batches=2)
+    strategy = PaddleDPStrategy(sharding_stage=stage, sharding_overlap=overlap)
     run = trainer(
-        PaddleDPStrategy(sharding_stage=stage), tmp_path / name, max_epochs=max_epochs, callbacks=list(callbacks),
-        enable_checkpointing=bool(callbacks), gradient_clip_val=CLIP, accumulate_grad_batches=2, **kwargs,
+        strategy, tmp_path / name, max_epochs=max_epochs, callbacks=list(callbacks),
+        enable_checkpointing=bool(callbacks), **kwargs,
     )  # fmt: skip
     run.fit(module, ckpt_path=ckpt_path)
     if stage is not None:  # after fit, the optimizer configure_optimizers built, as the model is unwrapped
@@ -59,11 +62,14 @@ def sharded_fits(rank, tmp_path):
 
     tmp_path = Path(tmp_path)
     plain, plain_ckpt = fit(tmp_path, "plain", None)
-    for stage in (1, 2):
-        weights, ckpt = fit(tmp_path, f"stage{stage}", stage)
+    for stage, overlap in ((1, True), (2, False)):
+        weights, ckpt = fit(tmp_path, f"stage{stage}", stage, overlap=overlap)
         assert_same_weights(weights, plain)
         if rank == 0:
             assert_same_state(optimizer_state(ckpt), optimizer_state(plain_ckpt))
+    manual_plain, _ = fit(tmp_path, "manual_plain", None, manual=True)
+    manual_sharded, _ = fit(tmp_path, "manual_stage2", 2, manual=True)
+    assert_same_weights(manual_sharded, manual_plain)
     bf16_plain, _ = fit(tmp_path, "bf16_plain", None, precision="bf16-mixed")
     bf16_sharded, _ = fit(tmp_path, "bf16_stage2", 2, precision="bf16-mixed")
     assert_same_weights(bf16_sharded, bf16_plain)
