@@ -46,11 +46,12 @@ class DataParallel(nn.Module):
 
     ``no_sync()`` accumulates gradients locally (as does ``skip_grad_sync = True``, which
     ``lit_dp.LocalSGD`` sets for its local phase); ``state_dict()`` is the inner module's, with
-    no prefix. With ``sharding_stage`` each parameter gets an owner (``owner_of``), whose
-    ``lit_dp.ShardedOptimizer`` alone steps it (docs/sharding.md). ``register_comm_hook`` takes torch DDP's communication hooks. Without a process
-    group the module runs unchanged; a group of one rank (what the Lightning strategies create
-    for one device) gets a reducer like any other, so an unused parameter raises on one device
-    as it would on many.
+    no prefix. ``register_comm_hook`` takes torch DDP's communication hooks. With
+    ``sharding_stage`` each parameter gets an owner (``owner_of``), whose
+    ``lit_dp.ShardedOptimizer`` alone steps it (docs/sharding.md). Without a process group the
+    module runs unchanged; a group of one rank (what the Lightning strategies create for one
+    device) gets a reducer like any other, so an unused parameter raises on one device as it
+    would on many.
     """
 
     def __init__(

@@ -143,3 +143,15 @@ def test_hydra_takes_strategy_sharding_stage(tmp_path):
     assert (strategy.options.sharding_stage, strategy.options.sharding_overlap) == (2, True)
     with pytest.raises(Exception, match="sharding_stage=5 is invalid"):
         instantiate(compose_config("digits", ["strategy.sharding_stage=5"], tmp_path).strategy)
+
+
+def test_a_gradient_scaler_with_stage_two_is_refused_naming_both():
+    from lightning.fabric.plugins.precision.amp import MixedPrecision
+
+    # fp16 AMP on CPU falls back to bf16 (no scaler) unless the plugin is given with its scaler.
+    scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    run = Fabric(strategy=fabric.PaddleDPStrategy(sharding_stage=2), plugins=[scaler], accelerator="cpu", devices=1)
+    run.launch()
+    net = Net()
+    with pytest.raises(ValueError, match=r"sharding_stage=2 with precision='16-mixed' \(a gradient scaler\) is invalid"):
+        run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
