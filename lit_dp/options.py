@@ -122,6 +122,12 @@ def _anything(name: str, value: Any) -> Any:
     return value
 
 
+def _sharding_stage(name: str, value: Any) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2)):
+        return value or None  # 0 is "off", as None
+    raise ValueError(f"{name}={value!r} is invalid: expected 1 (optimizer states), 2 (also gradients), 0 or None (off).")
+
+
 def option(
     default: Any,
     help: str,
@@ -219,6 +225,14 @@ class Options:
         False, "LocalSGD: recompute K from loss and learning rate (Paddle's adaptive_localsgd)",
         _flag, scope=frozenset({TRAINER}), config=bool,
     )  # fmt: skip
+    sharding_stage: Optional[int] = option(
+        None, "1: each rank keeps the optimizer state of its own parameters; 2: also only their gradients; None: off",
+        _sharding_stage, scope=EVERYWHERE, config=Optional[int],
+    )  # fmt: skip
+    sharding_overlap: bool = option(
+        False, "sharding: gather updated parameters during the next forward (each module waits for its own)",
+        _flag, scope=EVERYWHERE, config=bool,
+    )  # fmt: skip
 
     @classmethod
     def build(cls, given: Mapping[str, Any], scope: str, prefix: str = "") -> Options:
@@ -271,6 +285,29 @@ class Options:
                 f"{prefix}local_sgd_steps={steps!r} with {prefix}comm_hook={hook_name!r} is invalid: that hook already "
                 "skips gradient communication, so warm-up steps would not be data-parallel; expected LocalSGD or that "
                 "hook, not both."
+            )
+        self._check_sharding(prefix, hook_name)
+
+    def _check_sharding(self, prefix: str, hook_name: str | None) -> None:
+        stage = self.sharding_stage
+        if stage is None:
+            if self.sharding_overlap:
+                raise ValueError(
+                    f"{prefix}sharding_overlap=True needs {prefix}sharding_stage: expected sharding_stage=1 or 2."
+                )
+            return
+        if self.local_sgd_steps is not None:
+            raise ValueError(
+                f"{prefix}sharding_stage={stage} with {prefix}local_sgd_steps={self.local_sgd_steps} is invalid: "
+                "LocalSGD steps every rank's optimizer on its own gradients and averages whole models, while sharding "
+                "steps each parameter on one rank only; expected one of them."
+            )
+        if stage == 2 and (self.comm_hook is not None or self.comm_dtype is not None):
+            given = f"comm_hook={hook_name!r}" if self.comm_hook is not None else f"comm_dtype={self.comm_dtype!r}"
+            raise ValueError(
+                f"{prefix}sharding_stage=2 with {prefix}{given} is invalid: a communication hook reduces whole buckets "
+                "for every rank, stage 2 reduces each gradient to its owner only; expected sharding_stage=1 with a hook, "
+                "or no hook."
             )
 
     def replace(self, **changes: Any) -> Options:

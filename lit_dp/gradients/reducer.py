@@ -39,6 +39,7 @@ from lit_dp.gradients.buckets import assign_group_by_size
 from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.hooks import CommHook
+from lit_dp.gradients.scatter import ScatterBucket
 from lit_dp.gradients.sparse import SparseBucket
 from lit_dp.gradients.unused import PendingFlags, missing_gradients_message, reached_parameters, unused_members
 
@@ -60,6 +61,8 @@ class Reducer:
             hint (the Lightning and Fabric strategies give Lightning's own sentence): the error
             may surface in a forward (on CUDA, where flags are read a step late) or in
             backward, and reads the same.
+        owners: sharding stage 2: the owning rank (in ``rings[0]``) of each parameter; dense
+            buckets then reduce each gradient to its owner only (``lit_dp.gradients.scatter``).
 
     Observers (``add_observer``, ``lit_dp.gradients.events``) are told of each step's moments.
     """
@@ -76,6 +79,7 @@ class Reducer:
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         unused_parameters_message: str | None = None,
+        owners: Sequence[int] | None = None,
     ) -> None:
         if not params:
             raise ValueError("Reducer needs at least one trainable parameter.")
@@ -105,6 +109,7 @@ class Reducer:
         self._observers: list[ReducerObserver] = []
         self._step = -1  # the synchronised step armed last
         self._requested_limits: list[int] | None = None
+        self._owners = None if owners is None else list(owners)
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -164,6 +169,11 @@ class Reducer:
         if self._rebuilt or self._started:
             raise RuntimeError(
                 f"lit_dp: register_comm_hook({comm_hook.name}) must be called before the first synchronised backward."
+            )
+        if self._owners is not None:
+            raise ValueError(
+                f"lit_dp: register_comm_hook({comm_hook.name}) with sharding_stage=2 is invalid: a hook returns the "
+                "whole bucket's average, stage 2 reduces each gradient to its owner only."
             )
         self._comm_hook = comm_hook
         # The buckets were built without the hook (flags in the buffer, large gradients in place).
@@ -353,7 +363,7 @@ class Reducer:
         # The first group in forward order completes last in backward: launch in reverse.
         launch_order = [[forward_order[pos] for pos in group] for group in reversed(groups)]
         # Drop the old buffers before allocating new ones.
-        self._buckets: list[DenseBucket | SparseBucket] = []
+        self._buckets: list[DenseBucket | ScatterBucket | SparseBucket] = []
         self._view_of: list[torch.Tensor | None] = []
         self._bucket_of = [0] * len(self._params)
         self._view_of = [None] * len(self._params)
@@ -365,6 +375,8 @@ class Reducer:
             params = [self._params[i] for i in indices]
             if self._sparse[indices[0]]:
                 bucket = SparseBucket(indices, params, ring)
+            elif self._owners is not None:
+                bucket = ScatterBucket(indices, params, ring, [self._owners[i] for i in indices])
             else:
                 hook = None if self._comm_hook is None else (self._comm_hook, dense_index, dense_count)
                 bucket = DenseBucket(indices, params, ring, self._as_view, hook)
