@@ -133,6 +133,12 @@ class DataParallelJoinHook(JoinHook):
                 "Join needs a DataParallel that synchronises gradients: this one has no reducer "
                 "(no process group, or no trainable parameters)."
             )
+        if model.sharding_stage is not None:
+            raise ValueError(
+                f"Join with sharding_stage={model.sharding_stage} is invalid: after each step the sharded optimizer "
+                "gathers the updated parameters from their owners, collectives a rank that left its loop does not "
+                "issue. Under the Trainer, uneven_inputs=True works with sharding (every rank keeps stepping)."
+            )
         self._model = model
         state = model.join_state
         state.divide_by_initial_world_size = divide_by_initial_world_size

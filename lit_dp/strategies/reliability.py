@@ -70,14 +70,14 @@ class ReliabilityMixin:
         group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
         uneven = UnevenInputs(group, model.reducer.waiter)
         trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, UnevenMetricsCallback)]
-        trainer.callbacks.append(UnevenMetricsCallback(uneven))
+        trainer.callbacks.append(UnevenMetricsCallback(uneven, trainer))
         return uneven
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Training: with different lengths on the ranks, an error now (or, with ``uneven_inputs``, a
         loader that replays until every rank is out); validation under ``uneven_inputs``: the same."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or self.world_size < 2 or not dist.is_initialized():
             return dataloader
         training = trainer.state.stage == RunningStage.TRAINING

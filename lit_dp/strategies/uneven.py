@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,12 +40,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-from lightning.pytorch.trainer.connectors.logger_connector.result import (
-    _Metadata,
-    _ResultCollection,
-    _ResultMetric,
-    _Sync,
-)
+from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
 from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
@@ -81,6 +76,7 @@ class UnevenInputs:
         self.current: BatchPlan | None = None
         self.real_batches: dict[str, list[int]] = {"train": [], "val": []}
         self._in_user_step: str | None = None
+        self.on_exhausted: Callable[[str], None] | None = None  # called on every rank when a loader ends
 
     def close(self) -> None:
         """Let go of the group: the trainer's loaders outlive the fit and still reference this object,
@@ -194,6 +190,8 @@ class UnevenLoader:
                     exhausted = True
             has, needs = uneven.exchange(kind, not exhausted, exhausted and not self._has_template)
             if not any(has):
+                if uneven.on_exhausted is not None:
+                    uneven.on_exhausted(kind)
                 return
             if any(needs):
                 shared = uneven.share_template(batch, has, needs)
@@ -220,27 +218,31 @@ class UnevenMetricsCallback(Callback):
     values that change no reduction (0 with a batch size of 0 for means and sums, -inf for max,
     +inf for min), so the epoch-level reductions meet on every rank instead of hanging.
 
-    It acts at the last batch of a training epoch or validation run, which every rank takes
-    (replayed where it has none): Lightning reduces the validation metrics right after it,
-    before any epoch-end hook.
+    It acts where every rank is at once and before Lightning reduces: at the exchange that ends
+    a loader (validation fetches without prefetching, so its steps are done by then), and at
+    the batch Lightning marks last (training prefetches: the exchange runs before the last step,
+    whose first logs a rank with a single batch has not made yet). Acting twice adds nothing.
     """
 
-    def __init__(self, uneven: UnevenInputs) -> None:
+    def __init__(self, uneven: UnevenInputs, trainer: pl.Trainer) -> None:
         self._uneven = uneven
+        self._trainer = trainer
+        uneven.on_exhausted = self._align
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            self._align(trainer, trainer._results, "train")
+            self._align("train")
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.fit_loop.epoch_loop.val_loop.batch_progress.is_last_batch:
-            self._align(trainer, trainer._results, "val")
+            self._align("val")
 
-    def _align(self, trainer: pl.Trainer, results: _ResultCollection, kind: str) -> None:
+    def _align(self, kind: str) -> None:
         counts = self._uneven.real_batches[kind]
-        if not counts or all(counts):
+        results = self._trainer._results
+        if not counts or all(counts) or results is None:
             return  # every rank logged from its own steps
         entries = [
             (key, {f.name: getattr(metric.meta, f.name) for f in dataclasses.fields(_Metadata) if f.name != "_sync"})
@@ -253,9 +255,11 @@ class UnevenMetricsCallback(Callback):
             return
         donor = next(entries for entries, count in zip(gathered, counts) if count)
         for key, fields in donor:
+            if key in results and not results[key].has_reset:
+                continue  # given at an earlier call
             meta = _Metadata(**fields)
-            meta.sync = _Sync(_should=True, fn=trainer.strategy.reduce)
-            metric = _ResultMetric(meta, is_tensor=True).to(trainer.strategy.root_device)
+            meta.sync = _Sync(_should=True, fn=self._trainer.strategy.reduce)
+            metric = _ResultMetric(meta, is_tensor=True).to(self._trainer.strategy.root_device)
             metric._update_count = 1  # torchmetrics' "updated" mark: its fresh values are meant
             results[key] = metric  # its default values add nothing to the reduction
 

@@ -78,7 +78,7 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def make_trainer(tmp_path: str, uneven: bool = True, **kwargs) -> pl.Trainer:
+def make_trainer(tmp_path: str, uneven: bool = True, sharding_stage: int | None = None, **kwargs) -> pl.Trainer:
     options = dict(
         accelerator="cpu",
         devices=WORLD,
@@ -92,7 +92,8 @@ def make_trainer(tmp_path: str, uneven: bool = True, **kwargs) -> pl.Trainer:
         num_sanity_val_steps=1,
     )
     options.update(kwargs)
-    return pl.Trainer(strategy=PaddleDPStrategy(uneven_inputs=uneven, timeout=60), **options)
+    strategy = PaddleDPStrategy(uneven_inputs=uneven, timeout=60, sharding_stage=sharding_stage)
+    return pl.Trainer(strategy=strategy, **options)
 
 
 def reference_weights(counts: list[int], epochs: int, accumulate: int = 1) -> list[torch.Tensor]:
@@ -111,13 +112,15 @@ def reference_weights(counts: list[int], epochs: int, accumulate: int = 1) -> li
 
 
 def fit_uneven(rank: int, tmp_path: str) -> dict[str, object]:
-    """Three fits: per-rank streams (with uneven validation), a rank with no batch at all,
-    and sized per-rank datasets with gradient accumulation."""
+    """Four fits: per-rank streams (with uneven validation), a rank with no batch at all (and
+    validation whose longest rank has a single batch), sized per-rank datasets with gradient
+    accumulation, and sharding stage 2."""
     outcome: dict[str, object] = {}
     cases = [
         ("streams", [2, 5], [1, 3], {}),
-        ("empty_rank", [0, 3], [0, 2], {}),
+        ("empty_rank", [0, 3], [0, 1], {}),
         ("sized_accumulate", [3, 5], [2, 2], {"accumulate_grad_batches": 2}),
+        ("sharded", [2, 5], [1, 0], {"sharding_stage": 2}),
     ]
     for name, train_counts, val_counts, kwargs in cases:
         module = Module()
@@ -126,7 +129,8 @@ def fit_uneven(rank: int, tmp_path: str) -> dict[str, object]:
         else:
             train = DataLoader(Shard(rank, train_counts[rank]), batch_size=None)
         val = DataLoader(Shard(rank, val_counts[rank], offset=100), batch_size=None)
-        trainer = make_trainer(tmp_path, **kwargs)
+        sharding = {"sharding_stage": kwargs.pop("sharding_stage")} if "sharding_stage" in kwargs else {}
+        trainer = make_trainer(tmp_path, **kwargs, **sharding)
         trainer.fit(module, train, val)
         expected = reference_weights(train_counts, epochs=2, accumulate=kwargs.get("accumulate_grad_batches", 1))
         for (param_name, param), ref in zip(module.named_parameters(), expected):
@@ -146,7 +150,8 @@ def test_ranks_with_different_numbers_of_batches_finish_together_with_the_same_w
     assert outcome["streams"]["global_step"] == 10  # 5 batches a epoch on every rank, 2 epochs
     assert outcome["empty_rank"]["global_step"] == 6
     assert outcome["sized_accumulate"]["global_step"] == 6  # steps after batches 2, 4, 5 of each epoch
-    for name in ("streams", "empty_rank"):
+    assert outcome["sharded"]["global_step"] == 10
+    for name in ("streams", "empty_rank", "sharded"):
         assert set(outcome[name]["metrics"]) == {"train_loss", "val_loss", "val_max"}, name
 
 
