@@ -122,6 +122,13 @@ def feature_cases(rank: int, world_size: int) -> dict[str, object]:
                 optimizer.zero_grad()
     outcome["no_sync"] = (identical_everywhere(model), model.join_state.shadowed)
 
+    # A rank with no batch at all: its first shadow step takes part in the bucket-order broadcast.
+    steps = [0] * last + [3]
+    model = train_uneven(rank, "tied", steps, True)
+    for param, ref in zip(model.module.parameters(), reference_parameters("tied", steps, True, lr=0.1)):
+        torch.testing.assert_close(param.detach(), ref)
+    outcome["no_batch"] = model.join_state.shadowed
+
     # Communication hooks: fp16 compression and PowerSGD (its error feedback and warm start on),
     # compressing from step 2; the early ranks shadow its collectives.
     for hook_name, state, hook in (
@@ -205,3 +212,4 @@ def test_hooks_no_sync_local_sgd_autotune_and_early_termination():
         else:
             assert f"rank(s) {early} ran out of inputs" in message and "synchronised step 2" in message, message
     assert results[0]["no_sync"][1] == 3, "the early rank shadows the 3 synchronised steps it missed"
+    assert results[0]["no_batch"] == 3, "a rank without a batch shadows every step"
