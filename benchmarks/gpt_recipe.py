@@ -5,7 +5,8 @@
     python -m benchmarks.gpt_recipe experiment=gpt2_small trainer.max_steps=400 rounds=2
 
 Arguments are overrides of the recipe's own config (``conf/gpt.yaml``, as on
-``recipes/gpt.py``'s command line), plus ``rounds=N``. Both runs are built from that one
+``recipes/gpt.py``'s command line), plus ``rounds=N`` and ``output_dir=DIR`` (the recipe's
+logs; ``outputs/bench_gpt_recipe/<time>`` by default). Both runs are built from that one
 config, in one process, on one device, on the same random-token shard (llm.c format, in a
 temporary folder), so model, batch, precision, compilation, optimizer, schedule and clipping
 are the same:
@@ -76,8 +77,10 @@ def compose_recipe(overrides: list[str], output_dir: str) -> DictConfig:
             f"trainer.max_steps={cfg.trainer.max_steps} is invalid here: expected more steps than "
             f"callbacks.throughput.warmup={cfg.callbacks.throughput.warmup}."
         )
-    if not isinstance(cfg.trainer.val_check_interval, int):
-        raise ValueError(f"trainer.val_check_interval={cfg.trainer.val_check_interval!r} is invalid here: expected a step count.")
+    for option in ("val_check_interval", "limit_val_batches"):
+        value = cfg.trainer[option]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"trainer.{option}={value!r} is invalid here: expected a number of steps or batches.")
     return cfg
 
 
@@ -85,7 +88,7 @@ def write_random_shards(cfg: DictConfig, folder: Path) -> list[str]:
     """A training shard that one epoch of the run does not exhaust, and a validation shard; overrides naming them."""
     data, trainer = cfg.data, cfg.trainer
     train_windows = (trainer.max_steps * trainer.accumulate_grad_batches + 1) * data.batch_size
-    val_windows = max(int(trainer.limit_val_batches or 1), 2) * data.batch_size
+    val_windows = max(trainer.limit_val_batches, 2) * data.batch_size
     generator = np.random.default_rng(cfg.seed)
     for name, windows in (("train", train_windows), ("val", val_windows)):
         count = windows * data.block_size + 1
@@ -192,7 +195,7 @@ def run_bare(cfg: DictConfig, train_path: str, val_path: str) -> Measured:
             recompiles += dynamo_graphs_compiled() - before
         if done % trainer.val_check_interval == 0:
             meter.stop()
-            evaluate(int(trainer.limit_val_batches))
+            evaluate(trainer.limit_val_batches)
             if done >= warmup:
                 meter.start()
     meter.stop()
@@ -236,15 +239,17 @@ def report(cfg: DictConfig, bare: list[Measured], recipe: list[Measured]) -> str
 
 def main(argv: list[str]) -> str:
     rounds = 1
+    output_dir = Path("outputs") / "bench_gpt_recipe" / time.strftime("%Y-%m-%d_%H-%M-%S")
     overrides = []
     for arg in argv:
         if arg.startswith("rounds="):
             rounds = int(arg.split("=", 1)[1])
             if rounds < 1:
                 raise ValueError(f"rounds={rounds} is invalid: expected an integer >= 1.")
+        elif arg.startswith("output_dir="):
+            output_dir = Path(arg.split("=", 1)[1])
         else:
             overrides.append(arg)
-    output_dir = Path("outputs") / "bench_gpt_recipe" / time.strftime("%Y-%m-%d_%H-%M-%S")
     with tempfile.TemporaryDirectory() as folder:
         probe = compose_recipe(overrides, str(output_dir))
         shard_overrides = write_random_shards(probe, Path(folder))
