@@ -53,8 +53,11 @@ from lit_dp_recipes.train import train
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CPU_EXPERIMENT = "gpt_bench_cpu"
 PRECISIONS = ("32-true", "32", "bf16-mixed")
-# Forced on the recipe: one process on one device, no checkpoints, no progress bar (see above).
-FORCED = ["trainer.devices=1", "trainer.enable_checkpointing=false", "~callbacks.model_checkpoint", "trainer.enable_progress_bar=false"]
+# Forced on the recipe: one process on one device, from scratch, no checkpoints, no progress bar (see above).
+FORCED = [
+    "trainer.devices=1", "ckpt_path=null", "trainer.enable_checkpointing=false", "~callbacks.model_checkpoint",
+    "~callbacks.step_checkpoint", "trainer.enable_progress_bar=false",
+]
 
 
 @dataclass

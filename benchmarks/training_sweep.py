@@ -1,5 +1,11 @@
 """Throughput and exposed communication of strategies and bucket sizes, swept with Hydra multirun.
 
+    python -m benchmarks.training_sweep -m strategy=paddle_dp,ddp strategy.comm_buffer_size=1,5,25
+    python -m benchmarks.training_sweep -m strategy.comm_buffer_size=1,2,5,10,25,50,100,auto
+
+Each job trains the recipes' wide MLP briefly (the recipe config groups of ``conf/``, found
+through the config's search path; run from the repository root).
+
 Each job records samples/s and, for ``paddle_dp`` (whose recipes turn ``comm_stats`` on), the
 mean communication and exposed time per step; the sweep folder gets a table, a throughput plot
 and a plot of exposed time against bucket size. ``strategy.comm_buffer_size=auto`` is one more
@@ -13,10 +19,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from lit_dp_recipes.config import register_configs
 from lit_dp_recipes.train import train
 
 RESULT_FILE = "result.json"
@@ -135,3 +143,13 @@ def _plot_exposed(rows: list[dict[str, Any]], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+@hydra.main(config_path="conf", config_name="training_sweep", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    return benchmark_job(cfg)
+
+
+if __name__ == "__main__":
+    register_configs()
+    main()

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_dp.gradients.broadcast import sync_params_buffers
-from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, MB, assign_group_by_size, megabytes_to_bytes
+from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, MB, assign_group_by_size, assign_owners, megabytes_to_bytes
 from lit_dp.gradients.compile import bucket_graph_breaks
 from lit_dp.gradients.dense import DenseBucket
-from lit_dp.gradients.hooks import CommHook, dtype_compress_hook
+from lit_dp.gradients.hooks import CommHook, resolve_comm_hook
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.job.process_group import get_rings
 from lit_dp.observability.autotune import AUTO, BucketAutotuner, settled_step
@@ -46,10 +46,12 @@ class DataParallel(nn.Module):
 
     ``no_sync()`` accumulates gradients locally (as does ``skip_grad_sync = True``, which
     ``lit_dp.LocalSGD`` sets for its local phase); ``state_dict()`` is the inner module's, with
-    no prefix. ``register_comm_hook`` takes torch DDP's communication hooks. Without a process
-    group the module runs unchanged; a group of one rank (what the Lightning strategies create
-    for one device) gets a reducer like any other, so an unused parameter raises on one device
-    as it would on many.
+    no prefix. ``register_comm_hook`` takes torch DDP's communication hooks. With
+    ``sharding_stage`` each parameter gets an owner (``owner_of``), whose
+    ``lit_dp.ShardedOptimizer`` alone steps it (docs/sharding.md). Without a process group the
+    module runs unchanged; a group of one rank (what the Lightning strategies create for one
+    device) gets a reducer like any other, so an unused parameter raises on one device as it
+    would on many.
     """
 
     def __init__(
@@ -83,12 +85,15 @@ class DataParallel(nn.Module):
         self._trace: TraceWriter | None = None
         self._tuner: BucketAutotuner | None = None
         self._reducer: Reducer | None = None
+        self._owners: dict[int, int] = {}
         named = _synchronised_parameters(layers, group)
         if named:
             rings = [group] if group is not None else get_rings()
             device = named[0][1].device
             names = [name for name, _ in named]
             sparse_ids = _sparse_gradient_parameters(layers)
+            owners = _shard_owners(named, sparse_ids, options.sharding_stage, dist.get_world_size(rings[0]))
+            self._owners = {id(param): owner for (_, param), owner in zip(named, owners or ())}
             self._reducer = Reducer(
                 [param for _, param in named],
                 names,
@@ -99,13 +104,16 @@ class DataParallel(nn.Module):
                 find_unused_parameters=options.find_unused_parameters,
                 gradient_as_bucket_view=options.gradient_as_bucket_view,
                 unused_parameters_message=unused_parameters_message,
+                owners=owners if options.sharding_stage == 2 else None,
             )
             self._observe(self._reducer, device, names)
             if dist.get_rank() == 0:
                 sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
                 log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
-        if options.comm_dtype is not None:
-            self.register_comm_hook(None, dtype_compress_hook(options.comm_dtype))
+        # Built here, in each process: PowerSGD's state belongs to the process group.
+        registration = resolve_comm_hook(comm_state=options.comm_state, **options.hook_options())
+        if registration is not None:
+            self.register_comm_hook(*registration)
 
     def _observe(self, reducer: Reducer, device: torch.device, names: list[str]) -> None:
         """Subscribe what the options ask for to the reducer's events."""
@@ -130,6 +138,16 @@ class DataParallel(nn.Module):
     def reducer(self) -> Reducer | None:
         """The gradient reducer; None when nothing is synchronised (no process group, no trainable parameters)."""
         return self._reducer
+
+    @property
+    def sharding_stage(self) -> int | None:
+        """1 or 2 when the optimizer state (and with 2 the gradients) are sharded; None otherwise."""
+        return self._options.sharding_stage
+
+    def owner_of(self, param: nn.Parameter) -> int | None:
+        """The rank (in ``reducer.group``) that steps ``param`` under sharding; None for a parameter
+        this wrapper does not synchronise (frozen, outside the module) or without sharding."""
+        return self._owners.get(id(param))
 
     @property
     def comm_hook(self) -> CommHook | None:
@@ -283,6 +301,22 @@ def _synchronised_parameters(layers: nn.Module, group: dist.ProcessGroup | None)
         for name, param in layers.named_parameters()
         if param.requires_grad and not getattr(param, "no_sync", False)
     ]
+
+
+def _shard_owners(
+    named: list[tuple[str, nn.Parameter]], sparse_ids: set[int], stage: int | None, world_size: int
+) -> list[int] | None:
+    """Each parameter's owning rank, balanced by bytes (``assign_owners``); None without sharding."""
+    if stage is None:
+        return None
+    sparse = [name for name, param in named if id(param) in sparse_ids]
+    if stage == 2 and sparse:
+        raise ValueError(
+            f"sharding_stage=2 with sparse gradients (parameter {sparse[0]!r}, an embedding built with sparse=True) "
+            "is invalid: a sparse gradient has no fixed layout to reduce to its owner's segment; expected "
+            "sharding_stage=1, or sparse=False."
+        )
+    return assign_owners([param.numel() * param.element_size() for _, param in named], world_size)
 
 
 def _sparse_gradient_parameters(module: nn.Module) -> set[int]:

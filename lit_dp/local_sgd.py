@@ -98,6 +98,12 @@ class LocalSGD:
                 f"min_local_steps={min_local_steps!r}, max_local_steps={max_local_steps!r} are invalid: "
                 "expected 1 <= min_local_steps <= max_local_steps."
             )
+        if isinstance(module, DataParallel) and module.sharding_stage is not None:
+            raise ValueError(
+                f"lit_dp.LocalSGD with a DataParallel built with sharding_stage={module.sharding_stage} is invalid: "
+                "LocalSGD steps every rank's optimizer on its own gradients, sharding steps each parameter on one "
+                "rank only; expected one of them."
+            )
         self._data_parallel = module if isinstance(module, DataParallel) else None
         self._warmup_steps = warmup_steps
         self._initial_local_steps = local_steps

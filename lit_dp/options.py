@@ -122,6 +122,12 @@ def _anything(name: str, value: Any) -> Any:
     return value
 
 
+def _sharding_stage(name: str, value: Any) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2)):
+        return value or None  # 0 is "off", as None
+    raise ValueError(f"{name}={value!r} is invalid: expected 1 (optimizer states), 2 (also gradients), 0 or None (off).")
+
+
 def option(
     default: Any,
     help: str,
@@ -190,18 +196,22 @@ class Options:
     )  # fmt: skip
     comm_hook: Any = option(
         None, "fp16, bf16, powersgd (torch's hook of that name) or a callable hook(state, bucket)",
-        _comm_hook, config=Optional[str], lightning="ddp_comm_hook",
+        _comm_hook, scope=EVERYWHERE, config=Optional[str], lightning="ddp_comm_hook",
     )  # fmt: skip
-    comm_state: Any = option(None, "the state handed to a callable comm_hook", _anything, lightning="ddp_comm_state")
+    comm_state: Any = option(
+        None, "the state handed to a callable comm_hook", _anything, scope=EVERYWHERE, lightning="ddp_comm_state"
+    )
     comm_wrapper: Any = option(
-        None, "wraps comm_hook, e.g. torch's fp16_compress_wrapper", _anything, lightning="ddp_comm_wrapper"
-    )
+        None, "wraps comm_hook, e.g. torch's fp16_compress_wrapper", _anything, scope=EVERYWHERE,
+        lightning="ddp_comm_wrapper",
+    )  # fmt: skip
     powersgd_rank: Optional[int] = option(
-        None, "comm_hook=powersgd: matrix approximation rank; None: 1", _count(1, optional=True), config=Optional[int]
-    )
+        None, "comm_hook=powersgd: matrix approximation rank; None: 1",
+        _count(1, optional=True), scope=EVERYWHERE, config=Optional[int],
+    )  # fmt: skip
     powersgd_start_iter: Optional[int] = option(
         None, "comm_hook=powersgd: first compressed iteration, >= 2; None: 1000",
-        _count(2, optional=True), config=Optional[int],
+        _count(2, optional=True), scope=EVERYWHERE, config=Optional[int],
     )  # fmt: skip
     local_sgd_steps: Optional[int] = option(
         None, "LocalSGD: average the models every K local steps; None: off",
@@ -214,6 +224,14 @@ class Options:
     local_sgd_adaptive: bool = option(
         False, "LocalSGD: recompute K from loss and learning rate (Paddle's adaptive_localsgd)",
         _flag, scope=frozenset({TRAINER}), config=bool,
+    )  # fmt: skip
+    sharding_stage: Optional[int] = option(
+        None, "1: each rank keeps the optimizer state of its own parameters; 2: also only their gradients; None: off",
+        _sharding_stage, scope=EVERYWHERE, config=Optional[int],
+    )  # fmt: skip
+    sharding_overlap: bool = option(
+        False, "sharding: gather updated parameters during the next forward (each module waits for its own)",
+        _flag, scope=EVERYWHERE, config=bool,
     )  # fmt: skip
 
     @classmethod
@@ -268,6 +286,29 @@ class Options:
                 "skips gradient communication, so warm-up steps would not be data-parallel; expected LocalSGD or that "
                 "hook, not both."
             )
+        self._check_sharding(prefix, hook_name)
+
+    def _check_sharding(self, prefix: str, hook_name: str | None) -> None:
+        stage = self.sharding_stage
+        if stage is None:
+            if self.sharding_overlap:
+                raise ValueError(
+                    f"{prefix}sharding_overlap=True needs {prefix}sharding_stage: expected sharding_stage=1 or 2."
+                )
+            return
+        if self.local_sgd_steps is not None:
+            raise ValueError(
+                f"{prefix}sharding_stage={stage} with {prefix}local_sgd_steps={self.local_sgd_steps} is invalid: "
+                "LocalSGD steps every rank's optimizer on its own gradients and averages whole models, while sharding "
+                "steps each parameter on one rank only; expected one of them."
+            )
+        if stage == 2 and (self.comm_hook is not None or self.comm_dtype is not None):
+            given = f"comm_hook={hook_name!r}" if self.comm_hook is not None else f"comm_dtype={self.comm_dtype!r}"
+            raise ValueError(
+                f"{prefix}sharding_stage=2 with {prefix}{given} is invalid: a communication hook reduces whole buckets "
+                "for every rank, stage 2 reduces each gradient to its owner only; expected sharding_stage=1 with a hook, "
+                "or no hook."
+            )
 
     def replace(self, **changes: Any) -> Options:
         """A copy with ``changes`` (already valid values, e.g. a tuned bucket size)."""
@@ -300,3 +341,27 @@ def options_doc(scope: str) -> str:
         alias = f" (Lightning: ``{f.metadata['lightning']}``)" if f.metadata["lightning"] else ""
         lines.append(f"        {f.name} = {default!r}: {f.metadata['help']}{alias}.")
     return "\n".join(lines)
+
+
+def options_markdown() -> str:
+    """docs/options.md: every option with its default, where it applies and its help."""
+    fronts = ((TRAINER, "Trainer"), (FABRIC, "Fabric"), (MODULE, "DataParallel"))
+    lines = [
+        "# Options",
+        "",
+        "Every lit_dp option, generated from its one declaration in `lit_dp/options.py`",
+        "(`lit_dp.options.options_markdown()`; a test keeps this page equal to it). The",
+        "Trainer and Fabric strategies and `DataParallel` take them as keyword arguments; the recipes'",
+        "`strategy.<option>=...` takes those with a Hydra type. Lightning `DDPStrategy`'s names are",
+        "accepted for ours. Each value is checked once, where it enters, with an error naming the option.",
+        "",
+        "| option | default | where | Hydra | Lightning's name | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in dataclasses.fields(Options):
+        meta = f.metadata
+        where = ", ".join(name for scope, name in fronts if scope in meta["scope"])
+        hydra = "yes" if meta["config"] is not None else "no"
+        lightning = f"`{meta['lightning']}`" if meta["lightning"] else ""
+        lines.append(f"| `{f.name}` | `{f.default!r}` | {where} | {hydra} | {lightning} | {meta['help']} |")
+    return "\n".join(lines) + "\n"

@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dp.options import DDP, TRAINER, Options, option_fields
+from lit_dp_recipes.resume import register_resolvers
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
@@ -112,7 +113,9 @@ SCHEMAS = {
 
 
 def register_configs() -> None:
-    """Make the schemas available to ``conf/`` (``defaults: [paddle_dp_schema]`` and so on)."""
+    """Make the schemas available to ``conf/`` (``defaults: [paddle_dp_schema]`` and so on), and
+    the ``lit_dp.job_folder`` resolver that names run folders (``conf/hydra/default.yaml``)."""
+    register_resolvers()
     store = ConfigStore.instance()
     for (group, name), schema in SCHEMAS.items():
         store.store(group=group, name=name, node=schema)

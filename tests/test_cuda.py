@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.gpu_benchmark import SYNC_REPORT
+from benchmarks.gpt_gpu import SYNC_REPORT
 from tests.helpers.distributed import run_ranks
 from tests.helpers.overlap import launch_fractions_and_weights
 from tests.helpers.equivalence import TINY_MB, equivalence_cases

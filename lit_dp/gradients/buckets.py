@@ -79,3 +79,31 @@ def assign_group_by_size(
     groups.extend(members for members, _ in open_groups.values())
     groups.sort(key=lambda group: group[0])
     return groups
+
+
+def assign_owners(sizes: Sequence[int], world_size: int) -> list[int]:
+    """The rank that owns each tensor under sharding, balanced by bytes (parameter-wise).
+
+    Largest first, each tensor goes to the rank holding the fewest bytes so far (the lowest such
+    rank on a tie; equal sizes keep their given order): the greedy rule of Paddle's
+    ``DygraphShardingOptimizer._partition_parameters`` and torch's ``ZeroRedundancyOptimizer``.
+    A rank receives a tensor only while it holds no more than the average, so no rank ends more
+    than one tensor's bytes above an even split: ``max(load) <= sum(sizes) / world_size +
+    max(sizes)``. A pure function of its inputs, so every rank computes the same owners.
+
+    Args:
+        sizes: bytes per tensor, e.g. ``numel * element_size`` of each parameter.
+        world_size: how many ranks share the tensors.
+
+    Returns:
+        One rank in ``[0, world_size)`` per tensor, in the order of ``sizes``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is invalid: expected an integer >= 1.")
+    loads = [0] * world_size
+    owners = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        rank = loads.index(min(loads))
+        owners[index] = rank
+        loads[rank] += sizes[index]
+    return owners

@@ -39,13 +39,9 @@ from lit_dp.gradients.buckets import assign_group_by_size
 from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.hooks import CommHook
+from lit_dp.gradients.scatter import ScatterBucket
 from lit_dp.gradients.sparse import SparseBucket
-
-UNUSED_PARAMETERS_HINT = (
-    "If parameters are legitimately unused in some iterations, pass find_unused_parameters=True "
-    "(strategy option `find_unused_parameters`)."
-)
-
+from lit_dp.gradients.unused import PendingFlags, missing_gradients_message, reached_parameters, unused_members
 
 class Reducer:
     """Averages the gradients of ``params`` over the ranks of ``rings[0]`` in buckets.
@@ -65,6 +61,8 @@ class Reducer:
             hint (the Lightning and Fabric strategies give Lightning's own sentence): the error
             may surface in a forward (on CUDA, where flags are read a step late) or in
             backward, and reads the same.
+        owners: sharding stage 2: the owning rank (in ``rings[0]``) of each parameter; dense
+            buckets then reduce each gradient to its owner only (``lit_dp.gradients.scatter``).
 
     Observers (``add_observer``, ``lit_dp.gradients.events``) are told of each step's moments.
     """
@@ -81,6 +79,7 @@ class Reducer:
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         unused_parameters_message: str | None = None,
+        owners: Sequence[int] | None = None,
     ) -> None:
         if not params:
             raise ValueError("Reducer needs at least one trainable parameter.")
@@ -110,6 +109,7 @@ class Reducer:
         self._observers: list[ReducerObserver] = []
         self._step = -1  # the synchronised step armed last
         self._requested_limits: list[int] | None = None
+        self._owners = None if owners is None else list(owners)
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -170,6 +170,11 @@ class Reducer:
             raise RuntimeError(
                 f"lit_dp: register_comm_hook({comm_hook.name}) must be called before the first synchronised backward."
             )
+        if self._owners is not None:
+            raise ValueError(
+                f"lit_dp: register_comm_hook({comm_hook.name}) with sharding_stage=2 is invalid: a hook returns the "
+                "whole bucket's average, stage 2 reduces each gradient to its owner only."
+            )
         self._comm_hook = comm_hook
         # The buckets were built without the hook (flags in the buffer, large gradients in place).
         self._rebuild(list(range(len(self._params))))
@@ -195,7 +200,7 @@ class Reducer:
         if not self._rebuilt:
             self._order = []
         if self._find_unused:
-            reached = _reached_parameters(outputs)
+            reached = reached_parameters(outputs)
             self._unreached = [i for i, p in enumerate(self._params) if id(p) not in reached]
             self._partial = {self._bucket_of[i] for i in self._unreached}
 
@@ -287,7 +292,7 @@ class Reducer:
         if self._find_unused:
             # Which parameters no rank used decides which .grad stay untouched: a host decision,
             # so the flags are read here (on CUDA the one synchronisation of such a step).
-            skipped = self._unused_members(self._flag_totals())
+            skipped = unused_members(self._buckets, self._flag_totals())
         else:
             skipped = [()] * len(buckets)
             self._pending_flags.append(PendingFlags(buckets, used))
@@ -301,15 +306,6 @@ class Reducer:
 
     def _flag_totals(self) -> list[float]:
         return torch.cat([bucket.flags for bucket in self._buckets]).tolist()
-
-    def _unused_members(self, totals: list[float]) -> list[set[int]]:
-        """Per bucket, the positions of the members no rank used (a flag sum of 0)."""
-        skipped, offset = [], 0
-        for bucket in self._buckets:
-            count = len(bucket.indices)
-            skipped.append({k for k in range(count) if totals[offset + k] == 0})
-            offset += count
-        return skipped
 
     def _check_pending_flags(self) -> None:
         """Raise, on every rank, if some rank got no gradient for a parameter in an earlier backward.
@@ -326,21 +322,11 @@ class Reducer:
             missing = flags.missing()
             if missing:
                 pending.clear()
-                raise RuntimeError(self._missing_gradients_message(missing, flags.used))
-
-    def _missing_gradients_message(self, missing: list[tuple[int, float]], used: bytearray) -> str:
-        lines = [
-            f"  {self._names[index]} (missing on {round(count)} of {self._world_size} ranks"
-            f"{', including this one' if not used[index] else ''})"
-            for index, count in missing
-        ]
-        details = (
-            "lit_dp reducer: trainable parameters received no gradient in this backward while "
-            "find_unused_parameters=False:\n" + "\n".join(lines[:20])
-        )
-        if self._unused_parameters_message is not None:
-            return f"{self._unused_parameters_message}\n{details}"
-        return f"{details}\n{UNUSED_PARAMETERS_HINT}"
+                raise RuntimeError(
+                    missing_gradients_message(
+                        self._names, self._world_size, missing, flags.used, self._unused_parameters_message
+                    )
+                )
 
     def _agree_on_ready_order(self) -> None:
         """Adopt rank 0's observed ready order for the buckets (Paddle and DDP do the same).
@@ -377,7 +363,7 @@ class Reducer:
         # The first group in forward order completes last in backward: launch in reverse.
         launch_order = [[forward_order[pos] for pos in group] for group in reversed(groups)]
         # Drop the old buffers before allocating new ones.
-        self._buckets: list[DenseBucket | SparseBucket] = []
+        self._buckets: list[DenseBucket | ScatterBucket | SparseBucket] = []
         self._view_of: list[torch.Tensor | None] = []
         self._bucket_of = [0] * len(self._params)
         self._view_of = [None] * len(self._params)
@@ -389,6 +375,8 @@ class Reducer:
             params = [self._params[i] for i in indices]
             if self._sparse[indices[0]]:
                 bucket = SparseBucket(indices, params, ring)
+            elif self._owners is not None:
+                bucket = ScatterBucket(indices, params, ring, [self._owners[i] for i in indices])
             else:
                 hook = None if self._comm_hook is None else (self._comm_hook, dense_index, dense_count)
                 bucket = DenseBucket(indices, params, ring, self._as_view, hook)
@@ -405,64 +393,3 @@ def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
         handle.remove()
 
 
-def _reached_parameters(outputs: object) -> set[int]:
-    """The ids of the leaf tensors (parameters) that a backward from ``outputs`` will reach."""
-    stack = []
-    reached: set[int] = set()
-    for tensor in _tensors_in(outputs):
-        if tensor.grad_fn is not None:
-            stack.append(tensor.grad_fn)
-        elif tensor.requires_grad:
-            reached.add(id(tensor))
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            reached.add(id(variable))
-        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
-    return reached
-
-
-def _tensors_in(value: object):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item)
-
-
-class PendingFlags:
-    """The flags of one backward on their way to the host, copied without blocking on CUDA."""
-
-    __slots__ = ("buckets", "used", "_host", "_copied")
-
-    def __init__(self, buckets: Sequence[DenseBucket | SparseBucket], used: bytearray) -> None:
-        self.buckets = buckets
-        self.used = used
-        flags = torch.cat([bucket.flags for bucket in buckets])
-        if flags.is_cuda:
-            self._host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            self._host.copy_(flags, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        else:
-            self._host, self._copied = flags, None
-
-    def arrived(self) -> bool:
-        return self._copied is None or self._copied.query()
-
-    def missing(self) -> list[tuple[int, float]]:
-        """(parameter index, flag sum) of the parameters some rank got no gradient for."""
-        if self._copied is not None:
-            self._copied.synchronize()  # returns at once once arrived()
-        if not self._host.any():  # the usual case, decided without a Python loop over parameters
-            return []
-        indices = [index for bucket in self.buckets for index in bucket.indices]
-        return [(index, total) for index, total in zip(indices, self._host.tolist()) if total != 0]

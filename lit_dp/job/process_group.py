@@ -1,8 +1,17 @@
 """Bringing up torch.distributed from a ``ParallelEnv``: Paddle's ``init_parallel_env``.
 
 Steps: resolve the backend, select the device (NCCL), rendezvous through a ``TCPStore``
-hosted by rank 0 with a named-rank arrival check, create the default process group, then the
-extra ring communicators (``FLAGS_nccl_nrings``) the reducer spreads buckets over.
+hosted by rank 0 (or by torchrun's agent) with a named-rank arrival check, create the default
+process group, then the extra ring communicators (``FLAGS_nccl_nrings``) the reducer spreads
+buckets over.
+
+Every key of a rendezvous, the process group's own included (Gloo's and NCCL's address
+exchange), lives under a prefix naming the job's attempt and this process's rendezvous count
+(``lit_dp/torchrun_1/init_0/...``). Under torchrun the store on ``MASTER_PORT`` is the agent's
+and outlives each attempt: without the prefix, a restarted worker read its peers' addresses
+from the previous attempt and failed in Gloo's ``connectFullMesh`` ("Connection refused"),
+and the arrival counter, already at the world size, let it through without waiting
+(docs/process_group.md, "Restarts").
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import torch.distributed as dist
 
 from lit_dp.job.backends import AUTO, check_backend, uses_nccl
 from lit_dp.job.env import ParallelEnv, format_endpoint
+from lit_dp.job.restart import JobAttempt
 
 _ARRIVED = "lit_dp/arrived/{}"
 _ARRIVED_COUNT = "lit_dp/arrived"
@@ -84,6 +94,7 @@ def init_parallel_env(
     *,
     parallel_env: ParallelEnv | None = None,
     one_process_group: bool = False,
+    attempt: JobAttempt | None = None,
 ) -> dist.ProcessGroup | None:
     """Create torch.distributed's default process group from the launcher's variables.
 
@@ -97,6 +108,8 @@ def init_parallel_env(
         one_process_group: at world size 1, create a group of one rank instead of none, so that
             code calling ``torch.distributed`` runs unchanged on one device (what the Lightning
             strategies ask for, like Lightning's ``"ddp"``).
+        attempt: which attempt of a restarted job this is; defaults to
+            ``JobAttempt.from_environ()`` (torchrun's, SLURM's restart counts).
 
     Returns:
         The default process group, or None (with a warning, Paddle's documented behaviour) for
@@ -131,10 +144,14 @@ def init_parallel_env(
         device = cuda_device_identity(env.device_id)
 
     # One rank has nobody to meet: an in-memory store, and no port to bind or collide on.
-    store = _rendezvous(env, deadline, device) if env.world_size > 1 else dist.HashStore()
+    attempt = JobAttempt.from_environ() if attempt is None else attempt
+    store = _rendezvous(env, deadline, device, attempt) if env.world_size > 1 else dist.HashStore()
     dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=deadline)
     world = dist.group.WORLD
-    _extra_rings_by_world[world] = [dist.new_group(backend=chosen, timeout=deadline) for _ in range(env.nrings - 1)]
+    # Only extra rings are recorded: with one ring nothing refers to the group, so a test that
+    # mocks `init_process_group` (Lightning's own do; the group is then None) runs unharmed.
+    if env.nrings > 1:
+        _extra_rings_by_world[world] = [dist.new_group(backend=chosen, timeout=deadline) for _ in range(env.nrings - 1)]
     return world
 
 
@@ -197,31 +214,43 @@ def check_device_unshared(store: dist.Store, env: ParallelEnv, identity: str) ->
     )
 
 
-def _rendezvous(env: ParallelEnv, timeout: timedelta, device: str | None = None) -> dist.TCPStore:
-    """Connect to rank 0's store and wait until every rank has checked in.
+def _rendezvous(
+    env: ParallelEnv, timeout: timedelta, device: str | None = None, attempt: JobAttempt | None = None
+) -> dist.Store:
+    """Connect to the job's store and wait until every rank of this attempt has checked in.
+
+    Returns the store under this rendezvous's own prefix: the process group built on it keeps
+    its keys (Gloo's and NCCL's addresses) apart from any earlier attempt's.
 
     torch's own store rendezvous reports a missing peer only as a bare timeout. Here each rank
     bumps a counter; rank 0 decides when the timeout passes, publishes the ranks that never
     arrived, and waits briefly for the others to read it, so every rank names them. A rank that
     drives a CUDA device under NCCL (``device``) registers it first, and all check for sharing.
     """
+    attempt = JobAttempt() if attempt is None else attempt
     address = format_endpoint(env.master_addr, env.master_port)
     seconds = timeout.total_seconds()
+    # Under torchrun the agent already serves the store at MASTER_ADDR:MASTER_PORT; rank 0
+    # joins it as a client rather than fail to bind the port.
+    hosted_by_agent = attempt.agent_store == (env.master_addr, env.master_port)
     try:
-        store = dist.TCPStore(
+        server = dist.TCPStore(
             env.master_addr,
             env.master_port,
             world_size=env.world_size,
-            is_master=env.rank == 0,
+            is_master=env.rank == 0 and not hosted_by_agent,
             timeout=timeout,
             wait_for_workers=False,
         )
     except (RuntimeError, OSError) as error:
-        role = "host" if env.rank == 0 else "reach"
+        role = "host" if env.rank == 0 and not hosted_by_agent else "reach"
+        host = "torchrun's agent" if hosted_by_agent else "rank 0"
         raise RuntimeError(
             f"rank {env.rank} could not {role} the rendezvous store at {address} within {seconds:g}s "
-            f"(rank 0 hosts it; is it running, and is the port free?): {error}"
+            f"({host} hosts it; is it running, and is the port free?): {error}"
         ) from error
+    store = dist.PrefixStore(_rendezvous_prefix(server, attempt, env.rank), server)
+    where = f"{address} ({attempt.describe()})"
     if device is not None:
         register_device(store, env.rank, device)
     store.set(_ARRIVED.format(env.rank), "1")
@@ -232,18 +261,18 @@ def _rendezvous(env: ParallelEnv, timeout: timedelta, device: str | None = None)
         while store.add(_ARRIVED_COUNT, 0) < env.world_size:
             if env.rank != 0 and store.check([_MISSING]):
                 store.add(_ACKNOWLEDGED, 1)
-                _raise_missing(env, address, seconds, store.get(_MISSING).decode())
+                _raise_missing(env, where, seconds, store.get(_MISSING).decode())
             if time.monotonic() >= deadline:
                 if env.rank != 0:
-                    raise RuntimeError(f"rank {env.rank}: rank 0 gave no verdict on the rendezvous at {address}")
+                    raise RuntimeError(f"rank {env.rank}: rank 0 gave no verdict on the rendezvous at {where}")
                 missing = [r for r in range(env.world_size) if not store.check([_ARRIVED.format(r)])]
                 store.set(_MISSING, str(missing))
                 _await_acknowledgements(store, env.world_size - len(missing) - 1)
-                _raise_missing(env, address, seconds, str(missing))
+                _raise_missing(env, where, seconds, str(missing))
             time.sleep(_POLL_SECONDS)
     except dist.DistError as error:
         raise RuntimeError(
-            f"rank {env.rank}: the rendezvous store at {address} (hosted by rank 0) went away before all "
+            f"rank {env.rank}: the rendezvous store at {where} went away before all "
             f"{env.world_size} ranks arrived: {error}"
         ) from error
     if device is not None:
@@ -251,14 +280,25 @@ def _rendezvous(env: ParallelEnv, timeout: timedelta, device: str | None = None)
     return store
 
 
-def _raise_missing(env: ParallelEnv, address: str, seconds: float, missing: str) -> NoReturn:
+def _rendezvous_prefix(server: dist.Store, attempt: JobAttempt, rank: int) -> str:
+    """``lit_dp/<attempt>/init_<n>/``: this rank's n-th rendezvous in this attempt.
+
+    Every rank rebuilds the group the same number of times (a ``fit`` then a ``test`` tears it
+    down and brings it up again), so the n-th rendezvous of each rank meet, apart from the
+    earlier ones still in a store that outlives them (torchrun's agent store).
+    """
+    count = server.add(f"lit_dp/{attempt.key}/rendezvous_count/{rank}", 1)
+    return f"lit_dp/{attempt.key}/init_{count - 1}/"
+
+
+def _raise_missing(env: ParallelEnv, where: str, seconds: float, missing: str) -> NoReturn:
     raise RuntimeError(
         f"rank {env.rank}: rank(s) {missing} of world size {env.world_size} did not arrive at the rendezvous "
-        f"{address} within {seconds:g}s (PADDLE_PG_TIMEOUT or timeout=)."
+        f"{where} within {seconds:g}s (PADDLE_PG_TIMEOUT or timeout=)."
     )
 
 
-def _await_acknowledgements(store: dist.TCPStore, expected: int) -> None:
+def _await_acknowledgements(store: dist.Store, expected: int) -> None:
     deadline = time.monotonic() + _GRACE_SECONDS
     while store.add(_ACKNOWLEDGED, 0) < expected and time.monotonic() < deadline:
         time.sleep(_POLL_SECONDS)

@@ -18,10 +18,9 @@ cleanly); ``DataParallel`` imports it only when ``trace_dir`` is set.
 Timestamps are wall-clock microseconds (each rank's host clock, converted from
 ``time.perf_counter``; on CUDA the spans' lengths come from CUDA events), so ranks on one host
 line up exactly and ranks on different hosts as well as their clocks agree. Merge the ranks
-into one file, or draw it as a PNG::
+into one file (and draw it as a PNG with the recipes' ``lit_dp_recipes.trace_render``)::
 
     python -m lit_dp.observability.trace merge DIR -o merged.json
-    python -m lit_dp.observability.trace render merged.json -o timeline.png
 """
 
 from __future__ import annotations
@@ -131,57 +130,14 @@ def merge(directory: str | Path, output: str | Path) -> Path:
     return output
 
 
-def render(trace: str | Path, output: str | Path, title: str | None = None) -> Path:
-    """Draw a trace's complete events as a timeline PNG: one row per (rank, track)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    events = json.loads(Path(trace).read_text())["traceEvents"]
-    spans = [e for e in events if e.get("ph") == COMPLETE]
-    if not spans:
-        raise ValueError(f"{trace} holds no complete events to draw")
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    rows = sorted({(e["pid"], e["tid"]) for e in spans})
-    origin = min(e["ts"] for e in spans)
-    colours = {"backward": "tab:blue", "bucket": "tab:green", "exposed": "tab:red"}
-    figure, axes = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
-    for row, key in enumerate(rows):
-        for e in (e for e in spans if (e["pid"], e["tid"]) == key):
-            axes.barh(row, e["dur"] / 1e3, left=(e["ts"] - origin) / 1e3, height=0.6,
-                      color=colours.get(e.get("cat"), "tab:gray"), edgecolor="black", linewidth=0.3)  # fmt: skip
-    for e in (e for e in events if e.get("ph") == "i" and e.get("cat") == "step"):
-        axes.axvline((e["ts"] - origin) / 1e3, color="gray", linewidth=0.5, linestyle=":")
-    axes.set_yticks(range(len(rows)), [f"rank {pid} · {names.get((pid, tid), tid)}" for pid, tid in rows])
-    axes.invert_yaxis()
-    axes.set_xlabel("ms (dotted lines: step starts)", labelpad=2)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    axes.legend(
-        handles, ["backward", "bucket all-reduce", "exposed communication"],
-        loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8,
-    )  # fmt: skip
-    axes.set_title(title or f"Rendering of the Chrome trace {Path(trace).name}")
-    figure.tight_layout()
-    figure.savefig(output, dpi=120)
-    plt.close(figure)
-    return Path(output)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lit_dp.observability.trace", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     merge_parser = commands.add_parser("merge", help="merge a trace_dir's rank{R}.json files into one trace")
     merge_parser.add_argument("directory")
     merge_parser.add_argument("-o", "--output", default="merged.json")
-    render_parser = commands.add_parser("render", help="draw a trace as a PNG timeline")
-    render_parser.add_argument("trace")
-    render_parser.add_argument("-o", "--output", default="timeline.png")
     args = parser.parse_args(argv)
-    if args.command == "merge":
-        print(merge(args.directory, args.output))
-    else:
-        print(render(args.trace, args.output))
+    print(merge(args.directory, args.output))
 
 
 if __name__ == "__main__":

@@ -18,15 +18,15 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
-from lit_dp.gradients.hooks import resolve_comm_hook
 from lit_dp.job.backends import AUTO
-from lit_dp.job.cluster_environment import PaddleEnvironment
 from lit_dp.job.env import ParallelEnv
 from lit_dp.job.process_group import init_parallel_env
 from lit_dp.options import Options
+from lit_dp.sharding import ShardedOptimizer
 
 # Lightning's `ddp`, `ddp_spawn`, `ddp_fork`, `ddp_notebook` with their start methods
 # (lightning/pytorch/strategies/ddp.py); each also gets `_find_unused_parameters_true|false`.
@@ -127,13 +127,29 @@ class DataParallelStrategyMixin:
             self.process_group_backend, self._options.timeout, parallel_env=environment, one_process_group=True
         )
 
+    def _shard(self, optimizer: Optimizer, model: Module | None) -> Optimizer:
+        """``optimizer`` rebuilt over this rank's parameters under ``sharding_stage``; unchanged otherwise."""
+        if self._options.sharding_stage is None or isinstance(optimizer, ShardedOptimizer):
+            return optimizer
+        if not isinstance(model, DataParallel):
+            raise RuntimeError(
+                f"sharding_stage={self._options.sharding_stage}: set up the model (lit_dp.DataParallel) before its "
+                "optimizers, so that they know which parameters this rank owns."
+            )
+        return ShardedOptimizer(optimizer, model)
+
+    def _check_sharding_precision(self, precision: Any) -> None:
+        """Refuse a gradient scaler with stage 2: it looks for infs in this rank's gradients only, so
+        ranks could disagree on skipping a step."""
+        if self._options.sharding_stage == 2 and getattr(precision, "scaler", None) is not None:
+            raise ValueError(
+                "sharding_stage=2 with precision='16-mixed' (a gradient scaler) is invalid: each rank holds only its "
+                "own gradients, so the scaler's inf checks would differ between ranks; expected precision "
+                "'bf16-mixed' or '32-true', or sharding_stage=1."
+            )
+
     def _wrap(self, module: Module, options: Options) -> DataParallel:
-        wrapped = DataParallel(module, options=options, unused_parameters_message=self._unused_parameters_message)
-        # Built here, in each process: PowerSGD's state belongs to the process group.
-        registration = resolve_comm_hook(comm_state=options.comm_state, **options.hook_options())
-        if registration is not None:
-            wrapped.register_comm_hook(*registration)
-        return wrapped
+        return DataParallel(module, options=options, unused_parameters_message=self._unused_parameters_message)
 
 
 def register_families(registry: _StrategyRegistry, strategy: type) -> None:
@@ -163,6 +179,10 @@ def register_families(registry: _StrategyRegistry, strategy: type) -> None:
 def default_cluster_environment(given: ClusterEnvironment | None) -> ClusterEnvironment | None:
     """``given``, else ``PaddleEnvironment`` when Paddle's launcher started this process (else
     None: Lightning then detects torchrun, SLURM, ... itself)."""
+    # Imported here: importing cluster_environment first imports Lightning, whose import loads
+    # this module (lit_dp/__init__.py); a module-level import would meet it half-initialised.
+    from lit_dp.job.cluster_environment import PaddleEnvironment
+
     if given is None and PaddleEnvironment.detect():
         return PaddleEnvironment()
     return given

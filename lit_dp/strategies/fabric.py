@@ -4,7 +4,9 @@ The Fabric twin of ``lit_dp.PaddleDPStrategy``, as Lightning has a ``DDPStrategy
 ``lightning.fabric.strategies`` next to the Trainer's: same options, same registered names, the
 same ``lit_dp.DataParallel``. ``fabric.setup(model, optimizer)`` wraps the model,
 ``fabric.backward`` synchronises, ``fabric.no_backward_sync(model)`` is ``DataParallel.no_sync``,
-and checkpoints hold the bare module's state (no wrapper prefix).
+and checkpoints hold the bare module's state (no wrapper prefix). With ``sharding_stage`` the
+optimizers set up with the model become ``lit_dp.ShardedOptimizer`` s, ``fabric.clip_gradients``
+clips by the global norm, and ``fabric.save`` writes the consolidated optimizer state.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncContro
 from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
 from torch import Tensor
 from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel_env
 from lit_dp.options import FABRIC, Options, options_doc
+from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 
 FABRIC_UNUSED_PARAMETERS_MESSAGE = (
@@ -73,6 +77,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         )
         self._keep_options(options, values)
         self._backward_sync_control = _PaddleDPBackwardSyncControl()
+        self._wrapped: DataParallel | None = None  # the model set up last: sharded optimizers read its owners
+        self._sharded: list[ShardedOptimizer] = []
 
     @property
     def comm_buffer_size(self) -> float | str:
@@ -85,7 +91,30 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> DataParallel:
-        return self._wrap(module, self._options)
+        self._check_sharding_precision(self.precision)
+        self._wrapped = self._wrap(module, self._options)
+        return self._wrapped
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        sharded = self._shard(optimizer, self._wrapped)
+        if isinstance(sharded, ShardedOptimizer):
+            self._sharded.append(sharded)
+        return sharded
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        if not isinstance(optimizer, ShardedOptimizer):
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        self.precision.unscale_gradients(optimizer)
+        return optimizer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     @override
     def module_to_device(self, module: Module) -> None:
@@ -109,6 +138,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        for optimizer in self._sharded:  # with sharding_overlap the last gather may be in flight
+            optimizer.wait_for_parameters()
         if isinstance(module, DataParallel):
             module = module.module
         return super().get_module_state_dict(module)
@@ -121,6 +152,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        for optimizer in self._sharded:
+            optimizer.wait_for_parameters()
+        self._wrapped, self._sharded = None, []
         super().teardown()
         destroy_parallel_env()
 

@@ -8,13 +8,14 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lit_dp.data_parallel import DataParallel
 from lit_dp.observability.stats import CommStats
 
 
 class CommStatsMonitor(pl.Callback):
     """Logs ``PaddleDPStrategy``'s communication figures through the trainer's loggers (CSV, TensorBoard).
 
-    The strategy installs it when ``comm_stats=True`` or ``comm_buffer_size="auto"``, so a user
+    Only with ``PaddleDPStrategy``: the strategy installs it when ``comm_stats=True`` or ``comm_buffer_size="auto"``, so a user
     turns statistics on with one strategy option and no callback to remember. It follows
     Lightning's ``LearningRateMonitor``: on the steps the trainer writes its logs
     (``log_every_n_steps``) it logs rank 0's last-step ``comm/*`` figures, plus
@@ -37,14 +38,13 @@ class CommStatsMonitor(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         means = {f"comm/{name}_mean": value for name, value in self._means(trainer).items()}
-        tuned = getattr(trainer.strategy, "tuned_comm_buffer_size", None)
+        tuned = trainer.strategy.tuned_comm_buffer_size
         if tuned is not None:
             means["comm/tuned_buffer_mb"] = float(tuned)  # the same on every rank
         if means:
             pl_module.log_dict(means, sync_dist=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = trainer.strategy
         means = self._means(trainer)
         last = self._model_stats(trainer)
         parts = []
@@ -55,7 +55,7 @@ class CommStatsMonitor(pl.Callback):
                 f"time {means['time_ms']:.3f} ms, exposed {means['exposed_ms']:.3f} ms, "
                 f"overlap {means['overlap']:.2f} (rank 0, means over the steps after the first)"
             )
-        tuned = getattr(strategy, "tuned_comm_buffer_size", None)
+        tuned = trainer.strategy.tuned_comm_buffer_size
         if tuned is not None:
             parts.append(f"comm_buffer_size=auto -> {tuned:g} MB")
         if parts:
@@ -64,7 +64,7 @@ class CommStatsMonitor(pl.Callback):
     def _step_metrics(self, trainer: pl.Trainer) -> dict[str, float]:
         strategy = trainer.strategy
         metrics: dict[str, float] = {}
-        if getattr(strategy, "comm_stats", False):
+        if strategy.options.comm_stats:
             stats = self._model_stats(trainer)
             # Every rank takes part in the all-reduce, with -1 where no step is measured yet.
             # float64: rank 0's own value must not exceed the maximum by float32 rounding.
@@ -74,17 +74,17 @@ class CommStatsMonitor(pl.Callback):
             if stats is not None:
                 metrics.update(stats.as_metrics())
                 metrics["comm/exposed_ms_max"] = exposed_max
-        tuned = getattr(strategy, "tuned_comm_buffer_size", None)
+        tuned = strategy.tuned_comm_buffer_size
         if tuned is not None:
             metrics["comm/tuned_buffer_mb"] = float(tuned)
         return metrics
 
     @staticmethod
     def _model_stats(trainer: pl.Trainer) -> CommStats | None:
-        read = getattr(trainer.strategy.model, "comm_stats", None)
-        return read() if callable(read) else None
+        model = trainer.strategy.model
+        return model.comm_stats() if isinstance(model, DataParallel) else None
 
     @staticmethod
     def _means(trainer: pl.Trainer) -> dict[str, float]:
-        read = getattr(trainer.strategy.model, "comm_stats_mean", None)
-        return read() if callable(read) and getattr(trainer.strategy, "comm_stats", False) else {}
+        model = trainer.strategy.model
+        return model.comm_stats_mean() if isinstance(model, DataParallel) and trainer.strategy.options.comm_stats else {}

@@ -42,8 +42,12 @@ from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel
 from lit_dp.local_sgd import LocalSGD
 from lit_dp.observability.autotune import AUTO
 from lit_dp.options import TRAINER, Options, options_doc
+from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
+from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.strategies.monitor import CommStatsMonitor
+from lit_dp.strategies.resume import continue_epoch
+from lit_dp.strategies.sharded_clipping import clip_sharded_by_global_norm
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 
@@ -68,7 +72,13 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 {options}
 
     With ``comm_buffer_size="auto"`` the tuned size is stored in checkpoints, so a resumed run
-    keeps it; LocalSGD's schedule is stored too.
+    keeps it; LocalSGD's schedule is stored too. Checkpoints are written atomically
+    (``AtomicCheckpointIO``, unless another ``checkpoint_io`` is given), and a fit resumed from a
+    checkpoint taken inside an epoch goes on at the next batch of that epoch
+    (``lit_dp.strategies.resume``). With ``sharding_stage`` the optimizers from
+    ``configure_optimizers`` are rebuilt over each rank's parameters (``lit_dp.ShardedOptimizer``),
+    ``gradient_clip_val`` clips by the global norm and checkpoints hold the consolidated
+    optimizer state (docs/sharding.md).
     """
 
     strategy_name = "paddle_dp"
@@ -90,7 +100,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=default_cluster_environment(cluster_environment),
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self._keep_options(options, values)
@@ -144,7 +154,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             f"find_unused_parameters={options.find_unused_parameters} "
             f"gradient_as_bucket_view={options.gradient_as_bucket_view} local_sgd_steps={options.local_sgd_steps} "
             f"local_sgd_warmup_steps={options.local_sgd_warmup_steps} local_sgd_adaptive={options.local_sgd_adaptive} "
-            f"comm_hook={describe_comm_hook(**options.hook_options())} comm_stats={options.comm_stats}"
+            f"comm_hook={describe_comm_hook(**options.hook_options())} comm_stats={options.comm_stats} "
+            f"sharding_stage={options.sharding_stage} sharding_overlap={options.sharding_overlap}"
         )
 
     @override
@@ -152,6 +163,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_sharding_precision(self.precision_plugin)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -163,6 +176,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         elif dist.is_initialized():
             sync_params_buffers(self.model)
         self.setup_precision_plugin()
+        if fitting and self._options.sharding_stage is not None:
+            clip_sharded_by_global_norm(self.precision_plugin)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         if fitting and (self._options.comm_stats or self._options.comm_buffer_size == AUTO):
@@ -175,6 +190,28 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             size = self._tuned_buffer_size
             rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {size:g} MB, tuned before (checkpoint or earlier fit)")
         return self._wrap(model, self._options.replace(comm_buffer_size=self.comm_buffer_size))
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        # The schedulers keep the optimizers configure_optimizers built, whose groups the
+        # sharded ones share (see lit_dp.sharding).
+        self.optimizers = [self._shard(optimizer, self.model) for optimizer in self.optimizers]
+
+    def wait_for_parameters(self) -> None:
+        """With ``sharding_overlap``: finish gathering the updated parameters, before they are read outside a forward."""
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, ShardedOptimizer):
+                optimizer.wait_for_parameters()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.wait_for_parameters()
+        return super().lightning_module_state_dict()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.wait_for_parameters()
 
     def _setup_local_sgd(self) -> LocalSGD | None:
         options = self._options
@@ -210,8 +247,21 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        # Callbacks have had their on_train_end (a last checkpoint): hand back the optimizers
+        # configure_optimizers built, rank 0's with the whole state, as the model is unwrapped.
+        self.optimizers = [
+            optimizer.unwrap() if isinstance(optimizer, ShardedOptimizer) else optimizer for optimizer in self.optimizers
+        ]
         if self._local_sgd is not None:
             self._local_sgd.finish()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # Called after Lightning restored the loops and before the first batch is fetched.
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        return continue_epoch(dataloader, trainer.fit_loop)
 
     @override
     def model_to_device(self) -> None:

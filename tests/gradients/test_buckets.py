@@ -75,3 +75,34 @@ def test_bucket_sizes_must_be_positive_megabytes(value):
 def test_fractional_megabytes():
     assert megabytes_to_bytes("comm_buffer_size", 0.5) == 512 * 1024
     assert megabytes_to_bytes("comm_buffer_size", 25) == 25 * 1024 * 1024
+
+
+def test_owners_are_balanced_within_one_tensor_of_an_even_split():
+    from lit_dp.gradients.buckets import assign_owners
+
+    generator = torch.Generator().manual_seed(0)
+    for world_size in (1, 2, 3, 8):
+        for _ in range(50):
+            count = int(torch.randint(1, 40, (1,), generator=generator))
+            sizes = (torch.randint(1, 1000, (count,), generator=generator) * 4).tolist()
+            owners = assign_owners(sizes, world_size)
+            loads = [sum(size for size, owner in zip(sizes, owners) if owner == rank) for rank in range(world_size)]
+            assert set(owners) <= set(range(world_size))
+            assert max(loads) <= sum(sizes) / world_size + max(sizes), (sizes, world_size, loads)
+
+
+def test_owners_largest_first_to_the_least_loaded_rank_lowest_on_ties():
+    from lit_dp.gradients.buckets import assign_owners
+
+    # Largest first: 40 -> 0; 30 -> 1; 20 -> 1 (30 < 40); the first 10 -> 0 (40 < 50); the last 10 -> 0 (a tie at 50).
+    assert assign_owners([10, 40, 20, 30, 10], 2) == [0, 0, 1, 1, 0]
+    assert assign_owners([8, 8, 8], 3) == [0, 1, 2]  # equal sizes keep their order
+    assert assign_owners([], 2) == []
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.5, True])
+def test_owners_need_a_positive_world_size(world_size):
+    from lit_dp.gradients.buckets import assign_owners
+
+    with pytest.raises(ValueError, match=f"world_size={world_size!r} is invalid: expected an integer >= 1"):
+        assign_owners([4], world_size)

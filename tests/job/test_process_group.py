@@ -103,3 +103,83 @@ def test_two_ranks_on_one_cuda_device_are_named_before_nccl_starts():
         message = str(error.value)
         assert f"rank {rank}: ranks [0, 1] all resolve to the same CUDA device node-a/GPU-1111 (cuda:0)" in message
         assert all(variable in message for variable in ("FLAGS_selected_gpus", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"))
+
+
+def _rank_env(rank, port):
+    return ParallelEnv(
+        {"PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+
+
+def _torchrun_attempt(restart, port):
+    from lit_dp.job.restart import JobAttempt, Restart
+
+    return JobAttempt("torchrun-job", (Restart("torchrun", restart, 2),), agent_store=("127.0.0.1", port))
+
+
+def test_restarted_attempts_on_torchruns_agent_store_never_meet_earlier_keys():
+    """Two ranks rendezvous on a store that outlives them (torchrun's agent store): each attempt,
+    and each rendezvous within one, sees only its own keys; an attempt missing a rank fails naming it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from lit_dp.job.process_group import _rendezvous
+    from tests.helpers.distributed import free_port
+
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the agent's
+
+    def both_ranks(attempt):
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(_rendezvous, _rank_env(r, port), timedelta(seconds=20), None, attempt) for r in (0, 1)]
+            return [future.result(timeout=30) for future in futures]
+
+    first = both_ranks(_torchrun_attempt(0, port))
+    first[1].set("address/1", "attempt 0's listening socket")  # what Gloo publishes for rank 1
+    again = both_ranks(_torchrun_attempt(0, port))  # a second fit of the same attempt
+    restarted = both_ranks(_torchrun_attempt(1, port))
+    for stores in (again, restarted):
+        assert not any(store.check(["address/1"]) for store in stores)
+    assert first[0].check(["address/1"])
+
+    # Attempt 2 without rank 1: attempt 0's and 1's arrivals must not count for it.
+    with pytest.raises(RuntimeError) as error:
+        _rendezvous(_rank_env(0, port), timedelta(seconds=1), None, _torchrun_attempt(2, port))
+    message = str(error.value)
+    assert "rank(s) [1] of world size 2 did not arrive" in message
+    assert "(restart 2 of 2) within 1s" in message
+    del agent_store
+
+
+def allreduce_after_a_late_rank_zero(rank):
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+        time.sleep(2)  # rank 1 of the restart reaches Gloo's address exchange first
+    init_parallel_env(timeout=30)
+    tensor = torch.tensor([float(rank + 1)])
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+@pytest.mark.slow
+def test_restarted_workers_build_the_process_group_on_the_agents_store():
+    """Two attempts of a 2-rank job on one agent store, as under torchrun: before the attempt
+    prefix, rank 1 of attempt 1 read rank 0's Gloo address from attempt 0 and failed with
+    'Connection refused' in connectFullMesh."""
+    import torch.distributed as dist
+
+    from tests.helpers.distributed import free_port
+
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_MAX_RESTARTS": "1"}
+    for restart in ("0", "1"):
+        results = run_ranks(allreduce_after_a_late_rank_zero, 2, timeout=60, TORCHELASTIC_RESTART_COUNT=restart, **torchrun)
+        assert results == {0: 3.0, 1: 3.0}
+    del agent_store

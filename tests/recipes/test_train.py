@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import lit_dp_recipes as lit_dp_recipes
-from tests.helpers.recipes import QUIET, ROOT, final_metrics, run_benchmark, run_recipe
+from tests.helpers.recipes import QUIET, ROOT, final_metrics, run_recipe
 
 @pytest.mark.slow
 def test_digits_trains_to_95_percent_and_resumes(tmp_path):
@@ -50,40 +50,7 @@ def test_bad_override_fails_before_any_process_starts(tmp_path):
     assert not list(tmp_path.glob("train_ddp_process_*.log")), "a rank was started"
 
 
-@pytest.mark.slow
-def test_benchmark_multirun_writes_table_and_plot(tmp_path):
-    run_benchmark(
-        "bench_training_sweep",
-        "-m",
-        "strategy=paddle_dp,ddp",
-        "strategy.comm_buffer_size=1",
-        "trainer.max_epochs=1",
-        "trainer.limit_train_batches=8",
-        f"hydra.sweep.dir={tmp_path}",
-    )
-    table = (tmp_path / "throughput.md").read_text()
-    assert "| paddle_dp | 1 |" in table and "| ddp | 1 |" in table
-    assert (tmp_path / "throughput.png").stat().st_size > 1000
-    assert (tmp_path / "exposed.png").stat().st_size > 1000  # paddle_dp's comm_stats, plotted per size
-
-
-def test_reducer_benchmark_prints_ratios(tmp_path):
-    output = run_benchmark(
-        "bench_reducer", "steps=1", "warmup=1", "rounds=3", "models=[many_small]", "measure_memory=false",
-        f"hydra.run.dir={tmp_path}",
-    )
-    [row] = [line for line in output.splitlines() if line.startswith("| many_small |")]
-    cells = [cell.strip() for cell in row.strip("|").split("|")]
-    no_sync, ddp, ours, ratio, ddp_per_tensor, ours_per_tensor = (float(cell) for cell in cells[3:])
-    assert 0 < no_sync and 0 < ddp and 0 < ours
-    assert ratio == pytest.approx(ours / ddp, abs=1e-3)
-    tensors = int(cells[1])
-    rounding = 2 * 0.005e3 / tensors + 0.005  # the times are printed to 0.01 ms, the costs to 0.01 us
-    assert ours_per_tensor == pytest.approx((ours - no_sync) * 1e3 / tensors, abs=rounding)
-    assert ddp_per_tensor == pytest.approx((ddp - no_sync) * 1e3 / tensors, abs=rounding)
-
-
 @pytest.mark.parametrize("path", sorted(Path(lit_dp_recipes.__file__).parent.glob("*.py")), ids=lambda p: p.stem)
 def test_every_recipe_module_imports(path):
-    # Benchmarks run only by hand must not rot: their imports at least are checked here.
+    # Recipe modules no test runs end to end must not rot: their imports at least are checked here.
     importlib.import_module(f"lit_dp_recipes.{path.stem}")

@@ -162,11 +162,3 @@ def test_every_name_resolves_case_insensitively(name):
         assert type(strategy) is fabric.PaddleDPStrategy, spelling
         assert launcher_start_method(strategy.launcher) == start_method, spelling
         assert strategy.find_unused_parameters is find_unused, spelling
-
-
-def test_options_are_validated():
-    with pytest.raises(ValueError, match="comm_buffer_size=0 is invalid"):
-        fabric.PaddleDPStrategy(comm_buffer_size=0)
-    with pytest.raises(ValueError, match="backend='nope' is invalid: expected 'auto', a backend"):
-        fabric.PaddleDPStrategy(backend="nope")
-

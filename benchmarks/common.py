@@ -1,0 +1,236 @@
+"""What the benchmarks share: ranks on Gloo, the models, the wrappers, one training step, interleaved timing.
+
+Every benchmark compares lit_dp with its peer in one run: the modes run in the same processes,
+in rounds whose order rotates, so machine noise and drift hit them alike, and the reports give
+medians and ratios (``interleaved_times``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+Config = TypeVar("Config")
+# The modes compared: no synchronisation (the floor), torch DDP (the yardstick), lit_dp.
+MODES = ("none", "ddp", "lit_dp")
+CONFIGS = Path(__file__).resolve().parent / "conf"
+
+
+def few_large_tensors() -> nn.Module:
+    """Three 2048x2048 layers: ~50 MB of fp32 gradients in 6 tensors."""
+    return nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(3)))
+
+
+def many_small_tensors() -> nn.Module:
+    """150 small layers: 300 tensors of at most 4 KB."""
+    layers: list[nn.Module] = []
+    for _ in range(150):
+        layers += [nn.Linear(32, 32), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def many_small_norm() -> nn.Module:
+    """200 x (Linear(64, 64) + LayerNorm(64)): 800 tensors, where per-parameter costs show."""
+    layers: list[nn.Module] = []
+    for _ in range(200):
+        layers += [nn.Linear(64, 64), nn.LayerNorm(64)]
+    return nn.Sequential(*layers)
+
+
+def digits_mlp() -> nn.Module:
+    """The 3 x 1024 MLP of the training sweep (64 inputs, 10 classes): 9 MB of gradients."""
+    widths = [64, 1024, 1024, 1024]
+    layers: list[nn.Module] = []
+    for width_in, width_out in zip(widths, widths[1:]):
+        layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(widths[-1], 10))
+
+
+def deep_mlp() -> nn.Module:
+    """24 layers of 512 x 512 (1 MB of weights each, 24 MB in all): the bucket size sets how many
+    all-reduces a step makes (about one per layer at 1 MB, two at 25 MB), so it matters here."""
+    layers: list[nn.Module] = []
+    for _ in range(24):
+        layers += [nn.Linear(512, 512), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+# name: (builder, input width, batch per rank)
+MODELS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
+    "few_large": (few_large_tensors, 2048, 8),
+    "many_small": (many_small_tensors, 32, 64),
+    "many_small_norm": (many_small_norm, 64, 32),
+    "digits_mlp": (digits_mlp, 64, 32),
+    "deep_mlp": (deep_mlp, 512, 32),
+}
+
+
+def wrap(
+    mode: str,
+    model: nn.Module,
+    comm_buffer_size: float = 25,
+    group: dist.ProcessGroup | None = None,
+    **lit_dp_options: Any,
+) -> nn.Module:
+    """``model`` as ``mode`` runs it: bare (``none``), in torch DDP, or in ``lit_dp.DataParallel``.
+
+    ``lit_dp_options`` go to DataParallel; ``gradient_as_bucket_view`` goes to DDP as well.
+    """
+    import lit_dp
+
+    if mode == "ddp":
+        device = next(model.parameters()).device
+        return DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=comm_buffer_size,
+            gradient_as_bucket_view=lit_dp_options.get("gradient_as_bucket_view", False),
+            process_group=group,
+        )
+    if mode == "lit_dp":
+        return lit_dp.DataParallel(model, group, comm_buffer_size=comm_buffer_size, **lit_dp_options)
+    if mode != "none":
+        raise ValueError(f"mode={mode!r} is invalid: expected one of {', '.join(MODES)}.")
+    return model
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor) -> None:
+    """One step of the models above on a squared-output loss."""
+    optimizer.zero_grad(set_to_none=True)
+    model(inputs).square().mean().backward()
+    optimizer.step()
+
+
+def barrier_aligned_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, count: int
+) -> list[float]:
+    """Seconds of each of ``count`` steps, the ranks aligned by a barrier before each, so a step's
+    time is not another rank's lag."""
+    times = []
+    for _ in range(count):
+        dist.barrier()
+        start = time.perf_counter()
+        train_step(model, optimizer, inputs)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def block_of_steps(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, count: int) -> list[float]:
+    """One sample: seconds per step over ``count`` consecutive steps, as training runs them (no barrier
+    between them); the block ends when the slowest rank is done."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(count):
+        train_step(model, optimizer, inputs)
+    dist.barrier()
+    return [(time.perf_counter() - start) / count]
+
+
+def interleaved_times(
+    models: dict[str, nn.Module],
+    inputs: torch.Tensor,
+    time_steps: Callable[[nn.Module, torch.optim.Optimizer, torch.Tensor, int], list[float]],
+    warmup: int,
+    rounds: int,
+    steps: int,
+) -> dict[str, list[float]]:
+    """Each model's samples from ``time_steps``: all warmed up, then timed in ``rounds`` of
+    ``steps`` each, in an order that rotates so no model always follows the same one (caches,
+    allocator state) and drift hits them alike."""
+    optimizers = {mode: torch.optim.SGD(m.parameters(), lr=1e-3) for mode, m in models.items()}
+    modes = list(models)
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for mode in modes:
+        time_steps(models[mode], optimizers[mode], inputs, warmup)
+    for round_index in range(rounds):
+        shift = round_index % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            times[mode] += time_steps(models[mode], optimizers[mode], inputs, steps)
+    return times
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_gloo_rank(rank: int, world_size: int, port: int) -> None:
+    """Join a Gloo group of ``world_size`` local processes through lit_dp's launcher variables."""
+    import lit_dp
+
+    environ = {
+        "PADDLE_TRAINER_ID": str(rank),
+        "PADDLE_TRAINERS_NUM": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PADDLE_DISTRI_BACKEND": "gloo",
+    }
+    lit_dp.init_parallel_env(parallel_env=lit_dp.ParallelEnv(environ))
+
+
+def run_ranks(worker: Callable[..., None], world_size: int, *args: Any) -> dict:
+    """Spawn ``worker(rank, *args, port, results)`` on ``world_size`` ranks; what they put in ``results``."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(*args, free_port(), results), nprocs=world_size)
+        return dict(results)
+
+
+@contextmanager
+def fixed_malloc_thresholds(mmap_bytes: int, trim_bytes: int | None = None) -> Iterator[None]:
+    """Fix glibc's malloc thresholds for the processes started inside (read at their start).
+
+    By default glibc decides from a process's history whether a freed block of several MB goes
+    back to the OS, so a large gradient may cost page faults in some wrappers' steps and not in
+    others', and peak RSS tracks the heap's growth rather than the live tensors. A setting the
+    environment already has wins.
+    """
+    wanted = {"MALLOC_MMAP_THRESHOLD_": str(mmap_bytes)}
+    if trim_bytes is not None:
+        wanted["MALLOC_TRIM_THRESHOLD_"] = str(trim_bytes)
+    added = {name: value for name, value in wanted.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            del os.environ[name]
+
+
+def benchmark_main(config_name: str, config_cls: type[Config], run_and_report: Callable[[Config], str]) -> Callable[[], None]:
+    """A script's entry point: its Hydra config ``benchmarks/conf/<config_name>.yaml`` as
+    ``config_cls``, measured and printed by ``run_and_report``."""
+    import hydra
+
+    @hydra.main(config_path=str(CONFIGS), config_name=config_name, version_base="1.3")
+    def main(cfg: Any) -> None:
+        print(run_and_report(config_from(config_cls, cfg)))
+
+    return main
+
+
+def config_from(cls: type[Config], cfg: Any) -> Config:
+    """A benchmark's dataclass config from its Hydra config (lists become tuples where the field is one)."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(cfg, resolve=True)
+    fields = {field.name: field for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kept = {name: value for name, value in values.items() if name in fields}
+    for name, value in kept.items():
+        if isinstance(value, list) and "tuple" in str(fields[name].type):
+            kept[name] = tuple(value)
+    return cls(**kept)

@@ -1,0 +1,23 @@
+"""benchmarks/reducer.py: lit_dp, torch DDP and no synchronisation side by side on 2 Gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.recipes import run_benchmark
+
+
+def test_reducer_benchmark_prints_ratios(tmp_path):
+    output = run_benchmark(
+        "reducer", "steps=1", "warmup=1", "rounds=3", "models=[many_small]", "measure_memory=false",
+        f"hydra.run.dir={tmp_path}",
+    )
+    [row] = [line for line in output.splitlines() if line.startswith("| many_small |")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    no_sync, ddp, ours, ratio, ddp_per_tensor, ours_per_tensor = (float(cell) for cell in cells[3:])
+    assert 0 < no_sync and 0 < ddp and 0 < ours
+    assert ratio == pytest.approx(ours / ddp, abs=1e-3)
+    tensors = int(cells[1])
+    rounding = 2 * 0.005e3 / tensors + 0.005  # the times are printed to 0.01 ms, the costs to 0.01 us
+    assert ours_per_tensor == pytest.approx((ours - no_sync) * 1e3 / tensors, abs=rounding)
+    assert ddp_per_tensor == pytest.approx((ddp - no_sync) * 1e3 / tensors, abs=rounding)
