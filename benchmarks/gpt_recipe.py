@@ -1,15 +1,14 @@
 """The GPT recipe against the bare loop it wraps: tokens/s, their ratio, MFU and dynamo recompiles.
 
     python -m benchmarks.gpt_recipe                                  # CPU, one process: the recipe's small GPT
-    python -m benchmarks.gpt_recipe experiment=gpt2_small            # one GPU: GPT-2 small, 16 x 1024, bf16, compiled
-    python -m benchmarks.gpt_recipe experiment=gpt2_small trainer.max_steps=400 rounds=2
+    python -m benchmarks.gpt_recipe experiment=gpt2_small trainer.max_steps=300 trainer.val_check_interval=150
+    python -m benchmarks.gpt_recipe rounds=5                         # alternate 5 times, report medians
 
-Arguments are overrides of the recipe's own config (``conf/gpt.yaml``, as on
-``recipes/gpt.py``'s command line), plus ``rounds=N`` and ``output_dir=DIR`` (the recipe's
-logs; ``outputs/bench_gpt_recipe/<time>`` by default). Both runs are built from that one
-config, in one process, on one device, on the same random-token shard (llm.c format, in a
-temporary folder), so model, batch, precision, compilation, optimizer, schedule and clipping
-are the same:
+The config (``benchmarks/conf/gpt_recipe.yaml``) is the recipe's own, ``conf/gpt.yaml``: every
+key of ``recipes/gpt.py`` applies, with ``experiment=gpt_bench_cpu`` unless another is named.
+Both runs are built from it, in one process, on one device, on the same random-token shard
+(llm.c format, in a temporary folder), so model, batch, precision, compilation, optimizer,
+schedule and clipping are the same:
 
 1. **bare**: the loop nanoGPT's ``train.py`` writes, without its globals: ``torch.compile``
    of the model, fused AdamW with the same groups, the learning rate set each step, autocast,
@@ -21,28 +20,29 @@ are the same:
 
 Each meter counts every training step after the first ``callbacks.throughput.warmup``
 (recompilation included) and stops for validations, reading the clock after a device
-synchronisation. The recipe's is its own ``TokenThroughput`` callback. The checkpoint callback
-is left out (the bare loop saves nothing) and so is the progress bar; everything else runs as
-``recipes/gpt.py`` runs it. With ``rounds=N`` the two alternate N times and medians are reported.
+synchronisation. The recipe's is its own ``TokenThroughput`` callback. The checkpoint
+callbacks are left out (the bare loop saves nothing) and so is the progress bar; everything
+else runs as ``recipes/gpt.py`` runs it. With ``rounds=N`` the two alternate N times and
+medians are reported.
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import hydra
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
+from benchmarks.common import CONFIGS
 from lit_dp_recipes.callbacks import BF16_PRECISIONS, dynamo_graphs_compiled, peak_bf16_flops
 from lit_dp_recipes.config import register_configs
 from lit_dp_recipes.gpt import adamw, lr_at
@@ -50,14 +50,8 @@ from lit_dp_recipes.shards import tokens as shard_tokens
 from lit_dp_recipes.shards import inspect_shard, write_llmc_shard
 from lit_dp_recipes.train import train
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
-CPU_EXPERIMENT = "gpt_bench_cpu"
 PRECISIONS = ("32-true", "32", "bf16-mixed")
-# Forced on the recipe: one process on one device, from scratch, no checkpoints, no progress bar (see above).
-FORCED = [
-    "trainer.devices=1", "ckpt_path=null", "trainer.enable_checkpointing=false", "~callbacks.model_checkpoint",
-    "~callbacks.step_checkpoint", "trainer.enable_progress_bar=false",
-]
+CHECKPOINT_CALLBACKS = ("model_checkpoint", "step_checkpoint")
 
 
 @dataclass
@@ -67,12 +61,12 @@ class Measured:
     recompiles: int
 
 
-def compose_recipe(overrides: list[str], output_dir: str) -> DictConfig:
-    """``conf/gpt.yaml`` with ``overrides`` (the CPU benchmark experiment unless one is named) and the forced settings."""
-    experiment = [] if any(o.startswith("experiment=") for o in overrides) else [f"experiment={CPU_EXPERIMENT}"]
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="gpt", overrides=[*experiment, *overrides, *FORCED, f"paths.output_dir={output_dir}"])
+def check_config(cfg: DictConfig) -> None:
+    """What the two loops must agree on, checked before either starts; a ``ValueError`` naming the key."""
+    if cfg.rounds < 1:
+        raise ValueError(f"rounds={cfg.rounds} is invalid: expected an integer >= 1.")
+    if cfg.trainer.devices != 1:
+        raise ValueError(f"trainer.devices={cfg.trainer.devices!r} is invalid here: the bare loop runs on one device.")
     if cfg.trainer.precision not in PRECISIONS:
         raise ValueError(f"trainer.precision={cfg.trainer.precision!r} is invalid here: expected one of {', '.join(PRECISIONS)}.")
     if not isinstance(cfg.trainer.max_steps, int) or cfg.trainer.max_steps <= cfg.callbacks.throughput.warmup:
@@ -84,19 +78,19 @@ def compose_recipe(overrides: list[str], output_dir: str) -> DictConfig:
         value = cfg.trainer[option]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"trainer.{option}={value!r} is invalid here: expected a number of steps or batches.")
-    return cfg
 
 
-def write_random_shards(cfg: DictConfig, folder: Path) -> list[str]:
-    """A training shard that one epoch of the run does not exhaust, and a validation shard; overrides naming them."""
+def write_random_shards(cfg: DictConfig, folder: Path) -> tuple[str, str]:
+    """A training shard that one epoch of the run does not exhaust, and a validation shard."""
     data, trainer = cfg.data, cfg.trainer
     train_windows = (trainer.max_steps * trainer.accumulate_grad_batches + 1) * data.batch_size
     val_windows = max(trainer.limit_val_batches, 2) * data.batch_size
     generator = np.random.default_rng(cfg.seed)
+    paths = []
     for name, windows in (("train", train_windows), ("val", val_windows)):
-        count = windows * data.block_size + 1
-        write_llmc_shard(folder / f"random_{name}_000000.bin", generator.integers(data.vocab_size, size=count, dtype=np.uint16))
-    return [f"data.train_shards={folder}/random_train_*.bin", f"data.val_shards={folder}/random_val_*.bin"]
+        paths.append(str(folder / f"random_{name}_000000.bin"))
+        write_llmc_shard(paths[-1], generator.integers(data.vocab_size, size=windows * data.block_size + 1, dtype=np.uint16))
+    return paths[0], paths[1]
 
 
 def device_of(cfg: DictConfig) -> torch.device:
@@ -240,31 +234,31 @@ def report(cfg: DictConfig, bare: list[Measured], recipe: list[Measured]) -> str
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> str:
-    rounds = 1
-    output_dir = Path("outputs") / "bench_gpt_recipe" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    overrides = []
-    for arg in argv:
-        if arg.startswith("rounds="):
-            rounds = int(arg.split("=", 1)[1])
-            if rounds < 1:
-                raise ValueError(f"rounds={rounds} is invalid: expected an integer >= 1.")
-        elif arg.startswith("output_dir="):
-            output_dir = Path(arg.split("=", 1)[1])
-        else:
-            overrides.append(arg)
+def run(cfg: DictConfig) -> str:
+    """Write the shards, run both loops ``cfg.rounds`` times, and report."""
+    check_config(cfg)
     with tempfile.TemporaryDirectory() as folder:
-        probe = compose_recipe(overrides, str(output_dir))
-        shard_overrides = write_random_shards(probe, Path(folder))
-        cfg = compose_recipe([*overrides, *shard_overrides], str(output_dir))
+        train_path, val_path = write_random_shards(cfg, Path(folder))
+        with open_dict(cfg):
+            cfg.data.train_shards, cfg.data.val_shards = train_path, val_path
+            for name in CHECKPOINT_CALLBACKS:
+                cfg.callbacks.pop(name, None)
         if cfg.trainer.accelerator in ("gpu", "cuda"):
             torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in fp32, in both runs
         bare, recipe = [], []
-        for _ in range(rounds):
-            bare.append(run_bare(cfg, f"{folder}/random_train_000000.bin", f"{folder}/random_val_000000.bin"))
+        for _ in range(cfg.rounds):
+            bare.append(run_bare(cfg, train_path, val_path))
             recipe.append(run_recipe(cfg))
     return report(cfg, bare, recipe)
 
 
+register_configs()
+
+
+@hydra.main(config_path=str(CONFIGS), config_name="gpt_recipe", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    print(run(cfg), flush=True)
+
+
 if __name__ == "__main__":
-    print(main(sys.argv[1:]), flush=True)
+    main()
