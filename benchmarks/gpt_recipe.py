@@ -40,7 +40,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from benchmarks.common import CONFIGS
 from lit_dp_recipes.callbacks import BF16_PRECISIONS, dynamo_graphs_compiled, peak_bf16_flops
@@ -132,23 +132,29 @@ class _Meter:
 def run_bare(cfg: DictConfig, train_path: str, val_path: str) -> Measured:
     """nanoGPT's loop on the recipe's config (see the module docstring)."""
     device = device_of(cfg)
-    hp, data, trainer = cfg.model, cfg.data, cfg.trainer
     torch._dynamo.reset()  # each run compiles afresh (both runs compile the same GPT.forward)
     pl.seed_everything(cfg.seed)
-    model = instantiate(hp, _convert_="all").to(device)
-    optimizer = adamw(model, hp.lr, hp.weight_decay, tuple(hp.betas), device)
+    model = instantiate(cfg.model, _convert_="all").to(device)
+    # Plain values for the loop: reading a DictConfig costs tens of microseconds a key.
+    hp = OmegaConf.to_container(cfg.model, resolve=True)
+    block, batch = cfg.data.block_size, cfg.data.batch_size
+    max_steps, accumulate, clip = cfg.trainer.max_steps, cfg.trainer.accumulate_grad_batches, cfg.trainer.gradient_clip_val
+    val_every, val_batches, warmup = cfg.trainer.val_check_interval, cfg.trainer.limit_val_batches, cfg.callbacks.throughput.warmup
+    decay_steps = hp["lr_decay_steps"] if hp["lr_decay_steps"] is not None else max_steps
+    optimizer = adamw(model, hp["lr"], hp["weight_decay"], tuple(hp["betas"]), device)
     compiled = torch.compile(model, backend=cfg.compile_backend) if cfg.compile else model
     autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16) if trainer.precision == "bf16-mixed" else contextlib.nullcontext()
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if cfg.trainer.precision == "bf16-mixed"
+        else contextlib.nullcontext()
     )
-    decay_steps = hp.lr_decay_steps if hp.lr_decay_steps is not None else trainer.max_steps
     train_data, val_data = shard_tokens(inspect_shard(train_path)), shard_tokens(inspect_shard(val_path))
     generator = torch.Generator().manual_seed(cfg.seed)
 
     def get_batch(tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(len(tokens) - data.block_size, (data.batch_size,), generator=generator).tolist()
-        x = torch.stack([torch.from_numpy(tokens[i : i + data.block_size].astype(np.int64)) for i in starts])
-        y = torch.stack([torch.from_numpy(tokens[i + 1 : i + 1 + data.block_size].astype(np.int64)) for i in starts])
+        starts = torch.randint(len(tokens) - block, (batch,), generator=generator).tolist()
+        x = torch.stack([torch.from_numpy(tokens[i : i + block].astype(np.int64)) for i in starts])
+        y = torch.stack([torch.from_numpy(tokens[i + 1 : i + 1 + block].astype(np.int64)) for i in starts])
         if device.type == "cuda":
             return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         return x, y
@@ -167,38 +173,37 @@ def run_bare(cfg: DictConfig, train_path: str, val_path: str) -> Measured:
                 evaluated = True
         model.train()
 
-    warmup = cfg.callbacks.throughput.warmup
     meter = _Meter(device)
     evaluate(2)  # Lightning's sanity check: 2 validation batches before training
     x, y = get_batch(train_data)
-    for step in range(trainer.max_steps):
+    for step in range(max_steps):
         before = dynamo_graphs_compiled()
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, hp.lr, hp.min_lr, hp.warmup_steps, decay_steps)
-        for _ in range(trainer.accumulate_grad_batches):
+            group["lr"] = lr_at(step, hp["lr"], hp["min_lr"], hp["warmup_steps"], decay_steps)
+        for _ in range(accumulate):
             with autocast:
-                loss = compiled(x, y) / trainer.accumulate_grad_batches
+                loss = compiled(x, y) / accumulate
             x, y = get_batch(train_data)  # while the device still runs the forward
             loss.backward()
-        if trainer.gradient_clip_val:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.gradient_clip_val)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
         if done == warmup:
             meter.start()
         elif done > warmup:
-            meter.tokens += trainer.accumulate_grad_batches * data.batch_size * data.block_size
+            meter.tokens += accumulate * batch * block
             recompiles += dynamo_graphs_compiled() - before
-        if done % trainer.val_check_interval == 0:
+        if done % val_every == 0:
             meter.stop()
-            evaluate(trainer.limit_val_batches)
+            evaluate(val_batches)
             if done >= warmup:
                 meter.start()
     meter.stop()
     tokens_per_sec = meter.tokens / meter.seconds
     peak = peak_flops(cfg, device)
-    mfu = model.flops_per_token(data.block_size) * tokens_per_sec / peak if peak else None
+    mfu = model.flops_per_token(block) * tokens_per_sec / peak if peak else None
     return Measured(tokens_per_sec, mfu, recompiles)
 
 
