@@ -112,8 +112,11 @@ def _signal(pids: list[int], signum: int) -> None:
 
 
 def final_line(output: str) -> str | None:
+    """The model's final metrics (``val_*``, ``train_*``); timings (``comm/*``) differ from run to run."""
     found = FINAL.findall(output)
-    return found[-1] if found else None
+    if not found:
+        return None
+    return " ".join(pair for pair in found[-1].split() if pair.startswith(("val_", "train_")))
 
 
 def run_trials(args: argparse.Namespace, workdir: Path) -> list[Outcome]:

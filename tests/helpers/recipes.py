@@ -46,6 +46,11 @@ def final_metrics(output: str) -> dict[str, float]:
     return {key: float(value) for key, value in re.findall(r"(\w+)=([-\d.]+)", line)}
 
 
+def model_metrics(output: str) -> dict[str, float]:
+    """The final metrics of the model (``val_*``, ``train_*``), not timings, which vary from run to run."""
+    return {name: value for name, value in final_metrics(output).items() if name.startswith(("val_", "train_"))}
+
+
 def compose_config(name: str, overrides: list[str], tmp_path: Path):
     """The recipe config ``name`` with ``overrides``, writing under ``tmp_path``."""
     register_configs()

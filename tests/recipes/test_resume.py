@@ -27,7 +27,7 @@ from lit_dp_recipes.resume import (
     resolve_ckpt_path,
 )
 from lit_dp_recipes.train import train
-from tests.helpers.recipes import CONF, QUIET, ROOT, compose_config, final_metrics
+from tests.helpers.recipes import CONF, QUIET, ROOT, compose_config, model_metrics
 
 TORCHRUN_TIMEOUT = 300  # two attempts of a 2-process job on a loaded 2-core machine
 
@@ -185,7 +185,7 @@ def _torchrun(*overrides: str, cwd: Path, max_restarts: int = 1) -> str:
 def uninterrupted(tmp_path_factory) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     output = _torchrun(*RUN, f"hydra.run.dir={run_dir}", cwd=run_dir, max_restarts=0)
-    return final_metrics(output), torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    return model_metrics(output), torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
 
 
 def _assert_resumed_exactly(output: str, run_dir: Path, uninterrupted) -> None:
@@ -193,7 +193,7 @@ def _assert_resumed_exactly(output: str, run_dir: Path, uninterrupted) -> None:
     assert "[lit_dp] fault: rank 1 killed after step 30" in output
     assert f"[lit_dp] resuming from {run_dir / 'checkpoints' / 'last.ckpt'} (step 30, restart 1 of 1)" in output
     assert "[lit_dp] epoch 1 continues at batch 7" in output
-    assert final_metrics(output) == metrics
+    assert model_metrics(output) == metrics
     resumed = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert all(torch.equal(resumed[name], weights[name]) for name in weights)
 
