@@ -21,7 +21,7 @@ def test_compiled_bf16_recipe_steps_without_host_syncs_or_recompiles(tmp_path):
             *QUIET, "experiment=gpt_tiny", "trainer=gpu", "trainer.devices=1", "trainer.precision=bf16-mixed",
             "compile=true", "data.num_workers=1", "trainer.max_steps=40", "trainer.val_check_interval=20",
             "trainer.log_every_n_steps=10", "trainer.gradient_clip_val=1.0",
-            "+callbacks.probe._target_=tests.recipes.probes.HostSyncs", "+callbacks.probe.warmup=5",
+            "+callbacks.probe._target_=tests.helpers.probes.HostSyncs", "+callbacks.probe.warmup=5",
         ],
         tmp_path,
     )

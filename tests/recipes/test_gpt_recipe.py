@@ -42,7 +42,7 @@ def test_text_to_shards_to_a_2_process_fit_where_paddle_dp_ends_with_ddps_weight
         "trainer.max_steps=4", "trainer.accumulate_grad_batches=2", "trainer.val_check_interval=4",
         "trainer.limit_val_batches=2", "model.warmup_steps=1",
     ]
-    ours = run_recipe("gpt", *common, "strategy=paddle_dp", "+callbacks.probe._target_=tests.recipes.probes.SynchronisedSteps",
+    ours = run_recipe("gpt", *common, "strategy=paddle_dp", "+callbacks.probe._target_=tests.helpers.probes.SynchronisedSteps",
                       f"hydra.run.dir={tmp_path / 'paddle_dp'}")
     theirs = run_recipe("gpt", *common, "strategy=ddp", f"hydra.run.dir={tmp_path / 'ddp'}")
     # Under accumulation the first micro-batch of each step accumulates locally: no all-reduce.
