@@ -108,16 +108,17 @@ def _digits(config: CommHookBenchmarkConfig):
 
 def _charlm(config: CommHookBenchmarkConfig):
     """The charlm recipe's model (2 x 128 GPT) on the stdlib text; metric: validation loss (nats)."""
-    from lit_dp_recipes.charlm import CharGPT, StdlibTextDataModule
+    from lit_dp_recipes.gpt import GPT
+    from lit_dp_recipes.token_data import TokenDataModule
 
-    data = StdlibTextDataModule()
+    data = TokenDataModule()
     data.setup()
     every = max(1, len(data.val_set) // 256)  # 256 windows spread over the validation text
     val_pairs = [data.val_set[i] for i in range(0, len(data.val_set), every)]
     val_inputs, val_targets = torch.stack([p[0] for p in val_pairs]), torch.stack([p[1] for p in val_pairs])
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = CharGPT()
+        model = GPT()
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
     def batch(indices: torch.Tensor):

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import MODES, benchmark_main, init_gloo_rank, run_ranks, wrap
-from lit_dp_recipes.charlm import CharGPT
+from lit_dp_recipes.gpt import GPT
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +139,10 @@ class GPTResults:
     shared_params: int = 0
 
 
-def build_gpt(config: GPTBenchmarkConfig, shared: bool = False) -> CharGPT:
+def build_gpt(config: GPTBenchmarkConfig, shared: bool = False) -> GPT:
     """The GPT of part 1 (GPT-2 small by default), or the smaller one of part 2."""
     prefix = "shared_" if shared else ""
-    return CharGPT(
+    return GPT(
         block_size=config.block_size,
         n_layer=getattr(config, f"{prefix}n_layer"),
         n_head=getattr(config, f"{prefix}n_head"),

@@ -80,11 +80,15 @@ def peak_bf16_flops(device_name: str) -> float | None:
 class TokenThroughput(pl.Callback):
     """Logs ``tokens_per_sec`` (all ranks together) and, when the peak is known, ``mfu``.
 
-    Tokens per step come from the batch's input shape; time is the wall clock from the end of
-    step ``warmup`` (so compilation is excluded) with validation left out, read after a device
-    synchronisation once per logging interval. MFU (model FLOPs utilisation, PaLM's appendix B)
-    is ``flops_per_token * tokens_per_sec / (peak * world_size)`` where the LightningModule has
-    ``flops_per_token(length)`` (``CharGPT`` has nanoGPT's estimate) and the peak is
+    The meter counts every training step after the first ``warmup`` ones (compilation happens
+    in those), whatever happens inside it, a recompilation included. Its clock runs from the
+    end of step ``warmup`` and stops for validation, from its start to the next training
+    step (so the checkpoint saved after a validation is left out too); it is read after a
+    device synchronisation, only at logging intervals (``log_every_n_steps``), around
+    validations and at the epoch's end. Tokens per step come from the batch's input shape.
+    MFU (model FLOPs utilisation, PaLM's appendix B) is
+    ``flops_per_token * tokens_per_sec / (peak * world_size)`` where the LightningModule has
+    ``flops_per_token(length)`` (``GPT`` has nanoGPT's estimate) and the peak is
     ``peak_flops`` or, in bf16 precision on a GPU of ``PEAK_BF16_FLOPS``, its data-sheet value.
     Elsewhere (CPU, unknown GPU, fp32) only tokens/s is logged.
     """
@@ -99,12 +103,20 @@ class TokenThroughput(pl.Callback):
             )
         self.warmup = warmup
         self.peak_flops = peak_flops
+        self._reset()
+
+    def _reset(self) -> None:
         self._steps = 0
         self._tokens = 0
         self._length = 0
         self._seconds = 0.0
-        self._since: float | None = None  # wall clock of the last restart; None while paused
-        self._paused = False  # by validation
+        self._since: float | None = None  # wall clock the meter last (re)started; None while stopped
+        self._counting = False  # past the warm-up
+
+    @property
+    def tokens_per_sec(self) -> float | None:
+        """All ranks' tokens per second over the measured steps so far (as of the last reading)."""
+        return self._tokens / self._seconds if self._seconds > 0 else None
 
     def _peak(self, trainer: pl.Trainer) -> float | None:
         if self.peak_flops is not None:
@@ -119,43 +131,48 @@ class TokenThroughput(pl.Callback):
             torch.cuda.synchronize(trainer.strategy.root_device)  # the host runs ahead of the GPU
         return time.perf_counter()
 
+    def _stop(self, trainer: pl.Trainer) -> None:
+        if self._since is not None:
+            self._seconds += self._now(trainer) - self._since
+            self._since = None
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._steps, self._tokens, self._seconds, self._since, self._paused = 0, 0, 0.0, None, False
+        self._reset()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._counting and self._since is None:
+            self._since = self._now(trainer)  # the first step after a validation
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._steps += 1
         if self._steps == self.warmup:
+            self._counting = True
             self._since = self._now(trainer)
             return
-        if self._since is None:
+        if not self._counting:
             return
         inputs = batch[0]
         self._tokens += inputs.numel() * trainer.world_size
         self._length = inputs.shape[-1]
         if trainer.global_step % trainer.log_every_n_steps == 0:
+            self._stop(trainer)
+            self._since = time.perf_counter()  # just synchronised: no need to wait again
             self._log(trainer, pl_module)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._since is not None:
-            now = self._now(trainer)
-            self._seconds += now - self._since
-            self._since = None
-            self._paused = True
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._paused:
-            self._paused = False
-            self._since = self._now(trainer)
+        self._stop(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._since is not None and self._tokens:
+        if self._since is not None:
+            self._stop(trainer)
+            self._since = time.perf_counter()
+        if self._tokens:
             self._log(trainer, pl_module)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        now = self._now(trainer)
-        self._seconds += now - self._since
-        self._since = now
-        tokens_per_sec = self._tokens / self._seconds
+        tokens_per_sec = self.tokens_per_sec
+        if tokens_per_sec is None:
+            return
         pl_module.log("tokens_per_sec", tokens_per_sec, rank_zero_only=True)
         peak = self._peak(trainer)
         flops_per_token = getattr(pl_module, "flops_per_token", None)
@@ -164,15 +181,78 @@ class TokenThroughput(pl.Callback):
             pl_module.log("mfu", mfu, rank_zero_only=True)
 
 
-class CompileModel(pl.Callback):
-    """Compiles the LightningModule's forward with ``torch.compile`` in every rank (``compile=true``).
+def dynamo_graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process so far, recompilations included."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
-    ``nn.Module.compile`` compiles in place, so the model stays a LightningModule: Lightning
-    refuses the ``OptimizedModule`` that ``torch.compile(model)`` returns with any strategy but
-    its own DDP, FSDP and single-device ones (``_verify_strategy_supports_compile``). It runs in
-    ``setup``, after the ranks are launched and before the strategy wraps the model, because a
-    compiled forward does not survive pickling to spawned ranks (``nn.Module.__getstate__``
-    drops it). The strategy then wraps a compiled module: ``DataParallel(torch.compile(model))``.
+
+class DynamoRecompiles(pl.Callback):
+    """Counts what ``torch.compile`` compiles after the warm-up; logs ``dynamo_recompiles``.
+
+    Every graph dynamo compiles inside a training step after the first ``warmup`` steps, or
+    inside a validation batch other than the run's first, is a recompilation (a guard that
+    failed: a new shape, a new grad mode, a changed attribute, or a graph break reached for the
+    first time) and costs its step a compilation. The first validation batch compiles the no-grad graph once; that is its
+    warm-up. ``dynamo_recompiles`` (rank 0's count) is logged at every epoch's end, and rank 0
+    prints the count when training ends. Zero without ``compile=true``.
+    """
+
+    def __init__(self, warmup: int = 10) -> None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"callbacks.recompiles.warmup={warmup!r} is invalid: expected an integer >= 0.")
+        self.warmup = warmup
+        self.recompiles = 0
+        self._steps = 0
+        self._validated = False
+        self._before = 0
+        self._at_fit_start = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.recompiles, self._steps, self._validated = 0, 0, False
+        self._at_fit_start = dynamo_graphs_compiled()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._before = dynamo_graphs_compiled()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._steps += 1
+        if self._steps > self.warmup:
+            self.recompiles += dynamo_graphs_compiled() - self._before
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._before = dynamo_graphs_compiled()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self._validated:
+            self.recompiles += dynamo_graphs_compiled() - self._before
+        self._validated = True
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.log("dynamo_recompiles", float(self.recompiles), rank_zero_only=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            print(
+                f"[lit_dp] dynamo: {dynamo_graphs_compiled() - self._at_fit_start} graphs compiled, "
+                f"{self.recompiles} after the warm-up "
+                f"({self.warmup} training steps, the first validation batch)",
+                flush=True,
+            )
+
+
+class CompileModel(pl.Callback):
+    """Compiles the LightningModule's ``forward`` with ``torch.compile`` in every rank (``compile=true``).
+
+    Only ``forward``, as an instance attribute, never ``training_step``: under a data-parallel
+    strategy Lightning runs ``training_step`` and ``validation_step`` through the wrapper by
+    swapping them in for ``forward`` for the call (``_ForwardRedirection``), so compiling the
+    module's ``__call__`` (``nn.Module.compile``) would compile the step, ``self.log``
+    included, and recompile whenever the grad mode or what is logged changes. The model stays
+    a LightningModule: Lightning refuses the ``OptimizedModule`` of ``torch.compile(model)``
+    with any strategy but its own DDP, FSDP and single-device ones. It runs in ``setup``, after
+    the ranks are launched and before the strategy wraps the model, because a compiled function
+    does not survive pickling to spawned ranks. The strategy then wraps a module whose forward
+    is compiled: torch DDP's graph splitting at bucket boundaries applies (``lit_dp.gradients.compile``).
     """
 
     def __init__(self, backend: str = "inductor") -> None:
@@ -182,4 +262,4 @@ class CompileModel(pl.Callback):
         self.backend = backend
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        pl_module.compile(backend=self.backend)
+        pl_module.forward = torch.compile(pl_module.forward, backend=self.backend)

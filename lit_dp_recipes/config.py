@@ -60,6 +60,7 @@ class TrainerConfig:
     gradient_clip_val: Optional[float] = None
     log_every_n_steps: int = 10
     val_check_interval: Any = None
+    check_val_every_n_epoch: Optional[int] = 1  # null: val_check_interval counts steps across epochs
     limit_train_batches: Any = None
     limit_val_batches: Any = None
     enable_progress_bar: bool = True

@@ -6,6 +6,7 @@ import importlib.util
 import logging
 
 import lightning.pytorch as pl
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
@@ -37,8 +38,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     attempt, folders = JobAttempt.from_environ(), checkpoint_folders(cfg)
     compile_callbacks = _compile_callbacks(cfg)
     pl.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(cfg.data, _convert_="all")
-    model = instantiate(cfg.model, _convert_="all")
+    datamodule = build_checked(cfg.data)
+    model = build_checked(cfg.model)
     trainer = instantiate(
         cfg.trainer,
         strategy=strategy,
@@ -52,6 +53,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         print("[lit_dp] final " + " ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())), flush=True)
     return metrics
+
+
+def build_checked(node: DictConfig):
+    """``instantiate(node)``, with a ``ValueError`` of the target raised as itself (it names the
+    option and the value), not inside Hydra's ``InstantiationException``."""
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as error:
+        if isinstance(error.__cause__, ValueError):
+            raise error.__cause__ from None
+        raise
 
 
 def _compile_callbacks(cfg: DictConfig) -> list[pl.Callback]:

@@ -1,9 +1,10 @@
-"""Train a small GPT-style byte-level language model on the Python standard library's source.
+"""recipes/gpt.py's offline default under its earlier name: a small GPT on the stdlib's source, as bytes.
 
     python recipes/charlm.py                                   # 2 CPU processes, a few minutes
     python recipes/charlm.py experiment=charlm_tiny            # a few steps
-    python recipes/charlm.py trainer=gpu model.n_layer=6 model.n_embd=384 data.block_size=256
-    python recipes/charlm.py experiment=charlm_gpt2            # GPT-2 small on the GPUs: bf16, compiled, tokens/s, MFU
+    python recipes/charlm.py experiment=charlm_gpt2            # GPT-2 small's shape on the GPUs, bytes
+
+Every key of recipes/gpt.py applies (conf/charlm.yaml extends conf/gpt.yaml); see docs/gpt.md.
 """
 
 import hydra

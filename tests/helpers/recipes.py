@@ -28,13 +28,16 @@ def run_benchmark(name: str, *overrides: str, timeout: float = 240) -> str:
 
 
 def _run(command: list[str], label: str, timeout: float, env: dict[str, str] | None) -> str:
+    # The repository root on the path, so that a recipe's `+callbacks.probe._target_=tests.helpers...`
+    # finds the test helpers (a script's own path is its folder, recipes/).
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         command,
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=None if env is None else {**os.environ, **env},
+        env={**os.environ, **(env or {}), "PYTHONPATH": path},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{label} failed ({result.returncode}):\n{output[-4000:]}"

@@ -1,12 +1,15 @@
-"""The recipes' callbacks: the MFU arithmetic and the options of the throughput meter."""
+"""The recipes' callbacks: the MFU arithmetic, the throughput meter's options, the recompile counter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lit_dp_recipes.callbacks import TokenThroughput, peak_bf16_flops
-from lit_dp_recipes.charlm import CharGPT
+import lightning.pytorch as pl
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_dp_recipes.callbacks import CompileModel, DynamoRecompiles, TokenThroughput, peak_bf16_flops
 
 
 @pytest.mark.parametrize(
@@ -23,14 +26,6 @@ def test_peak_bf16_flops_by_device_name(name, peak):
     assert peak_bf16_flops(name) == peak
 
 
-def test_flops_per_token_of_gpt2_small_is_nanogpts():
-    with torch.device("meta"):
-        model = CharGPT(block_size=1024, n_layer=12, n_head=12, n_embd=768, vocab_size=50304)
-    # nanoGPT prints "number of parameters: 123.69M" for this model (124,475,904 less the
-    # 786,432 of the position embedding); its estimate_mfu adds 12 * L * H * Q * T.
-    assert model.flops_per_token(1024) == 6 * 123_689_472 + 12 * 12 * 768 * 1024
-
-
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -42,3 +37,50 @@ def test_bad_throughput_options_name_the_key(options, message):
     with pytest.raises(ValueError, match=message):
         TokenThroughput(**options)
 
+
+
+class TinyRegression(pl.LightningModule):
+    def __init__(self, train_samples: int) -> None:
+        super().__init__()
+        self.net = nn.Linear(3, 1)
+        self.train_samples = train_samples
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = ((self(batch[0]) - batch[1]) ** 2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", ((self(batch[0]) - batch[1]) ** 2).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def _loader(self, samples: int) -> DataLoader:
+        x = torch.randn(samples, 3, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+    def train_dataloader(self):
+        return self._loader(self.train_samples)
+
+    def val_dataloader(self):
+        return self._loader(8)
+
+
+@pytest.mark.parametrize(("train_samples", "recompiles"), [(16, 0), (14, 1)], ids=["full_batches", "short_last_batch"])
+def test_recompiles_after_the_warmup_are_counted(tmp_path, train_samples, recompiles):
+    # 14 samples in batches of 4: the fourth step's batch of 2 is a new shape, compiled after the warm-up.
+    counter = DynamoRecompiles(warmup=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[CompileModel("eager"), counter],
+    )
+    torch._dynamo.reset()
+    trainer.fit(TinyRegression(train_samples))
+    # The validation graph (no grad) is compiled by the first validation batch: its warm-up.
+    assert counter.recompiles == recompiles
+    assert trainer.callback_metrics["dynamo_recompiles"] == recompiles

@@ -16,7 +16,7 @@ from lit_dp_recipes.config import PaddleDPStrategyConfig, build_strategy, regist
 from lit_dp_recipes.train import train
 from tests.helpers.recipes import CONF, compose_config
 
-PRIMARY = ["digits", "charlm"]
+PRIMARY = ["digits", "gpt", "charlm"]
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 register_configs()
@@ -38,7 +38,7 @@ def test_primary_configs_compose_and_instantiate(name, strategy, tmp_path):
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_configs_compose(experiment, tmp_path):
-    primary = "charlm" if experiment.startswith("charlm") else "digits"
+    primary = next((name for name in ("charlm", "gpt") if experiment.startswith(name)), "digits")
     cfg = compose_config(primary, [f"experiment={experiment}"], tmp_path)
     validate_trainer(cfg)
     build_strategy(cfg.strategy)
@@ -137,20 +137,29 @@ def test_tensorboard_logger_is_skipped_where_tensorboard_is_missing(tmp_path, mo
     assert [type(logger) for logger in loggers] == [CSVLogger]
 
 
-def test_charlm_gpt2_experiment_is_gpt2_small_compiled_in_bf16(tmp_path):
-    cfg = compose_config("charlm", ["experiment=charlm_gpt2"], tmp_path)
+@pytest.mark.parametrize(("primary", "experiment", "vocab_size"), [("gpt", "gpt2_small", 50304), ("charlm", "charlm_gpt2", 256)])
+def test_gpt2_small_experiments_are_compiled_in_bf16(primary, experiment, vocab_size, tmp_path):
+    cfg = compose_config(primary, [f"experiment={experiment}"], tmp_path)
     validate_trainer(cfg)
     assert (cfg.compile, cfg.compile_backend) == (True, "inductor")
     assert (cfg.trainer.accelerator, cfg.trainer.precision) == ("gpu", "bf16-mixed")
-    with torch.device("meta"):  # 86M parameters: no memory needed to check the shape
+    with torch.device("meta"):  # 86 M / 124 M parameters: no memory needed to check the shape
         model = instantiate(cfg.model, _convert_="all")
     assert (model.hparams.n_layer, model.hparams.n_head, model.hparams.n_embd, model.hparams.block_size) == (12, 12, 768, 1024)
+    assert model.hparams.vocab_size == cfg.data.vocab_size == vocab_size
     assert instantiate(cfg.callbacks.throughput).peak_flops is None
+
+
+def test_bad_shards_fail_in_train_before_anything_is_built(tmp_path, monkeypatch):
+    cfg = compose_config("gpt", [f"data.train_shards={tmp_path}/*train*.bin", f"data.val_shards={tmp_path}/*val*.bin"], tmp_path)
+    monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
+    with pytest.raises(ValueError, match=r"data.train_shards='.*\*train\*.bin' matches no file"):
+        train(cfg)
 
 
 def test_bad_compile_options_fail_in_train_before_anything_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
     with pytest.raises(ValueError, match=r"compile='maybe' is invalid: expected true or false"):
-        train(compose_config("charlm", ["compile=maybe"], tmp_path))
+        train(compose_config("gpt", ["compile=maybe"], tmp_path))
     with pytest.raises(ValueError, match=r"compile_backend='inductr' is invalid: expected a torch.compile backend"):
-        train(compose_config("charlm", ["compile=true", "compile_backend=inductr"], tmp_path))
+        train(compose_config("gpt", ["compile=true", "compile_backend=inductr"], tmp_path))
