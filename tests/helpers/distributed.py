@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -23,7 +24,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def paddle_environ(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+def paddle_environ(
+    rank: int, world_size: int, port: int, **extra: str
+) -> dict[str, str]:
     endpoints = [f"127.0.0.1:{port + i}" for i in range(world_size)]
     return {
         "PADDLE_TRAINER_ID": str(rank),
@@ -35,7 +38,13 @@ def paddle_environ(rank: int, world_size: int, port: int, **extra: str) -> dict[
     }
 
 
-def _child(fn: Callable[..., Any], rank: int, environ: dict[str, str], results: Any, args: tuple) -> None:
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    environ: dict[str, str],
+    results: Any,
+    args: tuple,
+) -> None:
     os.environ.update(environ)
     import torch
 
@@ -68,7 +77,13 @@ def run_ranks(
     processes = {
         rank: context.Process(
             target=_child,
-            args=(fn, rank, paddle_environ(rank, world_size, port, **environ), results, args),
+            args=(
+                fn,
+                rank,
+                paddle_environ(rank, world_size, port, **environ),
+                results,
+                args,
+            ),
             daemon=True,
         )
         for rank in started
@@ -83,7 +98,11 @@ def run_ranks(
             try:
                 rank, ok, payload = results.get(timeout=max(0.1, min(remaining, 1.0)))
             except queue.Empty:
-                dead = [r for r, p in processes.items() if r not in outcomes and not p.is_alive() and p.exitcode != 0]
+                dead = [
+                    r
+                    for r, p in processes.items()
+                    if r not in outcomes and not p.is_alive() and p.exitcode != 0
+                ]
                 if dead:
                     # Give a dying rank's last message a moment to arrive before blaming a crash.
                     time.sleep(0.5)
@@ -94,7 +113,9 @@ def run_ranks(
                         ) from None
                 if remaining <= 0:
                     missing = sorted(set(started) - set(outcomes))
-                    raise AssertionError(f"rank(s) {missing} did not finish within {timeout:g}s") from None
+                    raise AssertionError(
+                        f"rank(s) {missing} did not finish within {timeout:g}s"
+                    ) from None
                 continue
             outcomes[rank] = (ok, payload)
             if not ok and not expect_failure:
@@ -107,3 +128,39 @@ def run_ranks(
     if expect_failure:
         return {rank: payload for rank, (ok, payload) in outcomes.items() if not ok}
     return {rank: payload for rank, (_, payload) in outcomes.items()}
+
+
+def _launcher(fn: Callable[..., Any], results: Any, args: tuple) -> None:
+    os.setsid()  # its own session: on a timeout the launcher and the ranks it forked die together
+    try:
+        results.put((True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - everything the launch raises must reach the test
+        results.put((False, traceback.format_exc()))
+
+
+def launch_forking(fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> Any:
+    """Run ``fn(*args)``, which forks ranks (``start_method="fork"``), in a fresh spawned process.
+
+    Forking from pytest's own process is unsafe once an earlier test ran there: a child inherits
+    OpenMP's thread team without its threads (its first parallel op waits forever) and autograd's
+    threads ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"), and Lightning refuses to fork once CUDA was queried (this suite's skipifs).
+    A fresh launcher has done none of that, as a user's script has not.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    launcher = context.Process(target=_launcher, args=(fn, results, args))
+    launcher.start()
+    try:
+        ok, payload = results.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(
+            f"{fn.__name__} did not finish within {timeout:g}s (its forked ranks hang)"
+        ) from None
+    finally:
+        launcher.join(timeout=5)
+        if launcher.is_alive():
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.join()
+    assert ok, f"{fn.__name__} failed:\n{payload}"
+    return payload

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lit_dp import PaddleDPStrategy, ShardedOptimizer, fabric
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import launch_forking, run_ranks
 from tests.helpers.lightning import Regressor, assert_same_weights, trainer
 
 CLIP = 1e-3  # far below the gradients' norm: clipping acts at every step
@@ -26,7 +26,10 @@ class Scheduled(Regressor):
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.01)
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5)}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5),
+        }
 
 
 def optimizer_state(path) -> dict:
@@ -38,10 +41,22 @@ def assert_same_state(ours: dict, theirs: dict) -> None:
     assert ours["state"].keys() == theirs["state"].keys() and theirs["state"]
     for index, state in theirs["state"].items():
         for key, value in state.items():
-            torch.testing.assert_close(ours["state"][index][key], value, msg=lambda m: f"{index}.{key}: {m}")
+            torch.testing.assert_close(
+                ours["state"][index][key], value, msg=lambda m: f"{index}.{key}: {m}"
+            )
 
 
-def fit(tmp_path, name, stage, ckpt_path=None, max_epochs=2, callbacks=(), overlap=False, manual=False, **kwargs):
+def fit(
+    tmp_path,
+    name,
+    stage,
+    ckpt_path=None,
+    max_epochs=2,
+    callbacks=(),
+    overlap=False,
+    manual=False,
+    **kwargs,
+):
     module = Scheduled(manual=manual)
     if not manual:  # Lightning refuses both under manual optimization
         kwargs.update(gradient_clip_val=CLIP, accumulate_grad_batches=2)
@@ -51,10 +66,14 @@ def fit(tmp_path, name, stage, ckpt_path=None, max_epochs=2, callbacks=(), overl
         enable_checkpointing=bool(callbacks), **kwargs,
     )  # fmt: skip
     run.fit(module, ckpt_path=ckpt_path)
-    if stage is not None:  # after fit, the optimizer configure_optimizers built, as the model is unwrapped
+    if (
+        stage is not None
+    ):  # after fit, the optimizer configure_optimizers built, as the model is unwrapped
         assert not isinstance(run.optimizers[0], ShardedOptimizer)
     run.save_checkpoint(tmp_path / f"{name}.ckpt")  # after fit, as under "ddp"
-    return {k: v.clone() for k, v in module.state_dict().items()}, tmp_path / f"{name}.ckpt"
+    return {
+        k: v.clone() for k, v in module.state_dict().items()
+    }, tmp_path / f"{name}.ckpt"
 
 
 def sharded_fits(rank, tmp_path):
@@ -81,10 +100,14 @@ def sharded_fits(rank, tmp_path):
     fit(tmp_path, "first_two", 2, callbacks=[checkpoints])
     last = tmp_path / "every" / "last.ckpt"
     for stage in (2, None):
-        resumed, resumed_ckpt = fit(tmp_path, f"resumed_{stage}", stage, ckpt_path=last, max_epochs=4)
+        resumed, resumed_ckpt = fit(
+            tmp_path, f"resumed_{stage}", stage, ckpt_path=last, max_epochs=4
+        )
         assert_same_weights(resumed, uninterrupted)
         if rank == 0:
-            assert_same_state(optimizer_state(resumed_ckpt), optimizer_state(uninterrupted_ckpt))
+            assert_same_state(
+                optimizer_state(resumed_ckpt), optimizer_state(uninterrupted_ckpt)
+            )
     return True
 
 
@@ -115,18 +138,29 @@ def fabric_run(run: Fabric, path: str | None) -> dict:
         optimizer.zero_grad()
     if path is not None:
         run.save(path, {"model": model, "optimizer": optimizer})
-    return {"norm": norm.item(), **{k: v.tolist() for k, v in model.state_dict().items()}}
+    return {
+        "norm": norm.item(),
+        **{k: v.tolist() for k, v in model.state_dict().items()},
+    }
+
+
+def fabric_runs(directory: str) -> dict:
+    runs = {}
+    for stage in (None, 2):
+        strategy = fabric.PaddleDPStrategy(sharding_stage=stage, start_method="fork")
+        runs[stage] = Fabric(strategy=strategy, accelerator="cpu", devices=2).launch(
+            fabric_run, f"{directory}/{stage}.ckpt"
+        )
+    return runs
 
 
 @pytest.mark.slow
 def test_fabric_with_sharding_equals_fabric_without(tmp_path):
-    options = dict(accelerator="cpu", devices=2)
-    runs = {}
-    for stage in (None, 2):
-        strategy = fabric.PaddleDPStrategy(sharding_stage=stage, start_method="fork")
-        runs[stage] = Fabric(strategy=strategy, **options).launch(fabric_run, str(tmp_path / f"{stage}.ckpt"))
+    runs = launch_forking(fabric_runs, str(tmp_path))
     for key, value in runs[None].items():
-        torch.testing.assert_close(torch.tensor(runs[2][key]), torch.tensor(value), msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(runs[2][key]), torch.tensor(value), msg=lambda m: f"{key}: {m}"
+        )
     assert_same_state(
         torch.load(tmp_path / "2.ckpt", weights_only=True)["optimizer"],
         torch.load(tmp_path / "None.ckpt", weights_only=True)["optimizer"],
@@ -138,11 +172,20 @@ def test_hydra_takes_strategy_sharding_stage(tmp_path):
 
     from tests.helpers.recipes import compose_config
 
-    cfg = compose_config("digits", ["strategy.sharding_stage=2", "strategy.sharding_overlap=true"], tmp_path)
+    cfg = compose_config(
+        "digits",
+        ["strategy.sharding_stage=2", "strategy.sharding_overlap=true"],
+        tmp_path,
+    )
     strategy = instantiate(cfg.strategy)
-    assert (strategy.options.sharding_stage, strategy.options.sharding_overlap) == (2, True)
+    assert (strategy.options.sharding_stage, strategy.options.sharding_overlap) == (
+        2,
+        True,
+    )
     with pytest.raises(Exception, match="sharding_stage=5 is invalid"):
-        instantiate(compose_config("digits", ["strategy.sharding_stage=5"], tmp_path).strategy)
+        instantiate(
+            compose_config("digits", ["strategy.sharding_stage=5"], tmp_path).strategy
+        )
 
 
 def test_a_gradient_scaler_with_stage_two_is_refused_naming_both():
@@ -150,8 +193,16 @@ def test_a_gradient_scaler_with_stage_two_is_refused_naming_both():
 
     # fp16 AMP on CPU falls back to bf16 (no scaler) unless the plugin is given with its scaler.
     scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    run = Fabric(strategy=fabric.PaddleDPStrategy(sharding_stage=2), plugins=[scaler], accelerator="cpu", devices=1)
+    run = Fabric(
+        strategy=fabric.PaddleDPStrategy(sharding_stage=2),
+        plugins=[scaler],
+        accelerator="cpu",
+        devices=1,
+    )
     run.launch()
     net = Net()
-    with pytest.raises(ValueError, match=r"sharding_stage=2 with precision='16-mixed' \(a gradient scaler\) is invalid"):
+    with pytest.raises(
+        ValueError,
+        match=r"sharding_stage=2 with precision='16-mixed' \(a gradient scaler\) is invalid",
+    ):
         run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
