@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lit_dp import PaddleDPStrategy
 from lit_dp.options import Options
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import launch_forking, run_ranks
 
 WORLD = 2
 
@@ -229,13 +229,17 @@ def join_in_a_fabric_loop(fabric) -> list[list[float]]:
     return [w.tolist() for w in weights]
 
 
-def test_fabric_strategy_join_trains_uneven_inputs_in_a_hand_written_loop():
+def fork_fabric_join() -> list:
     from lightning.fabric import Fabric
 
     from lit_dp import fabric
 
     run = Fabric(strategy=fabric.PaddleDPStrategy(start_method="fork"), accelerator="cpu", devices=WORLD)
-    weights = run.launch(join_in_a_fabric_loop)
+    return run.launch(join_in_a_fabric_loop)
+
+
+def test_fabric_strategy_join_trains_uneven_inputs_in_a_hand_written_loop():
+    weights = launch_forking(fork_fabric_join)
     # Rank r takes 2(r+1) steps; averaged over the world size (torch's default division).
     for ours, expected in zip(weights, reference_weights([2, 4], epochs=1)):
         torch.testing.assert_close(torch.tensor(ours), expected)
