@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -107,3 +108,39 @@ def run_ranks(
     if expect_failure:
         return {rank: payload for rank, (ok, payload) in outcomes.items() if not ok}
     return {rank: payload for rank, (_, payload) in outcomes.items()}
+
+
+def _launcher(fn: Callable[..., Any], results: Any, args: tuple) -> None:
+    os.setsid()  # its own session: on a timeout the launcher and the ranks it forked die together
+    try:
+        results.put((True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - everything the launch raises must reach the test
+        results.put((False, traceback.format_exc()))
+
+
+def launch_forking(fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> Any:
+    """Run ``fn(*args)``, which forks ranks (``start_method="fork"``), in a fresh spawned process.
+
+    Forking from pytest's own process is unsafe once an earlier test ran there: a child inherits
+    OpenMP's thread team without its threads (its first parallel op waits forever) and autograd's
+    threads ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"), and Lightning refuses to fork once CUDA was queried (this suite's skipifs).
+    A fresh launcher has done none of that, as a user's script has not.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    launcher = context.Process(target=_launcher, args=(fn, results, args))
+    launcher.start()
+    try:
+        ok, payload = results.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(
+            f"{fn.__name__} did not finish within {timeout:g}s (its forked ranks hang)"
+        ) from None
+    finally:
+        launcher.join(timeout=5)
+        if launcher.is_alive():
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.join()
+    assert ok, f"{fn.__name__} failed:\n{payload}"
+    return payload

@@ -8,11 +8,6 @@ keeps may hold a group past ``destroy_process_group()`` for a child to inherit.
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
-import os
-import queue
-import signal
-import traceback
 import weakref
 
 import torch
@@ -22,6 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lit_dp import ParallelEnv, fabric, get_rings, init_parallel_env
+from tests.helpers.distributed import launch_forking
 
 # Ranks that hang stay asleep in a destructor; after this many seconds they are killed and named.
 TIMEOUT = 30.0
@@ -59,34 +55,11 @@ def train(run: Fabric) -> str:
     return "trained"
 
 
-def launch_fork_ranks_after_using_gloo(results: mp.Queue) -> None:
-    # Its own process group (session), so that a hang can be ended with the forked ranks in it.
-    os.setsid()
-    try:
-        use_and_destroy_one_rank_group()
-        strategy = fabric.PaddleDPStrategy(ddp_comm_hook=allreduce_hook, start_method="fork")
-        results.put((True, Fabric(strategy=strategy, accelerator="cpu", devices=2).launch(train)))
-    except BaseException:  # noqa: BLE001 - everything the launch raises must reach the test
-        results.put((False, traceback.format_exc()))
+def fork_ranks_after_using_gloo() -> str:
+    use_and_destroy_one_rank_group()
+    strategy = fabric.PaddleDPStrategy(ddp_comm_hook=allreduce_hook, start_method="fork")
+    return Fabric(strategy=strategy, accelerator="cpu", devices=2).launch(train)
 
 
 def test_fork_ranks_with_a_comm_hook_after_the_parent_used_gloo():
-    # The launching process is spawned, not forked from pytest: Lightning refuses to fork from a
-    # forked process once torch.cuda.is_available() ran before the fork (this suite's skipifs).
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    launcher = context.Process(target=launch_fork_ranks_after_using_gloo, args=(results,))
-    launcher.start()
-    try:
-        ok, payload = results.get(timeout=TIMEOUT)
-    except queue.Empty:
-        raise AssertionError(
-            f"paddle_dp_fork ranks did not finish within {TIMEOUT:g}s after the parent used a Gloo group"
-        ) from None
-    finally:
-        launcher.join(timeout=5)
-        if launcher.is_alive():
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.join()
-    assert ok, payload
-    assert payload == "trained"
+    assert launch_forking(fork_ranks_after_using_gloo, timeout=TIMEOUT) == "trained"

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lit_dp import DataParallel, fabric
+from tests.helpers.distributed import launch_forking
 from tests.helpers.lightning import REGISTERED
 
 STEPS = 4
@@ -87,11 +88,15 @@ def train_both_ways(fabric: Fabric, checkpoint: str | None) -> dict[int, dict[st
     return weights
 
 
+def fork_both(checkpoint: str) -> tuple[dict, dict]:
+    options = dict(accelerator="cpu", devices=2)
+    ours = Fabric(strategy="paddle_dp_fork", **options).launch(train_both_ways, checkpoint)
+    return ours, Fabric(strategy="ddp_fork", **options).launch(train_both_ways, None)
+
+
 def test_same_weights_as_ddp_with_and_without_accumulation(tmp_path):
     # Fork (Lightning's "ddp_fork" twin): children start without re-importing, a second or less.
-    options = dict(accelerator="cpu", devices=2)
-    ours = Fabric(strategy="paddle_dp_fork", **options).launch(train_both_ways, str(tmp_path / "ours.ckpt"))
-    theirs = Fabric(strategy="ddp_fork", **options).launch(train_both_ways, None)
+    ours, theirs = launch_forking(fork_both, str(tmp_path / "ours.ckpt"))
     untrained = Net().state_dict()
     for accumulate in (1, 2):
         for key in untrained:

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lit_dp import PaddleDPStrategy, ShardedOptimizer, fabric
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import launch_forking, run_ranks
 from tests.helpers.lightning import Regressor, assert_same_weights, trainer
 
 CLIP = 1e-3  # far below the gradients' norm: clipping acts at every step
@@ -118,13 +118,18 @@ def fabric_run(run: Fabric, path: str | None) -> dict:
     return {"norm": norm.item(), **{k: v.tolist() for k, v in model.state_dict().items()}}
 
 
-@pytest.mark.slow
-def test_fabric_with_sharding_equals_fabric_without(tmp_path):
-    options = dict(accelerator="cpu", devices=2)
+def fork_runs(directory: str) -> dict:
     runs = {}
     for stage in (None, 2):
         strategy = fabric.PaddleDPStrategy(sharding_stage=stage, start_method="fork")
-        runs[stage] = Fabric(strategy=strategy, **options).launch(fabric_run, str(tmp_path / f"{stage}.ckpt"))
+        run = Fabric(strategy=strategy, accelerator="cpu", devices=2)
+        runs[stage] = run.launch(fabric_run, f"{directory}/{stage}.ckpt")
+    return runs
+
+
+@pytest.mark.slow
+def test_fabric_with_sharding_equals_fabric_without(tmp_path):
+    runs = launch_forking(fork_runs, str(tmp_path))
     for key, value in runs[None].items():
         torch.testing.assert_close(torch.tensor(runs[2][key]), torch.tensor(value), msg=lambda m: f"{key}: {m}")
     assert_same_state(
