@@ -24,9 +24,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def paddle_environ(
-    rank: int, world_size: int, port: int, **extra: str
-) -> dict[str, str]:
+def paddle_environ(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
     endpoints = [f"127.0.0.1:{port + i}" for i in range(world_size)]
     return {
         "PADDLE_TRAINER_ID": str(rank),
@@ -38,13 +36,7 @@ def paddle_environ(
     }
 
 
-def _child(
-    fn: Callable[..., Any],
-    rank: int,
-    environ: dict[str, str],
-    results: Any,
-    args: tuple,
-) -> None:
+def _child(fn: Callable[..., Any], rank: int, environ: dict[str, str], results: Any, args: tuple) -> None:
     os.environ.update(environ)
     import torch
 
@@ -77,13 +69,7 @@ def run_ranks(
     processes = {
         rank: context.Process(
             target=_child,
-            args=(
-                fn,
-                rank,
-                paddle_environ(rank, world_size, port, **environ),
-                results,
-                args,
-            ),
+            args=(fn, rank, paddle_environ(rank, world_size, port, **environ), results, args),
             daemon=True,
         )
         for rank in started
@@ -98,11 +84,7 @@ def run_ranks(
             try:
                 rank, ok, payload = results.get(timeout=max(0.1, min(remaining, 1.0)))
             except queue.Empty:
-                dead = [
-                    r
-                    for r, p in processes.items()
-                    if r not in outcomes and not p.is_alive() and p.exitcode != 0
-                ]
+                dead = [r for r, p in processes.items() if r not in outcomes and not p.is_alive() and p.exitcode != 0]
                 if dead:
                     # Give a dying rank's last message a moment to arrive before blaming a crash.
                     time.sleep(0.5)
@@ -113,9 +95,7 @@ def run_ranks(
                         ) from None
                 if remaining <= 0:
                     missing = sorted(set(started) - set(outcomes))
-                    raise AssertionError(
-                        f"rank(s) {missing} did not finish within {timeout:g}s"
-                    ) from None
+                    raise AssertionError(f"rank(s) {missing} did not finish within {timeout:g}s") from None
                 continue
             outcomes[rank] = (ok, payload)
             if not ok and not expect_failure:

@@ -26,11 +26,7 @@ TIMEOUT = 30.0
 def use_and_destroy_one_rank_group() -> weakref.ref:
     """What a one-device run leaves behind: lit_dp's group of one rank (two rings), used, then
     destroyed with ``dist.destroy_process_group()`` as Lightning and this suite's conftest do."""
-    init_parallel_env(
-        parallel_env=ParallelEnv({"FLAGS_nccl_nrings": "2"}),
-        backend="gloo",
-        one_process_group=True,
-    )
+    init_parallel_env(parallel_env=ParallelEnv({"FLAGS_nccl_nrings": "2"}), backend="gloo", one_process_group=True)
     rings = get_rings()
     assert len(rings) == 2
     for ring in rings:
@@ -44,9 +40,7 @@ def use_and_destroy_one_rank_group() -> weakref.ref:
 def test_destroy_process_group_frees_the_group_in_this_process():
     world = use_and_destroy_one_rank_group()
     gc.collect()
-    assert world() is None, (
-        "the destroyed group is still referenced: a forked child would inherit it"
-    )
+    assert world() is None, "the destroyed group is still referenced: a forked child would inherit it"
 
 
 def train(run: Fabric) -> str:
@@ -63,9 +57,7 @@ def train(run: Fabric) -> str:
 
 def fork_ranks_after_using_gloo() -> str:
     use_and_destroy_one_rank_group()
-    strategy = fabric.PaddleDPStrategy(
-        ddp_comm_hook=allreduce_hook, start_method="fork"
-    )
+    strategy = fabric.PaddleDPStrategy(ddp_comm_hook=allreduce_hook, start_method="fork")
     return Fabric(strategy=strategy, accelerator="cpu", devices=2).launch(train)
 
 

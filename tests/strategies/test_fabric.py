@@ -7,10 +7,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
-from lightning.fabric.strategies.launchers import (
-    _MultiProcessingLauncher,
-    _SubprocessScriptLauncher,
-)
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -48,9 +45,7 @@ def train(fabric: Fabric, accumulate: int) -> tuple[nn.Module, torch.optim.Optim
     model, optimizer = setup(fabric, Net())
     data = dataset()
     # Built in user code, from the process group (one rank on one device).
-    loader = DataLoader(
-        data, batch_size=MICRO_BATCH, sampler=DistributedSampler(data, shuffle=False)
-    )
+    loader = DataLoader(data, batch_size=MICRO_BATCH, sampler=DistributedSampler(data, shuffle=False))
     batches = iter(fabric.setup_dataloaders(loader, use_distributed_sampler=False))
     for _ in range(STEPS):
         for micro in range(accumulate):
@@ -60,17 +55,13 @@ def train(fabric: Fabric, accumulate: int) -> tuple[nn.Module, torch.optim.Optim
             if micro < accumulate - 1 and fabric.world_size > 1:
                 # Not synchronised yet: each rank still holds the gradient of its own shard.
                 grads = fabric.all_gather(next(model.parameters()).grad)
-                assert not torch.equal(grads[0], grads[1]), (
-                    "no_backward_sync did not keep gradients local"
-                )
+                assert not torch.equal(grads[0], grads[1]), "no_backward_sync did not keep gradients local"
         optimizer.step()
         optimizer.zero_grad()
     return model, optimizer
 
 
-def train_both_ways(
-    fabric: Fabric, checkpoint: str | None
-) -> dict[int, dict[str, list]]:
+def train_both_ways(fabric: Fabric, checkpoint: str | None) -> dict[int, dict[str, list]]:
     """Weights after training with and without gradient accumulation; checks a checkpoint round trip.
 
     Weights come back as lists: tensors returned from a spawned rank travel as shared memory
@@ -81,9 +72,7 @@ def train_both_ways(
         model, optimizer = train(fabric, accumulate)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         gathered = fabric.all_gather(state["net.0.weight"])
-        assert all(torch.equal(gathered[0], other) for other in gathered), (
-            "ranks disagree"
-        )
+        assert all(torch.equal(gathered[0], other) for other in gathered), "ranks disagree"
         weights[accumulate] = {key: value.tolist() for key, value in state.items()}
     if checkpoint is not None:
         assert isinstance(model._forward_module, DataParallel)
@@ -95,18 +84,13 @@ def train_both_ways(
         assert fabric.load(checkpoint, restore) == {"step": STEPS}
         for key, value in fresh.state_dict().items():
             torch.testing.assert_close(value, state[key], msg=lambda m: f"{key}: {m}")
-        assert (
-            fresh_optimizer.state_dict()["param_groups"]
-            == optimizer.state_dict()["param_groups"]
-        )
+        assert fresh_optimizer.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
     return weights
 
 
 def fork_both(checkpoint: str) -> tuple[dict, dict]:
     options = dict(accelerator="cpu", devices=2)
-    ours = Fabric(strategy="paddle_dp_fork", **options).launch(
-        train_both_ways, checkpoint
-    )
+    ours = Fabric(strategy="paddle_dp_fork", **options).launch(train_both_ways, checkpoint)
     return ours, Fabric(strategy="ddp_fork", **options).launch(train_both_ways, None)
 
 
@@ -116,19 +100,10 @@ def test_same_weights_as_ddp_with_and_without_accumulation(tmp_path):
     untrained = Net().state_dict()
     for accumulate in (1, 2):
         for key in untrained:
-            ours_, theirs_ = (
-                torch.tensor(ours[accumulate][key]),
-                torch.tensor(theirs[accumulate][key]),
-            )
-            torch.testing.assert_close(
-                ours_, theirs_, msg=lambda m: f"{key}, accumulate={accumulate}: {m}"
-            )
-        assert ours[accumulate]["net.0.weight"] != untrained["net.0.weight"].tolist(), (
-            "no training"
-        )
-    assert ours[1]["net.0.weight"] != ours[2]["net.0.weight"], (
-        "accumulation changed nothing"
-    )
+            ours_, theirs_ = torch.tensor(ours[accumulate][key]), torch.tensor(theirs[accumulate][key])
+            torch.testing.assert_close(ours_, theirs_, msg=lambda m: f"{key}, accumulate={accumulate}: {m}")
+        assert ours[accumulate]["net.0.weight"] != untrained["net.0.weight"].tolist(), "no training"
+    assert ours[1]["net.0.weight"] != ours[2]["net.0.weight"], "accumulation changed nothing"
 
 
 def test_one_device_is_a_one_rank_group_and_unused_parameters_raise(tmp_path):
@@ -137,17 +112,13 @@ def test_one_device_is_a_one_rank_group_and_unused_parameters_raise(tmp_path):
     assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
     weights = train_both_ways(run, str(tmp_path / "one.ckpt"))
     for key, value in plain_sgd().state_dict().items():
-        torch.testing.assert_close(
-            torch.tensor(weights[1][key]), value, msg=lambda m: f"{key}: {m}"
-        )
+        torch.testing.assert_close(torch.tensor(weights[1][key]), value, msg=lambda m: f"{key}: {m}")
 
     model, _ = setup(run, Net(unused=True))
     with pytest.raises(RuntimeError) as error:
         run.backward(model(torch.randn(2, 6)).sum())
     message = str(error.value)
-    assert message.startswith(
-        "It looks like your model has parameters that were not used in producing the loss"
-    )
+    assert message.startswith("It looks like your model has parameters that were not used in producing the loss")
     assert "spare.weight (missing on 1 of 1 ranks, including this one)" in message
     assert "Fabric(strategy='paddle_dp_find_unused_parameters_true')" in message
 
@@ -175,14 +146,9 @@ def test_comm_hooks_and_statistics_through_fabric():
     run.launch()
     model, _ = train(run, 1)
     module = model._forward_module
-    assert (
-        module.comm_hook.name.endswith("allreduce_hook")
-        and module.comm_stats().bytes > 0
-    )
+    assert module.comm_hook.name.endswith("allreduce_hook") and module.comm_stats().bytes > 0
     for key, value in plain_sgd().state_dict().items():
-        torch.testing.assert_close(
-            model.state_dict()[key], value, msg=lambda m: f"{key}: {m}"
-        )
+        torch.testing.assert_close(model.state_dict()[key], value, msg=lambda m: f"{key}: {m}")
 
 
 def launcher_start_method(launcher) -> str:
@@ -195,9 +161,7 @@ def launcher_start_method(launcher) -> str:
 @pytest.mark.parametrize("name", sorted(REGISTERED))
 def test_every_name_resolves_case_insensitively(name):
     start_method, find_unused = REGISTERED[name]
-    assert {
-        n for n in STRATEGY_REGISTRY.available_strategies() if n.startswith("paddle_dp")
-    } == set(REGISTERED)
+    assert {n for n in STRATEGY_REGISTRY.available_strategies() if n.startswith("paddle_dp")} == set(REGISTERED)
     for spelling in (name, name.upper()):
         strategy = Fabric(strategy=spelling, accelerator="cpu", devices=2).strategy
         assert type(strategy) is fabric.PaddleDPStrategy, spelling

@@ -26,10 +26,7 @@ class Scheduled(Regressor):
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.01)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5),
-        }
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5)}
 
 
 def optimizer_state(path) -> dict:
@@ -41,22 +38,10 @@ def assert_same_state(ours: dict, theirs: dict) -> None:
     assert ours["state"].keys() == theirs["state"].keys() and theirs["state"]
     for index, state in theirs["state"].items():
         for key, value in state.items():
-            torch.testing.assert_close(
-                ours["state"][index][key], value, msg=lambda m: f"{index}.{key}: {m}"
-            )
+            torch.testing.assert_close(ours["state"][index][key], value, msg=lambda m: f"{index}.{key}: {m}")
 
 
-def fit(
-    tmp_path,
-    name,
-    stage,
-    ckpt_path=None,
-    max_epochs=2,
-    callbacks=(),
-    overlap=False,
-    manual=False,
-    **kwargs,
-):
+def fit(tmp_path, name, stage, ckpt_path=None, max_epochs=2, callbacks=(), overlap=False, manual=False, **kwargs):
     module = Scheduled(manual=manual)
     if not manual:  # Lightning refuses both under manual optimization
         kwargs.update(gradient_clip_val=CLIP, accumulate_grad_batches=2)
@@ -66,14 +51,10 @@ def fit(
         enable_checkpointing=bool(callbacks), **kwargs,
     )  # fmt: skip
     run.fit(module, ckpt_path=ckpt_path)
-    if (
-        stage is not None
-    ):  # after fit, the optimizer configure_optimizers built, as the model is unwrapped
+    if stage is not None:  # after fit, the optimizer configure_optimizers built, as the model is unwrapped
         assert not isinstance(run.optimizers[0], ShardedOptimizer)
     run.save_checkpoint(tmp_path / f"{name}.ckpt")  # after fit, as under "ddp"
-    return {
-        k: v.clone() for k, v in module.state_dict().items()
-    }, tmp_path / f"{name}.ckpt"
+    return {k: v.clone() for k, v in module.state_dict().items()}, tmp_path / f"{name}.ckpt"
 
 
 def sharded_fits(rank, tmp_path):
@@ -100,14 +81,10 @@ def sharded_fits(rank, tmp_path):
     fit(tmp_path, "first_two", 2, callbacks=[checkpoints])
     last = tmp_path / "every" / "last.ckpt"
     for stage in (2, None):
-        resumed, resumed_ckpt = fit(
-            tmp_path, f"resumed_{stage}", stage, ckpt_path=last, max_epochs=4
-        )
+        resumed, resumed_ckpt = fit(tmp_path, f"resumed_{stage}", stage, ckpt_path=last, max_epochs=4)
         assert_same_weights(resumed, uninterrupted)
         if rank == 0:
-            assert_same_state(
-                optimizer_state(resumed_ckpt), optimizer_state(uninterrupted_ckpt)
-            )
+            assert_same_state(optimizer_state(resumed_ckpt), optimizer_state(uninterrupted_ckpt))
     return True
 
 
@@ -138,29 +115,23 @@ def fabric_run(run: Fabric, path: str | None) -> dict:
         optimizer.zero_grad()
     if path is not None:
         run.save(path, {"model": model, "optimizer": optimizer})
-    return {
-        "norm": norm.item(),
-        **{k: v.tolist() for k, v in model.state_dict().items()},
-    }
+    return {"norm": norm.item(), **{k: v.tolist() for k, v in model.state_dict().items()}}
 
 
-def fabric_runs(directory: str) -> dict:
+def fork_runs(directory: str) -> dict:
     runs = {}
     for stage in (None, 2):
         strategy = fabric.PaddleDPStrategy(sharding_stage=stage, start_method="fork")
-        runs[stage] = Fabric(strategy=strategy, accelerator="cpu", devices=2).launch(
-            fabric_run, f"{directory}/{stage}.ckpt"
-        )
+        run = Fabric(strategy=strategy, accelerator="cpu", devices=2)
+        runs[stage] = run.launch(fabric_run, f"{directory}/{stage}.ckpt")
     return runs
 
 
 @pytest.mark.slow
 def test_fabric_with_sharding_equals_fabric_without(tmp_path):
-    runs = launch_forking(fabric_runs, str(tmp_path))
+    runs = launch_forking(fork_runs, str(tmp_path))
     for key, value in runs[None].items():
-        torch.testing.assert_close(
-            torch.tensor(runs[2][key]), torch.tensor(value), msg=lambda m: f"{key}: {m}"
-        )
+        torch.testing.assert_close(torch.tensor(runs[2][key]), torch.tensor(value), msg=lambda m: f"{key}: {m}")
     assert_same_state(
         torch.load(tmp_path / "2.ckpt", weights_only=True)["optimizer"],
         torch.load(tmp_path / "None.ckpt", weights_only=True)["optimizer"],
@@ -172,20 +143,11 @@ def test_hydra_takes_strategy_sharding_stage(tmp_path):
 
     from tests.helpers.recipes import compose_config
 
-    cfg = compose_config(
-        "digits",
-        ["strategy.sharding_stage=2", "strategy.sharding_overlap=true"],
-        tmp_path,
-    )
+    cfg = compose_config("digits", ["strategy.sharding_stage=2", "strategy.sharding_overlap=true"], tmp_path)
     strategy = instantiate(cfg.strategy)
-    assert (strategy.options.sharding_stage, strategy.options.sharding_overlap) == (
-        2,
-        True,
-    )
+    assert (strategy.options.sharding_stage, strategy.options.sharding_overlap) == (2, True)
     with pytest.raises(Exception, match="sharding_stage=5 is invalid"):
-        instantiate(
-            compose_config("digits", ["strategy.sharding_stage=5"], tmp_path).strategy
-        )
+        instantiate(compose_config("digits", ["strategy.sharding_stage=5"], tmp_path).strategy)
 
 
 def test_a_gradient_scaler_with_stage_two_is_refused_naming_both():
@@ -193,16 +155,8 @@ def test_a_gradient_scaler_with_stage_two_is_refused_naming_both():
 
     # fp16 AMP on CPU falls back to bf16 (no scaler) unless the plugin is given with its scaler.
     scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    run = Fabric(
-        strategy=fabric.PaddleDPStrategy(sharding_stage=2),
-        plugins=[scaler],
-        accelerator="cpu",
-        devices=1,
-    )
+    run = Fabric(strategy=fabric.PaddleDPStrategy(sharding_stage=2), plugins=[scaler], accelerator="cpu", devices=1)
     run.launch()
     net = Net()
-    with pytest.raises(
-        ValueError,
-        match=r"sharding_stage=2 with precision='16-mixed' \(a gradient scaler\) is invalid",
-    ):
+    with pytest.raises(ValueError, match=r"sharding_stage=2 with precision='16-mixed' \(a gradient scaler\) is invalid"):
         run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
