@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 
 from lit_dp.gradients.broadcast import sync_params_buffers
 from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, MB, assign_group_by_size, assign_owners, megabytes_to_bytes
@@ -19,8 +20,10 @@ from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.hooks import CommHook, resolve_comm_hook
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.job.process_group import get_rings
+from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
 from lit_dp.observability.autotune import AUTO, BucketAutotuner, settled_step
 from lit_dp.observability.stats import CommObserver, CommStats
+from lit_dp.observability.watchdog import HangWatchdog
 from lit_dp.options import MODULE, Options, options_doc
 
 if TYPE_CHECKING:
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, Joinable):
     """Run ``layers`` data-parallel: rank 0's state is broadcast, gradients are averaged.
 
     Args:
@@ -52,6 +55,10 @@ class DataParallel(nn.Module):
     module runs unchanged; a group of one rank (what the Lightning strategies create for one
     device) gets a reducer like any other, so an unused parameter raises on one device as it
     would on many.
+
+    A ``Joinable`` (``torch.distributed.algorithms.join``): ``with model.join():`` or
+    ``with Join([model]):`` trains on uneven inputs (``lit_dp.join``). With ``hang_timeout``, a
+    collective waiting longer is diagnosed and raised (``lit_dp.observability.watchdog``).
     """
 
     def __init__(
@@ -64,6 +71,7 @@ class DataParallel(nn.Module):
         **option_values: Any,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         if options is None:
             options = Options.build(option_values, MODULE)
         elif option_values:
@@ -85,6 +93,8 @@ class DataParallel(nn.Module):
         self._trace: TraceWriter | None = None
         self._tuner: BucketAutotuner | None = None
         self._reducer: Reducer | None = None
+        self._watchdog: HangWatchdog | None = None
+        self.join_state = JoinState()
         self._owners: dict[int, int] = {}
         named = _synchronised_parameters(layers, group)
         if named:
@@ -128,6 +138,8 @@ class DataParallel(nn.Module):
         if options.comm_stats or self._trace is not None:
             self._stats = CommObserver(device, [self._trace.add] if self._trace is not None else [])
             reducer.add_observer(self._stats)
+        if options.hang_timeout is not None and dist.get_world_size(reducer.group) > 1:
+            self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace_dir)
 
     @property
     def module(self) -> nn.Module:
@@ -148,6 +160,11 @@ class DataParallel(nn.Module):
         """The rank (in ``reducer.group``) that steps ``param`` under sharding; None for a parameter
         this wrapper does not synchronise (frozen, outside the module) or without sharding."""
         return self._owners.get(id(param))
+
+    @property
+    def watchdog(self) -> HangWatchdog | None:
+        """The hang watchdog (``hang_timeout``); set its ``directory`` to choose where stacks go."""
+        return self._watchdog
 
     @property
     def comm_hook(self) -> CommHook | None:
@@ -234,7 +251,50 @@ class DataParallel(nn.Module):
         optimization, where the forward must not decide.
         """
         if self._reducer is not None and self.grad_need_sync and not self.skip_grad_sync:
+            notify(self)  # inside a Join context: "still in", before this step's collectives
             self._reducer.prepare_for_backward(outputs)
+
+    def shadow_backward(self) -> None:
+        """Take this step's synchronisation without a batch (the Trainer's ``uneven_inputs``):
+        gradients accumulated here since the last synchronisation count, and the averages land
+        in ``.grad`` (``Reducer.shadow_step``)."""
+        if self._reducer is not None and self.grad_need_sync and not self.skip_grad_sync:
+            self._reducer.shadow_step(takes_step=True)
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> DataParallelJoin:
+        """Train on uneven inputs inside this context, as with torch DDP's ``join()`` (see ``lit_dp.join``).
+
+        Ranks that run out of inputs shadow the others' synchronised steps with zeros until all
+        have; then every rank holds the parameters and buffers of the last rank to join.
+        Gradients are divided by the world size, or with ``divide_by_initial_world_size=False``
+        by the ranks still in. ``throw_on_early_termination``: every rank raises instead, at
+        the first step a rank misses, naming it.
+        """
+        return DataParallelJoin(
+            self,
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
+        """The hook ``torch.distributed.algorithms.join.Join`` runs on a rank that has run out of inputs."""
+        return DataParallelJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the Join context's own all-reduces run: the parameters' device."""
+        return next(self._layers.parameters()).device if self._reducer is not None else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group whose ranks join: the reducer's."""
+        return self._reducer.group if self._reducer is not None else dist.group.WORLD
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

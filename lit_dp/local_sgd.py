@@ -47,8 +47,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_dp.gradients.buckets import assign_group_by_size, megabytes_to_bytes
+from lit_dp import join
 from lit_dp.data_parallel import DataParallel
+from lit_dp.gradients.buckets import assign_group_by_size, megabytes_to_bytes
+from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
 
 # Paddle's AdaptiveLocalSGDOptimizer bounds the period to [1, 16].
@@ -122,6 +124,9 @@ class LocalSGD:
         self._local_steps = local_steps
         self._loss_0: float | None = None
         self._lr_0: float | None = None
+        if self._data_parallel is not None:
+            # Under Join, a rank that ran out shadows this object's collectives too (lit_dp.join).
+            self._data_parallel.join_state.local_sgd = self
         self._set_local_phase()
 
     @property
@@ -144,22 +149,46 @@ class LocalSGD:
         """Whether warm-up is over: gradients stay local, models are averaged periodically."""
         return self._step >= self._warmup_steps
 
-    def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None) -> bool:
+    def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None, *, joined: bool = False) -> bool:
         """Count one optimizer step; average the models when the schedule says so. Returns whether it did.
 
-        ``loss`` (this rank's training loss) and ``lr`` are required when adaptive.
+        ``loss`` (this rank's training loss) and ``lr`` are required when adaptive. ``joined``:
+        this rank ran out of batches and takes the step with the others (the Trainer's uneven
+        inputs): its loss does not count in the adaptive period's mean.
         """
         self._step += 1
-        if self._adaptive and self._loss_0 is None:
-            self._loss_0, self._lr_0 = self._agreed_loss_and_lr(loss, lr)
-        averaged = False
-        if self._step > self._warmup_steps and self._step - self._last_average == self._local_steps:
+        agree_first = self._adaptive and self._loss_0 is None
+        average = self._step > self._warmup_steps and self._step - self._last_average == self._local_steps
+        if (agree_first or average) and self._data_parallel is not None:
+            join.notify(self._data_parallel, (agree_first, average))
+        if agree_first:
+            self._loss_0, self._lr_0 = self._agreed_loss_and_lr(loss, lr, counts=not joined)
+        if average:
             self._average()
             if self._adaptive:
-                self._local_steps = self._next_period(*self._agreed_loss_and_lr(loss, lr))
-            averaged = True
+                self._local_steps = self._next_period(*self._agreed_loss_and_lr(loss, lr, counts=not joined))
+        averaged = average
         self._set_local_phase()
         return averaged
+
+    def shadow_step(self, agree_first: bool, average: bool) -> None:
+        """The collectives of a ``step()`` that the ranks still in take, on a rank that joined
+        (``lit_dp.join``): its model takes part in the average as it stands, its loss does not count."""
+        if agree_first:
+            self._loss_0, self._lr_0 = self._agreed_loss_and_lr(None, None, counts=False)
+        if average:
+            self._average()
+            if self._adaptive:
+                self._local_steps = self._next_period(*self._agreed_loss_and_lr(None, None, counts=False))
+
+    def adopt_schedule_of(self, src: int) -> None:
+        """Take global rank ``src``'s schedule (after a Join, whose ranks counted different steps);
+        every rank must call it, with parameters already equal on all ranks."""
+        if self._world_size < 2:
+            return
+        schedule = [self.state_dict()]
+        dist.broadcast_object_list(schedule, src=src, group=self._rings[0])
+        self.load_state_dict(schedule[0])
 
     def finish(self) -> None:
         """Average once more if any local step was taken since the last average (call when training ends)."""
@@ -177,7 +206,7 @@ class LocalSGD:
             for bucket in self._buckets:
                 bucket.start(self._first_rank)
             for bucket in self._buckets:
-                bucket.finish(self._world_size)
+                bucket.finish(self._world_size, self._waiter)
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule's state (no tensors): save it with a checkpoint so a resumed run averages at the same steps."""
@@ -222,20 +251,29 @@ class LocalSGD:
                 buckets.append(_Bucket(kind, [tensors[i] for i in indices], ring))
         return buckets
 
-    def _agreed_loss_and_lr(self, loss: torch.Tensor | float | None, lr: float | None) -> tuple[float, float]:
-        """The ranks' mean loss and learning rate, the same on every rank (one all-reduce)."""
-        if loss is None or lr is None:
+    @property
+    def _waiter(self) -> Waiter:
+        reducer = self._data_parallel.reducer if self._data_parallel is not None else None
+        return reducer.waiter if reducer is not None else UNWATCHED
+
+    def _agreed_loss_and_lr(
+        self, loss: torch.Tensor | float | None, lr: float | None, counts: bool = True
+    ) -> tuple[float, float]:
+        """The mean loss and learning rate of the ranks that ``counts`` (one all-reduce of
+        weighted sums), the same on every rank."""
+        if counts and (loss is None or lr is None):
             raise ValueError(
                 f"LocalSGD(adaptive=True).step(loss={loss!r}, lr={lr!r}): expected this rank's training loss "
                 "and the learning rate, from which the next averaging period is computed."
             )
         device = self._params[0].device if self._params else torch.device("cpu")
-        values = torch.tensor([float(loss), float(lr)], dtype=torch.float64, device=device)
+        weighted = [float(loss), float(lr), 1.0] if counts else [0.0, 0.0, 0.0]  # type: ignore[arg-type]
+        values = torch.tensor(weighted, dtype=torch.float64, device=device)
         if self._world_size > 1:
-            dist.all_reduce(values, group=self._rings[0])
-            values /= self._world_size
-        mean_loss, mean_lr = values.tolist()
-        return mean_loss, mean_lr
+            work = dist.all_reduce(values, group=self._rings[0], async_op=True)
+            self._waiter.wait(work, "LocalSGD's agreement on the loss and learning rate")
+        loss_sum, lr_sum, ranks = values.tolist()
+        return loss_sum / ranks, lr_sum / ranks
 
     def _next_period(self, loss: float, lr: float) -> int:
         assert self._loss_0 is not None and self._lr_0 is not None
@@ -274,9 +312,9 @@ class _Bucket:
             torch.sub(self.snapshot, flat, out=flat)  # the delta: snapshot - parameters
         self.work = dist.all_reduce(flat, group=self.ring, async_op=True)
 
-    def finish(self, world_size: int) -> None:
+    def finish(self, world_size: int, waiter: Waiter) -> None:
         assert self.work is not None, "finish() before start()"
-        self.work.wait()
+        waiter.wait(self.work, "the LocalSGD average")
         self.work = None
         result = self.flat
         if self.snapshot is not None:

@@ -35,6 +35,7 @@ from lit_dp.job.env import MAX_NRINGS
 from lit_dp.job.process_group import parse_timeout
 from lit_dp.observability.autotune import AUTO
 from lit_dp.observability.stats import check_trace_steps
+from lit_dp.observability.watchdog import DEFAULT_HANG_TIMEOUT
 
 TRAINER, FABRIC, MODULE, DDP = "trainer", "fabric", "module", "ddp"
 STRATEGIES = frozenset({TRAINER, FABRIC})
@@ -88,6 +89,12 @@ def _seconds(optional: bool) -> Callable[[str, Any], float | timedelta | None]:
         return value
 
     return check
+
+
+def _optional_seconds(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    return parse_timeout(name, value).total_seconds()
 
 
 def _choice(*allowed: str) -> Callable[[str, Any], str]:
@@ -213,6 +220,16 @@ class Options:
         None, "comm_hook=powersgd: first compressed iteration, >= 2; None: 1000",
         _count(2, optional=True), scope=EVERYWHERE, config=Optional[int],
     )  # fmt: skip
+    hang_timeout: Optional[float] = option(
+        DEFAULT_HANG_TIMEOUT, "seconds a lit_dp collective may wait before the job ends naming the stuck rank, with "
+        "every rank's stack in <log dir>/lit_dp_hang (default 300, at most half of timeout); None: off",
+        _optional_seconds, scope=EVERYWHERE, config=Optional[float],
+    )  # fmt: skip
+    uneven_inputs: bool = option(
+        False, "ranks may have different numbers of batches: a rank that runs out takes the others' remaining "
+        "steps without data, so every epoch ends together on every rank",
+        _flag, scope=frozenset({TRAINER}), config=bool,
+    )  # fmt: skip
     local_sgd_steps: Optional[int] = option(
         None, "LocalSGD: average the models every K local steps; None: off",
         _count(1, optional=True), scope=frozenset({TRAINER}), config=Optional[int], lightning="model_averaging_period",
@@ -259,6 +276,12 @@ class Options:
                     f"({name if name in aliases else first} is Lightning's DDPStrategy name for it): pass one of them."
                 )
             values[ours] = accepted[ours].metadata["check"](f"{prefix}{name}", value)
+        timeout = values.get("timeout")
+        default_hang = values.get("hang_timeout", DEFAULT_HANG_TIMEOUT) == DEFAULT_HANG_TIMEOUT
+        if default_hang and timeout is not None and "hang_timeout" in accepted:
+            # The default (also as a Hydra schema passes it) stays well under a shorter process-group timeout.
+            seconds = parse_timeout("timeout", timeout).total_seconds()
+            values["hang_timeout"] = min(DEFAULT_HANG_TIMEOUT, seconds / 2)
         options = cls(**values)
         options._check_combinations(prefix)
         return options
@@ -273,6 +296,13 @@ class Options:
             powersgd_rank=self.powersgd_rank,
             powersgd_start_iter=self.powersgd_start_iter,
         )
+        timeout = None if self.timeout is None else parse_timeout("timeout", self.timeout).total_seconds()
+        if self.hang_timeout is not None and timeout is not None and self.hang_timeout >= timeout:
+            raise ValueError(
+                f"{prefix}hang_timeout={self.hang_timeout:g} with {prefix}timeout={timeout:g} is invalid: the "
+                "process group would time out first, without the diagnosis; expected hang_timeout < timeout "
+                "(or hang_timeout=None)."
+            )
         steps = self.local_sgd_steps
         if steps is None and self.local_sgd_adaptive:
             raise ValueError(

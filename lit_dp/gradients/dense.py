@@ -16,6 +16,7 @@ from torch import nn
 
 from lit_dp.gradients.buckets import MB
 from lit_dp.gradients.hooks import CommHook
+from lit_dp.gradients.waiting import UNWATCHED, Waiter
 
 # Scaling while copying (one call per tensor) saves a pass over the bucket but costs a Python
 # call per tensor; it pays off from about 64 KB per tensor on a CPU's memory bandwidth.
@@ -53,7 +54,7 @@ class DenseBucket:
     __slots__ = (
         "indices", "params", "in_place", "flat", "views", "flat_params", "flat_views", "reduced",
         "buffer", "gradients", "flags", "ring", "works", "fuse_scale", "as_view", "average_op", "alone",
-        "hook", "future", "_launched_grads",
+        "hook", "future", "_launched_grads", "size", "waiter",
     )  # fmt: skip
 
     def __init__(
@@ -94,6 +95,8 @@ class DenseBucket:
         flat_bytes = numel * self.gradients.element_size()
         self.fuse_scale = flat_bytes >= FUSED_SCALE_MIN_BYTES_PER_TENSOR * len(self.flat)
         self.average_op = averaging_op(ring)
+        self.size = dist.get_world_size(ring)
+        self.waiter: Waiter = UNWATCHED  # the reducer's (a deadline under the hang watchdog)
         # A group of one rank (one device under the Lightning strategies) needs no collective:
         # skipping it keeps the one-device step as cheap as the bare model's, checks included.
         # A hook still runs there, as under torch DDP.
@@ -116,34 +119,38 @@ class DenseBucket:
             futures.append(self.future)
         return futures
 
-    def start(self, used: bytearray, flag_used: bool, world_size: int, complete: bool = False) -> None:
+    def start(self, used: bytearray, flag_used: bool | None, world_size: int, complete: bool = False) -> None:
         """Scale the gradients (zeros where absent), set the flags and start the all-reduces.
 
         ``complete``: every member's gradient arrived in this backward (the reducer knows), so
         no member needs checking. A hook gets the gradients undivided: dividing is its job, as
-        in torch DDP.
+        in torch DDP. ``world_size`` is the divisor: the group's size, or under ``lit_dp.join``
+        the ranks still in, which an averaging all-reduce cannot divide by (it is summed then).
+        ``flag_used=None``: every flag 0, this rank neither using nor missing a parameter (a rank
+        that ran out of inputs, without ``find_unused_parameters``).
         """
+        average = self.average_op if world_size == self.size else None
         # Flags are set with fills, never copied from host memory: on CUDA a copy from pageable
         # memory would block the host. An averaging all-reduce divides them too, so they start at
         # the world size and still sum to a count of ranks.
-        one = float(world_size) if self.average_op is not None else 1.0
+        one = float(world_size) if average is not None else 1.0
         self.flags.fill_(one if flag_used else 0.0)
         if complete:
             present = None
         else:
             present = [bool(used[i]) and p.grad is not None for i, p in zip(self.indices, self.params)]
-            absent = 0.0 if flag_used else one
+            absent = 0.0 if flag_used or flag_used is None else one
             for k, has_grad in enumerate(present):
                 if not has_grad:
                     self.flags[k].fill_(absent)
         if self.alone:
             return  # one rank: the gradients already are the averages; the flags keep the checks
-        op = self.average_op or dist.ReduceOp.SUM
+        op = average or dist.ReduceOp.SUM
         self.works = [
             self._start_in_place(k, present is None or present[k], world_size, op) for k in self.in_place
         ]
         if self.flat:
-            self._fill_flat(present, world_size)
+            self._fill_flat(present, world_size, divide=average is None)
         if self.hook:
             self.works.append(dist.all_reduce(self.flags, op=op, group=self.ring, async_op=True))
             comm_hook, index, count = self.hook
@@ -160,17 +167,17 @@ class DenseBucket:
             # the same guarantee that lets it accumulate into .grad in place. A non-contiguous
             # gradient is reduced through a contiguous copy.
             reduced = grad if grad.is_contiguous() else grad.contiguous()
-            if self.average_op is None:
+            if op != dist.ReduceOp.AVG:
                 reduced.div_(world_size)
         self.reduced[k] = reduced
         return dist.all_reduce(reduced, op=op, group=self.ring, async_op=True)
 
-    def _fill_flat(self, present: list[bool] | None, world_size: int) -> None:
+    def _fill_flat(self, present: list[bool] | None, world_size: int, divide: bool) -> None:
         """Copy the flat members' gradients in, divided by ``world_size`` (torch DDP also divides first).
 
         ``present`` is None when every gradient arrived; in view mode they are already in place.
         """
-        scale = self.average_op is None and self.hook is None
+        scale = divide and self.hook is None
         if present is None and not self.as_view:
             grads = [p.grad for p in self.flat_params]
             self._launched_grads = grads
@@ -193,7 +200,7 @@ class DenseBucket:
     def wait(self) -> None:
         """Wait for this bucket's collectives (on CUDA: make the current stream wait for them)."""
         for work in self.works:
-            work.wait()
+            self.waiter.wait(work)
         self.works = []
         if self.hook:
             comm_hook, index, _ = self.hook

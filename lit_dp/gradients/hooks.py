@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from lit_dp.gradients.waiting import UNWATCHED, CollectiveHangError, Waiter
+
 Hook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
 HOOK_NAMES = ("fp16", "bf16", "powersgd")
@@ -94,6 +96,7 @@ class CommHook:
         self._in_flight: torch.futures.Future | None = None
         # Hooks communicate on their state's group, by default the world group.
         self._ordered = dist.is_initialized() and dist.get_backend() != "nccl"
+        self.waiter: Waiter = UNWATCHED  # the reducer's (a deadline under the hang watchdog)
 
     def check_layout_settled_by(self, step: int) -> None:
         """Raise if the hook keeps per-bucket memory before synchronised ``step``, from which on the
@@ -161,7 +164,9 @@ class CommHook:
 
     def _wait(self, future: torch.futures.Future, index: int | None) -> Any:
         try:
-            return future.wait()
+            return self.waiter.wait_future(future)
+        except CollectiveHangError:
+            raise  # the watchdog's diagnosis, as it is
         except Exception as error:
             bucket = "a bucket" if index is None else f"bucket {index}"
             raise RuntimeError(f"lit_dp: communication hook {self.name} failed on {bucket}: {error}") from error

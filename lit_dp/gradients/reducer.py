@@ -35,13 +35,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from lit_dp.gradients.buckets import assign_group_by_size
-from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.hooks import CommHook
-from lit_dp.gradients.scatter import ScatterBucket
-from lit_dp.gradients.sparse import SparseBucket
+from lit_dp.gradients.layout import build_buckets, launch_order
 from lit_dp.gradients.unused import PendingFlags, missing_gradients_message, reached_parameters, unused_members
+from lit_dp.gradients.waiting import Waiter
+
 
 class Reducer:
     """Averages the gradients of ``params`` over the ranks of ``rings[0]`` in buckets.
@@ -91,8 +90,10 @@ class Reducer:
         self._find_unused = find_unused_parameters
         self._as_view = gradient_as_bucket_view
         self._world_size = dist.get_world_size(self._rings[0])
+        self.divisor = self._world_size  # what gradients are divided by (lit_dp.join: the ranks still in)
         count = len(self._params)
         self._used = bytearray(count)  # a gradient was accumulated since the last synchronisation
+        self._nothing_used = bytearray(count)  # what a shadow step hands the buckets
         self._ready = bytearray(count)  # marked ready in the armed backward
         self._unreached: list[int] = []
         self._partial: set[int] = set()  # buckets holding parameters this backward cannot reach
@@ -110,6 +111,8 @@ class Reducer:
         self._step = -1  # the synchronised step armed last
         self._requested_limits: list[int] | None = None
         self._owners = None if owners is None else list(owners)
+        self.waiter = Waiter()  # every wait of this reducer's collectives (the hang watchdog sets a deadline)
+        self._shadowing = self._shadow_takes_step = False  # in shadow_step
         self._build_buckets(list(range(count)))
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -153,11 +156,7 @@ class Reducer:
 
     def partition(self, bucket_bytes: int, last_bucket_bytes: int) -> list[list[int]]:
         """The parameter indices per bucket, in launch order, that these limits would give now."""
-        order = self._forward_order()
-        groups = assign_group_by_size(
-            [self._params[i] for i in order], [self._sparse[i] for i in order], [last_bucket_bytes, bucket_bytes]
-        )
-        return [[order[pos] for pos in group] for group in reversed(groups)]
+        return launch_order(self._params, self._sparse, self._forward_order(), [last_bucket_bytes, bucket_bytes])
 
     def register_comm_hook(self, comm_hook: CommHook) -> None:
         """Reduce dense buckets through ``comm_hook`` (see ``lit_dp.gradients.hooks``); once, before the first backward."""
@@ -176,6 +175,7 @@ class Reducer:
                 "whole bucket's average, stage 2 reduces each gradient to its owner only."
             )
         self._comm_hook = comm_hook
+        comm_hook.waiter = self.waiter
         # The buckets were built without the hook (flags in the buffer, large gradients in place).
         self._rebuild(list(range(len(self._params))))
 
@@ -203,6 +203,24 @@ class Reducer:
             reached = reached_parameters(outputs)
             self._unreached = [i for i, p in enumerate(self._params) if id(p) not in reached]
             self._partial = {self._bucket_of[i] for i in self._unreached}
+
+    def shadow_step(self, takes_step: bool = False) -> None:
+        """The collectives of one synchronised step, without a backward of this rank's (``lit_dp.join``).
+
+        Counted and announced like a real step; the flags never count this rank as missing a
+        gradient. ``takes_step=False`` (torch's Join): zeros, ``.grad`` left alone, as in DDP.
+        ``True`` (the Trainer's rank without a batch): what it accumulated since the last
+        synchronisation counts, and the averages land in ``.grad`` for its optimizer.
+        """
+        self.prepare_for_backward(None)
+        self._shadowing, self._shadow_takes_step = True, takes_step
+        try:
+            self._started = True
+            for observer in self._observers:
+                observer.backward_started(self._step)
+            self._finalize_backward()
+        finally:
+            self._shadowing = self._shadow_takes_step = False
 
     def _make_hook(self, index: int):
         # A weak reference: the parameters outlive the reducer (the model is unwrapped after
@@ -263,13 +281,17 @@ class Reducer:
 
     def _launch_complete_buckets(self) -> None:
         buckets, pending, partial = self._buckets, self._pending, self._partial
+        used, flag_used = self._used, self._find_unused
+        if self._shadowing:  # flags: "used here" where it is, never "missing here" (None)
+            used = self._used if self._shadow_takes_step else self._nothing_used
+            flag_used = True if self._find_unused else None
         while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
             position = self._next_bucket
             complete = self._armed and position not in partial
             if self._comm_hook is not None:
                 self._comm_hook.settle()
             bucket = buckets[position]
-            bucket.start(self._used, self._find_unused, self._world_size, complete)
+            bucket.start(used, flag_used, self.divisor, complete)
             if self._observers:
                 launch = BucketLaunch(self._step, position, bucket.indices, bucket.sent_bytes(), bucket.futures())
                 for observer in self._observers:
@@ -289,6 +311,8 @@ class Reducer:
         for bucket in buckets:
             bucket.wait()
         used, self._used = self._used, bytearray(len(self._params))
+        if self._shadowing:
+            used = bytearray(b"\x01") * len(used)  # this rank is not among those missing a gradient
         if self._find_unused:
             # Which parameters no rank used decides which .grad stay untouched: a host decision,
             # so the flags are read here (on CUDA the one synchronisation of such a step).
@@ -297,6 +321,8 @@ class Reducer:
             skipped = [()] * len(buckets)
             self._pending_flags.append(PendingFlags(buckets, used))
             self._check_pending_flags()  # at once where the flags are already on the host
+        if self._shadowing and not self._shadow_takes_step:
+            skipped = [range(len(bucket.indices)) for bucket in buckets]  # releases the buckets' results only
         for bucket, members in zip(buckets, skipped):
             bucket.write_back(self._as_view, members)
         if not self._rebuilt:
@@ -336,10 +362,12 @@ class Reducer:
         buffers are not alive together.
         """
         seen = set(self._order)
-        order = self._order + [i for i in range(len(self._params)) if i not in seen]
+        # Parameters not seen (all, on a rank that joined before its first step) keep their place.
+        order = self._order + [i for i in reversed(self._forward_order()) if i not in seen]
         agreed = torch.tensor(order, dtype=torch.long, device=self._params[0].device)
         ring = self._rings[0]
-        dist.broadcast(agreed, src=dist.get_global_rank(ring, 0), group=ring)
+        work = dist.broadcast(agreed, src=dist.get_global_rank(ring, 0), group=ring, async_op=True)
+        self.waiter.wait(work, "the broadcast of the agreed bucket order")
         self._agreed_order = list(reversed(agreed.tolist()))
         self._rebuilt = True
 
@@ -358,34 +386,11 @@ class Reducer:
                     self._adopt_gradient(index)
 
     def _build_buckets(self, forward_order: list[int]) -> None:
-        params = [self._params[i] for i in forward_order]
-        groups = assign_group_by_size(params, [self._sparse[i] for i in forward_order], self._limits)
-        # The first group in forward order completes last in backward: launch in reverse.
-        launch_order = [[forward_order[pos] for pos in group] for group in reversed(groups)]
-        # Drop the old buffers before allocating new ones.
-        self._buckets: list[DenseBucket | ScatterBucket | SparseBucket] = []
-        self._view_of: list[torch.Tensor | None] = []
-        self._bucket_of = [0] * len(self._params)
-        self._view_of = [None] * len(self._params)
-        # A hook numbers the dense buckets only: torch's hooks do not apply to sparse gradients.
-        dense_count = sum(not self._sparse[indices[0]] for indices in launch_order)
-        dense_index = 0
-        for position, indices in enumerate(launch_order):
-            ring = self._rings[position % len(self._rings)]
-            params = [self._params[i] for i in indices]
-            if self._sparse[indices[0]]:
-                bucket = SparseBucket(indices, params, ring)
-            elif self._owners is not None:
-                bucket = ScatterBucket(indices, params, ring, [self._owners[i] for i in indices])
-            else:
-                hook = None if self._comm_hook is None else (self._comm_hook, dense_index, dense_count)
-                bucket = DenseBucket(indices, params, ring, self._as_view, hook)
-                dense_index += 1
-            self._buckets.append(bucket)
-            for slot, index in enumerate(indices):
-                self._bucket_of[index] = position
-                if isinstance(bucket, DenseBucket):
-                    self._view_of[index] = bucket.views[slot]
+        self._buckets = []  # drop the old buffers before allocating new ones
+        self._buckets, self._bucket_of, self._view_of = build_buckets(
+            self._params, self._sparse, self._owners, forward_order, self._limits, self._rings, self._comm_hook,
+            self._as_view, self.waiter,
+        )  # fmt: skip
 
 
 def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_dp.gradients.dense import averaging_op, in_place_min_bytes
+from lit_dp.gradients.waiting import UNWATCHED, Waiter
 
 # Backends whose reduce-scatter beats one reduce per owner (see the module docstring).
 REDUCE_SCATTER_BACKENDS = frozenset({"nccl"})
@@ -52,7 +53,7 @@ class ScatterBucket:
 
     __slots__ = (
         "indices", "params", "owners", "ring", "rank", "in_place", "flat", "segments", "numels", "own",
-        "own_views", "flags", "works", "reduced", "buffer", "average_op", "alone", "reduce_scatter",
+        "own_views", "flags", "works", "reduced", "buffer", "average_op", "alone", "reduce_scatter", "waiter",
     )  # fmt: skip
 
     def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup, owners: Sequence[int]):
@@ -79,6 +80,7 @@ class ScatterBucket:
         self.average_op = averaging_op(ring)
         self.alone = world_size == 1
         self.reduce_scatter = dist.get_backend(ring) in REDUCE_SCATTER_BACKENDS
+        self.waiter: Waiter = UNWATCHED  # the reducer's (a deadline under the hang watchdog)
 
     @property
     def nbytes(self) -> int:
@@ -89,14 +91,25 @@ class ScatterBucket:
         return self.nbytes
 
     def futures(self) -> list[torch.futures.Future]:
-        """Futures of the collectives started last; none for a group of one rank."""
-        return [work.get_future() for work in self.works]
+        """Futures of the collectives started last; none for a group of one rank.
 
-    def start(self, used: bytearray, flag_used: bool, world_size: int, complete: bool = False) -> None:
+        Gloo's ``reduce`` has no future (``Work::getFuture not implemented``): such works are left
+        out, so observers (the hang watchdog, always subscribed) see the flags' all-reduce only.
+        """
+        futures = []
+        for work in self.works:
+            try:
+                futures.append(work.get_future())
+            except RuntimeError:
+                continue
+        return futures
+
+    def start(self, used: bytearray, flag_used: bool | None, world_size: int, complete: bool = False) -> None:
         """Set the flags and start their all-reduce, then reduce every gradient to its owner.
 
         ``complete``: every member's gradient arrived in this backward. Absent gradients
-        contribute zeros. Flags sum to a count of ranks, as in ``DenseBucket``.
+        contribute zeros. Flags sum to a count of ranks, as in ``DenseBucket`` (``flag_used=None``:
+        all 0, a rank that ran out of inputs); ``world_size`` is the divisor, as there.
         """
         self.flags.fill_(1.0 if flag_used else 0.0)
         present = (
@@ -105,12 +118,13 @@ class ScatterBucket:
         if present is not None:
             for k, has_grad in enumerate(present):
                 if not has_grad:
-                    self.flags[k].fill_(0.0 if flag_used else 1.0)
+                    self.flags[k].fill_(0.0 if flag_used or flag_used is None else 1.0)
         if self.alone:
             return  # one rank owns everything and already holds the averages
         self.works = [dist.all_reduce(self.flags, group=self.ring, async_op=True)]
-        op = self.average_op or dist.ReduceOp.SUM
-        divisor = None if self.average_op is not None else world_size
+        average = self.average_op if world_size == len(self.numels) else None
+        op = average or dist.ReduceOp.SUM
+        divisor = None if average is not None else world_size
         for k in self.in_place:
             self.works.append(self._reduce_in_place(k, present is None or present[k], divisor, op))
         if self.flat:
@@ -176,7 +190,7 @@ class ScatterBucket:
     def wait(self) -> None:
         """Wait for this bucket's collectives (on CUDA: make the current stream wait for them)."""
         for work in self.works:
-            work.wait()
+            self.waiter.wait(work)
         self.works = []
 
     def write_back(self, as_view: bool, skipped: Collection[int]) -> None:

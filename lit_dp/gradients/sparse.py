@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_dp.gradients.waiting import UNWATCHED, Waiter
+
 
 class SparseBucket:
     """One parameter with a sparse gradient, with the same start/wait/write_back protocol as ``DenseBucket``."""
 
-    __slots__ = ("indices", "params", "ring", "work", "gradient", "flags", "flag_work", "native")
+    __slots__ = ("indices", "params", "ring", "work", "gradient", "flags", "flag_work", "native", "waiter")
 
     def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup) -> None:
         self.indices = indices
@@ -27,6 +29,7 @@ class SparseBucket:
         self.flag_work: dist.Work | None = None
         self.gradient: torch.Tensor | None = None
         self.flags = torch.zeros(1, device=params[0].device)
+        self.waiter: Waiter = UNWATCHED  # the reducer's (a deadline under the hang watchdog)
 
     @property
     def nbytes(self) -> int:
@@ -41,20 +44,22 @@ class SparseBucket:
         """Futures of the collectives started last: the values (Gloo only) and the flag."""
         return [work.get_future() for work in (self.work, self.flag_work) if work is not None]
 
-    def start(self, used: bytearray, flag_used: bool, world_size: int, complete: bool = False) -> None:
+    def start(self, used: bytearray, flag_used: bool | None, world_size: int, complete: bool = False) -> None:
         param = self.params[0]
         has_grad = bool(used[self.indices[0]]) and param.grad is not None
         if has_grad:
             gradient = param.grad if param.grad.is_sparse else param.grad.to_sparse()
             gradient = gradient.coalesce() / world_size
         else:
+            # Laid out as an embedding's gradient (rows sparse, each row dense), or Gloo's sparse
+            # all-reduce meets tensors of different layouts on the ranks that have one.
             gradient = torch.sparse_coo_tensor(
-                torch.empty(param.dim(), 0, dtype=torch.long, device=param.device),
-                torch.empty(0, dtype=param.dtype, device=param.device),
+                torch.empty(1, 0, dtype=torch.long, device=param.device),
+                torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device),
                 param.shape,
             )
         self.gradient = gradient
-        self.flags.fill_(float(has_grad == flag_used))
+        self.flags.fill_(0.0 if flag_used is None else float(has_grad == flag_used))
         if self.native:
             self.work = dist.all_reduce(self.gradient, group=self.ring, async_op=True)
         self.flag_work = dist.all_reduce(self.flags, group=self.ring, async_op=True)
@@ -63,10 +68,10 @@ class SparseBucket:
         assert self.gradient is not None and self.flag_work is not None, "wait() before start()"
         if self.native:
             assert self.work is not None
-            self.work.wait()  # gloo writes the sparse sum into its input
+            self.waiter.wait(self.work)  # gloo writes the sparse sum into its input
         else:
             self.gradient = allgather_sparse_sum(self.gradient, self.ring)
-        self.flag_work.wait()
+        self.waiter.wait(self.flag_work)
         self.work = self.flag_work = None
 
     def write_back(self, as_view: bool, skipped: Collection[int]) -> None:

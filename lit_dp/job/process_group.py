@@ -174,6 +174,20 @@ def get_rings() -> list[dist.ProcessGroup]:
     return [world, *_extra_rings_by_world.get(world, [])]
 
 
+def rendezvous_store() -> dist.Store | None:
+    """The default group's store (the rendezvous TCPStore behind torch's prefix), for lit_dp's
+    bookkeeping outside the collectives (the hang watchdog, Join's verdicts); None without a group.
+
+    Keys written there must stay in their own ``lit_dp/<feature>/`` namespace.
+    """
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):  # a group built without a store (e.g. torch's "fake" backend)
+        return None
+
+
 def _select_cuda_device(device_id: int) -> None:
     count = torch.cuda.device_count()
     if device_id >= count:

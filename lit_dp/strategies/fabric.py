@@ -7,6 +7,8 @@ same ``lit_dp.DataParallel``. ``fabric.setup(model, optimizer)`` wraps the model
 and checkpoints hold the bare module's state (no wrapper prefix). With ``sharding_stage`` the
 optimizers set up with the model become ``lit_dp.ShardedOptimizer`` s, ``fabric.clip_gradients``
 clips by the global norm, and ``fabric.save`` writes the consolidated optimizer state.
+Ranks with different numbers of batches train inside ``with fabric.strategy.join(model):``
+(torch's ``Join``, see ``lit_dp.join``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _Sub
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
 from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
+from lightning.fabric.wrappers import _FabricModule
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -29,6 +32,7 @@ from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel_env
+from lit_dp.join import DataParallelJoin
 from lit_dp.options import FABRIC, Options, options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
@@ -115,6 +119,27 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         self.precision.unscale_gradients(optimizer)
         return optimizer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    def join(
+        self,
+        module: Module,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> DataParallelJoin:
+        """Train on uneven inputs in a hand-written loop: ``with fabric.strategy.join(model):``.
+
+        ``model`` is what ``fabric.setup`` returned. Ranks that run out of batches shadow the
+        others' synchronised steps until all have, then every rank holds the same parameters
+        (``lit_dp.DataParallel.join``; the arguments are torch DDP's ``join``'s).
+        """
+        inner = module._forward_module if isinstance(module, _FabricModule) else module
+        if not isinstance(inner, DataParallel):
+            raise TypeError(
+                f"{type(self).__name__}.join expects the module returned by fabric.setup (a lit_dp.DataParallel "
+                f"inside), got {type(inner).__name__}."
+            )
+        return inner.join(divide_by_initial_world_size, enable, throw_on_early_termination)
 
     @override
     def module_to_device(self, module: Module) -> None:

@@ -46,6 +46,7 @@ from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.strategies.monitor import CommStatsMonitor
+from lit_dp.strategies.reliability import ReliabilityMixin
 from lit_dp.strategies.resume import continue_epoch
 from lit_dp.strategies.sharded_clipping import clip_sharded_by_global_norm
 
@@ -62,7 +63,7 @@ LIGHTNING_UNUSED_PARAMETERS_MESSAGE = (
 
 
 
-class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
+class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer, one process per device.
 
     The first five arguments are Lightning's, set by the Trainer. The options (``lit_dp.options``)
@@ -155,7 +156,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             f"gradient_as_bucket_view={options.gradient_as_bucket_view} local_sgd_steps={options.local_sgd_steps} "
             f"local_sgd_warmup_steps={options.local_sgd_warmup_steps} local_sgd_adaptive={options.local_sgd_adaptive} "
             f"comm_hook={describe_comm_hook(**options.hook_options())} comm_stats={options.comm_stats} "
-            f"sharding_stage={options.sharding_stage} sharding_overlap={options.sharding_overlap}"
+            f"sharding_stage={options.sharding_stage} sharding_overlap={options.sharding_overlap} "
+            f"uneven_inputs={options.uneven_inputs} hang_timeout={options.hang_timeout}"
         )
 
     @override
@@ -183,6 +185,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if fitting and (self._options.comm_stats or self._options.comm_buffer_size == AUTO):
             if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
                 trainer.callbacks.append(CommStatsMonitor())
+        if fitting:
+            self._setup_reliability(trainer)
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -242,7 +246,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._local_sgd is not None:
             loss = output if self._options.local_sgd_adaptive else None
-            self._local_sgd.step(loss, optimizer.param_groups[0]["lr"])
+            self._local_sgd.step(loss, optimizer.param_groups[0]["lr"], joined=self._replaying)
         return output
 
     @override
@@ -259,9 +263,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         # Called after Lightning restored the loops and before the first batch is fetched.
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.training:
-            return dataloader
-        return continue_epoch(dataloader, trainer.fit_loop)
+        if trainer is not None and trainer.training:
+            dataloader = continue_epoch(dataloader, trainer.fit_loop)
+        return super().process_dataloader(dataloader)  # uneven inputs: strategies/reliability.py
 
     @override
     def model_to_device(self) -> None:
@@ -288,17 +292,20 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        barrier(self.root_device)
+        with self._collective("barrier"):
+            barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return broadcast_object(obj, src)
+        with self._collective("broadcast"):
+            return broadcast_object(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
+        if not isinstance(tensor, Tensor):
+            return tensor
+        with self._collective("reduce (self.log(..., sync_dist=True), reduce_boolean_decision)"):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -339,6 +346,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def teardown(self) -> None:
         lightning_module = self.lightning_module
         self._local_sgd = None
+        self._teardown_reliability()
         if isinstance(self.model, DataParallel):
             self.model.flush_comm_stats()  # the trace of a run shorter than trace_steps
             self._tuned_buffer_size = self.tuned_comm_buffer_size

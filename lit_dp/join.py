@@ -1,0 +1,256 @@
+"""Uneven inputs: torch's ``Join`` contract for ``lit_dp.DataParallel``.
+
+A rank that runs out of batches first would leave its peers waiting in an all-reduce forever.
+With ``torch.distributed.algorithms.join.Join`` (or ``DataParallel.join()``, as on DDP)::
+
+    model = lit_dp.DataParallel(net)
+    with model.join():                      # or Join([model], divide_by_initial_world_size=False)
+        for inputs, targets in my_shard:    # any length, even 0
+            loss_fn(model(inputs), targets).backward()
+            optimizer.step(); optimizer.zero_grad()
+    # every rank gets here, with the same parameters and buffers
+
+How it works. Each synchronising forward tells the context that this rank is still in
+(``notify``: torch's all-reduce of ones, which a joined rank matches with zeros and so learns
+how many are still in). A rank that left its loop runs ``DataParallelJoinHook.main_hook`` once
+per step the others still take: ``Reducer.shadow_step`` issues exactly that step's collectives
+(same buckets, same order, through the communication hook if one is registered, zeros for
+gradients, flags that count it as neither using nor missing a parameter, the step counted for
+the observers: the bucket-size autotuner and the hang watchdog follow the same schedule). When
+a ``lit_dp.LocalSGD`` drives the model, a small plan (one all-reduce after the notification)
+says whether the step synchronises gradients or runs LocalSGD's collectives, which the joined
+rank then shadows too. Once all have joined, ``post_hook`` agrees on an authoritative rank (the
+highest of the last to join, as DDP does) and broadcasts its parameters, buffers and LocalSGD
+schedule.
+
+Divisor: ``divide_by_initial_world_size=True`` (default) divides by the world size, so every
+sample weighs the same; ``False`` divides by the ranks still in. As in torch DDP, a
+communication hook divides by itself (torch's hooks by the group's size).
+
+``throw_on_early_termination=True``: instead of shadowing, every rank raises at the first step
+a rank misses. The ranks still in name the ranks that ran out and the step (they find out who
+through the rendezvous store); a rank that ran out raises torch's own error, or, under
+``DataParallel.join()``, one naming its step.
+
+Limits, as in torch: collectives the join cannot see (``SyncBatchNorm``, the user's own
+``all_reduce``) must not run after a rank has joined; use ``throw_on_early_termination``.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook
+
+from lit_dp.gradients.broadcast import sync_params_buffers
+from lit_dp.job.process_group import rendezvous_store
+
+# The model is a ``lit_dp.DataParallel`` and the averager a ``lit_dp.LocalSGD``; both import this
+# module, so they are typed ``Any`` here rather than imported (no import circle).
+DataParallel = Any
+LocalSGD = Any
+
+# The plan's slots: this step synchronises gradients / agrees LocalSGD's first loss / averages.
+_GRADIENTS, _AGREE_FIRST_LOSS, _AVERAGE = range(3)
+_CONTEXTS = "lit_dp/join/contexts"
+_WHO_RAN_OUT_SECONDS = 30.0
+_POLL_SECONDS = 0.02
+
+
+@dataclass
+class JoinState:
+    """What a ``DataParallel`` keeps for ``Join``: set by the hook, read by the notifications."""
+
+    divide_by_initial_world_size: bool = True
+    steps: int = 0  # notifications sent by this rank, i.e. steps it took inside the context
+    shadowed: int = 0  # steps shadowed after joining
+    joined: bool = False
+    context: int = 0  # which Join context of the job this is, the same on every rank (store keys)
+    pending: Any = None  # the last plan all-reduce this rank sent
+    # Set by lit_dp.LocalSGD: its collectives are part of a step. Weak, since the LocalSGD holds
+    # the model: a cycle would keep the process group (and its port) alive until a GC pass.
+    _local_sgd: weakref.ref[LocalSGD] | None = None
+
+    @property
+    def local_sgd(self) -> LocalSGD | None:
+        return self._local_sgd() if self._local_sgd is not None else None
+
+    @local_sgd.setter
+    def local_sgd(self, local_sgd: LocalSGD | None) -> None:
+        self._local_sgd = weakref.ref(local_sgd) if local_sgd is not None else None
+
+
+def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None) -> None:
+    """Tell the Join context this rank is still in, before one step's collectives.
+
+    ``local_sgd_plan`` (agree on the first loss, average): the step is LocalSGD's; otherwise it
+    synchronises gradients. A no-op outside a Join context. torch's ``notify_join_context`` is
+    reproduced (same two collectives) rather than called, because its early-termination check
+    drops the count that names who ran out.
+    """
+    config = model._join_config
+    if not config.enable or not config.is_first_joinable:
+        return
+    state, reducer = model.join_state, model.reducer
+    assert reducer is not None, "a DataParallel without a reducer is not joinable"
+    group, device, waiter = reducer.group, model.join_device, reducer.waiter
+    still_in = torch.ones(1, device=device)
+    count_work = dist.all_reduce(still_in, group=group, async_op=True)
+    if config.throw_on_early_termination:
+        ran_out = torch.zeros(1, device=device)
+        waiter.wait(dist.all_reduce(ran_out, group=group, async_op=True), "Join's early-termination check")
+        if ran_out.item():
+            waiter.wait(count_work, "Join's count of the ranks still in")
+            raise RuntimeError(_early_termination_message(model, int(still_in.item())))
+    state.steps += 1
+    if state.local_sgd is not None:
+        plan = torch.zeros(3, device=device)
+        plan[_GRADIENTS] = float(local_sgd_plan is None)
+        if local_sgd_plan is not None:
+            plan[_AGREE_FIRST_LOSS], plan[_AVERAGE] = (float(flag) for flag in local_sgd_plan)
+        # Never read here (the joined ranks read it); kept until the next step, as torch keeps its works.
+        state.pending = dist.all_reduce(plan, group=group, async_op=True)
+    if state.divide_by_initial_world_size:
+        reducer.divisor = dist.get_world_size(group)
+    else:
+        # The ranks still in, from the count just exchanged (torch DDP waits for it too).
+        waiter.wait(count_work, "Join's count of the ranks still in")
+        reducer.divisor = int(still_in.item())
+
+
+class DataParallelJoinHook(JoinHook):
+    """``DataParallel``'s join hook: shadow the others' steps, then adopt the authoritative model."""
+
+    def __init__(self, model: DataParallel, divide_by_initial_world_size: bool = True) -> None:
+        if model.reducer is None:
+            raise ValueError(
+                "Join needs a DataParallel that synchronises gradients: this one has no reducer "
+                "(no process group, or no trainable parameters)."
+            )
+        if model.sharding_stage is not None:
+            raise ValueError(
+                f"Join with sharding_stage={model.sharding_stage} is invalid: after each step the sharded optimizer "
+                "gathers the updated parameters from their owners, collectives a rank that left its loop does not "
+                "issue. Under the Trainer, uneven_inputs=True works with sharding (every rank keeps stepping)."
+            )
+        self._model = model
+        state = model.join_state
+        state.divide_by_initial_world_size = divide_by_initial_world_size
+        state.joined = False
+        state.steps = state.shadowed = 0
+        store = rendezvous_store()
+        if store is not None:
+            # Every rank enters each Join context once: the n-th of the job gets the same number everywhere.
+            state.context = (store.add(_CONTEXTS, 1) - 1) // dist.get_world_size(model.join_process_group)
+
+    def main_hook(self) -> None:
+        """Issue the collectives of one step of the ranks still in."""
+        model, state = self._model, self._model.join_state
+        reducer = model.reducer
+        assert reducer is not None
+        state.joined = True
+        state.shadowed += 1
+        watchdog = model.watchdog
+        if watchdog is not None:
+            watchdog.untimed_wait_ended()
+            watchdog.joined = True
+        gradients, agree_first, average = True, False, False
+        if state.local_sgd is not None:
+            plan = torch.zeros(3, device=model.join_device)
+            reducer.waiter.wait(dist.all_reduce(plan, group=reducer.group, async_op=True), "Join's step plan")
+            gradients, agree_first, average = (bool(value) for value in plan.tolist())
+        if gradients:
+            reducer.shadow_step()
+        if state.local_sgd is not None and (agree_first or average):
+            state.local_sgd.shadow_step(agree_first, average)
+        if watchdog is not None:
+            # torch's Join now all-reduces the count of the ranks still in: a wait the
+            # watchdog cannot put a deadline on, so its thread watches it.
+            watchdog.untimed_wait_started("the next step of the ranks still in (torch's Join loop)")
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the parameters, buffers and LocalSGD schedule of the authoritative rank."""
+        model, state = self._model, self._model.join_state
+        reducer = model.reducer
+        assert reducer is not None
+        if model.watchdog is not None:
+            model.watchdog.untimed_wait_ended()
+            model.watchdog.joined = False
+        group = reducer.group
+        candidate = torch.tensor([dist.get_rank() if is_last_joiner else -1], device=model.join_device)
+        reducer.waiter.wait(
+            dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=group, async_op=True), "Join's authoritative rank"
+        )
+        authoritative = int(candidate.item())
+        sync_params_buffers(model.module, group=group, src_rank=authoritative)
+        if state.local_sgd is not None:
+            state.local_sgd.adopt_schedule_of(authoritative)
+        reducer.divisor = dist.get_world_size(group)
+        state.joined = False
+
+
+class DataParallelJoin(Join):
+    """torch's ``Join`` for one ``DataParallel``, whose early-termination error on the rank that
+    ran out names its step (torch's names the rank only)."""
+
+    def __init__(self, model: DataParallel, **kwargs: Any) -> None:
+        super().__init__([model], **kwargs)
+        self._model = model
+
+    def __exit__(
+        self, type: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        watchdog = self._model.watchdog
+        if watchdog is not None and type is None and self._enable:
+            # torch's loop starts with its count of the ranks still in: watched from the first wait on.
+            watchdog.untimed_wait_started("the next step of the ranks still in (torch's Join loop)")
+        try:
+            super().__exit__(type, value, traceback)
+        except RuntimeError as error:
+            if type is not None or not self._throw_on_early_termination or "exhausted all inputs" not in str(error):
+                raise
+            steps = self._model.join_state.steps
+            raise RuntimeError(
+                f"lit_dp Join (throw_on_early_termination=True): rank {dist.get_rank()} ran out of inputs after "
+                f"{steps} synchronised step(s) inside the context; the ranks still in raise at their step {steps} "
+                "(counted from 0)."
+            ) from error
+        finally:
+            if watchdog is not None:
+                watchdog.untimed_wait_ended()
+
+
+def _early_termination_message(model: DataParallel, still_in: int) -> str:
+    """Which ranks ran out, found through the rendezvous store: the ranks still in sign in and
+    the missing ones are those that left (the count tells how many sign-ins to wait for)."""
+    state = model.join_state
+    group = model.join_process_group
+    world = dist.get_world_size(group)
+    step = state.steps
+    ran_out = _ranks_that_ran_out(state.context, group, still_in)
+    names = f"rank(s) {ran_out}" if ran_out is not None else f"{world - still_in} rank(s)"
+    return (
+        f"lit_dp Join (throw_on_early_termination=True): {names} ran out of inputs; the {still_in} rank(s) still "
+        f"in raise at their synchronised step {step} inside the context (counted from 0)."
+    )
+
+
+def _ranks_that_ran_out(context: int, group: dist.ProcessGroup, still_in: int) -> list[int] | None:
+    store = rendezvous_store()
+    if store is None:
+        return None
+    prefix = f"lit_dp/join/{context}/still_in"
+    rank = dist.get_rank()
+    store.set(f"{prefix}/in/{rank}", "1")
+    store.add(f"{prefix}/count", 1)
+    deadline = time.monotonic() + _WHO_RAN_OUT_SECONDS
+    while store.add(f"{prefix}/count", 0) < still_in and time.monotonic() < deadline:
+        time.sleep(_POLL_SECONDS)
+    ranks = dist.get_process_group_ranks(group)
+    return [r for r in ranks if not store.check([f"{prefix}/in/{r}"])]
