@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import time
 
-import lightning.pytorch as pl
 import pytest
 
 import lit_dp
 from lit_dp.observability.watchdog import HANG_DIRECTORY
 from tests.helpers.distributed import run_ranks
-from tests.helpers.lightning import Regressor
+from tests.helpers.lightning import Regressor, trainer
 
 HANG_TIMEOUT = 2.0
 
@@ -24,18 +23,8 @@ class SleepyRegressor(Regressor):
 
 
 def fit_with_a_sleeping_rank(rank: int, root: str) -> None:
-    trainer = pl.Trainer(
-        strategy=lit_dp.PaddleDPStrategy(hang_timeout=HANG_TIMEOUT),
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
-    trainer.fit(SleepyRegressor())
+    strategy = lit_dp.PaddleDPStrategy(hang_timeout=HANG_TIMEOUT)
+    trainer(strategy, root, max_epochs=1).fit(SleepyRegressor())
 
 
 @pytest.mark.slow

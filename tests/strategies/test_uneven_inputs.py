@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from lit_dp import PaddleDPStrategy
 from lit_dp.options import Options
 from tests.helpers.distributed import launch_forking, run_ranks
+from tests.helpers.lightning import trainer
 
 WORLD = 2
 
@@ -79,21 +80,9 @@ class Module(pl.LightningModule):
 
 
 def make_trainer(tmp_path: str, uneven: bool = True, sharding_stage: int | None = None, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=WORLD,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=1,
-    )
-    options.update(kwargs)
     strategy = PaddleDPStrategy(uneven_inputs=uneven, timeout=60, sharding_stage=sharding_stage)
-    return pl.Trainer(strategy=strategy, **options)
+    options = dict(devices=WORLD, use_distributed_sampler=False, num_sanity_val_steps=1)
+    return trainer(strategy, tmp_path, **{**options, **kwargs})
 
 
 def reference_weights(counts: list[int], epochs: int, accumulate: int = 1) -> list[torch.Tensor]:
