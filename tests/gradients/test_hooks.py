@@ -179,7 +179,6 @@ def two_ranks():
     return run_ranks(two_rank_suite, 2, _batched_powersgd_is_broken(), timeout=300)
 
 
-@pytest.mark.slow
 def test_torch_hooks_on_two_ranks(two_ranks):
     results = {rank: report["cases"] for rank, report in two_ranks.items()}
     assert results[0] == results[1]
@@ -191,7 +190,6 @@ def test_torch_hooks_on_two_ranks(two_ranks):
             assert iterations == STEPS, f"{case}: PowerSGD counted {iterations} iterations"
 
 
-@pytest.mark.slow
 def test_torch_hooks_on_three_ranks():
     cases = [TWO_RANK_CASES[i] for i in (0, 7)]
     results = run_ranks(hook_cases, 3, cases, timeout=240)
@@ -237,7 +235,6 @@ def batched_powersgd(rank, broken):
     return failures
 
 
-@pytest.mark.slow
 def test_batched_powersgd_on_two_ranks(two_ranks):
     if not _batched_powersgd_is_broken():
         return  # the full-rank comparison ran in train_with_hook
@@ -320,7 +317,6 @@ def hook_contract(rank):
     return report
 
 
-@pytest.mark.slow
 def test_hook_contract_on_two_ranks(two_ranks):
     for rank, report in ((rank, report["contract"]) for rank, report in two_ranks.items()):
         expected = "returns_a_tensor returned Tensor for bucket 0: expected a torch.futures.Future"
@@ -385,7 +381,6 @@ def digits_with_powersgd(rank, steps):
     return accuracy
 
 
-@pytest.mark.slow
 def test_powersgd_rank_1_trains_the_digits_model(two_ranks):
     accuracy = two_ranks[0]["digits"]
     assert accuracy == two_ranks[1]["digits"], "ranks disagree: weights diverged"
@@ -453,7 +448,6 @@ def test_strategy_hook_options_are_validated(options, message):
         PaddleDPStrategy(**options)
 
 
-@pytest.mark.slow
 def test_strategy_registers_a_named_hook(two_ranks):
     for report in two_ranks.values():
         # comm_dtype around a named hook is torch's compress wrapper; 3 synchronised steps counted.

@@ -43,14 +43,12 @@ TWO_RANK_CASES = [
 ]
 
 
-@pytest.mark.slow
 def test_two_ranks_match_single_process_and_ddp():
     results = run_ranks(equivalence_cases, 2, TWO_RANK_CASES, timeout=240)
     # Rebuilt buckets are identical on every rank (rank 0's ready order was agreed).
     assert results[0] == results[1]
 
 
-@pytest.mark.slow
 def test_three_ranks_match_single_process_and_ddp():
     cases = [c for c in TWO_RANK_CASES if c[0] in ("tied", "branches") and c[5] == 1][:3] + [ALL_IN_PLACE]
     results = run_ranks(equivalence_cases, 3, cases, timeout=240)

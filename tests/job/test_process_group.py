@@ -166,7 +166,6 @@ def allreduce_after_a_late_rank_zero(rank):
     return tensor.item()
 
 
-@pytest.mark.slow
 def test_restarted_workers_build_the_process_group_on_the_agents_store():
     """Two attempts of a 2-rank job on one agent store, as under torchrun: before the attempt
     prefix, rank 1 of attempt 1 read rank 0's Gloo address from attempt 0 and failed with

@@ -9,7 +9,6 @@ from lit_dp.observability.autotune import _trimmed_mean, settled_step
 from tests.helpers.observability import KB, MAX_TUNING_STEPS, PREFERRED
 
 
-@pytest.mark.slow
 def test_autotune_picks_the_size_the_slowest_rank_runs_fastest_with(two_ranks):
     results, _ = two_ranks
     # Autotune: the same choice everywhere, the preferred one, reached within the schedule.

@@ -13,7 +13,6 @@ from tests.helpers.distributed import run_ranks
 from tests.helpers.observability import STATS_STEPS, make_model, train_step
 
 
-@pytest.mark.slow
 def test_statistics_on_two_ranks(two_ranks):
     results, _ = two_ranks
     for rank, result in results.items():

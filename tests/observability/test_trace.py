@@ -13,7 +13,6 @@ from lit_dp_recipes.trace_render import main as render_main
 from tests.helpers.observability import TRACED
 
 
-@pytest.mark.slow
 def test_trace_of_two_ranks_merges_and_renders(two_ranks, tmp_path):
     results, trace_dir = two_ranks
     # The trace: valid trace-event JSON, one complete event per bucket per traced step.

@@ -42,7 +42,6 @@ def sleep_before_backward(rank: int, directory: str) -> None:
         loss.backward()
 
 
-@pytest.mark.slow
 def test_a_sleeping_and_a_silent_rank_are_named_and_the_waiting_rank_raises(tmp_path):
     started = time.monotonic()
     failures = run_ranks(sleep_before_backward, 3, str(tmp_path), timeout=90, expect_failure=True)
