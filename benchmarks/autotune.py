@@ -32,10 +32,9 @@ from benchmarks.common import (
     MODELS,
     benchmark_main,
     block_of_steps,
-    fixed_malloc_thresholds,
     init_gloo_rank,
     interleaved_times,
-    run_ranks,
+    run_steady_ranks,
     train_step,
 )
 
@@ -139,9 +138,7 @@ def report(results: dict) -> str:
 
 def run(config: AutotuneBenchmarkConfig) -> dict:
     """Per model: the fixed sizes' step times, the autotuned trials, the statistics' overhead."""
-    # Read by each spawned rank's C library at start (see the module docstring).
-    with fixed_malloc_thresholds(32 * 2**20, trim_bytes=4 * 2**30):
-        return run_ranks(_worker, 2, config)
+    return run_steady_ranks(_worker, config)
 
 
 main = benchmark_main("autotune", AutotuneBenchmarkConfig, lambda config: report(run(config)))

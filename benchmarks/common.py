@@ -211,6 +211,14 @@ def fixed_malloc_thresholds(mmap_bytes: int, trim_bytes: int | None = None) -> I
             del os.environ[name]
 
 
+def run_steady_ranks(worker: Callable[..., Any], config: Any, world_size: int = 2) -> dict:
+    """``run_ranks`` for interleaved timing of identical wrappers: glibc keeps freed blocks up to
+    32 MB and trims only past 4 GB, so a large gradient costs the same page faults in every
+    wrapper's step (with glibc's history-driven default two identical wrappers differed by 10 to 15%)."""
+    with fixed_malloc_thresholds(32 * 2**20, trim_bytes=4 * 2**30):
+        return run_ranks(worker, world_size, config)
+
+
 def benchmark_main(config_name: str, config_cls: type[Config], run_and_report: Callable[[Config], str]) -> Callable[[], None]:
     """A script's entry point: its Hydra config ``benchmarks/conf/<config_name>.yaml`` as
     ``config_cls``, measured and printed by ``run_and_report``."""

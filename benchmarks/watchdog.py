@@ -23,10 +23,9 @@ from benchmarks.common import (
     MODELS,
     benchmark_main,
     block_of_steps,
-    fixed_malloc_thresholds,
     init_gloo_rank,
     interleaved_times,
-    run_ranks,
+    run_steady_ranks,
 )
 
 WRAPPERS = ("off", "on", "off again")
@@ -79,9 +78,7 @@ def report(results: dict) -> str:
 
 def run(config: WatchdogBenchmarkConfig) -> dict:
     """Per model: the median step time of each wrapper, ms."""
-    # Read by each spawned rank's C library at start: see benchmarks/autotune.py.
-    with fixed_malloc_thresholds(32 * 2**20, trim_bytes=4 * 2**30):
-        return run_ranks(_worker, 2, config)
+    return run_steady_ranks(_worker, config)
 
 
 main = benchmark_main("watchdog", WatchdogBenchmarkConfig, lambda config: report(run(config)))
