@@ -31,6 +31,7 @@ import torch.distributed as dist
 from benchmarks.common import (
     MODELS,
     benchmark_main,
+    cost_and_noise,
     block_of_steps,
     init_gloo_rank,
     interleaved_times,
@@ -127,9 +128,7 @@ def report(results: dict) -> str:
             mode = f"{trial['chosen']:g} MB"  # the first size of its partition, as in the sweep
             choices.append(f"{trial['chosen']:g} MB ({trial['steps']})")
             ratios.append(f"{fixed[mode] / fixed[best]:.3f}")
-        timed = row["stats_on_off"]
-        overhead = timed["on"] / ((timed["off"] + timed["off again"]) / 2)
-        noise = timed["off"] / timed["off again"]
+        overhead, noise = cost_and_noise(row["stats_on_off"])
         lines.append(
             f"| {name} | {sweep} | {best} | {', '.join(choices)} | {', '.join(ratios)} | {overhead:.3f} | {noise:.3f} |"
         )

@@ -211,6 +211,12 @@ def fixed_malloc_thresholds(mmap_bytes: int, trim_bytes: int | None = None) -> I
             del os.environ[name]
 
 
+def cost_and_noise(times: dict[str, float]) -> tuple[float, float]:
+    """For a feature timed "off", "on", "off again" side by side: on against the mean of the two
+    offs (its cost), and off against off again (the noise floor that cost must beat)."""
+    return times["on"] / ((times["off"] + times["off again"]) / 2), times["off"] / times["off again"]
+
+
 def run_steady_ranks(worker: Callable[..., Any], config: Any, world_size: int = 2) -> dict:
     """``run_ranks`` for interleaved timing of identical wrappers: glibc keeps freed blocks up to
     32 MB and trims only past 4 GB, so a large gradient costs the same page faults in every

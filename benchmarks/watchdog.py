@@ -22,6 +22,7 @@ import torch
 from benchmarks.common import (
     MODELS,
     benchmark_main,
+    cost_and_noise,
     block_of_steps,
     init_gloo_rank,
     interleaved_times,
@@ -68,10 +69,9 @@ def report(results: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
-        off = (row["off"] + row["off again"]) / 2
+        cost, noise = cost_and_noise(row)
         lines.append(
-            f"| {name} | {row['off']:.3f} | {row['on']:.3f} | {row['off again']:.3f} | {row['on'] / off:.3f} "
-            f"| {row['off'] / row['off again']:.3f} |"
+            f"| {name} | {row['off']:.3f} | {row['on']:.3f} | {row['off again']:.3f} | {cost:.3f} | {noise:.3f} |"
         )
     return "\n".join(lines)
 
