@@ -37,7 +37,7 @@ def check_backend(option: str, value: object) -> str:
     if name == AUTO or name in available:
         return name
     if ":" not in name:
-        raise ValueError(f"{option}={value!r} is invalid: expected {expected}.")
+        raise ValueError(f"{option}={value!r} is invalid: expected {expected}{_missing_nccl_hint([name])}.")
     pairs = [item.strip().partition(":") for item in name.split(",")]
     devices = [device.strip() for device, _, _ in pairs]
     unavailable = [backend.strip() for _, _, backend in pairs if backend.strip() not in available]
@@ -49,9 +49,16 @@ def check_backend(option: str, value: object) -> str:
     if unavailable:
         raise ValueError(
             f"{option}={value!r} is invalid: backend(s) {', '.join(map(repr, unavailable))} are not available "
-            f"in this torch.distributed; available: {', '.join(available)}."
+            f"in this torch.distributed; available: {', '.join(available)}{_missing_nccl_hint(unavailable)}."
         )
     return ",".join(f"{device}:{backend.strip()}" for device, (_, _, backend) in zip(devices, pairs))
+
+
+def _missing_nccl_hint(unavailable: list[str]) -> str:
+    # The usual cause: a CPU build of torch (`torch.version.cuda is None`), which has no NCCL at all.
+    if "nccl" not in unavailable or dist.is_nccl_available():
+        return ""
+    return " (this torch build has no NCCL: install a CUDA build of torch for NCCL, or use gloo)"
 
 
 def uses_nccl(backend: str) -> bool:

@@ -62,6 +62,20 @@ def make_hook(spec: str, model: nn.Module, rank_override: int | None = None):
     raise ValueError(spec)
 
 
+def ddp_hook(spec: str, model: nn.Module):
+    """``make_hook`` for torch DDP, the oracle. DDP refuses torch's bf16 hooks by name where torch
+    was built without CUDA and NCCL (its ``_check_comm_hook``), though they run on Gloo: there the
+    same hook under another name is the oracle, computing exactly what torch's hook computes."""
+    state, hook = make_hook(spec, model)
+    if not spec.startswith("bf16"):
+        return state, hook
+
+    def bf16_oracle(hook_state, bucket):
+        return hook(hook_state, bucket)
+
+    return state, bf16_oracle
+
+
 def train_with_hook(rank, name, comm_mb, last_mb, find_unused, as_view, accumulate, spec, steps=STEPS):
     """lit_dp with the hook against its oracle (see the module docstring), step by step."""
     import torch.distributed as dist
@@ -87,7 +101,7 @@ def train_with_hook(rank, name, comm_mb, last_mb, find_unused, as_view, accumula
         other = DistributedDataParallel(
             copies["ddp"], bucket_cap_mb=comm_mb, find_unused_parameters=find_unused, gradient_as_bucket_view=as_view
         )
-        other.register_comm_hook(*make_hook(spec, copies["ddp"]))
+        other.register_comm_hook(*ddp_hook(spec, copies["ddp"]))
     else:
         other = None
     reference = copies["reference"]

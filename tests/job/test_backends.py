@@ -7,11 +7,15 @@ import torch.distributed as dist
 
 from lit_dp.job.backends import available_backends, check_backend, uses_nccl
 
+# A CPU build of torch has no NCCL: the per-device forms are checked with what this build has.
+CUDA_BACKEND = "nccl" if dist.is_nccl_available() else "gloo"
+AVAILABLE = ", ".join(available_backends())
+
 
 def test_auto_available_and_per_device_forms_pass_normalised():
     assert check_backend("backend", " AUTO ") == "auto"
     assert check_backend("backend", "Gloo") == "gloo"
-    assert check_backend("backend", "cpu:gloo, cuda:nccl") == "cpu:gloo,cuda:nccl"
+    assert check_backend("backend", f"cpu:gloo, cuda:{CUDA_BACKEND}") == f"cpu:gloo,cuda:{CUDA_BACKEND}"
     assert "gloo" in available_backends() and "undefined" not in available_backends()
 
 
@@ -22,8 +26,8 @@ def test_nccl_is_recognised_in_a_per_device_form():
 @pytest.mark.parametrize(
     ("backend", "message"),
     [
-        ("no_such", r"backend='no_such' is invalid: expected 'auto', a backend .* available here \(gloo, nccl"),
-        ("cpu:gloo,cuda:no_such", r"backend\(s\) 'no_such' are not available .*; available: gloo, nccl"),
+        ("no_such", rf"backend='no_such' is invalid: expected 'auto', a backend .* available here \({AVAILABLE}\)"),
+        ("cpu:gloo,cuda:no_such", rf"backend\(s\) 'no_such' are not available .*; available: {AVAILABLE}\."),
         ("cpu:gloo,cpu:nccl", "expected '<device>:<backend>' pairs separated by commas, one per device type"),
         (3, r"backend=3 is invalid: expected 'auto'"),
     ],
@@ -37,3 +41,11 @@ def test_unavailable_backend_is_a_clear_error(backend, message):
 def test_mpi_without_mpi_names_the_available_backends():
     with pytest.raises(ValueError, match=r"backend='mpi' is invalid: .*available here \(gloo"):
         check_backend("backend", "mpi")
+
+
+@pytest.mark.skipif(dist.is_nccl_available(), reason="checks the error where this torch build has no NCCL")
+def test_nccl_in_a_build_without_it_says_so():
+    with pytest.raises(ValueError, match=r"backend\(s\) 'nccl' are not available .*this torch build has no NCCL"):
+        check_backend("backend", "cpu:gloo,cuda:nccl")
+    with pytest.raises(ValueError, match=r"backend='nccl' is invalid: .*this torch build has no NCCL"):
+        check_backend("backend", "nccl")
