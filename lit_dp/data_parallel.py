@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,9 @@ from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, MB, assign_group_by_size
 from lit_dp.gradients.compile import bucket_graph_breaks
 from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.hooks import CommHook, resolve_comm_hook
+from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
+from lit_dp.gradients.waiting import Waiter
 from lit_dp.job.process_group import get_rings
 from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
 from lit_dp.observability.autotune import AUTO, BucketAutotuner, settled_step
@@ -41,24 +44,25 @@ class DataParallel(nn.Module, Joinable):
             (the default group when there is one ring).
         options: options already validated by a front door (the strategies pass theirs);
             otherwise the keyword arguments below are validated here.
-        unused_parameters_message: the sentence that opens a missing-gradient error (the
-            strategies give Lightning's); by default a hint naming ``find_unused_parameters``.
 
     Options (``lit_dp.options``), as keyword arguments:
 {options}
 
-    ``no_sync()`` accumulates gradients locally (as does ``skip_grad_sync = True``, which
-    ``lit_dp.LocalSGD`` sets for its local phase); ``state_dict()`` is the inner module's, with
-    no prefix. ``register_comm_hook`` takes torch DDP's communication hooks. With
-    ``sharding_stage`` each parameter gets an owner (``owner_of``), whose
-    ``lit_dp.ShardedOptimizer`` alone steps it (docs/sharding.md). Without a process group the
-    module runs unchanged; a group of one rank (what the Lightning strategies create for one
-    device) gets a reducer like any other, so an unused parameter raises on one device as it
-    would on many.
+    Whether a backward synchronises is decided at its forward, once, as a ``StepPlan``
+    (``lit_dp.gradients.plan``): ``no_sync()`` and ``require_backward_grad_sync = False`` (torch
+    DDP's attribute, which scripts written for DDP set to accumulate gradients) keep gradients
+    local, as does the local phase of a ``lit_dp.LocalSGD`` driving this model.
+    ``state_dict()`` is the inner module's, with no prefix. ``register_comm_hook`` takes torch
+    DDP's communication hooks. With ``sharding_stage`` each parameter gets an owner
+    (``owner_of``), whose ``lit_dp.ShardedOptimizer`` alone steps it (docs/sharding.md). Without
+    a process group the module runs unchanged; a group of one rank (what the Lightning
+    strategies create for one device) gets a reducer like any other, so an unused parameter
+    raises on one device as it would on many.
 
     A ``Joinable`` (``torch.distributed.algorithms.join``): ``with model.join():`` or
     ``with Join([model]):`` trains on uneven inputs (``lit_dp.join``). With ``hang_timeout``, a
-    collective waiting longer is diagnosed and raised (``lit_dp.observability.watchdog``).
+    collective waiting longer is diagnosed and raised (``lit_dp.observability.watchdog``): this
+    wrapper owns the ``Waiter`` through which every wait of its collectives goes.
     """
 
     def __init__(
@@ -67,7 +71,6 @@ class DataParallel(nn.Module, Joinable):
         group: dist.ProcessGroup | None = None,
         *,
         options: Options | None = None,
-        unused_parameters_message: str | None = None,
         **option_values: Any,
     ) -> None:
         super().__init__()
@@ -76,22 +79,21 @@ class DataParallel(nn.Module, Joinable):
             options = Options.build(option_values, MODULE)
         elif option_values:
             raise TypeError(f"DataParallel: pass options= or keyword options, not both (got {sorted(option_values)}).")
-        auto = options.comm_buffer_size == AUTO
-        # With "auto" the first step (before the ready-order rebuild) runs in default-sized buckets.
-        bucket_bytes = megabytes_to_bytes("comm_buffer_size", DEFAULT_BUCKET_MB if auto else options.comm_buffer_size)
-        last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", options.last_comm_buffer_size)
         self._layers = layers
         self._options = options
-        self.grad_need_sync = True
-        # Set by lit_dp.LocalSGD for its local phase: backward then communicates nothing.
-        self.skip_grad_sync = False
+        self._tuner: BucketAutotuner | None = None
+        # torch DDP's flag: False keeps the next forward's backward local (no_sync() sets it).
+        self.require_backward_grad_sync = True
+        bucket_bytes = megabytes_to_bytes("comm_buffer_size", self.comm_buffer_size)
         # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.gradients.compile);
         # its splitter requires at least its own first-piece size (1 MB).
         self.bucket_bytes_cap = max(bucket_bytes, dist._DEFAULT_FIRST_BUCKET_BYTES)
+        self._arms_at_forward = True  # False under manual optimisation (arm_at_backward)
+        self._local_sgd: weakref.ref[Any] | None = None  # the LocalSGD driving this model (use_local_sgd)
+        self._waiter = Waiter()
         self._comm_hook: CommHook | None = None
         self._stats: CommObserver | None = None
         self._trace: TraceWriter | None = None
-        self._tuner: BucketAutotuner | None = None
         self._reducer: Reducer | None = None
         self._watchdog: HangWatchdog | None = None
         self.join_state = JoinState()
@@ -109,17 +111,15 @@ class DataParallel(nn.Module, Joinable):
                 names,
                 rings,
                 bucket_bytes=bucket_bytes,
-                last_bucket_bytes=last_bucket_bytes,
+                last_bucket_bytes=megabytes_to_bytes("last_comm_buffer_size", options.last_comm_buffer_size),
                 sparse=[id(param) in sparse_ids for _, param in named],
-                find_unused_parameters=options.find_unused_parameters,
                 gradient_as_bucket_view=options.gradient_as_bucket_view,
-                unused_parameters_message=unused_parameters_message,
                 owners=owners if options.sharding_stage == 2 else None,
+                waiter=self._waiter,
             )
             self._observe(self._reducer, device, names)
-            if dist.get_rank() == 0:
-                sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
-                log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
+            sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
+            log.debug("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
         # Built here, in each process: PowerSGD's state belongs to the process group.
         registration = resolve_comm_hook(comm_state=options.comm_state, **options.hook_options())
         if registration is not None:
@@ -140,6 +140,12 @@ class DataParallel(nn.Module, Joinable):
             reducer.add_observer(self._stats)
         if options.hang_timeout is not None and dist.get_world_size(reducer.group) > 1:
             self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace_dir)
+            if self._watchdog is not None and self._watchdog.bounds_waits:
+                self._waiter.watch(options.hang_timeout, self._watchdog.on_deadline)
+        log.debug(
+            "lit_dp.DataParallel: observers: comm_stats=%s trace=%s autotune=%s hang watchdog=%s",
+            self._stats is not None, self._trace is not None, self._tuner is not None, self._watchdog is not None,
+        )
 
     @property
     def module(self) -> nn.Module:
@@ -162,6 +168,29 @@ class DataParallel(nn.Module, Joinable):
         return self._owners.get(id(param))
 
     @property
+    def waiter(self) -> Waiter:
+        """How every wait of this model's collectives is made (a deadline under the hang watchdog):
+        the reducer's, a hook's, and those of the LocalSGD, Join and uneven inputs driving it."""
+        return self._waiter
+
+    @property
+    def local_sgd(self) -> Any:
+        """The ``lit_dp.LocalSGD`` driving this model (``use_local_sgd``), if any."""
+        return self._local_sgd() if self._local_sgd is not None else None
+
+    def use_local_sgd(self, local_sgd: Any) -> None:
+        """From now on ``local_sgd`` decides the phases: gradients are synchronised during its warm-up
+        only, and under Join a rank that ran out shadows its collectives too (``lit_dp.LocalSGD`` calls
+        this; held weakly, since the averager holds this model)."""
+        self._local_sgd = weakref.ref(local_sgd)
+
+    def arm_at_backward(self) -> None:
+        """Let ``prepare_for_backward`` alone decide each step: forwards no longer do (the Trainer
+        strategy's manual optimisation, where ``manual_backward`` arms the reducer, however many
+        forwards a ``training_step`` runs)."""
+        self._arms_at_forward = False
+
+    @property
     def watchdog(self) -> HangWatchdog | None:
         """The hang watchdog (``hang_timeout``); set its ``directory`` to choose where stacks go."""
         return self._watchdog
@@ -180,7 +209,7 @@ class DataParallel(nn.Module, Joinable):
         hook can be registered once, before the first synchronised backward. Sparse gradients
         are reduced without it. See docs/comm_hooks.md.
         """
-        comm_hook = CommHook(state, hook)
+        comm_hook = CommHook(state, hook, self._waiter)
         if self._comm_hook is not None:
             raise RuntimeError(
                 f"lit_dp.DataParallel: a communication hook ({self._comm_hook.name}) is already registered; "
@@ -200,11 +229,13 @@ class DataParallel(nn.Module, Joinable):
         return self._options
 
     @property
-    def comm_buffer_size(self) -> float | str:
-        """The bucket size in MB; with ``"auto"``, the size chosen once tuning is over."""
+    def comm_buffer_size(self) -> float:
+        """The bucket size in effect, MB: the fixed size, or with ``"auto"`` the size chosen once
+        tuning is over, and until then the default that the first steps run with."""
         if self._tuner is not None and self._tuner.chosen_mb is not None:
             return self._tuner.chosen_mb
-        return self._options.comm_buffer_size
+        size = self._options.comm_buffer_size
+        return DEFAULT_BUCKET_MB if size == AUTO else size
 
     @property
     def autotuner(self) -> BucketAutotuner | None:
@@ -240,26 +271,42 @@ class DataParallel(nn.Module, Joinable):
             outputs = self._layers(*inputs, **kwargs)
         # The forward decides whether the next backward synchronises (as in torch DDP and Paddle),
         # so `no_sync()` must wrap the forward, not only the backward.
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self._arms_at_forward:
             self.prepare_for_backward(outputs)
         return outputs
 
     def prepare_for_backward(self, outputs: Any) -> None:
-        """Arm the reducer for a backward from ``outputs`` unless gradients stay local.
+        """Decide the plan of the backward from ``outputs`` and, unless it stays local, arm the reducer.
 
         ``forward`` calls it; so does the Trainer strategy's ``manual_backward`` under manual
-        optimization, where the forward must not decide.
+        optimization (``arm_at_backward``).
         """
-        if self._reducer is not None and self.grad_need_sync and not self.skip_grad_sync:
-            notify(self)  # inside a Join context: "still in", before this step's collectives
-            self._reducer.prepare_for_backward(outputs)
+        if self._reducer is None:
+            return
+        plan = self._plan(Participation.SYNC)
+        log.debug("lit_dp.DataParallel: step %d plan %s", self._reducer.step + 1, plan)
+        if plan.communicates:
+            self._reducer.prepare_for_backward(plan, outputs)
 
-    def shadow_backward(self) -> None:
+    def replay_step(self) -> None:
         """Take this step's synchronisation without a batch (the Trainer's ``uneven_inputs``):
         gradients accumulated here since the last synchronisation count, and the averages land
-        in ``.grad`` (``Reducer.shadow_step``)."""
-        if self._reducer is not None and self.grad_need_sync and not self.skip_grad_sync:
-            self._reducer.shadow_step(takes_step=True)
+        in ``.grad`` (a ``REPLAY`` plan, ``lit_dp.gradients.plan``)."""
+        if self._reducer is None:
+            return
+        plan = self._plan(Participation.REPLAY)
+        if plan.communicates:
+            self._reducer.synchronise_without_backward(plan)
+
+    def _plan(self, participation: Participation) -> StepPlan:
+        """The step's plan: ``LOCAL`` while gradients stay local, else ``participation``, divided by
+        the group's size or, inside a Join context, by what it says (``lit_dp.join.notify``)."""
+        local_sgd = self.local_sgd
+        find_unused = self._options.find_unused_parameters
+        if not self.require_backward_grad_sync or (local_sgd is not None and local_sgd.in_local_phase):
+            return StepPlan.decide(Participation.LOCAL, find_unused, dist.get_world_size(self.join_process_group))
+        divisor = notify(self) if participation is Participation.SYNC else dist.get_world_size(self.join_process_group)
+        return StepPlan.decide(participation, find_unused, divisor)
 
     def join(
         self,
@@ -298,13 +345,14 @@ class DataParallel(nn.Module, Joinable):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Forward and backward inside accumulate gradients locally, without communication."""
-        previous = self.grad_need_sync
-        self.grad_need_sync = False
+        """Forward and backward inside accumulate gradients locally, without communication (as in torch DDP,
+        by clearing ``require_backward_grad_sync`` for the duration)."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self.grad_need_sync = previous
+            self.require_backward_grad_sync = previous
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self._layers.state_dict(*args, **kwargs)
@@ -336,9 +384,10 @@ def fused_allreduce_gradients(
     groups = assign_group_by_size(params, [False] * len(params), [megabytes_to_bytes("comm_buffer_size", comm_buffer_size)])
     buckets = [DenseBucket(indices, [params[i] for i in indices], ring) for indices in groups]
     has_grad = bytearray(p.grad is not None for p in params)
-    world_size = dist.get_world_size(group)
+    # "Used here" flags: a flag sum of 0 says no rank had a gradient.
+    plan = StepPlan.decide(Participation.SYNC, find_unused_parameters=True, divisor=dist.get_world_size(group))
     for bucket in buckets:
-        bucket.start(has_grad, flag_used=True, world_size=world_size)
+        bucket.start(plan, has_grad)
     for bucket in buckets:
         bucket.wait()
         # A flag sum of 0: no rank had a gradient, so .grad stays None.

@@ -13,13 +13,13 @@ With ``torch.distributed.algorithms.join.Join`` (or ``DataParallel.join()``, as 
 How it works. Each synchronising forward tells the context that this rank is still in
 (``notify``: torch's all-reduce of ones, which a joined rank matches with zeros and so learns
 how many are still in). A rank that left its loop runs ``DataParallelJoinHook.main_hook`` once
-per step the others still take: ``Reducer.shadow_step`` issues exactly that step's collectives
-(same buckets, same order, through the communication hook if one is registered, zeros for
-gradients, flags that count it as neither using nor missing a parameter, the step counted for
-the observers: the bucket-size autotuner and the hang watchdog follow the same schedule). When
-a ``lit_dp.LocalSGD`` drives the model, a small plan (one all-reduce after the notification)
-says whether the step synchronises gradients or runs LocalSGD's collectives, which the joined
-rank then shadows too. Once all have joined, ``post_hook`` agrees on an authoritative rank (the
+per step the others still take: a ``SHADOW`` step plan (``lit_dp.gradients.plan``) makes the
+reducer issue exactly that step's collectives (same buckets, same order, through the
+communication hook if one is registered, zeros for gradients, flags that count it as neither
+using nor missing a parameter, the step counted for the observers: the bucket-size autotuner
+and the hang watchdog follow the same schedule). When a ``lit_dp.LocalSGD`` drives the model,
+a small all-reduce after the notification says whether the step synchronises gradients or
+runs LocalSGD's collectives, which the joined rank then shadows too. Once all have joined, ``post_hook`` agrees on an authoritative rank (the
 highest of the last to join, as DDP does) and broadcasts its parameters, buffers and LocalSGD
 schedule.
 
@@ -39,7 +39,6 @@ Limits, as in torch: collectives the join cannot see (``SyncBatchNorm``, the use
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -49,12 +48,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from lit_dp.gradients.broadcast import sync_params_buffers
+from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.job.process_group import rendezvous_store
 
-# The model is a ``lit_dp.DataParallel`` and the averager a ``lit_dp.LocalSGD``; both import this
-# module, so they are typed ``Any`` here rather than imported (no import circle).
+# The model is a ``lit_dp.DataParallel``, which imports this module, so it is typed ``Any`` here
+# rather than imported (no import circle).
 DataParallel = Any
-LocalSGD = Any
 
 # The plan's slots: this step synchronises gradients / agrees LocalSGD's first loss / averages.
 _GRADIENTS, _AGREE_FIRST_LOSS, _AVERAGE = range(3)
@@ -65,41 +64,32 @@ _POLL_SECONDS = 0.02
 
 @dataclass
 class JoinState:
-    """What a ``DataParallel`` keeps for ``Join``: set by the hook, read by the notifications."""
+    """What a ``DataParallel`` keeps for ``Join``: set by its hook and its notifications, read by them."""
 
     divide_by_initial_world_size: bool = True
     steps: int = 0  # notifications sent by this rank, i.e. steps it took inside the context
     shadowed: int = 0  # steps shadowed after joining
     joined: bool = False
     context: int = 0  # which Join context of the job this is, the same on every rank (store keys)
-    pending: Any = None  # the last plan all-reduce this rank sent
-    # Set by lit_dp.LocalSGD: its collectives are part of a step. Weak, since the LocalSGD holds
-    # the model: a cycle would keep the process group (and its port) alive until a GC pass.
-    _local_sgd: weakref.ref[LocalSGD] | None = None
-
-    @property
-    def local_sgd(self) -> LocalSGD | None:
-        return self._local_sgd() if self._local_sgd is not None else None
-
-    @local_sgd.setter
-    def local_sgd(self, local_sgd: LocalSGD | None) -> None:
-        self._local_sgd = weakref.ref(local_sgd) if local_sgd is not None else None
+    pending: Any = None  # the last LocalSGD step plan this rank sent
 
 
-def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None) -> None:
-    """Tell the Join context this rank is still in, before one step's collectives.
+def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None) -> int:
+    """Tell the Join context this rank is still in, before one step's collectives; returns the step's divisor.
 
     ``local_sgd_plan`` (agree on the first loss, average): the step is LocalSGD's; otherwise it
-    synchronises gradients. A no-op outside a Join context. torch's ``notify_join_context`` is
-    reproduced (same two collectives) rather than called, because its early-termination check
-    drops the count that names who ran out.
+    synchronises gradients. The divisor is the group's size, or with
+    ``divide_by_initial_world_size=False`` the ranks still in. A no-op outside a Join context.
+    torch's ``notify_join_context`` is reproduced (same two collectives) rather than called,
+    because its early-termination check drops the count that names who ran out.
     """
+    group = model.join_process_group
     config = model._join_config
     if not config.enable or not config.is_first_joinable:
-        return
-    state, reducer = model.join_state, model.reducer
-    assert reducer is not None, "a DataParallel without a reducer is not joinable"
-    group, device, waiter = reducer.group, model.join_device, reducer.waiter
+        return dist.get_world_size(group)
+    state = model.join_state
+    assert model.reducer is not None, "a DataParallel without a reducer is not joinable"
+    device, waiter = model.join_device, model.waiter
     still_in = torch.ones(1, device=device)
     count_work = dist.all_reduce(still_in, group=group, async_op=True)
     if config.throw_on_early_termination:
@@ -109,7 +99,7 @@ def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None)
             waiter.wait(count_work, "Join's count of the ranks still in")
             raise RuntimeError(_early_termination_message(model, int(still_in.item())))
     state.steps += 1
-    if state.local_sgd is not None:
+    if model.local_sgd is not None:
         plan = torch.zeros(3, device=device)
         plan[_GRADIENTS] = float(local_sgd_plan is None)
         if local_sgd_plan is not None:
@@ -117,11 +107,10 @@ def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None)
         # Never read here (the joined ranks read it); kept until the next step, as torch keeps its works.
         state.pending = dist.all_reduce(plan, group=group, async_op=True)
     if state.divide_by_initial_world_size:
-        reducer.divisor = dist.get_world_size(group)
-    else:
-        # The ranks still in, from the count just exchanged (torch DDP waits for it too).
-        waiter.wait(count_work, "Join's count of the ranks still in")
-        reducer.divisor = int(still_in.item())
+        return dist.get_world_size(group)
+    # The ranks still in, from the count just exchanged (torch DDP waits for it too).
+    waiter.wait(count_work, "Join's count of the ranks still in")
+    return int(still_in.item())
 
 
 class DataParallelJoinHook(JoinHook):
@@ -152,27 +141,35 @@ class DataParallelJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Issue the collectives of one step of the ranks still in."""
         model, state = self._model, self._model.join_state
-        reducer = model.reducer
+        reducer, local_sgd = model.reducer, model.local_sgd
         assert reducer is not None
         state.joined = True
         state.shadowed += 1
         watchdog = model.watchdog
         if watchdog is not None:
             watchdog.untimed_wait_ended()
-            watchdog.joined = True
         gradients, agree_first, average = True, False, False
-        if state.local_sgd is not None:
+        if local_sgd is not None:
             plan = torch.zeros(3, device=model.join_device)
-            reducer.waiter.wait(dist.all_reduce(plan, group=reducer.group, async_op=True), "Join's step plan")
+            model.waiter.wait(dist.all_reduce(plan, group=reducer.group, async_op=True), "Join's step plan")
             gradients, agree_first, average = (bool(value) for value in plan.tolist())
         if gradients:
-            reducer.shadow_step()
-        if state.local_sgd is not None and (agree_first or average):
-            state.local_sgd.shadow_step(agree_first, average)
+            reducer.synchronise_without_backward(self._shadow_plan())
+        if local_sgd is not None and (agree_first or average):
+            local_sgd.shadow_step(agree_first, average)
         if watchdog is not None:
             # torch's Join now all-reduces the count of the ranks still in: a wait the
             # watchdog cannot put a deadline on, so its thread watches it.
             watchdog.untimed_wait_started("the next step of the ranks still in (torch's Join loop)")
+
+    def _shadow_plan(self) -> StepPlan:
+        """A joined rank sends zeros, so the divisor matters only for the choice of collective, which
+        must be the others': an averaging one when they divide by the group's size, else a sum (they
+        divide by the ranks still in, fewer than the group now that this rank is out)."""
+        model = self._model
+        size = dist.get_world_size(model.join_process_group)
+        divisor = size if model.join_state.divide_by_initial_world_size else max(1, size - 1)
+        return StepPlan.decide(Participation.SHADOW, model.options.find_unused_parameters, divisor)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters, buffers and LocalSGD schedule of the authoritative rank."""
@@ -181,17 +178,15 @@ class DataParallelJoinHook(JoinHook):
         assert reducer is not None
         if model.watchdog is not None:
             model.watchdog.untimed_wait_ended()
-            model.watchdog.joined = False
         group = reducer.group
         candidate = torch.tensor([dist.get_rank() if is_last_joiner else -1], device=model.join_device)
-        reducer.waiter.wait(
+        model.waiter.wait(
             dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=group, async_op=True), "Join's authoritative rank"
         )
         authoritative = int(candidate.item())
         sync_params_buffers(model.module, group=group, src_rank=authoritative)
-        if state.local_sgd is not None:
-            state.local_sgd.adopt_schedule_of(authoritative)
-        reducer.divisor = dist.get_world_size(group)
+        if model.local_sgd is not None:
+            model.local_sgd.adopt_schedule_of(authoritative)
         state.joined = False
 
 

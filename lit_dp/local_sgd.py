@@ -125,9 +125,10 @@ class LocalSGD:
         self._loss_0: float | None = None
         self._lr_0: float | None = None
         if self._data_parallel is not None:
-            # Under Join, a rank that ran out shadows this object's collectives too (lit_dp.join).
-            self._data_parallel.join_state.local_sgd = self
-        self._set_local_phase()
+            # The model synchronises gradients during warm-up only, and under Join a rank that ran
+            # out shadows this object's collectives too (lit_dp.join).
+            self._data_parallel.use_local_sgd(self)
+        self._snapshot_when_local()
 
     @property
     def step_count(self) -> int:
@@ -167,9 +168,8 @@ class LocalSGD:
             self._average()
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(loss, lr, counts=not joined))
-        averaged = average
-        self._set_local_phase()
-        return averaged
+        self._snapshot_when_local()
+        return average
 
     def shadow_step(self, agree_first: bool, average: bool) -> None:
         """The collectives of a ``step()`` that the ranks still in take, on a rank that joined
@@ -230,11 +230,9 @@ class LocalSGD:
         self._loss_0 = state.get("loss_0")
         self._lr_0 = state.get("lr_0")
         self._buckets = None
-        self._set_local_phase()
+        self._snapshot_when_local()
 
-    def _set_local_phase(self) -> None:
-        if self._data_parallel is not None:
-            self._data_parallel.skip_grad_sync = self.in_local_phase
+    def _snapshot_when_local(self) -> None:
         if self.in_local_phase and self._buckets is None and self._world_size > 1:
             # The snapshot must be taken while every rank holds the same parameters: now.
             self._buckets = self._build_buckets()
@@ -253,8 +251,7 @@ class LocalSGD:
 
     @property
     def _waiter(self) -> Waiter:
-        reducer = self._data_parallel.reducer if self._data_parallel is not None else None
-        return reducer.waiter if reducer is not None else UNWATCHED
+        return self._data_parallel.waiter if self._data_parallel is not None else UNWATCHED
 
     def _agreed_loss_and_lr(
         self, loss: torch.Tensor | float | None, lr: float | None, counts: bool = True

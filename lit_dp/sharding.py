@@ -43,9 +43,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lit_dp.data_parallel import DataParallel
-from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, megabytes_to_bytes
+from lit_dp.gradients.buckets import megabytes_to_bytes
 from lit_dp.gradients.gather import ParameterGather
-from lit_dp.observability.autotune import AUTO
 
 
 class ShardedOptimizer(Optimizer):
@@ -110,8 +109,7 @@ class ShardedOptimizer(Optimizer):
         ordered = [param for param in model.module.parameters() if id(param) in owner_of]
         if not ordered:
             return None
-        size = model.comm_buffer_size
-        bucket_bytes = megabytes_to_bytes("comm_buffer_size", DEFAULT_BUCKET_MB if size == AUTO else size)
+        bucket_bytes = megabytes_to_bytes("comm_buffer_size", model.comm_buffer_size)
         return ParameterGather(ordered, [owner_of[id(param)] for param in ordered], self._group, bucket_bytes)
 
     def _wait_in_forward(self, model: DataParallel) -> list[torch.utils.hooks.RemovableHandle]:

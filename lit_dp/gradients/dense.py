@@ -1,9 +1,9 @@
 """Dense gradients of one bucket: small ones through a flat buffer, large ones in place.
 
 The data path of one bucket launch (``start``), its completion (``wait``) and the write-back of
-the averages (``write_back``); the reducer decides when, and which members to leave alone. The
-flat buffer also carries one flag per member, all-reduced with the gradients (see
-``lit_dp.gradients.reducer``).
+the averages (``write_back``); the reducer decides when, and the step plan
+(``lit_dp.gradients.plan``) how this rank takes part. The flat buffer also carries one flag per
+member, all-reduced with the gradients (``lit_dp.gradients.flags``).
 """
 
 from __future__ import annotations
@@ -15,19 +15,22 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_dp.gradients.buckets import MB
+from lit_dp.gradients.flags import fill_flags, members_present
 from lit_dp.gradients.hooks import CommHook
+from lit_dp.gradients.plan import StepPlan
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 
 # Scaling while copying (one call per tensor) saves a pass over the bucket but costs a Python
-# call per tensor; it pays off from about 64 KB per tensor on a CPU's memory bandwidth.
+# call per tensor, so it is used only where tensors are large on average.
 FUSED_SCALE_MIN_BYTES_PER_TENSOR = 64 * 1024
 
 # A gradient at least this large is all-reduced where it lies, in a collective of its own,
 # instead of travelling through the bucket buffer: that saves copying it in and out (two
 # passes over its bytes) and its copy in the buffer, for the price of one more collective.
-# On a 2-core CPU machine copying in and out costs about 0.45 ms per MB and a small gloo
-# all-reduce about 2 ms, so the saving wins from about 4 MB. On GPUs memory bandwidth is ~100x
-# the interconnect's, so only very large gradients gain (16 MB is an estimate, not measured).
+# The CPU threshold is where the copies saved outweigh a small Gloo all-reduce on the machine
+# in docs/benchmarks.md ("Thresholds of the gradient path"); on GPUs memory bandwidth is about
+# 100x the interconnect's, so only very large gradients gain, and 16 MB is an estimate, not a
+# measurement.
 IN_PLACE_MIN_BYTES = {"cpu": 4 * MB, "cuda": 16 * MB}
 
 
@@ -52,10 +55,29 @@ class DenseBucket:
     """
 
     __slots__ = (
-        "indices", "params", "in_place", "flat", "views", "flat_params", "flat_views", "reduced",
-        "buffer", "gradients", "flags", "ring", "works", "fuse_scale", "as_view", "average_op", "alone",
-        "hook", "future", "_launched_grads", "size", "waiter",
-    )  # fmt: skip
+        "indices",
+        "params",
+        "in_place",
+        "flat",
+        "views",
+        "flat_params",
+        "flat_views",
+        "reduced",
+        "buffer",
+        "gradients",
+        "flags",
+        "ring",
+        "works",
+        "fuse_scale",
+        "as_view",
+        "average_op",
+        "alone",
+        "hook",
+        "future",
+        "_launched_grads",
+        "size",
+        "waiter",
+    )
 
     def __init__(
         self,
@@ -64,6 +86,7 @@ class DenseBucket:
         ring: dist.ProcessGroup,
         as_view: bool = False,
         hook: tuple[CommHook, int, int] | None = None,
+        waiter: Waiter = UNWATCHED,
     ) -> None:
         self.indices = indices
         self.params = params
@@ -96,7 +119,7 @@ class DenseBucket:
         self.fuse_scale = flat_bytes >= FUSED_SCALE_MIN_BYTES_PER_TENSOR * len(self.flat)
         self.average_op = averaging_op(ring)
         self.size = dist.get_world_size(ring)
-        self.waiter: Waiter = UNWATCHED  # the reducer's (a deadline under the hang watchdog)
+        self.waiter = waiter  # the owner's policy for every wait (a deadline under the hang watchdog)
         # A group of one rank (one device under the Lightning strategies) needs no collective:
         # skipping it keeps the one-device step as cheap as the bare model's, checks included.
         # A hook still runs there, as under torch DDP.
@@ -119,38 +142,26 @@ class DenseBucket:
             futures.append(self.future)
         return futures
 
-    def start(self, used: bytearray, flag_used: bool | None, world_size: int, complete: bool = False) -> None:
+    def start(self, plan: StepPlan, used: bytearray, complete: bool = False) -> None:
         """Scale the gradients (zeros where absent), set the flags and start the all-reduces.
 
-        ``complete``: every member's gradient arrived in this backward (the reducer knows), so
-        no member needs checking. A hook gets the gradients undivided: dividing is its job, as
-        in torch DDP. ``world_size`` is the divisor: the group's size, or under ``lit_dp.join``
-        the ranks still in, which an averaging all-reduce cannot divide by (it is summed then).
-        ``flag_used=None``: every flag 0, this rank neither using nor missing a parameter (a rank
-        that ran out of inputs, without ``find_unused_parameters``).
+        ``used``: which parameters accumulated a gradient since the last synchronisation (what
+        this rank sends; the reducer hands zeros' marks for a ``SHADOW`` step). ``complete``:
+        every member's gradient arrived in this backward (the reducer knows), so no member needs
+        checking. A hook gets the gradients undivided: dividing is its job, as in torch DDP. The
+        plan's divisor is the group's size, or under ``lit_dp.join`` the ranks still in, which an
+        averaging all-reduce cannot divide by (it is summed then).
         """
-        average = self.average_op if world_size == self.size else None
-        # Flags are set with fills, never copied from host memory: on CUDA a copy from pageable
-        # memory would block the host. An averaging all-reduce divides them too, so they start at
-        # the world size and still sum to a count of ranks.
-        one = float(world_size) if average is not None else 1.0
-        self.flags.fill_(one if flag_used else 0.0)
-        if complete:
-            present = None
-        else:
-            present = [bool(used[i]) and p.grad is not None for i, p in zip(self.indices, self.params)]
-            absent = 0.0 if flag_used or flag_used is None else one
-            for k, has_grad in enumerate(present):
-                if not has_grad:
-                    self.flags[k].fill_(absent)
+        divisor = plan.divisor
+        average = self.average_op if divisor == self.size else None
+        present = None if complete else members_present(self.indices, self.params, used)
+        fill_flags(self.flags, plan.flags, present, one=float(divisor) if average is not None else 1.0)
         if self.alone:
             return  # one rank: the gradients already are the averages; the flags keep the checks
         op = average or dist.ReduceOp.SUM
-        self.works = [
-            self._start_in_place(k, present is None or present[k], world_size, op) for k in self.in_place
-        ]
+        self.works = [self._start_in_place(k, present is None or present[k], divisor, op) for k in self.in_place]
         if self.flat:
-            self._fill_flat(present, world_size, divide=average is None)
+            self._fill_flat(present, divisor, divide=average is None)
         if self.hook:
             self.works.append(dist.all_reduce(self.flags, op=op, group=self.ring, async_op=True))
             comm_hook, index, count = self.hook
@@ -158,7 +169,7 @@ class DenseBucket:
         else:
             self.works.append(dist.all_reduce(self.buffer, op=op, group=self.ring, async_op=True))
 
-    def _start_in_place(self, k: int, present: bool, world_size: int, op: dist.ReduceOp) -> dist.Work:
+    def _start_in_place(self, k: int, present: bool, divisor: int, op: dist.ReduceOp) -> dist.Work:
         grad = self.params[k].grad
         if not present:
             reduced = torch.zeros_like(self.params[k], memory_format=torch.contiguous_format)
@@ -168,12 +179,12 @@ class DenseBucket:
             # gradient is reduced through a contiguous copy.
             reduced = grad if grad.is_contiguous() else grad.contiguous()
             if op != dist.ReduceOp.AVG:
-                reduced.div_(world_size)
+                reduced.div_(divisor)
         self.reduced[k] = reduced
         return dist.all_reduce(reduced, op=op, group=self.ring, async_op=True)
 
-    def _fill_flat(self, present: list[bool] | None, world_size: int, divide: bool) -> None:
-        """Copy the flat members' gradients in, divided by ``world_size`` (torch DDP also divides first).
+    def _fill_flat(self, present: list[bool] | None, divisor: int, divide: bool) -> None:
+        """Copy the flat members' gradients in, divided by ``divisor`` (torch DDP also divides first).
 
         ``present`` is None when every gradient arrived; in view mode they are already in place.
         """
@@ -182,7 +193,7 @@ class DenseBucket:
             grads = [p.grad for p in self.flat_params]
             self._launched_grads = grads
             if self.fuse_scale and scale:
-                factor = 1.0 / world_size
+                factor = 1.0 / divisor
                 for view, grad in zip(self.flat_views, grads):
                     torch.mul(grad, factor, out=view)
                 return
@@ -195,7 +206,7 @@ class DenseBucket:
                 elif grad is not view:
                     view.copy_(grad)
         if scale:
-            self.gradients.div_(world_size)
+            self.gradients.div_(divisor)
 
     def wait(self) -> None:
         """Wait for this bucket's collectives (on CUDA: make the current stream wait for them)."""

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_dp.gradients.plan import StepPlan
+
 
 @dataclass(frozen=True)
 class BucketLaunch:
@@ -32,8 +34,8 @@ class BucketLaunch:
 class ReducerObserver:
     """Base class of the reducer's listeners: every moment is a no-op unless overridden."""
 
-    def step_started(self, step: int) -> None:
-        """A forward armed the reducer for synchronised step ``step`` (before the buckets are rebuilt)."""
+    def step_started(self, step: int, plan: StepPlan) -> None:
+        """The reducer was armed for synchronised step ``step`` with ``plan`` (before the buckets are rebuilt)."""
 
     def backward_started(self, step: int) -> None:
         """The first gradient of this backward is ready."""

@@ -11,8 +11,8 @@ Buckets are launched all at once, asynchronously, in forward order (by the first
 place in the module), so the first layers' parameters arrive first; ``wait_until`` waits for a
 prefix of them, which lets a module's forward pre-hook wait only for the parameters it is
 about to read (``lit_dp.ShardedOptimizer`` with ``sharding_overlap``). Broadcasts rather than
-all-gathers: an owner's parameters are not split evenly, and on 2 Gloo ranks of a shared 2-core
-machine (medians of 7 rounds, 8 MB) one broadcast per owner took 3.9 ms, Gloo's all-gather 7.8 ms.
+all-gathers: an owner's parameters are not split evenly, and on Gloo one broadcast per owner
+is faster than its all-gather (docs/benchmarks.md, "Thresholds of the gradient path").
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class CommHook:
     buckets overlap freely.
     """
 
-    def __init__(self, state: object, hook: Hook) -> None:
+    def __init__(self, state: object, hook: Hook, waiter: Waiter = UNWATCHED) -> None:
         check_hook("hook", hook)
         self.state = state
         self.hook = hook
@@ -96,7 +96,7 @@ class CommHook:
         self._in_flight: torch.futures.Future | None = None
         # Hooks communicate on their state's group, by default the world group.
         self._ordered = dist.is_initialized() and dist.get_backend() != "nccl"
-        self.waiter: Waiter = UNWATCHED  # the reducer's (a deadline under the hang watchdog)
+        self.waiter = waiter  # the owner's policy for every wait (a deadline under the hang watchdog)
 
     def check_layout_settled_by(self, step: int) -> None:
         """Raise if the hook keeps per-bucket memory before synchronised ``step``, from which on the

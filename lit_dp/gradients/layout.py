@@ -10,6 +10,7 @@ stage 2 a dense bucket reduces each gradient to its owner (``ScatterBucket``); o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ Bucket = DenseBucket | ScatterBucket | SparseBucket
 
 
 def launch_order(
-    params: Sequence[nn.Parameter], sparse: Sequence[bool], forward_order: list[int], limits: list[int]
+    params: Sequence[nn.Parameter], sparse: Sequence[bool], forward_order: list[int], limits: Sequence[int]
 ) -> list[list[int]]:
     """Parameter indices per bucket, cut from ``forward_order`` with ``limits`` (the last bucket's
     first), in launch order: the first group in forward order completes last in backward."""
@@ -34,45 +35,68 @@ def launch_order(
     return [[forward_order[pos] for pos in group] for group in reversed(groups)]
 
 
-def build_buckets(
-    params: Sequence[nn.Parameter],
-    sparse: Sequence[bool],
-    owners: Sequence[int] | None,
-    forward_order: list[int],
-    limits: list[int],
-    rings: Sequence[dist.ProcessGroup],
-    comm_hook: CommHook | None,
-    as_view: bool,
-    waiter: Waiter,
-) -> tuple[list[Bucket], list[int], list[torch.Tensor | None]]:
-    """The buckets in launch order; per parameter, its bucket's position and its view in a flat buffer.
+@dataclass(frozen=True)
+class BucketLayout:
+    """The buckets of one layout, in launch order, and where each parameter is.
+
+    Attributes:
+        buckets: the bucket objects, in launch order.
+        bucket_of: per parameter, its bucket's position.
+        view_of: per parameter, its view in a dense bucket's flat buffer (None for in-place,
+            sparse and scattered members).
+        limits: the byte limits it was cut with: ``(last bucket, every other bucket)``.
+    """
+
+    buckets: list[Bucket]
+    bucket_of: list[int]
+    view_of: list[torch.Tensor | None]
+    limits: tuple[int, int]
+
+    def forward_order(self) -> list[int]:
+        """The parameter order this layout was cut from (buckets are in launch order, members in forward order)."""
+        return [index for bucket in reversed(self.buckets) for index in bucket.indices]
+
+
+@dataclass(frozen=True)
+class BucketFactory:
+    """What every layout of one reducer shares: its parameters, their kinds and owners, the rings,
+    the view mode and the wait policy. ``build`` cuts a layout from an order and limits.
 
     Bucket ``k`` is reduced on ring ``k mod len(rings)``; ``owners`` (sharding stage 2) gives each
     parameter's owning rank.
     """
-    layout = launch_order(params, sparse, forward_order, limits)
-    buckets: list[Bucket] = []
-    bucket_of = [0] * len(params)
-    view_of: list[torch.Tensor | None] = [None] * len(params)
-    # A hook numbers the dense buckets only: torch's hooks do not apply to sparse gradients.
-    dense_count = sum(not sparse[indices[0]] for indices in layout)
-    dense_index = 0
-    for position, indices in enumerate(layout):
-        ring = rings[position % len(rings)]
-        members = [params[i] for i in indices]
-        bucket: Bucket
-        if sparse[indices[0]]:
-            bucket = SparseBucket(indices, members, ring)
-        elif owners is not None:
-            bucket = ScatterBucket(indices, members, ring, [owners[i] for i in indices])
-        else:
-            hook = None if comm_hook is None else (comm_hook, dense_index, dense_count)
-            bucket = DenseBucket(indices, members, ring, as_view, hook)
-            dense_index += 1
-        bucket.waiter = waiter
-        buckets.append(bucket)
-        for slot, index in enumerate(indices):
-            bucket_of[index] = position
-            if isinstance(bucket, DenseBucket):
-                view_of[index] = bucket.views[slot]
-    return buckets, bucket_of, view_of
+
+    params: Sequence[nn.Parameter]
+    sparse: Sequence[bool]
+    owners: Sequence[int] | None
+    rings: Sequence[dist.ProcessGroup]
+    as_view: bool
+    waiter: Waiter
+
+    def build(self, forward_order: list[int], limits: tuple[int, int], comm_hook: CommHook | None) -> BucketLayout:
+        params, sparse = self.params, self.sparse
+        cut = launch_order(params, sparse, forward_order, limits)
+        buckets: list[Bucket] = []
+        bucket_of = [0] * len(params)
+        view_of: list[torch.Tensor | None] = [None] * len(params)
+        # A hook numbers the dense buckets only: torch's hooks do not apply to sparse gradients.
+        dense_count = sum(not sparse[indices[0]] for indices in cut)
+        dense_index = 0
+        for position, indices in enumerate(cut):
+            ring = self.rings[position % len(self.rings)]
+            members = [params[i] for i in indices]
+            bucket: Bucket
+            if sparse[indices[0]]:
+                bucket = SparseBucket(indices, members, ring, self.waiter)
+            elif self.owners is not None:
+                bucket = ScatterBucket(indices, members, ring, [self.owners[i] for i in indices], self.waiter)
+            else:
+                hook = None if comm_hook is None else (comm_hook, dense_index, dense_count)
+                bucket = DenseBucket(indices, members, ring, self.as_view, hook, self.waiter)
+                dense_index += 1
+            buckets.append(bucket)
+            for slot, index in enumerate(indices):
+                bucket_of[index] = position
+                if isinstance(bucket, DenseBucket):
+                    view_of[index] = bucket.views[slot]
+        return BucketLayout(buckets, bucket_of, view_of, limits)

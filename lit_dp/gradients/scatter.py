@@ -7,10 +7,9 @@ in ready order or with tuned sizes like any other bucket. What changes is the da
 - The flat buffer is laid out by owner, ``[owner 0's members | owner 1's | ...]``, so each
   owner's gradients are one contiguous segment, and one collective delivers each segment to
   its owner: ``reduce_scatter`` on NCCL (torch turns an uneven split into grouped
-  ``ncclReduce`` calls), one ``reduce`` per owner on Gloo. Measured on 2 Gloo ranks of a
-  shared 2-core machine (medians of 7 rounds, 8 MB): all-reduce 8.8 ms, Gloo's own
-  reduce-scatter 9.4 ms, one reduce per owner 5.6 ms; so Gloo gets the reduces. Either way a
-  rank sends each gradient byte towards one owner instead of to every rank: about half an
+  ``ncclReduce`` calls), one ``reduce`` per owner on Gloo, whose own reduce-scatter is slower
+  than the reduces (docs/benchmarks.md, "Thresholds of the gradient path"). Either way a rank
+  sends each gradient byte towards one owner instead of to every rank: about half an
   all-reduce's traffic.
 - The buffer is allocated when the bucket launches and freed at the write-back; the caller's
   own segment lives in a small persistent tensor (``own``), whose views become the owned
@@ -19,8 +18,9 @@ in ready order or with tuned sizes like any other bucket. What changes is the da
   flight, their transient buffers).
 - Large gradients (``in_place_min_bytes``) are reduced to their owner where autograd left
   them, as ``DenseBucket`` all-reduces them in place.
-- The per-member flags (see ``lit_dp.gradients.reducer``) cannot ride in an owner's segment, since
-  every rank must read all of them: they go first, in a small all-reduce of their own.
+- The per-member flags (``lit_dp.gradients.flags``) cannot ride in an owner's segment, since
+  every rank must read all of them: they go first, in a small all-reduce of their own, always
+  summed.
 
 Members keep the reducer's order in ``indices``, ``flags`` and the ``skipped`` positions; only
 the buffer's layout is by owner.
@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_dp.gradients.dense import averaging_op, in_place_min_bytes
+from lit_dp.gradients.flags import fill_flags, members_present
+from lit_dp.gradients.plan import StepPlan
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 
 # Backends whose reduce-scatter beats one reduce per owner (see the module docstring).
@@ -52,11 +54,35 @@ class ScatterBucket:
     """
 
     __slots__ = (
-        "indices", "params", "owners", "ring", "rank", "in_place", "flat", "segments", "numels", "own",
-        "own_views", "flags", "works", "reduced", "buffer", "average_op", "alone", "reduce_scatter", "waiter",
-    )  # fmt: skip
+        "indices",
+        "params",
+        "owners",
+        "ring",
+        "rank",
+        "in_place",
+        "flat",
+        "segments",
+        "numels",
+        "own",
+        "own_views",
+        "flags",
+        "works",
+        "reduced",
+        "buffer",
+        "average_op",
+        "alone",
+        "reduce_scatter",
+        "waiter",
+    )
 
-    def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup, owners: Sequence[int]):
+    def __init__(
+        self,
+        indices: list[int],
+        params: list[nn.Parameter],
+        ring: dist.ProcessGroup,
+        owners: Sequence[int],
+        waiter: Waiter = UNWATCHED,
+    ) -> None:
         self.indices = indices
         self.params = params
         self.owners = list(owners)
@@ -80,7 +106,7 @@ class ScatterBucket:
         self.average_op = averaging_op(ring)
         self.alone = world_size == 1
         self.reduce_scatter = dist.get_backend(ring) in REDUCE_SCATTER_BACKENDS
-        self.waiter: Waiter = UNWATCHED  # the reducer's (a deadline under the hang watchdog)
+        self.waiter = waiter  # the owner's policy for every wait (a deadline under the hang watchdog)
 
     @property
     def nbytes(self) -> int:
@@ -104,27 +130,21 @@ class ScatterBucket:
                 continue
         return futures
 
-    def start(self, used: bytearray, flag_used: bool | None, world_size: int, complete: bool = False) -> None:
+    def start(self, plan: StepPlan, used: bytearray, complete: bool = False) -> None:
         """Set the flags and start their all-reduce, then reduce every gradient to its owner.
 
-        ``complete``: every member's gradient arrived in this backward. Absent gradients
-        contribute zeros. Flags sum to a count of ranks, as in ``DenseBucket`` (``flag_used=None``:
-        all 0, a rank that ran out of inputs); ``world_size`` is the divisor, as there.
+        ``used`` and ``complete`` as in ``DenseBucket.start``. Absent gradients contribute zeros.
+        The flags' all-reduce always sums; the gradients are averaged in the collective where
+        the backend can and the plan's divisor is the group's size, else divided first.
         """
-        self.flags.fill_(1.0 if flag_used else 0.0)
-        present = (
-            None if complete else [bool(used[i]) and p.grad is not None for i, p in zip(self.indices, self.params)]
-        )
-        if present is not None:
-            for k, has_grad in enumerate(present):
-                if not has_grad:
-                    self.flags[k].fill_(0.0 if flag_used or flag_used is None else 1.0)
+        present = None if complete else members_present(self.indices, self.params, used)
+        fill_flags(self.flags, plan.flags, present)
         if self.alone:
             return  # one rank owns everything and already holds the averages
         self.works = [dist.all_reduce(self.flags, group=self.ring, async_op=True)]
-        average = self.average_op if world_size == len(self.numels) else None
+        average = self.average_op if plan.divisor == len(self.numels) else None
         op = average or dist.ReduceOp.SUM
-        divisor = None if average is not None else world_size
+        divisor = None if average is not None else plan.divisor
         for k in self.in_place:
             self.works.append(self._reduce_in_place(k, present is None or present[k], divisor, op))
         if self.flat:

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_dp.gradients.flags import fill_flags, members_present
+from lit_dp.gradients.plan import StepPlan
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 
 
@@ -20,7 +22,9 @@ class SparseBucket:
 
     __slots__ = ("indices", "params", "ring", "work", "gradient", "flags", "flag_work", "native", "waiter")
 
-    def __init__(self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup) -> None:
+    def __init__(
+        self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup, waiter: Waiter = UNWATCHED
+    ) -> None:
         self.indices = indices
         self.params = params
         self.ring = ring
@@ -29,7 +33,7 @@ class SparseBucket:
         self.flag_work: dist.Work | None = None
         self.gradient: torch.Tensor | None = None
         self.flags = torch.zeros(1, device=params[0].device)
-        self.waiter: Waiter = UNWATCHED  # the reducer's (a deadline under the hang watchdog)
+        self.waiter = waiter  # the owner's policy for every wait (a deadline under the hang watchdog)
 
     @property
     def nbytes(self) -> int:
@@ -44,12 +48,13 @@ class SparseBucket:
         """Futures of the collectives started last: the values (Gloo only) and the flag."""
         return [work.get_future() for work in (self.work, self.flag_work) if work is not None]
 
-    def start(self, used: bytearray, flag_used: bool | None, world_size: int, complete: bool = False) -> None:
+    def start(self, plan: StepPlan, used: bytearray, complete: bool = False) -> None:
+        """Start the sparse all-reduce (Gloo) and the flag's; ``used`` and ``complete`` as in ``DenseBucket.start``."""
         param = self.params[0]
-        has_grad = bool(used[self.indices[0]]) and param.grad is not None
+        has_grad = complete or members_present(self.indices, self.params, used)[0]
         if has_grad:
             gradient = param.grad if param.grad.is_sparse else param.grad.to_sparse()
-            gradient = gradient.coalesce() / world_size
+            gradient = gradient.coalesce() / plan.divisor
         else:
             # Laid out as an embedding's gradient (rows sparse, each row dense), or Gloo's sparse
             # all-reduce meets tensors of different layouts on the ranks that have one.
@@ -59,7 +64,7 @@ class SparseBucket:
                 param.shape,
             )
         self.gradient = gradient
-        self.flags.fill_(0.0 if flag_used is None else float(has_grad == flag_used))
+        fill_flags(self.flags, plan.flags, [has_grad])
         if self.native:
             self.work = dist.all_reduce(self.gradient, group=self.ring, async_op=True)
         self.flag_work = dist.all_reduce(self.flags, group=self.ring, async_op=True)

@@ -1,12 +1,11 @@
-"""Parameters without a gradient: found before backward, read from the all-reduced flags after it.
+"""Parameters without a gradient: found before backward, read from the flags after it.
 
 With ``find_unused_parameters`` the reducer walks the autograd graph from a forward's outputs
 (``reached_parameters``); the parameters it cannot reach count as ready at once, contributing
-zeros. After backward, every dense bucket's flags (all-reduced with its gradients, see
-``lit_dp.gradients.reducer``) say per parameter how many ranks used it (``unused_members``:
-none did, so its ``.grad`` stays untouched) or, without the option, how many got no gradient
-(``PendingFlags``: read without blocking on CUDA; any count raises on every rank with
-``missing_gradients_message``).
+zeros. After backward, every bucket's flags (``lit_dp.gradients.flags``, all-reduced with its
+gradients) say per parameter how many ranks used it (``unused_members``: none did, so its
+``.grad`` stays untouched) or, without the option, how many got no gradient (``PendingFlags``:
+read without blocking on CUDA; any count raises ``UnusedParametersError`` on every rank).
 """
 
 from __future__ import annotations
@@ -16,12 +15,36 @@ from collections.abc import Sequence
 import torch
 
 from lit_dp.gradients.dense import DenseBucket
+from lit_dp.gradients.scatter import ScatterBucket
 from lit_dp.gradients.sparse import SparseBucket
 
+# How every front door turns the detection on; the Trainer strategy opens the message with
+# Lightning's own sentence as well (its on_exception), which is what its users search for.
 UNUSED_PARAMETERS_HINT = (
-    "If parameters are legitimately unused in some iterations, pass find_unused_parameters=True "
-    "(strategy option `find_unused_parameters`)."
+    "If parameters are legitimately unused in some iterations, turn on find_unused_parameters: "
+    "lit_dp.DataParallel(..., find_unused_parameters=True), strategy='paddle_dp_find_unused_parameters_true' "
+    "(Trainer or Fabric), PaddleDPStrategy(find_unused_parameters=True), or strategy.find_unused_parameters=true "
+    "on a recipe's command line."
 )
+UNUSED_PARAMETERS_OPENING = "lit_dp reducer: trainable parameters received no gradient in this backward"
+
+
+class UnusedParametersError(RuntimeError):
+    """Some rank got no gradient for trainable parameters while ``find_unused_parameters=False``.
+
+    Every rank raises it with the same text, naming the parameters and on how many ranks each
+    was missing. ``parameters`` holds their names.
+    """
+
+    def __init__(self, names: Sequence[str], world_size: int, missing: list[tuple[int, float]], used: bytearray):
+        self.parameters = [names[index] for index, _ in missing]
+        lines = [
+            f"  {names[index]} (missing on {round(count)} of {world_size} ranks"
+            f"{', including this one' if not used[index] else ''})"
+            for index, count in missing
+        ]
+        details = f"{UNUSED_PARAMETERS_OPENING} while find_unused_parameters=False:\n" + "\n".join(lines[:20])
+        super().__init__(f"{details}\n{UNUSED_PARAMETERS_HINT}")
 
 
 def reached_parameters(outputs: object) -> set[int]:
@@ -57,7 +80,7 @@ def _tensors_in(value: object):
             yield from _tensors_in(item)
 
 
-def unused_members(buckets: Sequence[DenseBucket | SparseBucket], totals: list[float]) -> list[set[int]]:
+def unused_members(buckets: Sequence[DenseBucket | ScatterBucket | SparseBucket], totals: list[float]) -> list[set[int]]:
     """Per bucket, the positions of the members no rank used (a flag sum of 0); ``totals``: the
     buckets' flags, concatenated."""
     skipped, offset = [], 0
@@ -68,30 +91,12 @@ def unused_members(buckets: Sequence[DenseBucket | SparseBucket], totals: list[f
     return skipped
 
 
-def missing_gradients_message(
-    names: Sequence[str], world_size: int, missing: list[tuple[int, float]], used: bytearray, opening: str | None
-) -> str:
-    """The error every rank raises: the parameters some rank got no gradient for, and on how many ranks."""
-    lines = [
-        f"  {names[index]} (missing on {round(count)} of {world_size} ranks"
-        f"{', including this one' if not used[index] else ''})"
-        for index, count in missing
-    ]
-    details = (
-        "lit_dp reducer: trainable parameters received no gradient in this backward while "
-        "find_unused_parameters=False:\n" + "\n".join(lines[:20])
-    )
-    if opening is not None:
-        return f"{opening}\n{details}"
-    return f"{details}\n{UNUSED_PARAMETERS_HINT}"
-
-
 class PendingFlags:
     """The flags of one backward on their way to the host, copied without blocking on CUDA."""
 
     __slots__ = ("buckets", "used", "_host", "_copied")
 
-    def __init__(self, buckets: Sequence[DenseBucket | SparseBucket], used: bytearray) -> None:
+    def __init__(self, buckets: Sequence[DenseBucket | ScatterBucket | SparseBucket], used: bytearray) -> None:
         self.buckets = buckets
         self.used = used
         flags = torch.cat([bucket.flags for bucket in buckets])

@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lit_dp.gradients.buckets import megabytes_to_bytes
 from lit_dp.gradients.events import ReducerObserver
+from lit_dp.gradients.plan import StepPlan
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.observability.clocks import clock_for
 
@@ -113,7 +114,7 @@ class BucketAutotuner(ReducerObserver):
         return self._passes * distinct * self._window if distinct > 1 else 0
 
     @override
-    def step_started(self, step: int) -> None:
+    def step_started(self, step: int, plan: StepPlan) -> None:
         """Every rank sees the same steps, so every rank switches together."""
         if self._chosen is not None or step == 0:
             return  # step 0 runs before the ready-order rebuild

@@ -37,6 +37,7 @@ import torch
 from typing_extensions import override
 
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
+from lit_dp.gradients.plan import StepPlan
 from lit_dp.observability.clocks import CudaClock, HostClock, clock_for
 
 
@@ -142,7 +143,7 @@ class CommObserver(ReducerObserver):
     # The reducer's moments ------------------------------------------------------------------
 
     @override
-    def step_started(self, step: int) -> None:
+    def step_started(self, step: int, plan: StepPlan) -> None:
         mark = self._clock.mark()
         self._resolve()
         self._current = _StepRecord(step, mark)

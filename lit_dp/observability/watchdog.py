@@ -49,6 +49,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
+from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.gradients.waiting import CollectiveHangError
 from lit_dp.job.process_group import rendezvous_store
@@ -67,7 +68,6 @@ class HangWatchdog(ReducerObserver):
 
     def __init__(self, reducer: Reducer, hang_timeout: float, store: dist.Store, directory: str | None) -> None:
         self.directory = directory or os.getcwd()
-        self.joined = False  # set by lit_dp.join while this rank shadows the others
         # Weak: the reducer holds this watchdog (observer, waiter); a cycle would keep its process
         # group, and so rank 0's rendezvous port, alive after the group is destroyed.
         self._reducer = weakref.ref(reducer)
@@ -85,6 +85,7 @@ class HangWatchdog(ReducerObserver):
         # Answering takes one poll and a store write; the margin is for a loaded machine.
         self._reply_seconds = min(30.0, max(3.0, hang_timeout / 10))
         self._step = -1
+        self._participation: Participation | None = None  # of the step being synchronised
         self._launched = -1
         self._launches: list[tuple[BucketLaunch, float]] = []
         self._untimed: tuple[str, float] | None = None  # a wait only the thread can watch
@@ -101,8 +102,6 @@ class HangWatchdog(ReducerObserver):
             return None
         watchdog = cls(reducer, hang_timeout, store, directory)
         reducer.add_observer(watchdog)
-        if watchdog._timed:
-            reducer.waiter.watch(hang_timeout, watchdog._hang)
         thread = threading.Thread(
             target=_watch, args=(weakref.ref(watchdog), watchdog._stop, watchdog._poll_seconds), daemon=True
         )
@@ -114,6 +113,13 @@ class HangWatchdog(ReducerObserver):
     @property
     def hang_timeout(self) -> float:
         return self._timeout
+
+    @property
+    def bounds_waits(self) -> bool:
+        """Whether the waits themselves should carry the deadline (``Waiter.watch(hang_timeout,
+        watchdog.on_deadline)``): on Gloo; on NCCL a wait only orders the GPU stream, and this
+        watchdog's thread watches the launches instead."""
+        return self._timed
 
     @property
     def _store(self) -> dist.Store:
@@ -138,9 +144,14 @@ class HangWatchdog(ReducerObserver):
     # -- the reducer's events: the position reported in a diagnosis ---------------------------
 
     @override
-    def step_started(self, step: int) -> None:
+    def step_started(self, step: int, plan: StepPlan) -> None:
         self._step, self._launched, self._launches = step, -1, []
+        self._participation = plan.participation
         self.heartbeat()
+
+    @override
+    def step_ended(self, step: int) -> None:
+        self._participation = None
 
     @override
     def bucket_launched(self, launch: BucketLaunch) -> None:
@@ -167,7 +178,7 @@ class HangWatchdog(ReducerObserver):
 
     # -- the diagnosis -----------------------------------------------------------------------
 
-    def _hang(self, what: str, since: float) -> NoReturn:
+    def on_deadline(self, what: str, since: float) -> NoReturn:
         """Raise the alarm, gather every rank's answer, write the summary, raise."""
         summary = self._diagnose(what, since)
         raise CollectiveHangError(summary)
@@ -231,7 +242,7 @@ class HangWatchdog(ReducerObserver):
         if waiting is not None:
             what = waiting[0] or self._bucket_waited_for()[0]
             state = f"waiting for {what} for {time.monotonic() - waiting[1]:.1f}s"
-        elif self.joined:
+        elif self._participation is Participation.SHADOW:
             state = "joined (out of inputs), shadowing the others' steps"
         else:
             state = "outside lit_dp's collectives (data loading or user code)"

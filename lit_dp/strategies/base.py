@@ -42,14 +42,11 @@ FAMILIES = (
 class DataParallelStrategyMixin:
     """Kept options, process layout, process group and wrapping, for both front doors.
 
-    A concrete strategy builds its ``Options`` (``_keep_options``), names its Lightning
-    launchers in ``_launchers`` (script launcher, multiprocessing launcher) and gives the
-    sentence that opens a missing-gradient error in ``_unused_parameters_message`` (Lightning's
-    own, which is what users search for).
+    A concrete strategy builds its ``Options`` (``_keep_options``) and names its Lightning
+    launchers in ``_launchers`` (script launcher, multiprocessing launcher).
     """
 
     _launchers: tuple[type, type]
-    _unused_parameters_message: str
     _options_scope: str
     cluster_environment: ClusterEnvironment | None
     parallel_devices: list[torch.device] | None
@@ -149,7 +146,7 @@ class DataParallelStrategyMixin:
             )
 
     def _wrap(self, module: Module, options: Options) -> DataParallel:
-        return DataParallel(module, options=options, unused_parameters_message=self._unused_parameters_message)
+        return DataParallel(module, options=options)
 
 
 def register_families(registry: _StrategyRegistry, strategy: type) -> None:

@@ -37,14 +37,6 @@ from lit_dp.options import FABRIC, Options, options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 
-FABRIC_UNUSED_PARAMETERS_MESSAGE = (
-    "It looks like your model has parameters that were not used in producing the loss passed to "
-    "fabric.backward. If this is intentional, you must enable the detection of unused parameters in lit_dp, either "
-    "by setting the string value `Fabric(strategy='paddle_dp_find_unused_parameters_true')` or by setting the flag "
-    "in the strategy with `Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(find_unused_parameters=True))`."
-)
-
-
 class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer in Fabric, one process per device.
 
@@ -59,7 +51,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """
 
     _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)
-    _unused_parameters_message = FABRIC_UNUSED_PARAMETERS_MESSAGE
     _options_scope = FABRIC
 
     def __init__(

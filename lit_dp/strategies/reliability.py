@@ -68,7 +68,7 @@ class ReliabilityMixin:
             )
         # The exchange runs on the host: under NCCL on a Gloo group of its own.
         group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
-        uneven = UnevenInputs(group, model.reducer.waiter)
+        uneven = UnevenInputs(group, model.waiter)
         trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, UnevenMetricsCallback)]
         trainer.callbacks.append(UnevenMetricsCallback(uneven, trainer))
         return uneven
@@ -132,7 +132,7 @@ class ReliabilityMixin:
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._replaying and isinstance(self.model, DataParallel):
-            self.model.shadow_backward()
+            self.model.replay_step()
             return closure_loss
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 

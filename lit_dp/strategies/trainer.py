@@ -27,7 +27,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -36,8 +36,8 @@ from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.broadcast import sync_params_buffers
-from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB
 from lit_dp.gradients.hooks import describe_comm_hook
+from lit_dp.gradients.unused import UNUSED_PARAMETERS_OPENING
 from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel_env
 from lit_dp.local_sgd import LocalSGD
 from lit_dp.observability.autotune import AUTO
@@ -52,7 +52,8 @@ from lit_dp.strategies.sharded_clipping import clip_sharded_by_global_norm
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 
-# Lightning's own sentence (`DDPStrategy.on_exception`), which is what users search for, then ours.
+# Lightning's own sentence (`DDPStrategy.on_exception`), which is what users search for: it opens
+# the reducer's error, which names the parameters.
 LIGHTNING_UNUSED_PARAMETERS_MESSAGE = (
     "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
     "training_step. If this is intentional, you must enable the detection of unused parameters in lit_dp, either "
@@ -84,7 +85,6 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
 
     strategy_name = "paddle_dp"
     _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)
-    _unused_parameters_message = LIGHTNING_UNUSED_PARAMETERS_MESSAGE
     _options_scope = TRAINER
 
     def __init__(
@@ -105,7 +105,6 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             precision_plugin=precision_plugin,
         )
         self._keep_options(options, values)
-        self._forward_redirection = _ManualOptimizationRedirection()
         self._local_sgd: LocalSGD | None = None
         self._local_sgd_resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
         self._tuned_buffer_size: float | None = None  # with "auto": restored, or chosen by a finished fit
@@ -193,7 +192,10 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         if self._tuned_buffer_size is not None:
             size = self._tuned_buffer_size
             rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {size:g} MB, tuned before (checkpoint or earlier fit)")
-        return self._wrap(model, self._options.replace(comm_buffer_size=self.comm_buffer_size))
+        wrapped = self._wrap(model, self._options.replace(comm_buffer_size=self.comm_buffer_size))
+        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
+            wrapped.arm_at_backward()  # `manual_backward` arms the reducer (pre_backward), not the forwards
+        return wrapped
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -232,7 +234,7 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             options.local_sgd_steps,
             options.local_sgd_warmup_steps,
             adaptive=options.local_sgd_adaptive,
-            comm_buffer_size=self.comm_buffer_size if self.comm_buffer_size != AUTO else DEFAULT_BUCKET_MB,
+            comm_buffer_size=self.model.comm_buffer_size,
         )
         if self._local_sgd_resumed is not None:
             local_sgd.load_state_dict(self._local_sgd_resumed)
@@ -284,8 +286,8 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        # Manual optimization: the forward did not arm the reducer (see the redirection below);
-        # `manual_backward` arms it here, unless inside `block_backward_sync`.
+        # Manual optimization: the forwards do not arm the reducer (DataParallel.arm_at_backward);
+        # `manual_backward` does, here, and inside `block_backward_sync` the plan keeps it local.
         assert self.lightning_module is not None
         if isinstance(self.model, DataParallel) and not self.lightning_module.automatic_optimization:
             self.model.prepare_for_backward(closure_loss)
@@ -309,12 +311,14 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # In the launching process of a spawned job the reducer's error arrives inside the rank's
-        # traceback; Lightning's sentence is moved to the front, as DDPStrategy does with its own.
-        opening = self._unused_parameters_message
-        message = exception.args[0] if exception.args else None
-        if isinstance(message, str) and opening in message and not message.startswith(opening):
-            exception.args = (f"{opening}\n{message.replace(opening, '').strip()}",)
+        # The one place the reducer's error gets Lightning's sentence, as DDPStrategy augments
+        # torch's. Under a spawning launcher it arrives inside the rank's traceback, as text.
+        exception.args = tuple(
+            f"{LIGHTNING_UNUSED_PARAMETERS_MESSAGE}\n{arg}"
+            if isinstance(arg, str) and UNUSED_PARAMETERS_OPENING in arg and not arg.startswith(LIGHTNING_UNUSED_PARAMETERS_MESSAGE)
+            else arg
+            for arg in exception.args
+        )
 
     @override
     def save_checkpoint(
@@ -367,29 +371,6 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_families(strategy_registry, cls)
-
-
-class _ManualOptimizationRedirection(_ForwardRedirection):
-    """Under manual optimization the forward must not arm the reducer: ``manual_backward`` does.
-
-    The previous sync flag is restored afterwards, so a forward inside ``block_backward_sync``
-    stays unsynchronised.
-    """
-
-    def __init__(self) -> None:
-        self._saved_sync: bool | None = None
-
-    @override
-    def on_after_inner_forward(self, wrapper_module: Module, original_module: pl.LightningModule) -> None:
-        if isinstance(wrapper_module, DataParallel) and not original_module.automatic_optimization:
-            self._saved_sync = wrapper_module.grad_need_sync
-            wrapper_module.grad_need_sync = False
-
-    @override
-    def on_after_outer_forward(self, wrapper_module: Module, original_module: pl.LightningModule) -> None:
-        if isinstance(wrapper_module, DataParallel) and self._saved_sync is not None:
-            wrapper_module.grad_need_sync = self._saved_sync
-            self._saved_sync = None
 
 
 PaddleDPStrategy.__doc__ = PaddleDPStrategy.__doc__.format(options=options_doc(TRAINER))

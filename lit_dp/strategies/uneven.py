@@ -13,7 +13,7 @@ has run out:
   peer's, broadcast once, if it never had one), so the hooks that see batches keep working,
   and the strategy learns, per batch, whether this rank takes it for real.
 - On such a replayed batch the strategy does not run the user's ``training_step``: the
-  reducer's ``shadow_step`` issues the step's collectives without a backward of this rank's
+  model's ``replay_step`` issues the step's collectives without a backward of this rank's
   (gradients it accumulated earlier in an accumulation window still count), the average lands
   in ``.grad``, and the optimizer steps like everyone else's, so weights and optimizer state
   stay identical. Gradients are divided by the world size, as with the distributed sampler's

@@ -10,7 +10,11 @@ from torch import nn
 
 import lit_dp.gradients.dense
 from lit_dp.gradients.dense import DenseBucket
+from lit_dp.gradients.plan import Participation, StepPlan
 from tests.helpers.groups import one_rank_group
+
+MISSING_HERE = StepPlan.decide(Participation.SYNC, find_unused_parameters=False, divisor=1)
+USED_HERE = StepPlan.decide(Participation.SYNC, find_unused_parameters=True, divisor=1)
 
 
 def parameters() -> list[nn.Parameter]:
@@ -42,7 +46,7 @@ def test_a_launch_reduces_present_gradients_flags_the_missing_and_writes_average
     grads = [torch.full_like(p, 2.0) for p in params]
     params[0].grad, params[1].grad = grads[0].clone(), grads[1].clone()  # params[2] got no gradient
     used = bytearray([1, 1, 0])
-    bucket.start(used, flag_used=False, world_size=1)
+    bucket.start(MISSING_HERE, used)
     assert len(bucket.futures()) == 2  # the in-place gradient's all-reduce and the buffer's
     bucket.wait()
     assert bucket.flags.tolist() == [0.0, 0.0, 1.0]  # "missing here" counts, summed over one rank
@@ -58,7 +62,7 @@ def test_a_complete_bucket_copies_back_into_the_gradients_it_launched_with():
     for p in params:
         p.grad = torch.ones_like(p)
     launched = [p.grad for p in params]
-    bucket.start(bytearray([1, 1, 1]), flag_used=True, world_size=1, complete=True)
+    bucket.start(USED_HERE, bytearray([1, 1, 1]), complete=True)
     bucket.buffer[:16].mul_(3.0)  # stands in for what the other ranks would add
     bucket.wait()
     bucket.write_back(as_view=False, skipped=())
@@ -70,7 +74,7 @@ def test_gradient_views_become_the_buffer_itself():
     params = parameters()
     bucket = bucket_with_in_place_threshold(params, threshold=1 << 30, as_view=True)
     params[0].grad = torch.ones(4, 4)
-    bucket.start(bytearray([1, 0, 0]), flag_used=True, world_size=1)
+    bucket.start(USED_HERE, bytearray([1, 0, 0]))
     bucket.wait()
     bucket.write_back(as_view=True, skipped=())
     assert params[0].grad.data_ptr() == bucket.views[0].data_ptr()

@@ -7,7 +7,9 @@ from torch import nn
 
 from lit_dp.gradients.buckets import MB
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
+from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
+from lit_dp.gradients.waiting import Waiter
 from tests.helpers.groups import one_rank_group
 
 
@@ -15,7 +17,7 @@ class Recorder(ReducerObserver):
     def __init__(self) -> None:
         self.moments: list[tuple] = []
 
-    def step_started(self, step: int) -> None:
+    def step_started(self, step: int, plan: StepPlan) -> None:
         self.moments.append(("step_started", step))
 
     def backward_started(self, step: int) -> None:
@@ -36,15 +38,20 @@ def reducer_and_model(bucket_bytes: int) -> tuple[Reducer, nn.Module]:
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     params = list(model.parameters())
     reducer = Reducer(
-        params, [name for name, _ in model.named_parameters()], [one_rank_group()],
-        bucket_bytes=bucket_bytes, last_bucket_bytes=bucket_bytes, sparse=[False] * len(params),
-    )  # fmt: skip
+        params,
+        [name for name, _ in model.named_parameters()],
+        [one_rank_group()],
+        bucket_bytes=bucket_bytes,
+        last_bucket_bytes=bucket_bytes,
+        sparse=[False] * len(params),
+        waiter=Waiter(),
+    )
     return reducer, model
 
 
 def step(reducer: Reducer, model: nn.Module) -> None:
     outputs = model(torch.randn(4, 8))
-    reducer.prepare_for_backward(outputs)
+    reducer.prepare_for_backward(StepPlan.decide(Participation.SYNC, False, 1), outputs)
     outputs.square().mean().backward()
     model.zero_grad(set_to_none=True)
 
@@ -71,7 +78,7 @@ def test_requested_limits_apply_at_the_next_step_start_before_arming():
     assert len(one_bucket) == 1 and len(reducer.bucket_indices) > 1  # a partition is only computed
 
     class AskForOneBucket(ReducerObserver):
-        def step_started(self, step: int) -> None:
+        def step_started(self, step: int, plan: StepPlan) -> None:
             reducer.request_bucket_limits(MB, MB)
 
     reducer.add_observer(AskForOneBucket())

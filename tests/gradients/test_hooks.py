@@ -149,7 +149,7 @@ def train_with_hook(rank, name, comm_mb, last_mb, find_unused, as_view, accumula
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    buckets = [bucket for bucket in ours.reducer._buckets if hasattr(bucket, "hook")]
+    buckets = [bucket for bucket in ours.reducer.buckets if hasattr(bucket, "hook")]
     return [bucket.hook[1:] for bucket in buckets], getattr(ours.comm_hook.state, "iter", None)
 
 
@@ -324,8 +324,8 @@ def hook_contract(rank):
     big.register_comm_hook(None, default.allreduce_hook)
     for model in (big, plain):
         step(model)
-    report["in_place_members"] = sum(len(b.in_place) for b in big.reducer._buckets)
-    report["buffer_numel"] = sum(b.buffer.numel() for b in big.reducer._buckets)
+    report["in_place_members"] = sum(len(b.in_place) for b in big.reducer.buckets)
+    report["buffer_numel"] = sum(b.buffer.numel() for b in big.reducer.buckets)
     report["numel"] = sum(p.numel() for p in big.parameters())
     report["in_place_equal"] = all(torch.equal(a.grad, b.grad) for a, b in zip(big.parameters(), plain.parameters()))
     return report

@@ -96,7 +96,7 @@ def features_on_two_ranks(rank):
     for step in range(2):
         viewed.zero_grad(set_to_none=True)
         loss(viewed, shard(inputs, rank), shard(targets, rank), rank, step).backward()
-    buffers = [bucket.buffer for bucket in viewed.reducer._buckets]
+    buffers = [bucket.buffer for bucket in viewed.reducer.buckets]
     report["views"] = all(
         any(p.grad.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
         for p in viewed.parameters()
@@ -115,7 +115,7 @@ def features_on_two_ranks(rank):
     torch.stack([reference(data[r::2]).square().mean() for r in range(2)]).mean().backward()
     assert_same_gradients(big.module, reference, "in place")
     report["in_place"] = produced == [weight.grad.data_ptr()]
-    report["buffer_numel"] = sum(bucket.buffer.numel() for bucket in big.reducer._buckets)
+    report["buffer_numel"] = sum(bucket.buffer.numel() for bucket in big.reducer.buckets)
 
     # no_sync parameters: neither broadcast nor reduced.
     experts = MODELS["tied"]()

@@ -89,7 +89,7 @@ def _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accu
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     assert_same_parameters(ours, reference, f"{name} after {STEPS} steps")
-    rings_used = len({id(bucket.ring) for bucket in ours.reducer._buckets})
+    rings_used = len({id(bucket.ring) for bucket in ours.reducer.buckets})
     return ours.reducer.bucket_indices, rings_used
 
 

@@ -27,9 +27,9 @@ def launch_fractions_and_weights(rank, variants, backend="aot_eager", device="cp
     timeline: list[str] = []
     start = DenseBucket.start
 
-    def recorded_start(bucket, *args):
+    def recorded_start(bucket, *args, **kwargs):
         timeline.append("launch")
-        return start(bucket, *args)
+        return start(bucket, *args, **kwargs)
 
     DenseBucket.start = recorded_start
     report = {}

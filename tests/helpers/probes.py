@@ -9,13 +9,14 @@ import torch
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.events import ReducerObserver
+from lit_dp.gradients.plan import StepPlan
 
 
 class _CountSteps(ReducerObserver):
     def __init__(self) -> None:
         self.steps = 0
 
-    def step_started(self, step: int) -> None:
+    def step_started(self, step: int, plan: StepPlan) -> None:
         self.steps += 1
 
 
