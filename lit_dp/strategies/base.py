@@ -132,11 +132,12 @@ class DataParallelStrategyMixin:
 
     def _init_process_group(self) -> None:
         """Ranks, then the process group: one rank's own for a single process, as under ``"ddp"``."""
+        name = type(self).__name__
+        log.debug("%s: setting up distributed...", name)
         self.set_world_ranks()
         environment = lightning_parallel_env(
             self.cluster_environment, self.global_rank, self.world_size, self.root_device, self._options.nrings
         )
-        name = type(self).__name__
         if dist.is_initialized():
             log.debug(
                 "%s: adopting the existing process group (backend %s, world size %d) instead of creating one",

@@ -94,7 +94,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        log.debug("%s: setting up distributed...", type(self).__name__)
         self._init_process_group()
 
     @override

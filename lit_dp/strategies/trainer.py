@@ -157,7 +157,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     def setup_distributed(self) -> None:
         """Seed, ranks, then the process group: one rank's own for a single process, as under ``"ddp"``."""
-        log.debug("%s: setting up distributed...", type(self).__name__)
         reset_seed()
         self._init_process_group()
 
