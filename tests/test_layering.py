@@ -69,7 +69,10 @@ def test_each_module_imports_only_from_its_layer_and_below(module):
 
 
 def test_no_import_circle():
-    graph = {module: {internal(i) for i in imports if internal(i) not in (None, "lit_dp", module)} for module, imports in MODULES.items()}
+    graph = {
+        module: {internal(i) for i in imports if internal(i) not in (None, "lit_dp", module)}
+        for module, imports in MODULES.items()
+    }
     state: dict[str, str] = {}
 
     def visit(module: str, path: list[str]) -> None:
@@ -83,16 +86,6 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [])
-
-
-def test_no_file_of_the_library_recipes_or_benchmarks_is_over_400_lines():
-    long = [
-        f"{path.relative_to(ROOT)} ({count} lines)"
-        for folder in ("lit_dp", "lit_dp_recipes", "recipes", "benchmarks")
-        for path in sorted((ROOT / folder).rglob("*.py"))
-        if (count := len(path.read_text().splitlines())) > 400
-    ]
-    assert not long, f"one concept per module, about 400 lines at most: {long}"
 
 
 def run_python(code: str) -> str:

@@ -1,22 +1,22 @@
 """``comm_buffer_size="auto"``: choose the bucket size by timing the first steps of training.
 
 The schedule. Training starts with the default buckets; after the first step the reducer
-rebuilds them in gradient-ready order, and tuning begins. The candidates are
-``CANDIDATES_MB`` (1 to 100 MB); one that gives the same buckets as a smaller one is dropped
-without spending a step (on a model of a few MB most coincide). The remaining candidates are
-tried in passes (A B C A B C ..., so that drift on a busy machine hits them alike); each
-time the buckets are rebuilt with it, one step is left to warm up (new buffers), then
-``MEASURE_STEPS`` steps are timed, each from one forward's end to the next's, i.e. a whole
-training iteration. The passes fill a budget of ``TUNING_STEPS`` steps, at least
-``MIN_PASSES`` of them: the fewer the distinct candidates, the more steps each gets, since
-single steps vary by 10 to 30% on a shared machine and the sizes worth telling apart differ
-by a few percent. Every rank then holds, per candidate, the mean of its timed steps without
-the fastest and the slowest eighth: the typical step, which is what a bucket size changes,
-unmoved by a lone spike (a collection pause, another process). Not the fastest step: that is
-the one where communication happened to interfere least with compute, and on a shared CPU it
-is nearly the same for every size; and on 2 gloo ranks this trimmed mean ranked two sizes 5%
-apart correctly more often than the median did. An all-reduce (MAX) gives the time as the
-slowest rank saw it (a data-parallel step is as slow as its slowest rank), rank 0 takes the
+rebuilds them in gradient-ready order, and tuning begins. The candidates are ``CANDIDATES_MB``
+(1 to 100 MB); one that gives the same buckets as a smaller one is dropped without spending a
+step (on a model of a few MB most coincide). The remaining candidates are tried in passes
+(A B C A B C ..., so that drift on a busy machine hits them alike); each time the buckets are
+rebuilt with it, one step is left to warm up (new buffers), then ``MEASURE_STEPS`` steps are
+timed, each from one forward's end to the next's, i.e. a whole training iteration. The passes
+fill a budget of ``TUNING_STEPS`` steps, at least ``MIN_PASSES`` of them: the fewer the
+distinct candidates, the more steps each gets, since single steps vary far more than the few
+percent that separate sizes worth telling apart. Every rank then holds, per candidate, the mean
+of its timed steps without the fastest and the slowest eighth: the typical step, which is what
+a bucket size changes, unmoved by a lone spike (a collection pause, another process). Not the
+fastest step: that is the one where communication happened to interfere least with compute,
+nearly the same for every size on a shared CPU; not the median either, which ranked close sizes
+wrongly more often in recorded tuning runs (docs/benchmarks.md, "Autotune against the best
+fixed size", has the measurements behind these choices). An all-reduce (MAX) gives the time as
+the slowest rank saw it (a data-parallel step is as slow as its slowest rank), rank 0 takes the
 fastest candidate (the smallest size on a tie) and broadcasts it, and every rank rebuilds its
 buckets with that size at the same step. Cost: ``TUNING_STEPS`` = 120 steps or fewer (105 with
 all 7 candidates distinct), and none at all on a model whose buckets are the same for every

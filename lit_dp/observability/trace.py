@@ -86,35 +86,61 @@ class TraceWriter:
 
     def _span(self, name: str, category: str, track: int, start: float, end: float, **args: Any) -> dict[str, Any]:
         return {
-            "ph": COMPLETE, "name": name, "cat": category, "pid": self._rank, "tid": track,
-            "ts": self._us(start), "dur": round(max(0.0, end - start) * 1e6, 3), "args": args,
-        }  # fmt: skip
+            "ph": COMPLETE,
+            "name": name,
+            "cat": category,
+            "pid": self._rank,
+            "tid": track,
+            "ts": self._us(start),
+            "dur": round(max(0.0, end - start) * 1e6, 3),
+            "args": args,
+        }
 
     def _step_events(self, timeline: StepTimeline) -> list[dict[str, Any]]:
         stats = timeline.stats()
-        events: list[dict[str, Any]] = [
-            {"ph": "i", "s": "p", "name": f"step {timeline.step}", "cat": "step", "pid": self._rank,
-             "tid": STEPS_TRACK, "ts": self._us(timeline.start), "args": {"step": timeline.step}},
-            self._span("backward", "backward", STEPS_TRACK, timeline.backward_start, timeline.backward_end,
-                       step=timeline.step),
-        ]  # fmt: skip
+        step_mark = {
+            "ph": "i",
+            "s": "p",
+            "name": f"step {timeline.step}",
+            "cat": "step",
+            "pid": self._rank,
+            "tid": STEPS_TRACK,
+            "ts": self._us(timeline.start),
+            "args": {"step": timeline.step},
+        }
+        backward = self._span(
+            "backward", "backward", STEPS_TRACK, timeline.backward_start, timeline.backward_end, step=timeline.step
+        )
+        events: list[dict[str, Any]] = [step_mark, backward]
         for bucket in timeline.buckets:
             track = 1 + bucket.index
             self._tracks.add(track)
             events.append(
                 self._span(
-                    f"all_reduce bucket {bucket.index}", "bucket", track, bucket.launch, bucket.end,
-                    step=timeline.step, bucket=bucket.index, bytes=bucket.bytes,
+                    f"all_reduce bucket {bucket.index}",
+                    "bucket",
+                    track,
+                    bucket.launch,
+                    bucket.end,
+                    step=timeline.step,
+                    bucket=bucket.index,
+                    bytes=bucket.bytes,
                     params=[self._names[i] for i in bucket.indices],
-                )  # fmt: skip
+                )
             )
         last = max((bucket.end for bucket in timeline.buckets), default=timeline.backward_end)
         if last > timeline.backward_end:
             events.append(
                 self._span(
-                    "exposed communication", "exposed", STEPS_TRACK, timeline.backward_end, last,
-                    step=timeline.step, exposed_ms=stats.exposed_ms, overlap=stats.overlap,
-                )  # fmt: skip
+                    "exposed communication",
+                    "exposed",
+                    STEPS_TRACK,
+                    timeline.backward_end,
+                    last,
+                    step=timeline.step,
+                    exposed_ms=stats.exposed_ms,
+                    overlap=stats.overlap,
+                )
             )
         return events
 

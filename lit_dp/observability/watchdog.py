@@ -19,16 +19,16 @@ needs no GIL, writes its stack to the rank's stderr once it has started no synch
 (nor validation step, under the Trainer) for between 1.5 and 2 times ``hang_timeout``: no file
 is created up front, and the job's log holds it.
 
-Mechanics and their cost per step (none measurable, see ``benchmarks/watchdog.py``): the
-position is a few attribute writes per bucket (the reducer's observer events); the reducer's
-``Waiter`` (``lit_dp.gradients.waiting``) gets the deadline, so on Gloo a wait is
-``work.wait(timeout)`` instead of ``work.wait()`` and a communication hook's future is waited
-on through a done-callback and an event; a daemon thread polls the store for alarms every few
-seconds. Waits that cannot carry a deadline, NCCL's (a wait there only orders the GPU stream;
-a deadline would synchronise the host at every bucket) and torch's Join loop, are watched by
-that thread: past the deadline it raises the alarm itself, prints the diagnosis and ends the
-process, as torch's own NCCL watchdog does, since nothing can interrupt a main thread blocked
-in C.
+Mechanics (their cost per step is measured by ``benchmarks/watchdog.py``, results in
+docs/benchmarks.md): the position is a few attribute writes per bucket (the reducer's observer
+events); the reducer's ``Waiter`` (``lit_dp.gradients.waiting``) gets the deadline, so on Gloo
+a wait is ``work.wait(timeout)`` instead of ``work.wait()`` and a communication hook's future
+is waited on through a done-callback and an event; a daemon thread polls the store for alarms
+every few seconds. Waits that cannot carry a deadline, NCCL's (a wait there only orders the GPU
+stream; a deadline would synchronise the host at every bucket) and torch's Join loop, are
+watched by that thread: past the deadline it raises the alarm itself, prints the diagnosis and
+ends the process, as torch's own NCCL watchdog does, since nothing can interrupt a main thread
+blocked in C.
 """
 
 from __future__ import annotations

@@ -9,10 +9,12 @@ brings up the process group and wraps the model.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -24,9 +26,11 @@ from typing_extensions import override
 from lit_dp.data_parallel import DataParallel
 from lit_dp.job.backends import AUTO
 from lit_dp.job.env import ParallelEnv
-from lit_dp.job.process_group import init_parallel_env
+from lit_dp.job.process_group import destroy_parallel_env, init_parallel_env, resolve_timeout
 from lit_dp.options import Options
 from lit_dp.sharding import ShardedOptimizer
+
+log = logging.getLogger(__name__)
 
 # Lightning's `ddp`, `ddp_spawn`, `ddp_fork`, `ddp_notebook` with their start methods
 # (lightning/pytorch/strategies/ddp.py); each also gets `_find_unused_parameters_true|false`.
@@ -38,18 +42,28 @@ FAMILIES = (
 )
 
 
-
 class DataParallelStrategyMixin:
     """Kept options, process layout, process group and wrapping, for both front doors.
 
-    A concrete strategy builds its ``Options`` (``_keep_options``) and names its Lightning
-    launchers in ``_launchers`` (script launcher, multiprocessing launcher).
+    It comes before Lightning's ``ParallelStrategy`` (the Trainer's or Fabric's) in a strategy's
+    bases: the Lightning overrides here are the same in both, and Lightning's two
+    ``DDPStrategy`` classes write them twice. A concrete strategy builds its ``Options``
+    (``_keep_options``), names its Lightning launchers in ``_launchers`` (script launcher,
+    multiprocessing launcher) and the front door its options are checked for in
+    ``_options_scope``.
     """
 
+    # The concrete strategy's.
     _launchers: tuple[type, type]
     _options_scope: str
+    # Lightning's ParallelStrategy's.
     cluster_environment: ClusterEnvironment | None
     parallel_devices: list[torch.device] | None
+    local_rank: int
+    node_rank: int
+    global_rank: int
+    world_size: int
+    _launcher: Any
 
     def _keep_options(self, options: Options | None, values: dict[str, Any]) -> None:
         """Keep ``options`` (validated where they entered, e.g. a recipe's config), or validate
@@ -116,13 +130,41 @@ class DataParallelStrategyMixin:
 
     def _init_process_group(self) -> None:
         """Ranks, then the process group: one rank's own for a single process, as under ``"ddp"``."""
+        name = type(self).__name__
+        log.debug("%s: setting up distributed...", name)
         self.set_world_ranks()
         environment = lightning_parallel_env(
             self.cluster_environment, self.global_rank, self.world_size, self.root_device, self._options.nrings
         )
+        if dist.is_initialized():
+            log.debug(
+                "%s: adopting the existing process group (backend %s, world size %d) instead of creating one",
+                name,
+                dist.get_backend(),
+                dist.get_world_size(),
+            )
+        else:
+            auto = f" (backend=auto, device {self.root_device})" if self._options.backend == AUTO else ""
+            log.debug(
+                "%s: creating the process group: rank %d of %d from %s, backend %s%s, timeout %s, %d ring(s)",
+                name,
+                self.global_rank,
+                self.world_size,
+                type(self.cluster_environment).__name__,
+                self.process_group_backend,
+                auto,
+                resolve_timeout(self._options.timeout, environment),
+                environment.nrings,
+            )
         init_parallel_env(
             self.process_group_backend, self._options.timeout, parallel_env=environment, one_process_group=True
         )
+
+    def _destroy_process_group(self) -> None:
+        """Destroy the process group and its rings, freeing the rendezvous port for a later fit."""
+        if dist.is_initialized():
+            log.debug("%s: destroying the process group", type(self).__name__)
+        destroy_parallel_env()
 
     def _shard(self, optimizer: Optimizer, model: Module | None) -> Optimizer:
         """``optimizer`` rebuilt over this rank's parameters under ``sharding_stage``; unchanged otherwise."""
@@ -133,6 +175,12 @@ class DataParallelStrategyMixin:
                 f"sharding_stage={self._options.sharding_stage}: set up the model (lit_dp.DataParallel) before its "
                 "optimizers, so that they know which parameters this rank owns."
             )
+        log.debug(
+            "%s: sharding_stage=%s: %s rebuilt over this rank's parameters (lit_dp.ShardedOptimizer)",
+            type(self).__name__,
+            self._options.sharding_stage,
+            type(optimizer).__name__,
+        )
         return ShardedOptimizer(optimizer, model)
 
     def _check_sharding_precision(self, precision: Any) -> None:
@@ -146,7 +194,16 @@ class DataParallelStrategyMixin:
             )
 
     def _wrap(self, module: Module, options: Options) -> DataParallel:
-        return DataParallel(module, options=options)
+        name = type(self).__name__
+        log.debug("%s: wrapping %s in lit_dp.DataParallel with %s", name, type(module).__name__, options)
+        wrapped = DataParallel(module, options=options)
+        if wrapped.watchdog is not None:
+            log.debug("%s: hang watchdog started (hang_timeout=%ss)", name, options.hang_timeout)
+        else:
+            log.debug(
+                "%s: no hang watchdog (hang_timeout=%s, world size %d)", name, options.hang_timeout, self.world_size
+            )
+        return wrapped
 
 
 def register_families(registry: _StrategyRegistry, strategy: type) -> None:

@@ -13,6 +13,7 @@ Ranks with different numbers of batches train inside ``with fabric.strategy.join
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -31,11 +32,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
-from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel_env
+from lit_dp.job.process_group import barrier, broadcast_object
 from lit_dp.join import DataParallelJoin
 from lit_dp.options import FABRIC, Options, options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
+
+log = logging.getLogger(__name__)
+
 
 class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer in Fabric, one process per device.
@@ -168,11 +172,12 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        log.debug("%s: tearing down strategy", type(self).__name__)
         for optimizer in self._sharded:
             optimizer.wait_for_parameters()
         self._wrapped, self._sharded = None, []
         super().teardown()
-        destroy_parallel_env()
+        self._destroy_process_group()
 
     @classmethod
     @override

@@ -5,11 +5,17 @@ strategy brings up the process group with ``init_parallel_env`` and wraps the Li
 in ``lit_dp.DataParallel``. On one device too: a group of one rank, as under ``"ddp"``.
 
 The registered names copy Lightning's ``ddp`` families; what this strategy shares with the Fabric
-one in ``lit_dp.fabric`` is in ``lit_dp.strategies.base``.
+one in ``lit_dp.fabric`` is in ``lit_dp.strategies.base``. Uneven inputs
+(``lit_dp.strategies.uneven.UnevenInputs``) and the hang watchdog's wiring
+(``lit_dp.strategies.watchdog.StrategyWatchdog``) are objects the strategy holds and calls from
+its hooks, as Lightning's strategies hold their layer sync and forward redirection; each does
+nothing until ``setup`` turns it on for a fit. With debug logging (the ``lit_dp`` logger), each
+step of setup and teardown says what was decided and why.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -46,9 +52,12 @@ from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.strategies.monitor import CommStatsMonitor
-from lit_dp.strategies.reliability import ReliabilityMixin
 from lit_dp.strategies.resume import continue_epoch
 from lit_dp.strategies.sharded_clipping import clip_sharded_by_global_norm
+from lit_dp.strategies.uneven import UnevenInputs
+from lit_dp.strategies.watchdog import StrategyWatchdog
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 
@@ -63,8 +72,7 @@ LIGHTNING_UNUSED_PARAMETERS_MESSAGE = (
 )
 
 
-
-class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStrategy):
+class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer, one process per device.
 
     The first five arguments are Lightning's, set by the Trainer. The options (``lit_dp.options``)
@@ -105,6 +113,10 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             precision_plugin=precision_plugin,
         )
         self._keep_options(options, values)
+        # The reliability wiring (docs/reliability.md), called from the hooks below; each does
+        # nothing until `setup` turns it on for a fit.
+        self._uneven = UnevenInputs(enabled=self._options.uneven_inputs)
+        self._watchdog = StrategyWatchdog()
         self._local_sgd: LocalSGD | None = None
         self._local_sgd_resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
         self._tuned_buffer_size: float | None = None  # with "auto": restored, or chosen by a finished fit
@@ -126,6 +138,11 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
     def local_sgd(self) -> LocalSGD | None:
         """The model averager while fitting with ``local_sgd_steps``; None otherwise."""
         return self._local_sgd
+
+    @property
+    def _running_trainer(self) -> pl.Trainer | None:
+        """The Trainer running the LightningModule, if any (the strategy itself holds no reference to it)."""
+        return self.lightning_module._trainer if self.lightning_module is not None else None
 
     @property
     def is_distributed(self) -> bool:
@@ -162,33 +179,43 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        log.debug("%s: setting up for %s", type(self).__name__, trainer.state.fn.value)
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_sharding_precision(self.precision_plugin)
         if fitting and self._layer_sync:
+            log.debug("%s: sync_batchnorm: converting BatchNorm layers to SyncBatchNorm", type(self).__name__)
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if fitting:
             self.model = self._setup_model(self.model)
+            self._watchdog.setup(trainer, self.model)
             self._local_sgd = self._setup_local_sgd()
             self.setup_optimizers(trainer)
         elif dist.is_initialized():
+            log.debug("%s: not fitting: no wrapper; broadcasting rank 0's parameters and buffers", type(self).__name__)
             sync_params_buffers(self.model)
         self.setup_precision_plugin()
-        if fitting and self._options.sharding_stage is not None:
+        if fitting:
+            self._setup_fit(trainer)
+
+    def _setup_fit(self, trainer: pl.Trainer) -> None:
+        """What a fit needs once the wrapped model, its optimizers and the precision plugin are set up."""
+        assert isinstance(self.model, DataParallel)
+        if self._options.sharding_stage is not None:
+            log.debug("%s: gradient clipping by the norm over every rank's gradients", type(self).__name__)
             clip_sharded_by_global_norm(self.precision_plugin)
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
-        if fitting and (self._options.comm_stats or self._options.comm_buffer_size == AUTO):
+        _optimizers_to_device(self.optimizers, self.root_device)
+        if self._options.comm_stats or self._options.comm_buffer_size == AUTO:
             if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
+                log.debug("%s: CommStatsMonitor added to the callbacks", type(self).__name__)
                 trainer.callbacks.append(CommStatsMonitor())
-        if fitting:
-            self._setup_reliability(trainer)
+        self._uneven.setup(trainer, self.model, sync_batchnorm=self._layer_sync is not None)
 
     @override
-    def _setup_model(self, model: Module) -> Module:
+    def _setup_model(self, model: Module) -> DataParallel:
         if self._tuned_buffer_size is not None:
             size = self._tuned_buffer_size
             rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {size:g} MB, tuned before (checkpoint or earlier fit)")
@@ -218,6 +245,7 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
     @override
     def on_validation_start(self) -> None:
         self.wait_for_parameters()
+        super().on_validation_start()
 
     def _setup_local_sgd(self) -> LocalSGD | None:
         options = self._options
@@ -236,7 +264,9 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             adaptive=options.local_sgd_adaptive,
             comm_buffer_size=self.model.comm_buffer_size,
         )
+        log.debug("%s: LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD)", type(self).__name__)
         if self._local_sgd_resumed is not None:
+            log.debug("%s: LocalSGD: schedule restored from the checkpoint", type(self).__name__)
             local_sgd.load_state_dict(self._local_sgd_resumed)
             self._local_sgd_resumed = None
         return local_sgd
@@ -248,7 +278,7 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._local_sgd is not None:
             loss = output if self._options.local_sgd_adaptive else None
-            self._local_sgd.step(loss, optimizer.param_groups[0]["lr"], joined=self._replaying)
+            self._local_sgd.step(loss, optimizer.param_groups[0]["lr"], joined=self._uneven.replaying)
         return output
 
     @override
@@ -260,14 +290,46 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         ]
         if self._local_sgd is not None:
             self._local_sgd.finish()
+        super().on_train_end()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         # Called after Lightning restored the loops and before the first batch is fetched.
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.training:
-            dataloader = continue_epoch(dataloader, trainer.fit_loop)
-        return super().process_dataloader(dataloader)  # uneven inputs: strategies/reliability.py
+        trainer = self._running_trainer
+        if trainer is not None:
+            if trainer.training:
+                dataloader = continue_epoch(dataloader, trainer.fit_loop)
+            dataloader = self._uneven.process_dataloader(trainer, dataloader)
+        return super().process_dataloader(dataloader)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        trainer = self._running_trainer
+        if trainer is not None:
+            self._uneven.batch_to_device(trainer)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._uneven.replaying:
+            # No batch of this rank's: Lightning backpropagates this, and `backward` below takes
+            # the step's collectives with the others instead.
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        with self._uneven.user_step("training_step"):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._watchdog.heartbeat()
+        if self._uneven.replaying:
+            return None
+        with self._uneven.user_step("validation_step"):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def on_validation_end(self) -> None:
+        self._uneven.validation_end()
+        super().on_validation_end()
 
     @override
     def model_to_device(self) -> None:
@@ -293,6 +355,21 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             self.model.prepare_for_backward(closure_loss)
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._uneven.replaying and isinstance(self.model, DataParallel):
+            self.model.replay_step()  # the step's collectives, without a backward of this rank's
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextmanager
+    def _collective(self, name: str) -> Generator[None, None, None]:
+        """One of the strategy's collectives: refused where uneven inputs cannot match it, and
+        watched by the hang watchdog's thread (the wait itself has no deadline)."""
+        self._uneven.check_collective(name)
+        with self._watchdog.watching(f"strategy.{name}"):
+            yield
+
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         with self._collective("barrier"):
             barrier(self.root_device)
@@ -308,6 +385,11 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             return tensor
         with self._collective("reduce (self.log(..., sync_dist=True), reduce_boolean_decision)"):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        with self._collective("all_gather"):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -348,12 +430,15 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
 
     @override
     def teardown(self) -> None:
+        log.debug("%s: tearing down strategy", type(self).__name__)
         lightning_module = self.lightning_module
         self._local_sgd = None
-        self._teardown_reliability()
+        self._uneven.teardown()
+        self._watchdog.teardown()
         if isinstance(self.model, DataParallel):
             self.model.flush_comm_stats()  # the trace of a run shorter than trace_steps
             self._tuned_buffer_size = self.tuned_comm_buffer_size
+            log.debug("%s: unwrapping the model from lit_dp.DataParallel", type(self).__name__)
             self.model = lightning_module
         if (
             lightning_module is not None
@@ -362,10 +447,11 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             and self._layer_sync
         ):
             assert self.model is not None
+            log.debug("%s: sync_batchnorm: reverting SyncBatchNorm layers to BatchNorm", type(self).__name__)
             self.model = self._layer_sync.revert(self.model)
         super().teardown()
         # A second `fit` in the same process then starts from a clean slate.
-        destroy_parallel_env()
+        self._destroy_process_group()
 
     @classmethod
     @override

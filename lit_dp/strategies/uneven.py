@@ -24,11 +24,18 @@ has run out:
 - A rank with no batch at all in an epoch logged nothing, yet the epoch-level ``sync_dist``
   reductions need every rank: it gets the others' sync_dist entries with values that add
   nothing (``UnevenMetricsCallback``).
+
+Without the option, training loaders of known, different lengths are an error at the start of
+``fit`` (``check_equal_lengths``), instead of a hang at the first batch a rank does not have.
+
+``UnevenInputs`` is what the strategy holds and calls from its hooks; ``BatchExchange`` is the
+ranks' per-batch exchange that the wrapped loaders run and the metrics callback reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,10 +48,13 @@ from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from typing_extensions import override
 
+from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
+
+log = logging.getLogger(__name__)
 
 REMEDY = (
     "log per-step values with sync_dist=False, or with on_step=False, on_epoch=True (reduced once at the "
@@ -61,50 +71,96 @@ class BatchPlan:
 
 
 class UnevenInputs:
-    """The strategy's state for uneven inputs: the per-batch exchange and the batch being taken.
+    """Uneven inputs as ``PaddleDPStrategy`` sees them: it holds one and calls it from its hooks.
+
+    Off (nothing wrapped, nothing replayed) until ``setup`` turns it on for a fit with
+    ``uneven_inputs=True`` on more than one rank; off, ``process_dataloader`` still refuses
+    training loaders of known, different lengths. The strategy's hooks call, by name:
+
+    - ``setup`` and ``teardown`` (the strategy's, while fitting);
+    - ``process_dataloader`` (each loader, before its first batch is fetched);
+    - ``batch_to_device`` (each batch, just before its step);
+    - ``replaying`` (``training_step``, ``validation_step``, ``backward``, ``optimizer_step``: this
+      rank has no batch of its own, so it skips the user's step and takes the synchronisation
+      without a backward);
+    - ``user_step`` (around the user's ``training_step`` and ``validation_step``);
+    - ``check_collective`` (the strategy's own collectives);
+    - ``validation_end`` (``on_validation_end``).
 
     Args:
-        group: where the exchange runs (a Gloo group: its tensors stay on the host).
-        waiter: how its waits are made (the hang watchdog's, when on).
+        enabled: the ``uneven_inputs`` option.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, waiter: Waiter) -> None:
-        self._group = group
-        self._waiter = waiter
-        self._ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        self._plans: dict[str, deque[BatchPlan]] = {"train": deque(), "val": deque()}
-        self.current: BatchPlan | None = None
-        self.real_batches: dict[str, list[int]] = {"train": [], "val": []}
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+        self._exchange: BatchExchange | None = None  # on: from setup to teardown
+        self._current: BatchPlan | None = None  # the batch being taken
         self._in_user_step: str | None = None
-        self.on_exhausted: Callable[[str], None] | None = None  # called on every rank when a loader ends
 
-    def close(self) -> None:
-        """Let go of the group: the trainer's loaders outlive the fit and still reference this object,
-        and a group kept alive keeps rank 0's rendezvous port bound."""
-        self._group = None
-        self._waiter = UNWATCHED
+    def setup(self, trainer: pl.Trainer, model: DataParallel, sync_batchnorm: bool) -> None:
+        """Turn on for this fit (``model`` is the wrapped module), or refuse what cannot work with it."""
+        if not self._enabled or model.reducer is None or trainer.world_size < 2:
+            reason = "uneven_inputs=False" if not self._enabled else f"world size {trainer.world_size}"
+            log.debug("uneven inputs: off (%s)", reason)
+            return
+        if sync_batchnorm:
+            raise ValueError(
+                "uneven_inputs=True with Trainer(sync_batchnorm=True) is invalid: SyncBatchNorm all-reduces inside "
+                "the forward, which a rank that has run out of batches does not run; expected one of them."
+            )
+        if not trainer.lightning_module.automatic_optimization:
+            raise ValueError(
+                "uneven_inputs=True needs automatic optimization: under manual optimization the strategy cannot "
+                "know how many synchronised backwards a training_step takes, so a rank without a batch could not "
+                "take them with the others."
+            )
+        # The exchange runs on the host: under NCCL on a Gloo group of its own.
+        separate_group = dist.get_backend() == "nccl"
+        self._exchange = BatchExchange(dist.new_group(backend="gloo") if separate_group else None, model.waiter)
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, UnevenMetricsCallback)]
+        trainer.callbacks.append(UnevenMetricsCallback(self._exchange, trainer))
+        where = "a Gloo group of its own" if separate_group else "the default group"
+        log.debug("uneven inputs: on; the per-batch exchange runs on %s; UnevenMetricsCallback added", where)
+
+    def teardown(self) -> None:
+        if self._exchange is None:
+            return
+        log.debug("uneven inputs: releasing the exchange's group")
+        self._exchange.close()
+        self._exchange = None
+        self._current = None
+
+    def process_dataloader(self, trainer: pl.Trainer, dataloader: object) -> object:
+        """Training: with different lengths on the ranks, an error now (or, when on, a loader that
+        replays until every rank is out); validation, when on: the same."""
+        if trainer.state.fn != TrainerFn.FITTING or trainer.world_size < 2 or not dist.is_initialized():
+            return dataloader
+        training = trainer.state.stage == RunningStage.TRAINING
+        if not training and self._exchange is None:
+            return dataloader
+        lengths = gather_lengths(dataloader)
+        if self._exchange is None:
+            check_equal_lengths(lengths, trainer.limit_train_batches)
+            return dataloader
+        known = None if None in lengths else max(lengths)  # type: ignore[type-var]
+        kind = "train" if training else "val"
+        log.debug("uneven inputs: %s loader wrapped (lengths per rank: %s)", kind, lengths)
+        wrapper_type = SizedUnevenLoader if known is not None else UnevenLoader
+        return wrapper_type(dataloader, self._exchange, kind, known)
+
+    def batch_to_device(self, trainer: pl.Trainer) -> None:
+        """A batch is about to be taken: it is the next one its stage's loader yielded."""
+        if self._exchange is None:
+            return
+        if trainer.training:
+            self._current = self._exchange.next_plan("train")
+        elif trainer.validating or trainer.sanity_checking:
+            self._current = self._exchange.next_plan("val")
 
     @property
     def replaying(self) -> bool:
-        return self.current is not None and self.current.replay
-
-    def wrap(self, loader: object, kind: str, length: int | None) -> UnevenLoader:
-        wrapper_type = SizedUnevenLoader if length is not None else UnevenLoader
-        return wrapper_type(loader, self, kind, length)
-
-    def start_batch(self, kind: str) -> None:
-        """``batch_to_device`` of a batch of ``kind`` ("train" or "val"): it is the next one yielded."""
-        plans = self._plans[kind]
-        self.current = plans.popleft() if plans else None
-
-    def reset(self, kind: str) -> None:
-        """Forget the batches of ``kind`` not taken (an epoch cut short) and the counts of real ones.
-
-        Training resets when its loader's iteration starts; validation when its run ends (its
-        loaders' iterations start one after another within a run, with a batch prefetched ahead).
-        """
-        self._plans[kind].clear()
-        self.real_batches[kind] = []
+        """This rank has no batch of its own for the current step (it takes the step with the others)."""
+        return self._current is not None and self._current.replay
 
     @contextmanager
     def user_step(self, name: str) -> Iterator[None]:
@@ -117,7 +173,7 @@ class UnevenInputs:
 
     def check_collective(self, collective: str) -> None:
         """Raise if the user's step issues a collective that a rank without a batch cannot match."""
-        plan = self.current
+        plan = self._current
         if self._in_user_step is None or plan is None or not plan.ranks_out:
             return
         raise RuntimeError(
@@ -126,13 +182,52 @@ class UnevenInputs:
             f"could never be matched. Instead, {REMEDY}."
         )
 
-    # -- the exchange, called by the loaders ----------------------------------------------------
+    def validation_end(self) -> None:
+        if self._exchange is not None:
+            self._exchange.reset("val")
+
+
+class BatchExchange:
+    """The ranks' per-batch exchange, shared by the wrapped loaders and ``UnevenMetricsCallback``.
+
+    Args:
+        group: where the exchange runs (a Gloo group: its tensors stay on the host).
+        waiter: how its waits are made (the hang watchdog's, when on).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, waiter: Waiter) -> None:
+        self._group = group
+        self._waiter = waiter
+        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self._plans: dict[str, deque[BatchPlan]] = {"train": deque(), "val": deque()}
+        self.real_batches: dict[str, list[int]] = {"train": [], "val": []}
+        self.on_exhausted: Callable[[str], None] | None = None  # called on every rank when a loader ends
+
+    def close(self) -> None:
+        """Let go of the group: the trainer's loaders outlive the fit and still reference this object,
+        and a group kept alive keeps rank 0's rendezvous port bound."""
+        self._group = None
+        self._waiter = UNWATCHED
+
+    def next_plan(self, kind: str) -> BatchPlan | None:
+        """The plan of the next batch of ``kind`` ("train" or "val") taken, in the order the loader yielded them."""
+        plans = self._plans[kind]
+        return plans.popleft() if plans else None
+
+    def reset(self, kind: str) -> None:
+        """Forget the batches of ``kind`` not taken (an epoch cut short) and the counts of real ones.
+
+        Training resets when its loader's iteration starts; validation when its run ends (its
+        loaders' iterations start one after another within a run, with a batch prefetched ahead).
+        """
+        self._plans[kind].clear()
+        self.real_batches[kind] = []
 
     def exchange(self, kind: str, has_batch: bool, needs_template: bool) -> tuple[list[bool], list[bool]]:
         """Which ranks have a batch, and which need one to replay (one all-reduce of 2 x world flags)."""
-        world = len(self._ranks)
+        world = len(self.ranks)
         flags = torch.zeros(2 * world, dtype=torch.int32)
-        position = self._ranks.index(dist.get_rank())
+        position = self.ranks.index(dist.get_rank())
         flags[position] = int(has_batch)
         flags[world + position] = int(needs_template)
         work = dist.all_reduce(flags, group=self._group, async_op=True)
@@ -142,7 +237,7 @@ class UnevenInputs:
 
     def share_template(self, batch: Any, has: list[bool], needs: list[bool]) -> Any:
         """The lowest rank with a batch sends it to the ranks that never had one (once per rank and stage)."""
-        source = self._ranks[has.index(True)]
+        source = self.ranks[has.index(True)]
         holder = [batch if dist.get_rank() == source else None]
         dist.broadcast_object_list(holder, src=source, group=self._group)
         return holder[0]
@@ -162,9 +257,9 @@ class UnevenLoader:
     Attributes not its own (``sampler``, ``dataset``, ``batch_size``, ...) are the wrapped loader's.
     """
 
-    def __init__(self, loader: object, uneven: UnevenInputs, kind: str, length: int | None) -> None:
+    def __init__(self, loader: object, exchange: BatchExchange, kind: str, length: int | None) -> None:
         self.loader = loader
-        self._uneven = uneven
+        self._exchange = exchange
         self._kind = kind
         self._length = length
         self._template: Any = None
@@ -176,9 +271,9 @@ class UnevenLoader:
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
-        uneven, kind = self._uneven, self._kind
+        exchange, kind = self._exchange, self._kind
         if kind == "train":
-            uneven.reset(kind)
+            exchange.reset(kind)
         iterator = iter(self.loader)  # type: ignore[call-overload]
         exhausted = False
         while True:
@@ -188,20 +283,19 @@ class UnevenLoader:
                     batch = next(iterator)
                 except StopIteration:
                     exhausted = True
-            has, needs = uneven.exchange(kind, not exhausted, exhausted and not self._has_template)
+            has, needs = exchange.exchange(kind, not exhausted, exhausted and not self._has_template)
             if not any(has):
-                if uneven.on_exhausted is not None:
-                    uneven.on_exhausted(kind)
+                if exchange.on_exhausted is not None:
+                    exchange.on_exhausted(kind)
                 return
             if any(needs):
-                shared = uneven.share_template(batch, has, needs)
+                shared = exchange.share_template(batch, has, needs)
                 if not self._has_template:
                     self._template, self._has_template = shared, True
             if not exhausted:
                 self._template, self._has_template = batch, True
-            ranks = uneven._ranks
-            plan = BatchPlan(replay=exhausted, ranks_out=tuple(r for r, present in zip(ranks, has) if not present))
-            uneven.record(kind, plan, has)
+            ranks_out = tuple(rank for rank, present in zip(exchange.ranks, has) if not present)
+            exchange.record(kind, BatchPlan(replay=exhausted, ranks_out=ranks_out), has)
             yield batch if not exhausted else self._template
 
 
@@ -224,10 +318,10 @@ class UnevenMetricsCallback(Callback):
     whose first logs a rank with a single batch has not made yet). Acting twice adds nothing.
     """
 
-    def __init__(self, uneven: UnevenInputs, trainer: pl.Trainer) -> None:
-        self._uneven = uneven
+    def __init__(self, exchange: BatchExchange, trainer: pl.Trainer) -> None:
+        self._exchange = exchange
         self._trainer = trainer
-        uneven.on_exhausted = self._align
+        exchange.on_exhausted = self._align
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -240,7 +334,7 @@ class UnevenMetricsCallback(Callback):
             self._align("val")
 
     def _align(self, kind: str) -> None:
-        counts = self._uneven.real_batches[kind]
+        counts = self._exchange.real_batches[kind]
         results = self._trainer._results
         if not counts or all(counts) or results is None:
             return  # every rank logged from its own steps
@@ -251,7 +345,7 @@ class UnevenMetricsCallback(Callback):
         ]
         gathered: list[Any] = [None] * len(counts)
         dist.all_gather_object(gathered, entries)
-        if counts[self._uneven._ranks.index(dist.get_rank())]:
+        if counts[self._exchange.ranks.index(dist.get_rank())]:
             return
         donor = next(entries for entries, count in zip(gathered, counts) if count)
         for key, fields in donor:

@@ -1,4 +1,5 @@
-"""A small LightningModule and the Trainer settings the strategy tests share; lit_dp's registered names."""
+"""A small LightningModule and the Trainer settings the strategy tests share; lit_dp's registered names;
+a check of the strategies' debug log."""
 
 from __future__ import annotations
 
@@ -87,6 +88,14 @@ def assert_same_weights(ours, theirs):
     assert ours.keys() == theirs.keys()
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], msg=lambda m: f"{key}: {m}")
+
+
+def assert_logged_in_order(messages: list[str], expected: list[str]) -> None:
+    """Each of ``expected`` is part of one of ``messages``, in this order (others may come between)."""
+    remaining = iter(messages)
+    for part in expected:
+        found = any(part in message for message in remaining)
+        assert found, f"{part!r} not logged in this order; the log:\n" + "\n".join(messages)
 
 
 # Every name lit_dp registers: (start method, find_unused_parameters), those of Lightning's `ddp` twin.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lit_dp import DataParallel, fabric
 from lit_dp.gradients.unused import UnusedParametersError
 from tests.helpers.distributed import launch_forking
-from tests.helpers.lightning import REGISTERED
+from tests.helpers.lightning import REGISTERED, assert_logged_in_order
 
 STEPS = 4
 MICRO_BATCH = 4
@@ -121,6 +123,27 @@ def test_one_device_is_a_one_rank_group_and_unused_parameters_raise(tmp_path):
     message = str(error.value)
     assert "spare.weight (missing on 1 of 1 ranks, including this one)" in message
     assert "strategy='paddle_dp_find_unused_parameters_true' (Trainer or Fabric)" in message
+
+
+def test_debug_log_shows_each_step_of_setup_and_teardown(caplog):
+    caplog.set_level(logging.DEBUG, logger="lit_dp")
+    run = Fabric(strategy=fabric.PaddleDPStrategy(sharding_stage=1, hang_timeout=None), accelerator="cpu", devices=1)
+    run.launch()
+    train(run, 1)
+    run.strategy.teardown()  # Fabric leaves it to the user
+    messages = [record.getMessage() for record in caplog.records if record.name.startswith("lit_dp.strategies")]
+    assert_logged_in_order(
+        messages,
+        [
+            "PaddleDPStrategy: setting up distributed",
+            "PaddleDPStrategy: creating the process group: rank 0 of 1",
+            "PaddleDPStrategy: wrapping Net in lit_dp.DataParallel with Options(",
+            "PaddleDPStrategy: no hang watchdog (hang_timeout=None, world size 1)",
+            "PaddleDPStrategy: sharding_stage=1: SGD rebuilt over this rank's parameters",
+            "PaddleDPStrategy: tearing down strategy",
+            "PaddleDPStrategy: destroying the process group",
+        ],
+    )
 
 
 def plain_sgd() -> Net:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from unittest import mock
 
@@ -16,7 +17,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_dp import PaddleDPStrategy, PaddleEnvironment
 from tests.helpers.distributed import run_ranks
-from tests.helpers.lightning import REGISTERED, Regressor, assert_same_weights, fit_weights, trainer
+from tests.helpers.lightning import (
+    REGISTERED,
+    Regressor,
+    assert_logged_in_order,
+    assert_same_weights,
+    fit_weights,
+    trainer,
+)
 
 
 @pytest.mark.slow
@@ -195,3 +203,25 @@ def test_a_mocked_init_process_group_sets_up_like_ddp():
     with mock.patch("torch.distributed.init_process_group") as init:
         strategy.setup_environment()
     assert init.call_args.kwargs["world_size"] == 1 and init.call_args.args[0] == "gloo"
+
+
+def test_debug_log_shows_each_step_of_setup_and_teardown(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="lit_dp")
+    strategy = PaddleDPStrategy(uneven_inputs=True)
+    trainer(strategy, tmp_path, devices=1, max_epochs=1, limit_train_batches=2).fit(Regressor())
+    messages = [record.getMessage() for record in caplog.records if record.name.startswith("lit_dp.strategies")]
+    assert_logged_in_order(
+        messages,
+        [
+            "PaddleDPStrategy: setting up distributed",
+            "PaddleDPStrategy: creating the process group: rank 0 of 1 from LightningEnvironment, backend gloo "
+            "(backend=auto, device cpu), timeout 0:30:00, 1 ring(s)",
+            "PaddleDPStrategy: setting up for fit",
+            "PaddleDPStrategy: wrapping Regressor in lit_dp.DataParallel with Options(comm_buffer_size=25.0,",
+            "PaddleDPStrategy: no hang watchdog (hang_timeout=300.0, world size 1)",
+            "uneven inputs: off (world size 1)",
+            "PaddleDPStrategy: tearing down strategy",
+            "PaddleDPStrategy: unwrapping the model from lit_dp.DataParallel",
+            "PaddleDPStrategy: destroying the process group",
+        ],
+    )
