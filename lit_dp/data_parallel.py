@@ -15,19 +15,20 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from lit_dp.gradients.broadcast import sync_params_buffers
-from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, MB, assign_group_by_size, assign_owners, megabytes_to_bytes
+from lit_dp.gradients.buckets import MB, assign_group_by_size, assign_owners, megabytes_to_bytes
 from lit_dp.gradients.compile import bucket_graph_breaks
 from lit_dp.gradients.dense import DenseBucket
-from lit_dp.gradients.hooks import CommHook, resolve_comm_hook
+from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.gradients.waiting import Waiter
 from lit_dp.job.process_group import get_rings
 from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
-from lit_dp.observability.autotune import AUTO, BucketAutotuner, settled_step
+from lit_dp.observability.autotune import BucketAutotuner, settled_step
 from lit_dp.observability.stats import CommObserver, CommStats
 from lit_dp.observability.watchdog import HangWatchdog
-from lit_dp.options import MODULE, Options, options_doc
+from lit_dp.options import AUTO, DEFAULT_BUCKET_MB, MODULE, Options, resolve_comm_hook
+from lit_dp.options.docs import options_doc
 
 if TYPE_CHECKING:
     from lit_dp.observability.trace import TraceWriter
@@ -104,7 +105,7 @@ class DataParallel(nn.Module, Joinable):
             device = named[0][1].device
             names = [name for name, _ in named]
             sparse_ids = _sparse_gradient_parameters(layers)
-            owners = _shard_owners(named, sparse_ids, options.sharding_stage, dist.get_world_size(rings[0]))
+            owners = _shard_owners(named, sparse_ids, options.sharding.stage, dist.get_world_size(rings[0]))
             self._owners = {id(param): owner for (_, param), owner in zip(named, owners or ())}
             self._reducer = Reducer(
                 [param for _, param in named],
@@ -114,14 +115,14 @@ class DataParallel(nn.Module, Joinable):
                 last_bucket_bytes=megabytes_to_bytes("last_comm_buffer_size", options.last_comm_buffer_size),
                 sparse=[id(param) in sparse_ids for _, param in named],
                 gradient_as_bucket_view=options.gradient_as_bucket_view,
-                owners=owners if options.sharding_stage == 2 else None,
+                owners=owners if options.sharding.stage == 2 else None,
                 waiter=self._waiter,
             )
             self._observe(self._reducer, device, names)
             sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
             log.debug("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
         # Built here, in each process: PowerSGD's state belongs to the process group.
-        registration = resolve_comm_hook(comm_state=options.comm_state, **options.hook_options())
+        registration = resolve_comm_hook(options)
         if registration is not None:
             self.register_comm_hook(*registration)
 
@@ -131,15 +132,15 @@ class DataParallel(nn.Module, Joinable):
         if options.comm_buffer_size == AUTO:
             last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", options.last_comm_buffer_size)
             self._tuner = BucketAutotuner(reducer, device, last_bucket_bytes)
-        if options.trace_dir is not None:
+        if options.trace.dir is not None:
             from lit_dp.observability.trace import TraceWriter  # on demand: `python -m lit_dp.observability.trace` must find it unimported
 
-            self._trace = TraceWriter(options.trace_dir, dist.get_rank(), options.trace_steps, names)
+            self._trace = TraceWriter(options.trace.dir, dist.get_rank(), options.trace.steps, names)
         if options.comm_stats or self._trace is not None:
             self._stats = CommObserver(device, [self._trace.add] if self._trace is not None else [])
             reducer.add_observer(self._stats)
         if options.hang_timeout is not None and dist.get_world_size(reducer.group) > 1:
-            self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace_dir)
+            self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace.dir)
             if self._watchdog is not None and self._watchdog.bounds_waits:
                 self._waiter.watch(options.hang_timeout, self._watchdog.on_deadline)
         log.debug(
@@ -160,7 +161,7 @@ class DataParallel(nn.Module, Joinable):
     @property
     def sharding_stage(self) -> int | None:
         """1 or 2 when the optimizer state (and with 2 the gradients) are sharded; None otherwise."""
-        return self._options.sharding_stage
+        return self._options.sharding.stage
 
     def owner_of(self, param: nn.Parameter) -> int | None:
         """The rank (in ``reducer.group``) that steps ``param`` under sharding; None for a parameter

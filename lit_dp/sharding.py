@@ -76,7 +76,7 @@ class ShardedOptimizer(Optimizer):
         self._group = reducer.group if reducer is not None else None
         self._rank = dist.get_rank(self._group) if self._group is not None else 0
         self._world_size = dist.get_world_size(self._group) if self._group is not None else 1
-        self._overlap = model.options.sharding_overlap
+        self._overlap = model.options.sharding.overlap
         # The user's optimizer, under the name wrappers use (DeepSpeed's, LightningOptimizer's), so
         # Lightning's LearningRateMonitor sees the one its scheduler holds.
         self.optimizer = optimizer

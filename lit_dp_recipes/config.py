@@ -1,15 +1,23 @@
 """Structured configs for the recipes: typed Hydra schemas for ``strategy=`` and ``trainer=``.
 
-The strategy schemas are generated from ``lit_dp.options.Options``, the one declaration of
-lit_dp's options: every field of the strategy's scope that a command line can express, with
-its default. Hydra checks the types when it composes (``strategy.nrings=abc`` fails there);
-the values themselves are checked once, by ``Options.build`` in ``build_strategy``, which
-``train`` calls before anything else, and the strategy receives them built.
+The strategy schemas are generated from lit_dp's declarations of its options
+(``lit_dp.options.declared_options``): every option of the Trainer strategy that a command line
+can express, with its default; a feature's options, and a named communication hook's, form a
+node of their own (``strategy.trace.dir``, ``strategy.powersgd.rank``). Hydra checks the types
+when it composes (``strategy.nrings=abc`` fails there); the values themselves are checked once,
+by ``Options.build`` in ``build_strategy``, which ``train`` calls before anything else, and the
+strategy receives them built.
+
+The ``paddle_dp`` schema is open at its top level, so that a key it lacks reaches
+``Options.build``, whose error names the key to use: ``strategy.trace_dir=...`` (the keyword
+spelling of ``strategy.trace.dir``), ``strategy.bucket_cap_mb`` (Lightning's name), a typo.
+``register_configs`` generates the schemas again, with the named hooks registered by then.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
@@ -19,30 +27,55 @@ from hydra.utils import get_method, instantiate
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
-from lit_dp.options import DDP, TRAINER, Options, option_fields
+from lit_dp.options import TRAINER, Declared, Options, declared_options
 from lit_dp_recipes.resume import register_resolvers
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+PADDLE_DP_TARGET = "lit_dp.PaddleDPStrategy"
+DDP_TARGET = "lit_dp_recipes.config.ddp_strategy"
+# The options the recipes' torch-DDP config (strategy=ddp) shares with paddle_dp, for side-by-side runs.
+DDP_OPTIONS = (
+    "comm_buffer_size",
+    "last_comm_buffer_size",
+    "find_unused_parameters",
+    "gradient_as_bucket_view",
+    "backend",
+    "timeout",
+    "start_method",
+)
 
 
-def strategy_schema(name: str, target: str, scope: str) -> type:
-    """A Hydra schema with ``_target_`` and the command-line options of ``scope``."""
+def strategy_schema(name: str, target: str, options: list[Declared]) -> type:
+    """A Hydra schema with ``_target_`` and those of ``options`` a command line can express."""
     fields: list[tuple[str, Any, Any]] = [("_target_", str, dataclasses.field(default=target))]
-    for option in option_fields(scope):
-        config_type = option.metadata["config"]
-        if config_type is None:
+    nodes: dict[str, list[tuple[str, Any, Any]]] = {}
+    for declared in options:
+        if declared.field.metadata["config"] is None:
             continue  # a Python object (a hook callable, its state): not expressible in YAML
-        default = option.default
-        if isinstance(default, tuple):  # OmegaConf keeps sequences as lists
-            fields.append((option.name, config_type, dataclasses.field(default_factory=lambda d=default: list(d))))
-        else:
-            fields.append((option.name, config_type, dataclasses.field(default=default)))
+        owner, _, member = declared.path.rpartition(".")
+        (nodes.setdefault(owner, []) if owner else fields).append(_schema_field(member, declared.field))
+    for owner, members in nodes.items():
+        node = dataclasses.make_dataclass("".join(part.title() for part in owner.split("_")) + "Config", members)
+        fields.append((owner, node, dataclasses.field(default_factory=node)))
     return dataclasses.make_dataclass(name, fields)
 
 
-# Options tagged `ddp`: the recipes' torch-DDP config shares our names for side-by-side runs.
-PaddleDPStrategyConfig = strategy_schema("PaddleDPStrategyConfig", "lit_dp.PaddleDPStrategy", TRAINER)
-DDPStrategyConfig = strategy_schema("DDPStrategyConfig", "lit_dp_recipes.config.ddp_strategy", DDP)
+def _schema_field(name: str, declared: dataclasses.Field) -> tuple[str, Any, Any]:
+    default = declared.default
+    if isinstance(default, tuple):  # OmegaConf keeps sequences as lists
+        return name, declared.metadata["config"], dataclasses.field(default_factory=lambda d=default: list(d))
+    return name, declared.metadata["config"], dataclasses.field(default=default)
+
+
+def paddle_dp_schema() -> type:
+    """``strategy=paddle_dp``'s schema: every option of the Trainer strategy, named hooks' included."""
+    return strategy_schema("PaddleDPStrategyConfig", PADDLE_DP_TARGET, declared_options(TRAINER))
+
+
+def ddp_schema() -> type:
+    """``strategy=ddp``'s schema: the options it shares with paddle_dp (``DDP_OPTIONS``)."""
+    shared = [declared for declared in declared_options(TRAINER) if declared.path in DDP_OPTIONS]
+    return strategy_schema("DDPStrategyConfig", DDP_TARGET, shared)
 
 
 @dataclass
@@ -90,8 +123,16 @@ class TrainerConfig:
 
 
 def ddp_strategy(options: Options | None = None, **values: Any) -> DDPStrategy:
-    """Lightning's ``DDPStrategy`` configured from lit_dp's option names (validated like ours)."""
-    options = options if options is not None else Options.build(values, DDP)
+    """Lightning's ``DDPStrategy`` configured from lit_dp's option names (``DDP_OPTIONS``, validated like ours)."""
+    for name, value in values.items():
+        if name not in DDP_OPTIONS:
+            close = difflib.get_close_matches(name, DDP_OPTIONS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"{name}={value!r} is not an option of the recipes' strategy=ddp.{hint} "
+                f"Expected one of: {', '.join(DDP_OPTIONS)}."
+            )
+    options = options if options is not None else Options.build(values, TRAINER)
     # last_comm_buffer_size has no DDP counterpart (DDP sizes its first bucket itself): accepted
     # so that one sweep covers both strategies.
     return DDPStrategy(
@@ -104,36 +145,34 @@ def ddp_strategy(options: Options | None = None, **values: Any) -> DDPStrategy:
     )
 
 
-STRATEGY_SCOPES = {PaddleDPStrategyConfig: TRAINER, DDPStrategyConfig: DDP}
-SCHEMAS = {
-    ("strategy", "paddle_dp_schema"): PaddleDPStrategyConfig,
-    ("strategy", "ddp_schema"): DDPStrategyConfig,
-    ("trainer", "trainer_schema"): TrainerConfig,
-}
-
-
 def register_configs() -> None:
     """Make the schemas available to ``conf/`` (``defaults: [paddle_dp_schema]`` and so on), and
-    the ``lit_dp.job_folder`` resolver that names run folders (``conf/hydra/default.yaml``)."""
+    the ``lit_dp.job_folder`` resolver that names run folders (``conf/hydra/default.yaml``).
+
+    The strategy schemas are generated here, so they hold the named hooks registered so far.
+    """
     register_resolvers()
+    paddle_dp = OmegaConf.structured(paddle_dp_schema())
+    OmegaConf.set_struct(paddle_dp, False)  # open: Options.build names a moved or misspelt key (module docstring)
     store = ConfigStore.instance()
-    for (group, name), schema in SCHEMAS.items():
-        store.store(group=group, name=name, node=schema)
+    store.store(group="strategy", name="paddle_dp_schema", node=paddle_dp, replace=True)
+    store.store(group="strategy", name="ddp_schema", node=ddp_schema(), replace=True)
+    store.store(group="trainer", name="trainer_schema", node=TrainerConfig, replace=True)
 
 
 def build_strategy(node: DictConfig) -> Any:
     """The strategy ``cfg.strategy`` describes, its options validated once, named as on the command line.
 
-    A config of lit_dp's schemas is validated by ``Options.build`` (errors read
-    ``strategy.comm_buffer_size=-1.0 is invalid: ...``) and handed over built; any other
-    strategy config is instantiated as it is.
+    A config of lit_dp's strategy or of the recipes' ``ddp`` is validated by ``Options.build``
+    (errors read ``strategy.comm_buffer_size=-1.0 is invalid: ...``) and handed over built; any
+    other strategy config is instantiated as it is.
     """
-    scope = STRATEGY_SCOPES.get(OmegaConf.get_type(node))
-    if scope is None:
+    target = node.get("_target_")
+    if target not in (PADDLE_DP_TARGET, DDP_TARGET):
         return instantiate(node)
     values = OmegaConf.to_container(node, resolve=True)
-    target = get_method(values.pop("_target_"))
-    return target(options=Options.build(values, scope, prefix="strategy."))
+    values.pop("_target_")
+    return get_method(target)(options=Options.build(values, TRAINER, prefix="strategy.", nested=True))
 
 
 def validate_trainer(cfg: DictConfig) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_dp import Options, PaddleDPStrategy
+from lit_dp.options import LocalSGDOptions
 from lit_dp_recipes.config import build_strategy
 from tests.helpers.distributed import run_ranks
 from tests.helpers.recipes import compose_config
@@ -352,9 +353,9 @@ def test_strategy_rejects_bad_options_by_name(options, message):
 
 
 def test_hydra_options_reach_the_strategy(tmp_path):
-    cfg = compose_config("digits", ["experiment=local_sgd", "strategy.local_sgd_adaptive=true"], tmp_path)
+    cfg = compose_config("digits", ["experiment=local_sgd", "strategy.local_sgd.adaptive=true"], tmp_path)
     options = build_strategy(cfg.strategy).options
-    assert (options.local_sgd_steps, options.local_sgd_warmup_steps, options.local_sgd_adaptive) == (4, 20, True)
+    assert options.local_sgd == LocalSGDOptions(steps=4, warmup_steps=20, adaptive=True)
 
 
 def test_a_comm_hook_that_already_skips_communication_is_rejected():
@@ -364,11 +365,11 @@ def test_a_comm_hook_that_already_skips_communication_is_rejected():
 
     with pytest.raises(ValueError, match="local_sgd_steps=4 with comm_hook='post_localSGD_hook' is invalid"):
         Options.build(dict(local_sgd_steps=4, comm_hook=post_localSGD_hook), "trainer")
-    with pytest.raises(ValueError, match="strategy.local_sgd_steps=2 with strategy.comm_hook='noop_hook' is invalid"):
+    with pytest.raises(ValueError, match="strategy.model_averaging_period=2 with strategy.comm_hook='noop_hook' is invalid"):
         Options.build(dict(model_averaging_period=2, comm_hook=noop_hook), "trainer", prefix="strategy.")
-    assert Options.build(dict(local_sgd_steps=4, comm_hook=allreduce_hook), "trainer").local_sgd_steps == 4
-    assert Options.build(dict(local_sgd_steps=4, comm_hook="fp16"), "trainer").local_sgd_steps == 4
-    assert Options.build(dict(comm_hook=noop_hook), "trainer").local_sgd_steps is None  # the hook alone is fine
+    assert Options.build(dict(local_sgd_steps=4, comm_hook=allreduce_hook), "trainer").local_sgd.steps == 4
+    assert Options.build(dict(local_sgd_steps=4, comm_hook="fp16"), "trainer").local_sgd.steps == 4
+    assert Options.build(dict(comm_hook=noop_hook), "trainer").local_sgd.steps is None  # the hook alone is fine
 
 
 def test_library_rejects_bad_arguments_by_name():

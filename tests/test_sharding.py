@@ -274,4 +274,4 @@ def test_combinations_that_cannot_work_are_refused_naming_both_options(options, 
 def test_stage_zero_means_off():
     from lit_dp.options import MODULE, Options
 
-    assert Options.build({"sharding_stage": 0}, MODULE).sharding_stage is None
+    assert Options.build({"sharding_stage": 0}, MODULE).sharding.stage is None

@@ -10,15 +10,14 @@ from collections.abc import Sequence
 
 import torch
 
+from lit_dp.options.declare import megabytes
+
 MB = 1024 * 1024
-DEFAULT_BUCKET_MB = 25.0  # Paddle's comm_buffer_size (and torch DDP's bucket_cap_mb)
 
 
-def megabytes_to_bytes(option: str, megabytes: float) -> int:
+def megabytes_to_bytes(option: str, size: float) -> int:
     """Validate a bucket size given in MB (fractions allowed) and convert it to bytes."""
-    if isinstance(megabytes, bool) or not isinstance(megabytes, (int, float)) or not megabytes > 0:
-        raise ValueError(f"{option}={megabytes!r} is invalid: expected a positive number of megabytes.")
-    return max(1, int(megabytes * MB))
+    return max(1, int(megabytes(option, size) * MB))
 
 
 def assign_group_by_size(

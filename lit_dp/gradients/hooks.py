@@ -7,33 +7,21 @@ lit_dp writes back into ``.grad``. ``bucket`` offers what torch's own hooks call
 ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, the ``fp16/bf16_compress_wrapper``
 wrappers, ``powerSGD_hook`` and ``batched_powerSGD_hook``.
 
-This module also turns the strategy's options (``comm_hook``, ``comm_state``, ``comm_wrapper``,
-Lightning's ``ddp_comm_*`` names, the recipe names ``fp16|bf16|powersgd`` and Paddle's
-``comm_dtype``) into the one ``(state, hook)`` pair to register, validating them first.
+Which hook the options choose (``comm_hook``, a named hook such as ``powersgd``, ``comm_dtype``)
+is ``lit_dp.options.comm_hooks``'s to say; this module runs the one it is given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from lit_dp.gradients.waiting import UNWATCHED, CollectiveHangError, Waiter
-
-Hook = Callable[[Any, "GradBucket"], torch.futures.Future]
-
-HOOK_NAMES = ("fp16", "bf16", "powersgd")
-COMM_DTYPES = ("fp16", "bf16")
-# Recipe names -> torch's hooks; comm_dtype with another hook -> torch's wrappers.
-_COMPRESS_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-_COMPRESS_WRAPPERS = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
-# torch's PowerSGDState defaults, used when the recipe options are left unset.
-POWERSGD_DEFAULT_RANK = 1
-POWERSGD_DEFAULT_START_ITER = 1000
+from lit_dp.options.comm_hooks import Hook, check_hook, hook_name
 
 
 class GradBucket:
@@ -115,7 +103,7 @@ class CommHook:
             raise ValueError(
                 f"comm_buffer_size='auto' rebuilds the buckets until synchronised step {step}, but {self.name} "
                 f"with start_powerSGD_iter={state.start_powerSGD_iter} keeps per-bucket memory from its first "
-                f"compressed step: expected start_powerSGD_iter >= {step} (strategy option powersgd_start_iter), "
+                f"compressed step: expected start_powerSGD_iter >= {step} (option powersgd.start_iter with comm_hook='powersgd'), "
                 "or a fixed comm_buffer_size."
             )
 
@@ -170,123 +158,3 @@ class CommHook:
         except Exception as error:
             bucket = "a bucket" if index is None else f"bucket {index}"
             raise RuntimeError(f"lit_dp: communication hook {self.name} failed on {bucket}: {error}") from error
-
-
-def hook_name(hook: object) -> str:
-    """``module.qualname`` of a hook (torch's wrappers are named ``fp16_compress_wrapper_hook``)."""
-    module = getattr(hook, "__module__", None)
-    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
-    return f"{module}.{name}" if module else name
-
-
-def check_hook(option: str, hook: object) -> None:
-    if not callable(hook):
-        raise ValueError(
-            f"{option}={hook!r} is invalid: expected a callable hook(state, bucket) -> torch.futures.Future."
-        )
-
-
-def dtype_compress_hook(comm_dtype: str) -> Hook:
-    """Paddle's fp16/bf16 all-reduce: torch's compress hook for ``comm_dtype``."""
-    return _COMPRESS_HOOKS[comm_dtype.lower()]
-
-
-def check_comm_hook_options(
-    prefix: str = "",
-    *,
-    comm_hook: Any = None,
-    comm_state: Any = None,
-    comm_wrapper: Any = None,
-    comm_dtype: Any = None,
-    powersgd_rank: Any = None,
-    powersgd_start_iter: Any = None,
-) -> None:
-    """The hook options that cannot go together; raises ``ValueError`` naming ``prefix + option``.
-
-    Each option's own value is checked where it is declared (``lit_dp.options``).
-    """
-    named = isinstance(comm_hook, str)
-    if comm_wrapper is not None:
-        check_hook(f"{prefix}comm_wrapper", comm_wrapper)
-        if comm_hook is None:
-            raise ValueError(f"{prefix}comm_wrapper={hook_name(comm_wrapper)} is invalid without a comm_hook to wrap.")
-    if comm_state is not None and (comm_hook is None or named):
-        raise ValueError(
-            f"{prefix}comm_state={comm_state!r} is invalid with comm_hook={comm_hook!r}: a state goes with a "
-            "callable comm_hook (the named hooks build their own)."
-        )
-    if comm_dtype is not None:
-        if named and comm_hook.lower() in COMM_DTYPES:
-            raise ValueError(
-                f"{prefix}comm_dtype={comm_dtype!r} is invalid with comm_hook={comm_hook!r}: both compress to half "
-                "precision; set one of them."
-            )
-        if comm_wrapper is not None:
-            raise ValueError(
-                f"{prefix}comm_dtype={comm_dtype!r} is invalid with comm_wrapper={hook_name(comm_wrapper)}: "
-                "comm_dtype wraps the hook itself; set one of them."
-            )
-    powersgd = named and comm_hook.lower() == "powersgd"
-    for option, value in (("powersgd_rank", powersgd_rank), ("powersgd_start_iter", powersgd_start_iter)):
-        if value is not None and not powersgd:
-            raise ValueError(
-                f"{prefix}{option}={value!r} is invalid with comm_hook={comm_hook!r}: "
-                "it applies to comm_hook='powersgd'."
-            )
-
-
-def resolve_comm_hook(
-    comm_hook: str | Hook | None = None,
-    comm_state: object = None,
-    comm_wrapper: Callable[[Hook], Hook] | None = None,
-    comm_dtype: str | None = None,
-    powersgd_rank: int | None = None,
-    powersgd_start_iter: int | None = None,
-) -> tuple[object, Hook] | None:
-    """The ``(state, hook)`` to register for the strategy's options, or None for plain all-reduce.
-
-    Call it in each process, after the process group exists: PowerSGD's state is built here.
-    """
-    if comm_hook is None:
-        return None if comm_dtype is None else (None, dtype_compress_hook(comm_dtype))
-    state, hook = comm_state, comm_hook
-    if isinstance(comm_hook, str):
-        name = comm_hook.lower()
-        if name in _COMPRESS_HOOKS:
-            return None, _COMPRESS_HOOKS[name]
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=powersgd_rank or POWERSGD_DEFAULT_RANK,
-            start_powerSGD_iter=powersgd_start_iter or POWERSGD_DEFAULT_START_ITER,
-        )
-        hook = powerSGD_hook.powerSGD_hook
-    if comm_wrapper is not None:
-        hook = comm_wrapper(hook)
-    elif comm_dtype is not None:
-        hook = _COMPRESS_WRAPPERS[comm_dtype.lower()](hook)
-    return state, hook
-
-
-def describe_comm_hook(
-    comm_hook: str | Hook | None = None,
-    comm_wrapper: Callable[[Hook], Hook] | None = None,
-    comm_dtype: str | None = None,
-    powersgd_rank: int | None = None,
-    powersgd_start_iter: int | None = None,
-) -> str:
-    """A short text for the start-up line, e.g. ``fp16_compress_wrapper(powerSGD_hook(rank=1,start_iter=1000))``."""
-    if comm_hook is None:
-        return "none" if comm_dtype is None else f"{comm_dtype.lower()}_compress_hook"
-    if isinstance(comm_hook, str) and comm_hook.lower() in _COMPRESS_HOOKS:
-        text = f"{comm_hook.lower()}_compress_hook"
-    elif isinstance(comm_hook, str):
-        rank = powersgd_rank or POWERSGD_DEFAULT_RANK
-        start = powersgd_start_iter or POWERSGD_DEFAULT_START_ITER
-        text = f"powerSGD_hook(rank={rank},start_iter={start})"
-    else:
-        text = getattr(comm_hook, "__qualname__", type(comm_hook).__qualname__)
-    if comm_wrapper is not None:
-        return f"{getattr(comm_wrapper, '__qualname__', type(comm_wrapper).__qualname__)}({text})"
-    if comm_dtype is not None:
-        return f"{comm_dtype.lower()}_compress_wrapper({text})"
-    return text

@@ -13,9 +13,9 @@ import re
 from collections.abc import Mapping
 from typing import NoReturn
 
-from lit_dp.job.backends import check_backend
+from lit_dp.options.backends import check_backend
+from lit_dp.options.core import MAX_NRINGS
 
-MAX_NRINGS = 8
 DEFAULT_PG_TIMEOUT_MS = 1_800_000
 
 _DEVICE_TYPE_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")

@@ -26,9 +26,10 @@ from typing import NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from lit_dp.job.backends import AUTO, check_backend, uses_nccl
 from lit_dp.job.env import ParallelEnv, format_endpoint
 from lit_dp.job.restart import JobAttempt
+from lit_dp.options.backends import AUTO, check_backend, uses_nccl
+from lit_dp.options.declare import parse_timeout
 
 _ARRIVED = "lit_dp/arrived/{}"
 _ARRIVED_COUNT = "lit_dp/arrived"
@@ -66,19 +67,6 @@ def resolve_backend(backend: str) -> str:
             "use backend='gloo' (or 'auto') for CPU training."
         )
     return name
-
-
-def parse_timeout(option: str, timeout: timedelta | float) -> timedelta:
-    """A positive duration from a timedelta or a number of seconds, or a ValueError naming ``option``."""
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise ValueError(f"{option}={timeout!r} is invalid: expected a datetime.timedelta or a number of seconds.")
-    if not seconds > 0:
-        raise ValueError(f"{option}={timeout!r} is invalid: expected a positive duration.")
-    return timedelta(seconds=seconds)
 
 
 def resolve_timeout(timeout: timedelta | float | None, env: ParallelEnv) -> timedelta:

@@ -45,7 +45,6 @@ from lit_dp.gradients.plan import StepPlan
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.observability.clocks import clock_for
 
-AUTO = "auto"
 CANDIDATES_MB = (1, 2, 5, 10, 25, 50, 100)
 WARMUP_STEPS = 1
 MEASURE_STEPS = 4

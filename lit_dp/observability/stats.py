@@ -247,20 +247,6 @@ class CommObserver(ReducerObserver):
             sink(timeline)
 
 
-def check_trace_steps(option: str, steps: Any) -> tuple[int, int]:
-    """The traced steps ``(start, stop)``, ``0 <= start < stop``; raises ``ValueError`` naming ``option``."""
-    values = [] if isinstance(steps, (str, bytes)) else list(steps) if hasattr(steps, "__iter__") else []
-    valid = (
-        len(values) == 2
-        and all(isinstance(value, int) and not isinstance(value, bool) for value in values)
-        and 0 <= values[0] < values[1]
-    )
-    if not valid:
-        raise ValueError(f"{option}={steps!r} is invalid: expected two integers (start, stop) with 0 <= start < stop.")
-    start, stop = values
-    return start, stop
-
-
 def _completion_callback(
     slots: list[Any], slot: int, mark: Callable[[], Any]
 ) -> Callable[[torch.futures.Future], None]:

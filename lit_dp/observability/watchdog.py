@@ -55,7 +55,6 @@ from lit_dp.gradients.waiting import CollectiveHangError
 from lit_dp.job.process_group import rendezvous_store
 from lit_dp.observability.hang_report import behind_lines, describe_rank, main_thread_position
 
-DEFAULT_HANG_TIMEOUT = 300.0
 HANG_DIRECTORY = "lit_dp_hang"
 _NAMESPACE = "lit_dp/watchdog"
 _STORE_ERRORS = (RuntimeError, ValueError, dist.DistError)

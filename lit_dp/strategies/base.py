@@ -24,10 +24,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
-from lit_dp.job.backends import AUTO
 from lit_dp.job.env import ParallelEnv
 from lit_dp.job.process_group import destroy_parallel_env, init_parallel_env, resolve_timeout
 from lit_dp.options import Options
+from lit_dp.options.backends import AUTO
 from lit_dp.sharding import ShardedOptimizer
 
 log = logging.getLogger(__name__)
@@ -168,11 +168,11 @@ class DataParallelStrategyMixin:
 
     def _shard(self, optimizer: Optimizer, model: Module | None) -> Optimizer:
         """``optimizer`` rebuilt over this rank's parameters under ``sharding_stage``; unchanged otherwise."""
-        if self._options.sharding_stage is None or isinstance(optimizer, ShardedOptimizer):
+        if self._options.sharding.stage is None or isinstance(optimizer, ShardedOptimizer):
             return optimizer
         if not isinstance(model, DataParallel):
             raise RuntimeError(
-                f"sharding_stage={self._options.sharding_stage}: set up the model (lit_dp.DataParallel) before its "
+                f"sharding_stage={self._options.sharding.stage}: set up the model (lit_dp.DataParallel) before its "
                 "optimizers, so that they know which parameters this rank owns."
             )
         log.debug(
@@ -186,7 +186,7 @@ class DataParallelStrategyMixin:
     def _check_sharding_precision(self, precision: Any) -> None:
         """Refuse a gradient scaler with stage 2: it looks for infs in this rank's gradients only, so
         ranks could disagree on skipping a step."""
-        if self._options.sharding_stage == 2 and getattr(precision, "scaler", None) is not None:
+        if self._options.sharding.stage == 2 and getattr(precision, "scaler", None) is not None:
             raise ValueError(
                 "sharding_stage=2 with precision='16-mixed' (a gradient scaler) is invalid: each rank holds only its "
                 "own gradients, so the scaler's inf checks would differ between ranks; expected precision "

@@ -34,7 +34,8 @@ from typing_extensions import override
 from lit_dp.data_parallel import DataParallel
 from lit_dp.job.process_group import barrier, broadcast_object
 from lit_dp.join import DataParallelJoin
-from lit_dp.options import FABRIC, Options, options_doc
+from lit_dp.options import FABRIC, Options
+from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 

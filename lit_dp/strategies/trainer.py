@@ -42,12 +42,11 @@ from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.broadcast import sync_params_buffers
-from lit_dp.gradients.hooks import describe_comm_hook
 from lit_dp.gradients.unused import UNUSED_PARAMETERS_OPENING
 from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel_env
 from lit_dp.local_sgd import LocalSGD
-from lit_dp.observability.autotune import AUTO
-from lit_dp.options import TRAINER, Options, options_doc
+from lit_dp.options import AUTO, TRAINER, Options
+from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
@@ -161,19 +160,10 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     def describe(self) -> str:
         """One line with the settings in effect, for logs."""
-        options = self._options
-        size = options.comm_buffer_size
         return (
             f"strategy=paddle_dp backend={self.process_group_backend} world_size={self.world_size} "
             f"devices={[str(d) for d in self.parallel_devices or []]} "
-            f"comm_buffer_size={size}{'' if size == AUTO else 'MB'} "
-            f"last_comm_buffer_size={options.last_comm_buffer_size}MB "
-            f"find_unused_parameters={options.find_unused_parameters} "
-            f"gradient_as_bucket_view={options.gradient_as_bucket_view} local_sgd_steps={options.local_sgd_steps} "
-            f"local_sgd_warmup_steps={options.local_sgd_warmup_steps} local_sgd_adaptive={options.local_sgd_adaptive} "
-            f"comm_hook={describe_comm_hook(**options.hook_options())} comm_stats={options.comm_stats} "
-            f"sharding_stage={options.sharding_stage} sharding_overlap={options.sharding_overlap} "
-            f"uneven_inputs={options.uneven_inputs} hang_timeout={options.hang_timeout}"
+            f"{self._options.describe(TRAINER, skip=('backend',))}"  # the backend: shown resolved, first
         )
 
     @override
@@ -204,7 +194,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def _setup_fit(self, trainer: pl.Trainer) -> None:
         """What a fit needs once the wrapped model, its optimizers and the precision plugin are set up."""
         assert isinstance(self.model, DataParallel)
-        if self._options.sharding_stage is not None:
+        if self._options.sharding.stage is not None:
             log.debug("%s: gradient clipping by the norm over every rank's gradients", type(self).__name__)
             clip_sharded_by_global_norm(self.precision_plugin)
         _optimizers_to_device(self.optimizers, self.root_device)
@@ -249,19 +239,19 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     def _setup_local_sgd(self) -> LocalSGD | None:
         options = self._options
-        if options.local_sgd_steps is None or not isinstance(self.model, DataParallel):
+        if options.local_sgd.steps is None or not isinstance(self.model, DataParallel):
             return None
         assert self.lightning_module is not None
-        if options.local_sgd_adaptive and not self.lightning_module.automatic_optimization:
+        if options.local_sgd.adaptive and not self.lightning_module.automatic_optimization:
             raise ValueError(
                 "local_sgd_adaptive=True is not supported with manual optimization: the adaptive period needs the "
                 "training loss, which only automatic optimization hands to the strategy. Use a fixed local_sgd_steps."
             )
         local_sgd = LocalSGD(
             self.model,
-            options.local_sgd_steps,
-            options.local_sgd_warmup_steps,
-            adaptive=options.local_sgd_adaptive,
+            options.local_sgd.steps,
+            options.local_sgd.warmup_steps,
+            adaptive=options.local_sgd.adaptive,
             comm_buffer_size=self.model.comm_buffer_size,
         )
         log.debug("%s: LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD)", type(self).__name__)
@@ -277,7 +267,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         # come through LightningOptimizer.step); accumulated micro-batches do not.
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._local_sgd is not None:
-            loss = output if self._options.local_sgd_adaptive else None
+            loss = output if self._options.local_sgd.adaptive else None
             self._local_sgd.step(loss, optimizer.param_groups[0]["lr"], joined=self._uneven.replaying)
         return output
 

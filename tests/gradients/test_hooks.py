@@ -434,7 +434,7 @@ def test_a_ddp_strategy_configuration_moves_by_renaming_the_class():
 def test_recipes_select_hooks_by_name(tmp_path):
     from hydra.utils import instantiate
 
-    overrides = ["strategy.comm_hook=powersgd", "strategy.powersgd_rank=4", "strategy.powersgd_start_iter=10"]
+    overrides = ["strategy.comm_hook=powersgd", "strategy.powersgd.rank=4", "strategy.powersgd.start_iter=10"]
     strategy = instantiate(compose_config("digits", overrides, tmp_path).strategy)
     assert "comm_hook=powerSGD_hook(rank=4,start_iter=10)" in _described(strategy).split()
     overrides = ["strategy.comm_hook=powersgd", "strategy.comm_dtype=fp16"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -9,10 +10,19 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
-from lit_dp import PaddleDPStrategy
-from lit_dp import Options
-from lit_dp_recipes.config import PaddleDPStrategyConfig, build_strategy, register_configs, validate_trainer
+from lit_dp import Options, PaddleDPStrategy
+from lit_dp.options import TRAINER, declared_options
+from lit_dp_recipes.config import (
+    DDP_OPTIONS,
+    build_strategy,
+    ddp_schema,
+    ddp_strategy,
+    paddle_dp_schema,
+    register_configs,
+    validate_trainer,
+)
 from lit_dp_recipes.train import train
 from tests.helpers.recipes import CONF, compose_config
 
@@ -71,13 +81,15 @@ def test_overrides_reach_the_strategy(tmp_path):
         ("trainer.num_nodes=0", r"trainer.num_nodes=0 is invalid: expected an integer >= 1"),
         ("strategy.comm_hook=int8", r"strategy.comm_hook='int8' is invalid: expected one of fp16, bf16, powersgd"),
         ("strategy.comm_dtype=fp8", r"strategy.comm_dtype='fp8' is invalid: expected one of fp16, bf16"),
-        ("strategy.powersgd_rank=2", r"strategy.powersgd_rank=2 is invalid with comm_hook=None: it applies to"),
-        ("strategy.comm_hook=powersgd strategy.powersgd_start_iter=1", r"powersgd_start_iter=1 is invalid: .* >= 2"),
-        ("strategy.comm_hook=powersgd strategy.powersgd_rank=0", r"strategy.powersgd_rank=0 is invalid: .* >= 1"),
-        ("strategy.comm_hook=fp16 strategy.comm_dtype=bf16", r"comm_dtype='bf16' is invalid with comm_hook='fp16'"),
-        ("strategy.local_sgd_steps=0", "strategy.local_sgd_steps=0 is invalid: expected an integer >= 1"),
-        ("strategy.local_sgd_steps=2 strategy.local_sgd_warmup_steps=-5", "strategy.local_sgd_warmup_steps=-5 is invalid"),
-        ("strategy.local_sgd_adaptive=true", "strategy.local_sgd_adaptive=True needs strategy.local_sgd_steps"),
+        ("strategy.powersgd.rank=2", r"strategy.powersgd.rank=2 is invalid with strategy.comm_hook=None: it applies to"),
+        ("strategy.comm_hook=powersgd strategy.powersgd.start_iter=1", r"powersgd.start_iter=1 is invalid: .* >= 2"),
+        ("strategy.comm_hook=powersgd strategy.powersgd.rank=0", r"strategy.powersgd.rank=0 is invalid: .* >= 1"),
+        ("strategy.comm_hook=fp16 strategy.comm_dtype=bf16", r"comm_dtype='bf16' is invalid with strategy.comm_hook='fp16'"),
+        ("strategy.local_sgd.steps=0", r"strategy.local_sgd.steps=0 is invalid: expected an integer >= 1"),
+        ("strategy.local_sgd.steps=2 strategy.local_sgd.warmup_steps=-5", "strategy.local_sgd.warmup_steps=-5 is invalid"),
+        ("strategy.local_sgd.adaptive=true", "strategy.local_sgd.adaptive=True needs strategy.local_sgd.steps"),
+        ("strategy.trace.steps=[3,1]", r"strategy.trace.steps=\[3, 1\] is invalid: expected two integers"),
+        ("strategy.bucket_size=5", "strategy.bucket_size=5 is not an option of lit_dp.PaddleDPStrategy"),
     ],
 )
 def test_bad_values_fail_in_train_before_anything_is_built(override, message, tmp_path, monkeypatch):
@@ -95,25 +107,59 @@ def _must_not_be_called(*args, **kwargs):
     ("override", "message"),
     [
         ("strategy.find_unused_parameters=maybe", "find_unused_parameters"),
-        ("strategy.bucket_size=5", "bucket_size"),
+        ("strategy.sharding.stage=two", "stage"),
+        ("strategy.trace.dri=x", "Did you mean: 'dir'?"),
+        ("strategy=ddp strategy.nrings=2", "nrings"),
     ],
 )
-def test_wrong_types_and_unknown_keys_fail_at_composition(override, message, tmp_path):
+def test_wrong_types_and_unknown_keys_inside_a_node_fail_at_composition(override, message, tmp_path):
     with pytest.raises(ConfigCompositionException) as error:
-        compose_config("digits", [override], tmp_path)
+        compose_config("digits", override.split(), tmp_path)
     assert message in str(error.value) + str(error.value.__cause__)
 
 
+# Every option of a group (or of a named hook) as a command line spelt it before options were
+# grouped: strategy.trace_dir, strategy.local_sgd_steps, strategy.powersgd_rank, ...
+FLAT_SPELLINGS = [(d.keyword, d.path) for d in declared_options(TRAINER) if "." in d.path]
+
+
+@pytest.mark.parametrize(("flat", "path"), FLAT_SPELLINGS)
+def test_a_flat_spelling_fails_in_train_naming_the_key_to_use(flat, path, tmp_path, monkeypatch):
+    # The schema is open at its top: the flat key composes, and Options.build names the nested one.
+    default = next(d.field.default for d in declared_options(TRAINER) if d.path == path)
+    override = f"strategy.{flat}={'null' if default is None else list(default) if isinstance(default, tuple) else default}"
+    cfg = compose_config("digits", [override.replace(" ", "")], tmp_path)
+    monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
+    with pytest.raises(ValueError, match=re.escape(f"Did you mean 'strategy.{path}'?")):
+        train(cfg)
+
+
 def test_structured_config_is_generated_from_the_one_declaration_of_options():
-    schema = vars(PaddleDPStrategyConfig())
-    defaults = PaddleDPStrategy().options
+    schema = OmegaConf.to_container(OmegaConf.structured(paddle_dp_schema()))
     assert schema.pop("_target_") == "lit_dp.PaddleDPStrategy"
-    # Every option a command line can express, with the library's default; Python objects stay out.
-    assert {name: getattr(defaults, name) for name in schema} == {
-        name: tuple(value) if isinstance(value, list) else value for name, value in schema.items()
-    }
-    assert {"comm_state", "comm_wrapper"}.isdisjoint(schema) and "comm_hook" in schema
-    assert Options.build({name: getattr(defaults, name) for name in schema}, "trainer") == defaults
+    defaults = PaddleDPStrategy().options
+    # Every option a command line can express, at its path, with the library's default; Python objects stay out.
+    for declared in declared_options(TRAINER):
+        owner, _, member = declared.path.rpartition(".")
+        node = schema[owner] if owner else schema
+        if declared.field.metadata["config"] is None:
+            assert member not in node, declared.path
+            continue
+        value = node.pop(member)
+        assert (tuple(value) if isinstance(value, list) else value) == defaults.value(declared.path), declared.path
+    assert all(node == {} for node in schema.values()), f"schema keys without a declaration: {schema}"
+    values = OmegaConf.to_container(OmegaConf.structured(paddle_dp_schema()))
+    values.pop("_target_")
+    assert Options.build(values, TRAINER, nested=True) == defaults
+
+
+def test_the_ddp_config_takes_the_shared_options_only():
+    assert set(vars(ddp_schema()())) == {"_target_", *DDP_OPTIONS}
+    assert ddp_strategy(comm_buffer_size=5, backend="gloo")._ddp_kwargs["bucket_cap_mb"] == 5.0
+    with pytest.raises(ValueError, match=r"nrings=2 is not an option of the recipes' strategy=ddp"):
+        ddp_strategy(nrings=2)
+    with pytest.raises(ValueError, match=r"comm_buffer_size=0 is invalid"):
+        ddp_strategy(comm_buffer_size=0)
 
 
 def test_slurm_launcher_config_composes(tmp_path):

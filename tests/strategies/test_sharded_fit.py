@@ -143,11 +143,11 @@ def test_hydra_takes_strategy_sharding_stage(tmp_path):
 
     from tests.helpers.recipes import compose_config
 
-    cfg = compose_config("digits", ["strategy.sharding_stage=2", "strategy.sharding_overlap=true"], tmp_path)
+    cfg = compose_config("digits", ["strategy.sharding.stage=2", "strategy.sharding.overlap=true"], tmp_path)
     strategy = instantiate(cfg.strategy)
-    assert (strategy.options.sharding_stage, strategy.options.sharding_overlap) == (2, True)
-    with pytest.raises(Exception, match="sharding_stage=5 is invalid"):
-        instantiate(compose_config("digits", ["strategy.sharding_stage=5"], tmp_path).strategy)
+    assert (strategy.options.sharding.stage, strategy.options.sharding.overlap) == (2, True)
+    with pytest.raises(Exception, match="sharding.stage=5 is invalid"):
+        instantiate(compose_config("digits", ["strategy.sharding.stage=5"], tmp_path).strategy)
 
 
 def test_a_gradient_scaler_with_stage_two_is_refused_naming_both():

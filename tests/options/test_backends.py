@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from lit_dp.job.backends import available_backends, check_backend, uses_nccl
+from lit_dp.options.backends import available_backends, check_backend, uses_nccl
 
 # A CPU build of torch has no NCCL: the per-device forms are checked with what this build has.
 CUDA_BACKEND = "nccl" if dist.is_nccl_available() else "gloo"

@@ -1,0 +1,180 @@
+"""How an option is declared: one field with its default, help, check, front doors and names.
+
+An option is a field of a frozen dataclass, declared with ``option(...)``. Its metadata says:
+
+- ``help``: one line, shown in errors, docstrings and docs/options.md;
+- ``check(name, value)``: returns the value to keep (``5`` becomes ``5.0`` for a size) or
+  raises ``ValueError`` naming the option as the user wrote it, the value and what is expected;
+- ``scope``: which front doors take it (``trainer``, ``fabric``, ``module`` for ``DataParallel``);
+- ``config``: its type in the recipes' Hydra schema, or None for Python objects (a hook
+  callable, its state) that a command line cannot express;
+- ``lightning``: Lightning ``DDPStrategy``'s name for the same option, accepted as an alias so
+  that a ``DDPStrategy(...)`` call moves over by renaming the class;
+- ``show``: how the start-up line (``describe``) writes it, when not as ``name=value``;
+  ``shown_by``: the option whose text in that line already says what this one does.
+
+Options of one feature form a group: a frozen dataclass of such fields, composed into
+``Options`` with ``group(...)`` and spelt ``<group>.<field>`` (``trace.dir``); Python keyword
+arguments may also spell it ``<group>_<field>`` (``trace_dir``), derived, never declared again.
+The checks several options share live here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+TRAINER, FABRIC, MODULE = "trainer", "fabric", "module"
+STRATEGIES = frozenset({TRAINER, FABRIC})
+EVERYWHERE = frozenset({TRAINER, FABRIC, MODULE})
+FRONT_DOORS = {
+    TRAINER: "lit_dp.PaddleDPStrategy",
+    FABRIC: "lit_dp.fabric.PaddleDPStrategy",
+    MODULE: "lit_dp.DataParallel",
+}
+
+Check = Callable[[str, Any], Any]
+
+
+def option(
+    default: Any,
+    help: str,
+    check: Check,
+    *,
+    scope: frozenset[str] = STRATEGIES,
+    config: Any = None,
+    lightning: str | None = None,
+    show: Callable[[Any, Any], str] | None = None,
+    shown_by: str | None = None,
+) -> Any:
+    """A dataclass field declaring one option (see the module docstring for the metadata).
+
+    ``show(value, options)`` writes the option's part of the start-up line.
+    """
+    metadata = {
+        "help": help,
+        "check": check,
+        "scope": scope,
+        "config": config,
+        "lightning": lightning,
+        "show": show,
+        "shown_by": shown_by,
+    }
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def group(options: type) -> Any:
+    """A field of ``Options`` holding the frozen dataclass ``options`` of one feature."""
+    return dataclasses.field(default_factory=options, metadata={"group": options})
+
+
+def is_group(field: dataclasses.Field) -> bool:
+    return "group" in field.metadata
+
+
+def flat_name(path: str) -> str:
+    """The keyword-argument spelling of an option: ``trace.dir`` is ``trace_dir``."""
+    return path.replace(".", "_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """One option as the generated surfaces see it: its path, its declaration and, for a named
+    hook's option, that hook's name."""
+
+    path: str
+    field: dataclasses.Field
+    hook: str | None = None
+
+    @property
+    def keyword(self) -> str:
+        """Its spelling as a keyword argument: ``trace_dir`` for ``trace.dir``."""
+        return flat_name(self.path)
+
+
+def show_value(value: Any) -> str:
+    """A value as the start-up line writes it: one word, no spaces (``(1, 4)`` is ``1,4``)."""
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value))
+    if isinstance(value, timedelta):
+        return f"{value.total_seconds():g}s"
+    return str(value)
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is invalid: expected True or False.")
+    return value
+
+
+def megabytes(name: str, value: Any) -> float:
+    """A positive size in MB (fractions allowed), as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r} is invalid: expected a positive number of megabytes.")
+    return float(value)
+
+
+def count(low: int, high: int | None = None, optional: bool = False) -> Check:
+    """An integer in ``[low, high]`` (``high`` None: no bound); ``optional``: None too."""
+    expected = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    expected += " (or None)" if optional else ""
+
+    def check(name: str, value: Any) -> int | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            raise ValueError(f"{name}={value!r} is invalid: expected {expected}.")
+        return value
+
+    return check
+
+
+def parse_timeout(name: str, timeout: timedelta | float) -> timedelta:
+    """A positive duration from a timedelta or a number of seconds, or a ValueError naming ``name``."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"{name}={timeout!r} is invalid: expected a datetime.timedelta or a number of seconds.")
+    if not seconds > 0:
+        raise ValueError(f"{name}={timeout!r} is invalid: expected a positive duration.")
+    return timedelta(seconds=seconds)
+
+
+def duration(name: str, value: Any) -> float | timedelta | None:
+    """None, or a positive duration kept as given (a timedelta or seconds)."""
+    if value is not None:
+        parse_timeout(name, value)
+    return value
+
+
+def seconds(name: str, value: Any) -> float | None:
+    """None, or a positive duration as seconds."""
+    return None if value is None else parse_timeout(name, value).total_seconds()
+
+
+def choice(*allowed: str, optional: bool = False) -> Check:
+    """One of ``allowed`` (case-insensitive, kept lower-case); ``optional``: None too."""
+
+    def check(name: str, value: Any) -> str | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or value.lower() not in allowed:
+            raise ValueError(f"{name}={value!r} is invalid: expected one of {', '.join(allowed)}.")
+        return value.lower()
+
+    return check
+
+
+def directory(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{name}={value!r} is invalid: expected a directory path or None.")
+    return None if value is None else os.fspath(value)
+
+
+def anything(name: str, value: Any) -> Any:
+    return value

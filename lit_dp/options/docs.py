@@ -1,0 +1,71 @@
+"""The options' documentation, generated from their declarations: the front doors' docstrings
+and the tables of docs/options.md.
+
+``python -m lit_dp.options`` rewrites the generated part of docs/options.md (everything after
+``MARKER``); a test keeps it equal to ``options_markdown()``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lit_dp.options.comm_hooks import named_hooks
+from lit_dp.options.core import Declared, declared_options
+from lit_dp.options.declare import FABRIC, MODULE, TRAINER
+
+MARKER = "<!-- Generated from the declarations by lit_dp.options.docs: edit those, then run python -m lit_dp.options -->\n"
+_FRONT_DOORS = ((TRAINER, "Trainer"), (FABRIC, "Fabric"), (MODULE, "DataParallel"))
+
+
+def options_doc(scope: str) -> str:
+    """One line per option of ``scope``, for the front doors' docstrings."""
+    lines = []
+    for declared in declared_options(scope):
+        meta = declared.field.metadata
+        keyword = f" (``{declared.keyword}=``)" if declared.keyword != declared.path else ""
+        alias = f" (Lightning: ``{meta['lightning']}``)" if meta["lightning"] else ""
+        applies = f"with comm_hook={declared.hook!r}: " if declared.hook else ""
+        lines.append(f"        {declared.path}{keyword} = {declared.field.default!r}: {applies}{meta['help']}{alias}.")
+    return "\n".join(lines)
+
+
+def options_markdown() -> str:
+    """The generated part of docs/options.md: every option, then the named hooks."""
+    lines = [
+        "| option | keyword | default | where | Hydra | Lightning's name | meaning |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [_row(declared) for declared in declared_options()]
+    lines += [
+        "",
+        "## Named communication hooks",
+        "",
+        "| `comm_hook=` | its options | `comm_dtype=` | meaning |",
+        "|---|---|---|---|",
+    ]
+    for hook in named_hooks():
+        options = ", ".join(f"`{d.path}`" for d in declared_options() if d.hook == hook.name)
+        dtype = "yes" if hook.compress_wrapper is not None else ""
+        lines.append(f"| `{hook.name}` | {options} | {dtype} | {hook.help} |")
+    return "\n".join(lines) + "\n"
+
+
+def _row(declared: Declared) -> str:
+    meta = declared.field.metadata
+    if declared.hook is not None:
+        where = f"with `comm_hook={declared.hook}`"
+    else:
+        where = ", ".join(name for scope, name in _FRONT_DOORS if scope in meta["scope"])
+    keyword = f"`{declared.keyword}`" if declared.keyword != declared.path else ""
+    hydra = "yes" if meta["config"] is not None else "no"
+    lightning = f"`{meta['lightning']}`" if meta["lightning"] else ""
+    default = f"`{declared.field.default!r}`"
+    return f"| `{declared.path}` | {keyword} | {default} | {where} | {hydra} | {lightning} | {meta['help']} |"
+
+
+def rewrite(page: Path) -> None:
+    """Replace the generated part of ``page`` (after ``MARKER``) with ``options_markdown()``."""
+    text = page.read_text()
+    if MARKER not in text:
+        raise ValueError(f"{page} has no line {MARKER.strip()!r} to generate after.")
+    page.write_text(text.split(MARKER)[0] + MARKER + options_markdown())

@@ -1,0 +1,64 @@
+"""The named hook ``powersgd``: torch's ``powerSGD_hook``, its state built in each process.
+
+Its options are ``powersgd.rank`` and ``powersgd.start_iter``; left unset, they are torch's
+``PowerSGDState`` defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+from lit_dp.options.comm_hooks import Hook, NamedHook, register_named_hook
+from lit_dp.options.declare import EVERYWHERE, count, option
+
+# torch's PowerSGDState defaults, used when the options are left unset.
+DEFAULT_RANK = 1
+DEFAULT_START_ITER = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGDOptions:
+    """PowerSGD's approximation rank and first compressed iteration."""
+
+    rank: Optional[int] = option(
+        default=None,
+        help=f"matrix approximation rank, >= 1; None: {DEFAULT_RANK} (torch's)",
+        check=count(1, optional=True),
+        scope=EVERYWHERE,
+        config=Optional[int],
+    )
+    start_iter: Optional[int] = option(
+        default=None,
+        help=f"first compressed iteration, >= 2; None: {DEFAULT_START_ITER} (torch's; lower it for short runs)",
+        check=count(2, optional=True),
+        scope=EVERYWHERE,
+        config=Optional[int],
+    )
+
+
+def _build(options: PowerSGDOptions) -> tuple[powerSGD_hook.PowerSGDState, Hook]:
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=options.rank or DEFAULT_RANK,
+        start_powerSGD_iter=options.start_iter or DEFAULT_START_ITER,
+    )
+    return state, powerSGD_hook.powerSGD_hook
+
+
+def _describe(options: PowerSGDOptions) -> str:
+    rank = options.rank or DEFAULT_RANK
+    return f"powerSGD_hook(rank={rank},start_iter={options.start_iter or DEFAULT_START_ITER})"
+
+
+POWERSGD = register_named_hook(
+    NamedHook(
+        name="powersgd",
+        help="torch's powerSGD_hook: low-rank gradient compression with error feedback",
+        build=_build,
+        describe=_describe,
+        options=PowerSGDOptions,
+    )
+)
