@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class DataParallel(nn.Module, Joinable):
-    """Run ``layers`` data-parallel: rank 0's state is broadcast, gradients are averaged.
+    """Run ``layers`` data-parallel: the first rank's state is broadcast, gradients are averaged.
 
     Args:
         layers: the module to train.
@@ -117,7 +117,7 @@ class DataParallel(nn.Module, Joinable):
                 owners=owners if options.sharding_stage == 2 else None,
             )
             self._observe(self._reducer, device, names)
-            if dist.get_rank() == 0:
+            if dist.get_rank(rings[0]) == 0:
                 sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
                 log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
         # Built here, in each process: PowerSGD's state belongs to the process group.
@@ -347,7 +347,7 @@ def fused_allreduce_gradients(
 
 
 def _synchronised_parameters(layers: nn.Module, group: dist.ProcessGroup | None) -> list[tuple[str, nn.Parameter]]:
-    """Broadcast rank 0's state; the trainable parameters to reduce (none without a process group)."""
+    """Broadcast the group's first rank's state; the trainable parameters to reduce (none without a process group)."""
     if not dist.is_initialized():
         warnings.warn(
             "lit_dp.DataParallel: world size is 1 and no process group exists; "
