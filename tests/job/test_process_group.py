@@ -327,3 +327,14 @@ def test_a_cuda_device_the_process_cannot_see_names_the_variable_that_chose_it()
                 "TORCHELASTIC_RUN_ID": "job"}
     with pytest.raises(ValueError, match=r"LOCAL_RANK=3 selects CUDA device 3, but this process sees 2 CUDA device\(s\)"):
         _mocked_cuda_init(torchrun, backend="nccl")
+
+
+def test_an_adopted_group_gets_the_rings_flags_nccl_nrings_asks_for():
+    from tests.helpers.groups import one_rank_group
+
+    group = one_rank_group()
+    assert init_parallel_env(parallel_env=ParallelEnv({"FLAGS_nccl_nrings": "3"})) is group
+    rings = get_rings()
+    assert len(rings) == 3 and rings[0] is group
+    assert init_parallel_env(parallel_env=ParallelEnv({"FLAGS_nccl_nrings": "3"})) is group
+    assert get_rings()[1:] == rings[1:], "a second call keeps the rings it made"
