@@ -21,8 +21,8 @@ through one door and as lone ranks through the other. The rule, first match wins
    The Trainer uses Lightning's own launcher here (``LightningEnvironment``).
 5. **No launcher**: Paddle's variables as far as they are set; world size 1 by default.
 
-Lightning is imported only to look for launchers 3 (``import lit_dp`` stays Lightning-free, and
-Paddle's launcher and torchrun never pay for it).
+Lightning is imported only to look for the launchers of rule 3 (``import lit_dp`` stays
+Lightning-free, and jobs started by Paddle's launcher or torchrun never pay for it).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ TORCHRUN = "torchrun"
 SLURM = "SLURM"
 LSF = "LSF"
 MPI = "MPI"
-TORCH_ENV = "torch's env:// variables"
+TORCH_ENV = "torch's env:// rendezvous"
 GIVEN = "the parallel_env argument"
 
 # Lightning's environment class for each launcher it detects, in Lightning's order, with the
@@ -71,9 +71,9 @@ class Launch:
 
     launcher: str | None
     parallel_env: ParallelEnv
-    rank_source: str | None = None
-    world_size_source: str | None = None
-    device_source: str = "FLAGS_selected_gpus"
+    rank_source: str | None
+    world_size_source: str | None
+    device_source: str
 
     @classmethod
     def given(cls, parallel_env: ParallelEnv) -> Launch:
@@ -161,7 +161,11 @@ def describe_job(
     ``PADDLE_DISTRI_BACKEND``) still apply from the environment.
     """
     environ = {name: os.environ[name] for name in _PADDLE_SETTINGS if name in os.environ}
-    environ |= {"PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(world_size), "FLAGS_selected_gpus": str(device_id)}
+    environ |= {
+        "PADDLE_TRAINER_ID": str(rank),
+        "PADDLE_TRAINERS_NUM": str(world_size),
+        "FLAGS_selected_gpus": str(device_id),
+    }
     if master_addr is not None and master_port is not None:
         environ |= {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
     if local_rank is not None:
@@ -265,7 +269,9 @@ def _integer(launcher: str, evidence: str | None, variable: str, minimum: int, d
     if raw is None:
         if default is not None:
             return default
-        raise ValueError(f"{launcher} ({evidence}) describes the job, but {variable} is not set: it sets it for every process.")
+        raise ValueError(
+            f"{launcher} ({evidence}) describes the job, but {variable} is not set: expected an integer >= {minimum}."
+        )
     try:
         value = int(raw)
     except ValueError:

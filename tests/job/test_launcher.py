@@ -126,7 +126,7 @@ def test_a_malformed_torchrun_variable_is_named(variables, expected):
 
 
 def test_torch_env_variables_need_a_rank_and_a_rendezvous_address_like_init_process_group():
-    with environment(WORLD_SIZE="2"), pytest.raises(ValueError, match=r"torch's env:// variables \(WORLD_SIZE=2\) describes the job, but RANK is not set"):
+    with environment(WORLD_SIZE="2"), pytest.raises(ValueError, match=r"torch's env:// rendezvous \(WORLD_SIZE=2\) describes the job, but RANK is not set"):
         detect_launch()
     with environment(RANK="1", WORLD_SIZE="2"), pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT is not set"):
         detect_launch()
