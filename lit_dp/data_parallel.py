@@ -117,7 +117,7 @@ class DataParallel(nn.Module, Joinable):
                 owners=owners if options.sharding_stage == 2 else None,
             )
             self._observe(self._reducer, device, names)
-            if dist.get_rank(rings[0]) == 0:
+            if dist.get_rank() == 0:
                 sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
                 log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
         # Built here, in each process: PowerSGD's state belongs to the process group.
