@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class DataParallel(nn.Module, Joinable):
-    """Run ``layers`` data-parallel: rank 0's state is broadcast, gradients are averaged.
+    """Run ``layers`` data-parallel: the first rank's state is broadcast, gradients are averaged.
 
     Args:
         layers: the module to train.
@@ -397,7 +397,7 @@ def fused_allreduce_gradients(
 
 
 def _synchronised_parameters(layers: nn.Module, group: dist.ProcessGroup | None) -> list[tuple[str, nn.Parameter]]:
-    """Broadcast rank 0's state; the trainable parameters to reduce (none without a process group)."""
+    """Broadcast the group's first rank's state; the trainable parameters to reduce (none without a process group)."""
     if not dist.is_initialized():
         warnings.warn(
             "lit_dp.DataParallel: world size is 1 and no process group exists; "

@@ -49,7 +49,7 @@ from torch.distributed.algorithms.join import Join, JoinHook
 
 from lit_dp.gradients.broadcast import sync_params_buffers
 from lit_dp.gradients.plan import Participation, StepPlan
-from lit_dp.job.process_group import rendezvous_store
+from lit_dp.job.store import group_store_prefix, rendezvous_store
 
 # The model is a ``lit_dp.DataParallel``, which imports this module, so it is typed ``Any`` here
 # rather than imported (no import circle).
@@ -57,7 +57,6 @@ DataParallel = Any
 
 # The plan's slots: this step synchronises gradients / agrees LocalSGD's first loss / averages.
 _GRADIENTS, _AGREE_FIRST_LOSS, _AVERAGE = range(3)
-_CONTEXTS = "lit_dp/join/contexts"
 _WHO_RAN_OUT_SECONDS = 30.0
 _POLL_SECONDS = 0.02
 
@@ -136,7 +135,9 @@ class DataParallelJoinHook(JoinHook):
         store = rendezvous_store()
         if store is not None:
             # Every rank enters each Join context once: the n-th of the job gets the same number everywhere.
-            state.context = (store.add(_CONTEXTS, 1) - 1) // dist.get_world_size(model.join_process_group)
+            group = model.join_process_group
+            contexts = f"{group_store_prefix('join', group)}/contexts"
+            state.context = (store.add(contexts, 1) - 1) // dist.get_world_size(group)
 
     def main_hook(self) -> None:
         """Issue the collectives of one step of the ranks still in."""
@@ -240,7 +241,7 @@ def _ranks_that_ran_out(context: int, group: dist.ProcessGroup, still_in: int) -
     store = rendezvous_store()
     if store is None:
         return None
-    prefix = f"lit_dp/join/{context}/still_in"
+    prefix = f"{group_store_prefix('join', group)}/{context}/still_in"
     rank = dist.get_rank()
     store.set(f"{prefix}/in/{rank}", "1")
     store.add(f"{prefix}/count", 1)

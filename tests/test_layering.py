@@ -3,7 +3,8 @@
 Layers, each importing only from itself and the ones before it:
 options -> job -> gradients -> observability -> the top-level modules (DataParallel, ...) -> strategies.
 The library never imports the recipes' or benchmarks' dependencies; only the Lightning layer
-(and the cluster environment, Lightning's view of the job) imports Lightning; no import circle.
+(and the job layer's cluster environment and launcher detection, which reads SLURM, LSF and
+MPI jobs through Lightning's environments) imports Lightning; no import circle.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "lit_dp"
 LAYERS = ["options", "job", "gradients", "observability", "", "strategies"]  # "": the top-level modules
 NEVER = {"hydra", "omegaconf", "sklearn", "matplotlib", "lit_dp_recipes", "benchmarks"}
-LIGHTNING_ALLOWED = {"lit_dp.job.cluster_environment"}
+LIGHTNING_ALLOWED = {
+    "lit_dp.job.cluster_environment",
+    # Imports Lightning's cluster environments inside a function, only when no launcher it can
+    # tell without them (Paddle's, torchrun) started the process: init_parallel_env then reads
+    # SLURM, LSF and MPI jobs exactly as the Trainer does, and `import lit_dp` stays Lightning-free.
+    "lit_dp.job.launcher",
+}
 
 
 def module_name(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""Making every rank start from rank 0's parameters and buffers (Paddle's ``sync_params_buffers``)."""
+"""Making every rank of a group start from one rank's parameters and buffers (Paddle's ``sync_params_buffers``)."""
 
 from __future__ import annotations
 
@@ -14,21 +14,26 @@ BROADCAST_GROUP_BYTES = 128 * 1024 * 1024
 def sync_params_buffers(
     module: nn.Module,
     group: dist.ProcessGroup | None = None,
-    src_rank: int = 0,
+    src_rank: int | None = None,
     fuse_params: bool = True,
 ) -> None:
-    """Broadcast ``module``'s parameters and buffers from global rank ``src_rank``.
+    """Broadcast ``module``'s parameters and buffers over ``group`` (default: the default group).
 
-    Tensors are coalesced per dtype and device into flat groups of at most 128 MB
-    (``fuse_params=False`` sends them one by one). Parameters marked ``no_sync = True`` stay
-    local. Before anything is sent, the ranks compare names, shapes and dtypes; a difference
-    raises the same error on every rank, naming the tensors and the ranks that differ.
+    ``src_rank`` is the global rank to copy from, one of the group's; by default the group's
+    first rank (``dist.get_global_rank(group, 0)``), which is global rank 0 only when the group
+    holds it, as DDP's initial broadcast. Tensors are coalesced per dtype and device into flat
+    groups of at most 128 MB (``fuse_params=False`` sends them one by one). Parameters marked
+    ``no_sync = True`` stay local. Before anything is sent, the ranks compare names, shapes and
+    dtypes with the source's; a difference raises the same error on every rank, naming the
+    tensors and the ranks that differ.
     """
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    if src_rank not in ranks:
+    if src_rank is None:
+        src_rank = ranks[0]
+    elif src_rank not in ranks:
         raise ValueError(f"src_rank={src_rank!r} is invalid: expected one of the group's global ranks {ranks}.")
     named = list(_tensors_to_sync(module))
-    _check_same_structure(named, group, ranks)
+    _check_same_structure(named, group, ranks, src_rank)
 
     tensors = [tensor for _, tensor in named]
     with torch.no_grad():
@@ -52,12 +57,12 @@ def _tensors_to_sync(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _check_same_structure(
-    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, ranks: list[int]
+    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, ranks: list[int], src_rank: int
 ) -> None:
     signature = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
     gathered: list[list[tuple[str, tuple[int, ...], str]] | None] = [None] * len(ranks)
     dist.all_gather_object(gathered, signature, group=group)
-    reference = gathered[0]
+    reference = gathered[ranks.index(src_rank)]
     differing = {ranks[i]: sig for i, sig in enumerate(gathered) if sig != reference}
     if not differing:
         return
@@ -67,14 +72,14 @@ def _check_same_structure(
         actual = {name: (shape, dtype) for name, shape, dtype in sig}
         names = [name for name in sorted(expected.keys() | actual.keys()) if expected.get(name) != actual.get(name)]
         lines += [
-            f"  {name}: rank {ranks[0]} has {_describe(expected.get(name))}, rank {rank} has {_describe(actual.get(name))}"
+            f"  {name}: rank {src_rank} has {_describe(expected.get(name))}, rank {rank} has {_describe(actual.get(name))}"
             for name in names
         ]
         if not names:
             lines.append(f"  rank {rank} registers the same tensors in a different order")
     raise RuntimeError(
         f"sync_params_buffers: the model differs between ranks (ranks {sorted(differing)} differ from rank "
-        f"{ranks[0]}); every rank must build the same model:\n" + "\n".join(lines[:20])
+        f"{src_rank}); every rank must build the same model:\n" + "\n".join(lines[:20])
     )
 
 

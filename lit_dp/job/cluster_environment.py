@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from typing_extensions import override
 
-from lit_dp.job.env import ParallelEnv
+from lit_dp.job.env import ParallelEnv, started_by_paddle
 
 log = logging.getLogger(__name__)
-
-# The variables whose presence means "Paddle's launcher (or a stand-in) started this process".
-DETECTION_VARIABLES = ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM")
 
 
 class PaddleEnvironment(ClusterEnvironment):
@@ -63,7 +59,7 @@ class PaddleEnvironment(ClusterEnvironment):
     @staticmethod
     @override
     def detect() -> bool:
-        return all(variable in os.environ for variable in DETECTION_VARIABLES)
+        return started_by_paddle()
 
     @override
     def world_size(self) -> int:

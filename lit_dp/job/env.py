@@ -17,8 +17,16 @@ from lit_dp.options.backends import check_backend
 from lit_dp.options.core import MAX_NRINGS
 
 DEFAULT_PG_TIMEOUT_MS = 1_800_000
+# Their presence means "Paddle's launcher (or a stand-in) started this process".
+PADDLE_LAUNCHER_VARIABLES = ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM")
 
 _DEVICE_TYPE_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def started_by_paddle(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether Paddle's launcher started this process: ``PADDLE_TRAINER_ID`` and ``PADDLE_TRAINERS_NUM`` are set."""
+    env = os.environ if environ is None else environ
+    return all(variable in env for variable in PADDLE_LAUNCHER_VARIABLES)
 
 
 def _fail(variable: str, value: str, expected: str) -> NoReturn:
@@ -112,10 +120,12 @@ class ParallelEnv:
       node are the endpoints that share the current endpoint's host, counted in list order.
       Without endpoints the job is taken to be a single node (``local_rank == rank``).
     - ``node_rank``: the index of this host among the distinct hosts of the endpoint list, in
-      order of first appearance (0 without endpoints).
+      order of first appearance (0 without endpoints), unless given.
 
     Args:
         environ: the variables to read; defaults to ``os.environ``. Tests pass a dict.
+        node_rank: this node's index when another launcher tells it (torchrun's ``GROUP_RANK``,
+            ``SLURM_NODEID``): Paddle's launcher has no variable for it.
 
     Raises:
         ValueError: for any malformed or inconsistent value, naming the variable, the value and
@@ -139,7 +149,7 @@ class ParallelEnv:
         "node_rank",
     )
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None, *, node_rank: int | None = None) -> None:
         env = os.environ if environ is None else environ
         world_size = _parse_int(env, "PADDLE_TRAINERS_NUM", default=1, minimum=1)
         rank = _parse_int(env, "PADDLE_TRAINER_ID", default=0, minimum=0)
@@ -153,7 +163,7 @@ class ParallelEnv:
         current = _parse_current_endpoint(env, endpoints, rank)
         master_addr, master_port = _parse_master(env, endpoints)
         backend = check_backend("PADDLE_DISTRI_BACKEND", _read(env, "PADDLE_DISTRI_BACKEND") or "auto")
-        local_rank, local_world_size, node_rank = _node_layout(env, endpoints, current, rank, world_size)
+        local_rank, local_world_size, derived_node_rank = _node_layout(env, endpoints, current, rank, world_size)
 
         assign = super().__setattr__
         assign("rank", rank)
@@ -169,7 +179,7 @@ class ParallelEnv:
         assign("backend", backend)
         assign("local_rank", local_rank)
         assign("local_world_size", local_world_size)
-        assign("node_rank", node_rank)
+        assign("node_rank", derived_node_rank if node_rank is None else node_rank)
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise AttributeError(f"ParallelEnv is immutable; cannot set {name!r}")

@@ -1,9 +1,10 @@
-"""Bringing up torch.distributed from a ``ParallelEnv``: Paddle's ``init_parallel_env``.
+"""Bringing up torch.distributed from the launcher's description: Paddle's ``init_parallel_env``.
 
-Steps: resolve the backend, select the device (NCCL), rendezvous through a ``TCPStore``
-hosted by rank 0 (or by torchrun's agent) with a named-rank arrival check, create the default
-process group, then the extra ring communicators (``FLAGS_nccl_nrings``) the reducer spreads
-buckets over.
+Steps: find the launcher and the job it describes (``lit_dp.job.launcher``); adopt a process
+group that already exists, checked against it; otherwise resolve the backend, select the
+device (NCCL), rendezvous through a ``TCPStore`` hosted by rank 0 (or by torchrun's agent) with
+a named-rank arrival check, create the default process group, then the extra ring
+communicators (``FLAGS_nccl_nrings``) the reducer spreads buckets over.
 
 Every key of a rendezvous, the process group's own included (Gloo's and NCCL's address
 exchange), lives under a prefix naming the job's attempt and this process's rendezvous count
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lit_dp.job.env import ParallelEnv, format_endpoint
+from lit_dp.job.launcher import Launch, detect_launch
 from lit_dp.job.restart import JobAttempt
 from lit_dp.options.backends import AUTO, check_backend, uses_nccl
 from lit_dp.options.declare import parse_timeout
@@ -84,37 +86,42 @@ def init_parallel_env(
     one_process_group: bool = False,
     attempt: JobAttempt | None = None,
 ) -> dist.ProcessGroup | None:
-    """Create torch.distributed's default process group from the launcher's variables.
+    """Create torch.distributed's default process group from the launcher's variables, or adopt it.
+
+    The launcher is found by one rule shared with the Lightning strategies (``lit_dp.job.launcher``:
+    Paddle's launcher, torchrun, SLURM, LSF, MPI, torch's env:// variables, in that order).
 
     Args:
         backend: ``"auto"`` or any backend torch.distributed reports available (``"gloo"``,
             ``"nccl"``, ``"cpu:gloo,cuda:nccl"``, ...); defaults to ``PADDLE_DISTRI_BACKEND``.
         timeout: bounds the rendezvous and every collective (timedelta or seconds); defaults to
             ``PADDLE_PG_TIMEOUT``.
-        parallel_env: the job description; defaults to ``ParallelEnv()`` over ``os.environ``.
-            The Lightning strategy passes one built from Lightning's cluster environment.
+        parallel_env: the job description; defaults to the detected launcher's. The Lightning
+            strategies pass one built from Lightning's cluster environment.
         one_process_group: at world size 1, create a group of one rank instead of none, so that
             code calling ``torch.distributed`` runs unchanged on one device (what the Lightning
-            strategies ask for, like Lightning's ``"ddp"``).
+            strategies ask for, like Lightning's ``"ddp"``). A job torchrun, SLURM, LSF, MPI or
+            torch's env:// variables describe gets one too, as from ``init_process_group``.
         attempt: which attempt of a restarted job this is; defaults to
             ``JobAttempt.from_environ()`` (torchrun's, SLURM's restart counts).
 
     Returns:
         The default process group, or None (with a warning, Paddle's documented behaviour) for
-        a world size of 1 unless ``one_process_group``. A second call returns the existing group.
+        a world size of 1 described by Paddle's variables or by none. A group that already
+        exists (``torch.distributed.init_process_group``, an earlier call) is adopted.
+
+    Raises:
+        RuntimeError: an existing group disagrees with the launcher's rank or world size, or
+            with the backend asked for; the message names each value and where it came from.
     """
-    env = ParallelEnv() if parallel_env is None else parallel_env
+    launch = Launch.given(parallel_env) if parallel_env is not None else detect_launch()
+    env = launch.parallel_env
     if dist.is_initialized():
-        world = dist.group.WORLD
-        if dist.get_world_size(world) != env.world_size:
-            raise RuntimeError(
-                f"init_parallel_env: a process group of world size {dist.get_world_size(world)} already exists, "
-                f"but the environment describes world size {env.world_size}."
-            )
-        return world
-    if env.world_size < 2 and not one_process_group:
+        return _adopt(launch, backend, timeout)
+    if env.world_size < 2 and not (one_process_group or launch.expects_process_group):
+        described = launch.world_size_source or "no launcher variables are set"
         warnings.warn(
-            "init_parallel_env: world size is 1 (PADDLE_TRAINERS_NUM unset or 1); "
+            f"init_parallel_env: world size is 1 ({described}); "
             "no process group is created and training runs in this single process.",
             stacklevel=2,
         )
@@ -126,21 +133,67 @@ def init_parallel_env(
             f"init_parallel_env: world size is {env.world_size} but no rendezvous address is set: expected "
             "MASTER_ADDR and MASTER_PORT, PADDLE_MASTER, or PADDLE_TRAINER_ENDPOINTS."
         )
-    device = None
+    device = device_id = None
     if uses_nccl(chosen):
-        _select_cuda_device(env.device_id)
+        _select_cuda_device(env.device_id, launch.device_source)
         device = cuda_device_identity(env.device_id)
+        # NCCL's eager init, bound to this device (Lightning's DDPStrategy passes it too).
+        device_id = torch.device("cuda", env.device_id)
 
     # One rank has nobody to meet: an in-memory store, and no port to bind or collide on.
     attempt = JobAttempt.from_environ() if attempt is None else attempt
     store = _rendezvous(env, deadline, device, attempt) if env.world_size > 1 else dist.HashStore()
-    dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=deadline)
+    dist.init_process_group(
+        chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=deadline, device_id=device_id
+    )
     world = dist.group.WORLD
     # Only extra rings are recorded: with one ring nothing refers to the group, so a test that
     # mocks `init_process_group` (Lightning's own do; the group is then None) runs unharmed.
     if env.nrings > 1:
-        _extra_rings_by_world[world] = [dist.new_group(backend=chosen, timeout=deadline) for _ in range(env.nrings - 1)]
+        _add_rings(world, env.nrings, chosen, deadline)
     return world
+
+
+def _adopt(launch: Launch, backend: str | None, timeout: timedelta | float | None) -> dist.ProcessGroup:
+    """The existing default group, once its rank, world size and backend agree with ``launch``."""
+    env = launch.parallel_env
+    world = dist.group.WORLD
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    running = dist.get_backend_config(world)
+    layout = []
+    if launch.world_size_source is not None and world_size != env.world_size:
+        layout.append(f"world size {env.world_size} ({launch.world_size_source})")
+    if launch.rank_source is not None and rank != env.rank:
+        layout.append(f"rank {env.rank} ({launch.rank_source})")
+    problems = [f"{launch.who} describes {' and '.join(layout)}"] if layout else []
+    asked = env.backend if backend is None else check_backend("backend", backend)
+    if asked != AUTO and not backends_agree(running, asked):
+        source = "the backend argument" if backend is not None else "PADDLE_DISTRI_BACKEND"
+        problems.append(f"backend={asked!r} was asked for ({source})")
+    if problems:
+        shown = dist.get_backend(world)
+        raise RuntimeError(
+            f"init_parallel_env: a process group of world size {world_size} exists (rank {rank}, "
+            f"{running if shown == 'undefined' else shown}), but {'; and '.join(problems)}. Create the group from the "
+            "launcher's own values (torch.distributed.init_process_group() reads RANK and WORLD_SIZE), or let "
+            "init_parallel_env create it."
+        )
+    if env.nrings > 1 and world not in _extra_rings_by_world:
+        _add_rings(world, env.nrings, None, resolve_timeout(timeout, env))
+    return world
+
+
+def backends_agree(running: str, asked: str) -> bool:
+    """Whether a group configured as ``running`` (torch's ``"cpu:gloo,cuda:gloo"`` form, from
+    ``get_backend_config``) runs ``asked`` for every device type both name, and they share one."""
+    have = dist.BackendConfig(dist.Backend(running)).get_device_backend_map()
+    want = dist.BackendConfig(dist.Backend(asked)).get_device_backend_map()
+    common = have.keys() & want.keys()
+    return bool(common) and all(have[device] == want[device] for device in common)
+
+
+def _add_rings(world: dist.ProcessGroup, nrings: int, backend: str | None, timeout: timedelta) -> None:
+    _extra_rings_by_world[world] = [dist.new_group(backend=backend, timeout=timeout) for _ in range(nrings - 1)]
 
 
 def destroy_parallel_env() -> None:
@@ -162,25 +215,11 @@ def get_rings() -> list[dist.ProcessGroup]:
     return [world, *_extra_rings_by_world.get(world, [])]
 
 
-def rendezvous_store() -> dist.Store | None:
-    """The default group's store (the rendezvous TCPStore behind torch's prefix), for lit_dp's
-    bookkeeping outside the collectives (the hang watchdog, Join's verdicts); None without a group.
-
-    Keys written there must stay in their own ``lit_dp/<feature>/`` namespace.
-    """
-    if not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError):  # a group built without a store (e.g. torch's "fake" backend)
-        return None
-
-
-def _select_cuda_device(device_id: int) -> None:
+def _select_cuda_device(device_id: int, source: str) -> None:
     count = torch.cuda.device_count()
     if device_id >= count:
         raise ValueError(
-            f"FLAGS_selected_gpus selects device {device_id}, but this process sees {count} CUDA device(s): "
+            f"{source} selects CUDA device {device_id}, but this process sees {count} CUDA device(s): "
             f"expected an id in [0, {count})."
         )
     torch.cuda.set_device(device_id)

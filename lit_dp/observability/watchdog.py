@@ -52,11 +52,10 @@ from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.gradients.waiting import CollectiveHangError
-from lit_dp.job.process_group import rendezvous_store
+from lit_dp.job.store import group_store_prefix, rendezvous_store
 from lit_dp.observability.hang_report import behind_lines, describe_rank, main_thread_position
 
 HANG_DIRECTORY = "lit_dp_hang"
-_NAMESPACE = "lit_dp/watchdog"
 _STORE_ERRORS = (RuntimeError, ValueError, dist.DistError)
 class HangWatchdog(ReducerObserver):
     """Watches ``reducer``'s collectives (as its observer, and through its waiter) and answers alarms.
@@ -78,8 +77,9 @@ class HangWatchdog(ReducerObserver):
         self._rank = dist.get_rank()
         self._ranks = dist.get_process_group_ranks(reducer.group)
         # Every rank starts one watchdog per DataParallel, in the same order: the n-th gets the same number everywhere.
-        instance = (store.add(f"{_NAMESPACE}/instances", 1) - 1) // len(self._ranks)
-        self._prefix = f"{_NAMESPACE}/{instance}"
+        namespace = group_store_prefix("watchdog", reducer.group)
+        instance = (store.add(f"{namespace}/instances", 1) - 1) // len(self._ranks)
+        self._prefix = f"{namespace}/{instance}"
         self._poll_seconds = min(5.0, max(0.1, hang_timeout / 20))
         # Answering takes one poll and a store write; the margin is for a loaded machine.
         self._reply_seconds = min(30.0, max(3.0, hang_timeout / 10))

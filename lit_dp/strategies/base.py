@@ -10,7 +10,6 @@ brings up the process group and wraps the model.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.job.env import ParallelEnv
+from lit_dp.job.launcher import PADDLE, describe_job, detect_launcher
 from lit_dp.job.process_group import destroy_parallel_env, init_parallel_env, resolve_timeout
 from lit_dp.options import Options
 from lit_dp.options.backends import AUTO
@@ -232,12 +232,13 @@ def register_families(registry: _StrategyRegistry, strategy: type) -> None:
 
 def default_cluster_environment(given: ClusterEnvironment | None) -> ClusterEnvironment | None:
     """``given``, else ``PaddleEnvironment`` when Paddle's launcher started this process (else
-    None: Lightning then detects torchrun, SLURM, ... itself)."""
+    None: Lightning then detects torchrun, SLURM, ... itself, in the order ``init_parallel_env``
+    follows too: ``lit_dp.job.launcher``, whose refusals apply here alike)."""
     # Imported here: importing cluster_environment first imports Lightning, whose import loads
     # this module (lit_dp/__init__.py); a module-level import would meet it half-initialised.
     from lit_dp.job.cluster_environment import PaddleEnvironment
 
-    if given is None and PaddleEnvironment.detect():
+    if given is None and detect_launcher() == PADDLE:
         return PaddleEnvironment()
     return given
 
@@ -260,13 +261,11 @@ def lightning_parallel_env(
     strategy's own options override them.
     """
     assert cluster_environment is not None
-    environ = {
-        "PADDLE_TRAINER_ID": str(global_rank),
-        "PADDLE_TRAINERS_NUM": str(world_size),
-        "MASTER_ADDR": cluster_environment.main_address,
-        "MASTER_PORT": str(cluster_environment.main_port),
-        "FLAGS_selected_gpus": str(device.index or 0),
-        "FLAGS_nccl_nrings": str(nrings or os.environ.get("FLAGS_nccl_nrings", "")),
-        "PADDLE_PG_TIMEOUT": os.environ.get("PADDLE_PG_TIMEOUT", ""),
-    }
-    return ParallelEnv(environ)
+    return describe_job(
+        global_rank,
+        world_size,
+        cluster_environment.main_address,
+        cluster_environment.main_port,
+        device.index or 0,
+        nrings=nrings,
+    )

@@ -1,4 +1,7 @@
-"""Run a function in several real processes that rendezvous through Paddle's launcher variables.
+"""Run a function in several real processes that rendezvous through a launcher's variables.
+
+``run_ranks`` exports what Paddle's launcher exports by default; ``launcher="torchrun"`` or
+``launcher="slurm"`` exports what torchrun or SLURM's ``srun`` would (``LAUNCHERS``).
 
 A child's exception is re-raised in the parent with its rank and traceback; ranks that do not
 finish within the timeout fail the test by name, and every child is killed: the suite never
@@ -10,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import signal
 import socket
 import time
@@ -18,10 +22,20 @@ from collections.abc import Callable
 from typing import Any
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(low: int | None = None, high: int | None = None) -> int:
+    """A port nothing listens on now: any the OS picks, or one in ``[low, high]``."""
+    if low is None or high is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    for port in random.sample(range(low, high + 1), k=min(200, high - low + 1)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high}]")
 
 
 def paddle_environ(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
@@ -34,6 +48,56 @@ def paddle_environ(rank: int, world_size: int, port: int, **extra: str) -> dict[
         "PADDLE_DISTRI_BACKEND": "gloo",
         **extra,
     }
+
+
+def torchrun_environ(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+    """What ``torchrun --nproc-per-node=<world_size>`` exports to one worker of a single node
+    (its static rendezvous: rank 0 hosts the store, no agent store)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": "lit_dp_test",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        **extra,
+    }
+
+
+# SLURM exports no rendezvous address: Lightning's SLURMEnvironment derives the port from the
+# job id's last four digits plus 15000, so the port comes from that range.
+SLURM_PORTS = (15000, 24999)
+
+
+def slurm_environ(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+    """What ``srun --ntasks-per-node=<world_size>`` exports to one task of a single-node job whose
+    id ends in ``port - 15000`` (no ``MASTER_ADDR``/``MASTER_PORT``: they are derived)."""
+    assert SLURM_PORTS[0] <= port <= SLURM_PORTS[1], f"SLURM derives ports in {SLURM_PORTS}, not {port}"
+    return {
+        "SLURM_JOB_ID": f"7{port - SLURM_PORTS[0]:04d}",
+        "SLURM_JOB_NAME": "lit_dp_test",
+        "SLURM_NTASKS": str(world_size),
+        "SLURM_NTASKS_PER_NODE": str(world_size),
+        "SLURM_NNODES": "1",
+        "SLURM_NODELIST": "localhost",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NODEID": "0",
+        **extra,
+    }
+
+
+# How each launcher's variables are made, and the ports it may use.
+LAUNCHERS = {
+    "paddle": (paddle_environ, (None, None)),
+    "torchrun": (torchrun_environ, (None, None)),
+    "slurm": (slurm_environ, SLURM_PORTS),
+}
 
 
 def _child(fn: Callable[..., Any], rank: int, environ: dict[str, str], results: Any, args: tuple) -> None:
@@ -54,22 +118,25 @@ def run_ranks(
     timeout: float = 90.0,
     ranks: list[int] | None = None,
     expect_failure: bool = False,
+    launcher: str = "paddle",
     **environ: str,
 ) -> dict[int, Any]:
     """Run ``fn(rank, *args)`` in one spawned process per rank; return ``{rank: result}``.
 
+    Each rank gets ``launcher``'s variables (a key of ``LAUNCHERS``) plus ``environ``.
     ``ranks`` starts only some of the ranks (to simulate a missing one). With
     ``expect_failure`` the failures are returned (rank -> traceback) instead of raised, once
     every started rank has reported.
     """
+    make_environ, ports = LAUNCHERS[launcher]
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
+    port = free_port(*ports)
     started = list(range(world_size)) if ranks is None else ranks
     processes = {
         rank: context.Process(
             target=_child,
-            args=(fn, rank, paddle_environ(rank, world_size, port, **environ), results, args),
+            args=(fn, rank, make_environ(rank, world_size, port, **environ), results, args),
             daemon=True,
         )
         for rank in started

@@ -1,11 +1,14 @@
+import os
+import warnings
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from lit_dp import ParallelEnv, get_rings, init_parallel_env
-from lit_dp.job.process_group import resolve_backend, resolve_timeout
+from lit_dp.job.process_group import backends_agree, resolve_backend, resolve_timeout
 from tests.helpers.distributed import run_ranks
 
 
@@ -185,3 +188,153 @@ def test_restarted_workers_build_the_process_group_on_the_agents_store():
         results = run_ranks(allreduce_after_a_late_rank_zero, 2, timeout=60, TORCHELASTIC_RESTART_COUNT=restart, **torchrun)
         assert results == {0: 3.0, 1: 3.0}
     del agent_store
+
+
+def train_one_step_under_the_launcher(rank):
+    """A world of two from the launcher's variables: no warning, one all-reduce, averaged gradients."""
+    import os
+    import warnings
+
+    import torch.distributed as dist
+    from torch import nn
+
+    import lit_dp
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        group = init_parallel_env(timeout=60)
+    alone = [str(warning.message) for warning in caught if "world size is 1" in str(warning.message)]
+    model = lit_dp.DataParallel(nn.Linear(1, 1, bias=False))
+    model(torch.tensor([[float(rank + 1)]])).sum().backward()
+    return {
+        "group": (dist.get_rank(group), dist.get_world_size(group)),
+        "alone": alone,
+        "gradient": model.module.weight.grad.item(),
+        "rendezvous": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]),
+    }
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_torchruns_and_slurms_variables_bring_up_one_world_never_lone_ranks(launcher):
+    results = run_ranks(train_one_step_under_the_launcher, 2, timeout=120, launcher=launcher)
+    assert [results[rank]["group"] for rank in (0, 1)] == [(0, 2), (1, 2)]
+    assert all(not result["alone"] for result in results.values())
+    assert all(result["gradient"] == 1.5 for result in results.values())  # the mean of 1 and 2, on both ranks
+    if launcher == "slurm":  # derived by Lightning's SLURMEnvironment, which exports them as it does under the Trainer
+        job_id = int(results[0]["rendezvous"][1]) - 15000
+        assert results[0]["rendezvous"] == results[1]["rendezvous"] == ("localhost", str(15000 + job_id))
+
+
+def adopt_or_refuse_an_existing_group(rank):
+    """First a group of one per rank (a wrong layout), then torch's own env:// group of two."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        init_parallel_env()
+    except RuntimeError as error:
+        refusal = str(error)
+    else:
+        refusal = None
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # reads RANK, WORLD_SIZE, MASTER_* as under torchrun
+    adopted = init_parallel_env(backend="gloo") is dist.group.WORLD
+    tensor = torch.tensor([float(rank + 1)])
+    dist.all_reduce(tensor)
+    return refusal, adopted, tensor.item()
+
+
+def test_an_existing_group_is_adopted_when_it_agrees_and_refused_by_name_when_not():
+    results = run_ranks(adopt_or_refuse_an_existing_group, 2, timeout=120, launcher="torchrun")
+    prefix = "init_parallel_env: a process group of world size 1 exists (rank 0, gloo), but torchrun describes world size 2 (WORLD_SIZE=2)"
+    assert results[0][0].startswith(prefix + ". Create the group from the launcher's own values"), results[0][0]
+    assert results[1][0].startswith(prefix + " and rank 1 (RANK=1)."), results[1][0]
+    assert [results[rank][1:] for rank in (0, 1)] == [(True, 3.0), (True, 3.0)]
+
+
+def test_without_launcher_variables_an_existing_group_is_simply_adopted():
+    from tests.helpers.groups import one_rank_group
+
+    with mock.patch.dict(os.environ, {"PATH": os.environ.get("PATH", "")}, clear=True):
+        group = one_rank_group()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            assert init_parallel_env() is group
+
+
+def test_an_existing_group_on_another_backend_than_asked_for_is_named():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    with pytest.raises(RuntimeError) as error:
+        init_parallel_env(backend="gloo", parallel_env=ParallelEnv({}))
+    assert "a process group of world size 1 exists (rank 0, fake), but backend='gloo' was asked for (the backend argument)" in str(
+        error.value
+    )
+
+
+@pytest.mark.parametrize(
+    ("running", "asked", "agree"),
+    [
+        ("cpu:gloo,cuda:gloo", "gloo", True),
+        ("cpu:gloo,cuda:nccl", "nccl", True),  # torch's default group runs NCCL for CUDA tensors
+        ("cpu:gloo,cuda:nccl", "gloo", False),  # CUDA tensors would go through NCCL, not Gloo
+        ("cpu:gloo", "cpu:gloo,cuda:nccl", True),
+        ("cpu:gloo", "nccl", False),  # no device type in common
+    ],
+)
+def test_backends_agree_on_every_device_type_both_name(running, asked, agree):
+    assert backends_agree(running, asked) is agree
+
+
+def test_a_torchrun_world_of_one_gets_a_group_as_from_init_process_group():
+    torchrun = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "job"}
+    with mock.patch.dict(os.environ, torchrun, clear=True):
+        group = init_parallel_env(backend="gloo")
+    assert group is dist.group.WORLD and dist.get_world_size(group) == 1
+
+
+def _mocked_cuda_init(environ, **kwargs):
+    """Run init_parallel_env as if on a machine with two GPUs and NCCL, recording what torch is asked."""
+    with (
+        mock.patch.dict(os.environ, environ, clear=True),
+        mock.patch("torch.distributed.is_backend_available", return_value=True),
+        mock.patch("torch.cuda.is_available", return_value=True),
+        mock.patch("torch.cuda.device_count", return_value=2),
+        mock.patch("torch.cuda.set_device") as set_device,
+        mock.patch("lit_dp.job.process_group.cuda_device_identity", return_value="host/GPU-1 (cuda:1)"),
+        mock.patch("lit_dp.job.process_group._rendezvous", return_value=dist.HashStore()),
+        mock.patch("torch.distributed.init_process_group") as init,
+    ):
+        init_parallel_env(**kwargs)
+    return set_device, init
+
+
+def test_nccl_gets_the_ranks_cuda_device_as_device_id_like_lightnings_ddp():
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                "TORCHELASTIC_RUN_ID": "job"}
+    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
+        set_device, init = _mocked_cuda_init(torchrun, backend=backend)
+        set_device.assert_called_once_with(1)  # LOCAL_RANK, as Lightning's parallel_devices[local_rank]
+        assert init.call_args.kwargs["device_id"] == torch.device("cuda", 1)
+        assert (init.call_args.kwargs["rank"], init.call_args.kwargs["world_size"]) == (1, 2)
+    _, init = _mocked_cuda_init(torchrun, backend="gloo")
+    assert init.call_args.kwargs["device_id"] is None  # Gloo on CPU tensors: no device to bind
+
+
+def test_a_cuda_device_the_process_cannot_see_names_the_variable_that_chose_it():
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                "TORCHELASTIC_RUN_ID": "job"}
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=3 selects CUDA device 3, but this process sees 2 CUDA device\(s\)"):
+        _mocked_cuda_init(torchrun, backend="nccl")
+
+
+def test_an_adopted_group_gets_the_rings_flags_nccl_nrings_asks_for():
+    from tests.helpers.groups import one_rank_group
+
+    group = one_rank_group()
+    assert init_parallel_env(parallel_env=ParallelEnv({"FLAGS_nccl_nrings": "3"})) is group
+    rings = get_rings()
+    assert len(rings) == 3 and rings[0] is group
+    assert init_parallel_env(parallel_env=ParallelEnv({"FLAGS_nccl_nrings": "3"})) is group
+    assert get_rings()[1:] == rings[1:], "a second call keeps the rings it made"
