@@ -80,10 +80,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._wrapped: DataParallel | None = None  # the model set up last: sharded optimizers read its owners
         self._sharded: list[ShardedOptimizer] = []
 
-    @property
-    def comm_buffer_size(self) -> float | str:
-        return self._options.comm_buffer_size
-
     @override
     def setup_environment(self) -> None:
         super().setup_environment()

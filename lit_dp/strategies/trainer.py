@@ -121,11 +121,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._tuned_buffer_size: float | None = None  # with "auto": restored, or chosen by a finished fit
 
     @property
-    def comm_buffer_size(self) -> float | str:
-        """The bucket size in MB: with ``"auto"``, the tuned size once chosen (or restored)."""
-        return self.tuned_comm_buffer_size or self._options.comm_buffer_size
-
-    @property
     def tuned_comm_buffer_size(self) -> float | None:
         """With ``comm_buffer_size="auto"``: the size chosen in this run or restored from a checkpoint."""
         if self._tuned_buffer_size is not None:
@@ -206,10 +201,14 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def _setup_model(self, model: Module) -> DataParallel:
+        options = self._options
         if self._tuned_buffer_size is not None:
+            # A size restored from a checkpoint (or tuned by an earlier fit) replaces "auto": no step
+            # is spent tuning again.
             size = self._tuned_buffer_size
             rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {size:g} MB, tuned before (checkpoint or earlier fit)")
-        wrapped = self._wrap(model, self._options.replace(comm_buffer_size=self.comm_buffer_size))
+            options = options.replace(comm_buffer_size=size)
+        wrapped = self._wrap(model, options)
         if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
             wrapped.arm_at_backward()  # `manual_backward` arms the reducer (pre_backward), not the forwards
         return wrapped

@@ -61,7 +61,7 @@ def test_overrides_reach_the_strategy(tmp_path):
         tmp_path,
     )
     strategy = build_strategy(cfg.strategy)
-    assert (strategy.comm_buffer_size, strategy.process_group_backend, strategy.options.nrings) == (5, "gloo", 2)
+    assert (strategy.options.comm_buffer_size, strategy.process_group_backend, strategy.options.nrings) == (5, "gloo", 2)
     assert cfg.trainer.devices == 3
 
 

@@ -190,7 +190,7 @@ def test_every_name_resolves_case_insensitively(name):
 
 def test_ddp_strategy_arguments_move_by_renaming_the_class():
     moved = PaddleDPStrategy(bucket_cap_mb=5, process_group_backend="gloo", find_unused_parameters=True)
-    assert (moved.comm_buffer_size, moved.process_group_backend, moved.find_unused_parameters) == (5, "gloo", True)
+    assert (moved.options.comm_buffer_size, moved.process_group_backend, moved.find_unused_parameters) == (5, "gloo", True)
     with pytest.raises(ValueError, match=r"comm_buffer_size=10 and bucket_cap_mb=5 are the same option"):
         PaddleDPStrategy(comm_buffer_size=10, bucket_cap_mb=5)
     with pytest.raises(ValueError, match=r"bucket_cap_mb=-1 is invalid"):
