@@ -68,13 +68,14 @@ def unknown_strategy_keys(config_name: str, arguments: Sequence[str]) -> str | N
             choices = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
     problems = []
     for choice in choices:
-        options = _strategy_options(config_name, choice)
-        if options is None:
+        composed = _strategy_options(config_name, choice)
+        if composed is None:
             return None  # the config does not compose without our overrides: Hydra says why
+        name, options = composed
         for key in keys:
             option = key[len(STRATEGY_GROUP) + 1 :]
             if option not in options:
-                problems.append(_did_you_mean(option, options, choice))
+                problems.append(_did_you_mean(option, options, name))
     return "\n".join(dict.fromkeys(problems)) or None
 
 
@@ -83,19 +84,21 @@ def _changes(override: Override) -> bool:
     return override.type == OverrideType.CHANGE and override.package is None
 
 
-def _strategy_options(config_name: str, choice: str | None) -> set[str] | None:
-    """Every option (dotted, nested ones included) of the strategy ``choice`` (None: the default) in ``config_name``."""
+def _strategy_options(config_name: str, choice: str | None) -> tuple[str, set[str]] | None:
+    """The name of the strategy ``choice`` (None: the default) in ``config_name``, and every option
+    it has (dotted, nested ones included)."""
     overrides = [] if choice is None else [f"{STRATEGY_GROUP}={choice}"]
     owned = not GlobalHydra.instance().is_initialized()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=HYDRA_VERSION_BASE):
-            node = compose(config_name=config_name, overrides=overrides)[STRATEGY_GROUP]
+            cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
     except (HydraException, ValueError):
         return None
     finally:
         if owned:
             GlobalHydra.instance().clear()
-    return set(_dotted_keys(OmegaConf.to_container(node, resolve=False)))
+    name = cfg.hydra.runtime.choices.get(STRATEGY_GROUP) or "its strategy"
+    return name, set(_dotted_keys(OmegaConf.to_container(cfg[STRATEGY_GROUP], resolve=False)))
 
 
 def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
@@ -107,8 +110,7 @@ def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _did_you_mean(option: str, options: set[str], choice: str | None) -> str:
-    strategy = f"strategy={choice}" if choice else "the default strategy"
+def _did_you_mean(option: str, options: set[str], strategy: str) -> str:
     candidates = sorted(o for o in options if not o.startswith("_"))
     close = difflib.get_close_matches(option, candidates, n=3, cutoff=0.6)
     hint = (
@@ -116,4 +118,4 @@ def _did_you_mean(option: str, options: set[str], choice: str | None) -> str:
         if close
         else "its options: " + ", ".join(candidates) + "."
     )
-    return f"strategy.{option} is not an option of {strategy}: {hint} (docs/options.md lists them all)"
+    return f"strategy.{option} is not an option of strategy={strategy}: {hint} (docs/options.md lists them all)"

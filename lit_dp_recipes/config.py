@@ -10,19 +10,25 @@ the values themselves are checked once, by ``Options.build`` in ``build_strategy
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_method, instantiate
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dp.options import DDP, TRAINER, Options, option_fields
 from lit_dp_recipes.resume import register_resolvers
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+# CPU ranks per core beyond which a run is refused: past it every rank waits for a core most of
+# each step, and its memory (a model, an optimizer, a process) adds up for nothing.
+MAX_CPU_RANKS_PER_CORE = 4
 
 
 def strategy_schema(name: str, target: str, scope: str) -> type:
@@ -137,9 +143,44 @@ def build_strategy(node: DictConfig) -> Any:
 
 
 def validate_trainer(cfg: DictConfig) -> None:
-    """Check the trainer section (``TrainerConfig.__post_init__``); raises ``ValueError`` naming the key."""
+    """Check the trainer section (``TrainerConfig.__post_init__``, then ``check_cpu_devices``); raises
+    ``ValueError`` naming the key."""
     if OmegaConf.get_type(cfg.trainer) is TrainerConfig:
         OmegaConf.to_object(cfg.trainer)
+    check_cpu_devices(cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto"))
+
+
+def check_cpu_devices(accelerator: Any, devices: Any, cores: int | None = None) -> None:
+    """On CPU, ``trainer.devices`` processes against the cores this process may run on: a warning
+    above them, a ``ValueError`` above ``MAX_CPU_RANKS_PER_CORE`` per core."""
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if not on_cpu or isinstance(devices, bool) or not isinstance(devices, int):
+        return
+    cores = cores if cores is not None else available_cores()
+    bound = MAX_CPU_RANKS_PER_CORE * cores
+    if devices > bound:
+        raise ValueError(
+            f"trainer.devices={devices} is too many CPU processes: this machine gives {cores} cores, and at most "
+            f"{bound} processes ({MAX_CPU_RANKS_PER_CORE} per core) are accepted. Use trainer.devices={cores} "
+            "(one per core), or GPUs (trainer=gpu), or more machines (trainer.num_nodes)."
+        )
+    if devices > cores:
+        rank_zero_warn(
+            f"trainer.devices={devices} starts more CPU processes than the {cores} cores this machine gives: "
+            f"they share the cores, so each step takes longer (at most {bound} are accepted)."
+        )
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or taskset's limit), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def is_fraction(value: object) -> bool:
+    """A number strictly between 0 and 1 (not a string such as ``abc``, not a bool): a ``val_fraction``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1
 
 
 def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:

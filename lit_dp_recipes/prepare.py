@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig
 
+from lit_dp_recipes.config import is_fraction
 from lit_dp_recipes.report import say
 from lit_dp_recipes.shards import MAX_TOKENS, append_llmc_shard, write_llmc_shard
 
@@ -153,11 +154,6 @@ def prepare_from_config(cfg: DictConfig) -> Prepared:
     for line in summary(prepared, cfg.output_dir).splitlines():
         say(line)
     return prepared
-
-
-def is_fraction(value: object) -> bool:
-    """A number strictly between 0 and 1 (not a string, not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1
 
 
 def summary(prepared: Prepared, output_dir: str) -> str:
