@@ -111,20 +111,22 @@ def ddp_strategy(options: Options | None = None, **values: Any) -> DDPStrategy:
 
 
 STRATEGY_SCOPES = {PaddleDPStrategyConfig: TRAINER, DDPStrategyConfig: DDP}
+# Stored outside the groups they type (conf/strategy/*.yaml say `- /paddle_dp_schema@_here_`),
+# so that --help lists the choices a user has, not the schemas.
 SCHEMAS = {
-    ("strategy", "paddle_dp_schema"): PaddleDPStrategyConfig,
-    ("strategy", "ddp_schema"): DDPStrategyConfig,
-    ("trainer", "trainer_schema"): TrainerConfig,
+    "paddle_dp_schema": PaddleDPStrategyConfig,
+    "ddp_schema": DDPStrategyConfig,
+    "trainer_schema": TrainerConfig,
 }
 
 
 def register_configs() -> None:
-    """Make the schemas available to ``conf/`` (``defaults: [paddle_dp_schema]`` and so on), and
+    """Make the schemas available to ``conf/`` (``defaults: [/paddle_dp_schema@_here_]`` and so on), and
     the ``lit_dp.job_folder`` resolver that names run folders (``conf/hydra/default.yaml``)."""
     register_resolvers()
     store = ConfigStore.instance()
-    for (group, name), schema in SCHEMAS.items():
-        store.store(group=group, name=name, node=schema)
+    for name, schema in SCHEMAS.items():
+        store.store(name=name, node=schema)
 
 
 def build_strategy(node: DictConfig) -> Any:

@@ -12,7 +12,13 @@ from hydra.utils import instantiate
 
 from lit_dp import PaddleDPStrategy
 from lit_dp import Options
-from lit_dp_recipes.config import PaddleDPStrategyConfig, build_strategy, register_configs, validate_trainer
+from lit_dp_recipes.config import (
+    PaddleDPStrategyConfig,
+    build_strategy,
+    check_cpu_devices,
+    register_configs,
+    validate_trainer,
+)
 from lit_dp_recipes.train import train
 from tests.helpers.recipes import CONF, compose_config
 
@@ -78,6 +84,9 @@ def test_overrides_reach_the_strategy(tmp_path):
         ("strategy.local_sgd_steps=0", "strategy.local_sgd_steps=0 is invalid: expected an integer >= 1"),
         ("strategy.local_sgd_steps=2 strategy.local_sgd_warmup_steps=-5", "strategy.local_sgd_warmup_steps=-5 is invalid"),
         ("strategy.local_sgd_adaptive=true", "strategy.local_sgd_adaptive=True needs strategy.local_sgd_steps"),
+        ("trainer.devices=100000", r"trainer.devices=100000 is too many CPU processes: this machine gives \d+ cores"),
+        ("data.batch_size=0", r"data.batch_size=0 is invalid: expected an integer >= 1"),
+        ("data.val_fraction=abc", r"data.val_fraction='abc' is invalid: expected a number in \(0, 1\)"),
     ],
 )
 def test_bad_values_fail_in_train_before_anything_is_built(override, message, tmp_path, monkeypatch):
@@ -85,6 +94,24 @@ def test_bad_values_fail_in_train_before_anything_is_built(override, message, tm
     monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
     with pytest.raises(ValueError, match=message):
         train(cfg)
+
+
+def test_a_trace_dir_under_a_file_fails_in_train_before_anything_is_built(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    cfg = compose_config("digits", [f"strategy.trace_dir={tmp_path / 'afile' / 'trace'}"], tmp_path)
+    monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
+    with pytest.raises(ValueError, match=rf"strategy.trace_dir='.*afile/trace' is invalid: {tmp_path / 'afile'} is a file"):
+        train(cfg)
+
+
+def test_cpu_devices_above_the_cores_warn_and_far_above_fail():
+    check_cpu_devices("cpu", 2, cores=2)
+    with pytest.warns(UserWarning, match=r"trainer.devices=3 starts more CPU processes than the 2 cores .*at most 8"):
+        check_cpu_devices("cpu", 3, cores=2)
+    with pytest.raises(ValueError, match=r"trainer.devices=100 is too many CPU processes: this machine gives 2 cores, "
+                                         r"and at most 8 processes \(4 per core\) are accepted. Use trainer.devices=2"):
+        check_cpu_devices("cpu", 100, cores=2)
+    check_cpu_devices("gpu", 100, cores=2)  # GPUs are counted by Lightning against the devices it finds
 
 
 def _must_not_be_called(*args, **kwargs):
