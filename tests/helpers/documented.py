@@ -3,9 +3,10 @@
 A command is a line of a fenced code block (not a ``python`` block) that starts with
 ``python``, ``torchrun`` or ``srun`` (after ``$ `` and ``VAR=value`` assignments), with its
 ``\\`` continuations joined and its ``#`` comment dropped; ``a && b`` is two commands. In a
-``$ ``-transcript the lines after a command are what it prints: a ``ValueError: ...`` line
-means the command must fail with it. Reading the commands from the docs, rather than from a
-list in a test, keeps the test right whatever the docs say: a renamed option fails here.
+``$ ``-transcript the lines after a command are what it prints: an error line (``ValueError:
+...``, ``... is not an option of ...``) means the command must fail with it. Reading the
+commands from the docs, rather than from a list in a test, keeps the test right whatever the
+docs say: a renamed option fails here.
 
 Every command is run, from a fresh working directory per document (the repository's
 ``recipes/``, ``conf/`` and ``benchmarks/`` linked in, an empty ``docs/``, a folder of text as
@@ -101,7 +102,8 @@ class DocumentedCommand:
 
     @property
     def expects_failure(self) -> bool:
-        return any(line.startswith(("ValueError:", "Error", "Traceback")) for line in self.expected)
+        """The transcript shows an error: ``SomeError: ...``, or the answer to a misspelled option."""
+        return any(re.match(r"(\w+Error|Traceback)\b|\S+ is not an option of ", line) for line in self.expected)
 
     def not_run_reason(self) -> str | None:
         return next((reason for pattern, reason in NOT_RUN if re.search(pattern, self.text)), None)
