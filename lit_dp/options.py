@@ -112,21 +112,12 @@ def _optional_choice(*allowed: str) -> Callable[[str, Any], str | None]:
 
 
 def _directory(name: str, value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)):
+    if value is not None and not isinstance(value, (str, os.PathLike)):
         raise ValueError(f"{name}={value!r} is invalid: expected a directory path or None.")
-    # Checked where the option is given, not where the ranks first write: the folder exists, or
-    # its nearest existing parent is a folder this process may create it in.
-    path = os.path.abspath(os.fspath(value))
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"{name}={value!r} is invalid: {existing} is a file, not a folder.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{name}={value!r} is invalid: {existing} is not writable.")
-    return os.fspath(value)
+    for path in () if value is None else (os.path.abspath(value), os.path.dirname(os.path.abspath(value))):
+        if os.path.exists(path) and not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):  # before the ranks
+            raise ValueError(f"{name}={value!r} is invalid: {path} is not a folder this process can write in.")
+    return None if value is None else os.fspath(value)
 
 
 def _comm_hook(name: str, value: Any) -> Any:

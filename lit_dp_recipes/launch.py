@@ -92,7 +92,7 @@ def rank_command(local_rank: int, argv: Sequence[str] | None = None) -> list[str
     """The command line of rank ``local_rank`` of the current Hydra job (see the module docstring)."""
     argv = list(sys.argv if argv is None else argv)
     hydra_cfg = HydraConfig.get()
-    import __main__  # the script, or the module run with -m (Lightning's own test, lightning#15218)
+    import __main__  # the script, or the module of `python -m`; imported here as Lightning does (lightning#15218)
 
     spec = getattr(__main__, "__spec__", None)
     command = [sys.executable, to_absolute_path(argv[0])] if spec is None else [sys.executable, "-m", spec.name]
@@ -121,4 +121,3 @@ def config_flags(arguments: Sequence[str]) -> list[str]:
 
 def _override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
-

@@ -100,7 +100,7 @@ def test_a_trace_dir_under_a_file_fails_in_train_before_anything_is_built(tmp_pa
     (tmp_path / "afile").write_text("")
     cfg = compose_config("digits", [f"strategy.trace_dir={tmp_path / 'afile' / 'trace'}"], tmp_path)
     monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
-    with pytest.raises(ValueError, match=rf"strategy.trace_dir='.*afile/trace' is invalid: {tmp_path / 'afile'} is a file"):
+    with pytest.raises(ValueError, match=rf"strategy.trace_dir='.*afile/trace' is invalid: {tmp_path / 'afile'} is not a folder"):
         train(cfg)
 
 
