@@ -1,14 +1,18 @@
-"""Callbacks the recipes share: a start-up summary line, throughput meters, compilation."""
+"""Callbacks the recipes share: a start-up summary line, throughput meters, compilation, the GPT's progress bar."""
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from lit_dp.strategies.trainer import PaddleDPStrategy
+from lit_dp_recipes.report import say
 
 
 def describe_strategy(strategy: Strategy, world_size: int) -> str:
@@ -28,7 +32,7 @@ class RunSummary(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.is_global_zero:
-            print(f"[lit_dp] {describe_strategy(trainer.strategy, trainer.world_size)}", flush=True)
+            say(describe_strategy(trainer.strategy, trainer.world_size))
 
 
 class StepThroughput(pl.Callback):
@@ -173,12 +177,14 @@ class TokenThroughput(pl.Callback):
         tokens_per_sec = self.tokens_per_sec
         if tokens_per_sec is None:
             return
-        pl_module.log("tokens_per_sec", tokens_per_sec, rank_zero_only=True)
+        # Every rank measures the same steps (all ranks' tokens over its own clock): the logged
+        # value is their mean, an all-reduce at logging intervals only.
+        pl_module.log("tokens_per_sec", tokens_per_sec, sync_dist=True)
         peak = self._peak(trainer)
         flops_per_token = getattr(pl_module, "flops_per_token", None)
         if peak is not None and flops_per_token is not None:
             mfu = flops_per_token(self._length) * tokens_per_sec / (peak * trainer.world_size)
-            pl_module.log("mfu", mfu, rank_zero_only=True)
+            pl_module.log("mfu", mfu, sync_dist=True)
 
 
 def dynamo_graphs_compiled() -> int:
@@ -193,8 +199,9 @@ class DynamoRecompiles(pl.Callback):
     inside a validation batch other than the run's first, is a recompilation (a guard that
     failed: a new shape, a new grad mode, a changed attribute, or a graph break reached for the
     first time) and costs its step a compilation. The first validation batch compiles the no-grad graph once; that is its
-    warm-up. ``dynamo_recompiles`` (rank 0's count) is logged at every epoch's end, and rank 0
-    prints the count when training ends. Zero without ``compile=true``.
+    warm-up. ``dynamo_recompiles`` (the most of any rank: one rank's recompilation stalls all)
+    is logged at every epoch's end, and rank 0 prints its count when training ends. Without
+    ``compile=true`` nothing is compiled, and the callback neither logs nor prints.
     """
 
     def __init__(self, warmup: int = 10) -> None:
@@ -227,16 +234,20 @@ class DynamoRecompiles(pl.Callback):
             self.recompiles += dynamo_graphs_compiled() - self._before
         self._validated = True
 
+    @property
+    def compiled(self) -> int:
+        """Graphs dynamo compiled in this process since the fit started."""
+        return dynamo_graphs_compiled() - self._at_fit_start
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log("dynamo_recompiles", float(self.recompiles), rank_zero_only=True)
+        if self.compiled:
+            pl_module.log("dynamo_recompiles", float(self.recompiles), sync_dist=True, reduce_fx="max")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
-            print(
-                f"[lit_dp] dynamo: {dynamo_graphs_compiled() - self._at_fit_start} graphs compiled, "
-                f"{self.recompiles} after the warm-up "
-                f"({self.warmup} training steps, the first validation batch)",
-                flush=True,
+        if self.compiled and trainer.is_global_zero:
+            say(
+                f"dynamo: {self.compiled} graphs compiled, {self.recompiles} after the warm-up "
+                f"({self.warmup} training steps, the first validation batch)"
             )
 
 
@@ -263,3 +274,45 @@ class CompileModel(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         pl_module.forward = torch.compile(pl_module.forward, backend=self.backend)
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's bar, counting optimizer steps out of ``trainer.max_steps`` across epochs, with the loss and tokens/s.
+
+    A GPT run is measured in steps, not epochs (an epoch of FineWeb is 70,000 steps, of the
+    stdlib bytes 200). The loss (``train_loss``) and ``tokens_per_sec`` are read from the
+    logged metrics only when the bar refreshes, every ``refresh_rate`` steps: the loss is a
+    tensor on the device, and reading it waits for the step to finish (the recipe logs it
+    without ``prog_bar=True`` so that Lightning does not read it after every batch). Without
+    ``max_steps`` the bar counts the epoch's batches, as Lightning's does.
+    """
+
+    LOSS = "train_loss"
+    THROUGHPUT = "tokens_per_sec"
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        if trainer.max_steps > 0:
+            bar = self.train_progress_bar
+            bar.total = trainer.max_steps
+            bar.initial = 0
+            bar.n = trainer.global_step
+            bar.set_description(f"epoch {trainer.current_epoch}, step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.max_steps <= 0:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        bar, step = self.train_progress_bar, trainer.global_step
+        if bar is not None and not bar.disable and self._should_update(step, bar.total):
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        logged = trainer.callback_metrics
+        if self.LOSS in logged:
+            metrics["loss"] = f"{float(logged[self.LOSS]):.3f}"
+        if self.THROUGHPUT in logged and math.isfinite(float(logged[self.THROUGHPUT])):
+            metrics["tokens/s"] = f"{float(logged[self.THROUGHPUT]):,.0f}"
+        return metrics

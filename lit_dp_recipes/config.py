@@ -18,19 +18,25 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_method, instantiate
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dp.options import TRAINER, Declared, Options, declared_options
 from lit_dp_recipes.resume import register_resolvers
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+# CPU ranks per core beyond which a run is refused: past it every rank waits for a core most of
+# each step, and its memory (a model, an optimizer, a process) adds up for nothing.
+MAX_CPU_RANKS_PER_CORE = 4
 PADDLE_DP_TARGET = "lit_dp.PaddleDPStrategy"
 DDP_TARGET = "lit_dp_recipes.config.ddp_strategy"
 # The options the recipes' torch-DDP config (strategy=ddp) shares with paddle_dp, for side-by-side runs.
@@ -146,18 +152,20 @@ def ddp_strategy(options: Options | None = None, **values: Any) -> DDPStrategy:
 
 
 def register_configs() -> None:
-    """Make the schemas available to ``conf/`` (``defaults: [paddle_dp_schema]`` and so on), and
+    """Make the schemas available to ``conf/`` (``defaults: [/paddle_dp_schema@_here_]`` and so on), and
     the ``lit_dp.job_folder`` resolver that names run folders (``conf/hydra/default.yaml``).
 
-    The strategy schemas are generated here, so they hold the named hooks registered so far.
+    The strategy schemas are generated here, so they hold the named hooks registered so far. They
+    are stored outside the groups they type, so that ``--help`` lists the choices a user has, not
+    the schemas.
     """
     register_resolvers()
     paddle_dp = OmegaConf.structured(paddle_dp_schema())
     OmegaConf.set_struct(paddle_dp, False)  # open: Options.build names a moved or misspelt key (module docstring)
     store = ConfigStore.instance()
-    store.store(group="strategy", name="paddle_dp_schema", node=paddle_dp, replace=True)
-    store.store(group="strategy", name="ddp_schema", node=ddp_schema(), replace=True)
-    store.store(group="trainer", name="trainer_schema", node=TrainerConfig, replace=True)
+    store.store(name="paddle_dp_schema", node=paddle_dp, replace=True)
+    store.store(name="ddp_schema", node=ddp_schema(), replace=True)
+    store.store(name="trainer_schema", node=TrainerConfig, replace=True)
 
 
 def build_strategy(node: DictConfig) -> Any:
@@ -176,9 +184,44 @@ def build_strategy(node: DictConfig) -> Any:
 
 
 def validate_trainer(cfg: DictConfig) -> None:
-    """Check the trainer section (``TrainerConfig.__post_init__``); raises ``ValueError`` naming the key."""
+    """Check the trainer section (``TrainerConfig.__post_init__``, then ``check_cpu_devices``); raises
+    ``ValueError`` naming the key."""
     if OmegaConf.get_type(cfg.trainer) is TrainerConfig:
         OmegaConf.to_object(cfg.trainer)
+    check_cpu_devices(cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto"))
+
+
+def check_cpu_devices(accelerator: Any, devices: Any, cores: int | None = None) -> None:
+    """On CPU, ``trainer.devices`` processes against the cores this process may run on: a warning
+    above them, a ``ValueError`` above ``MAX_CPU_RANKS_PER_CORE`` per core."""
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if not on_cpu or isinstance(devices, bool) or not isinstance(devices, int):
+        return
+    cores = cores if cores is not None else available_cores()
+    bound = MAX_CPU_RANKS_PER_CORE * cores
+    if devices > bound:
+        raise ValueError(
+            f"trainer.devices={devices} is too many CPU processes: this machine gives {cores} cores, and at most "
+            f"{bound} processes ({MAX_CPU_RANKS_PER_CORE} per core) are accepted. Use trainer.devices={cores} "
+            "(one per core), or GPUs (trainer=gpu), or more machines (trainer.num_nodes)."
+        )
+    if devices > cores:
+        rank_zero_warn(
+            f"trainer.devices={devices} starts more CPU processes than the {cores} cores this machine gives: "
+            f"they share the cores, so each step takes longer (at most {bound} are accepted)."
+        )
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or taskset's limit), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def is_fraction(value: object) -> bool:
+    """A number strictly between 0 and 1 (not a string such as ``abc``, not a bool): a ``val_fraction``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1
 
 
 def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:

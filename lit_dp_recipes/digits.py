@@ -9,13 +9,18 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lit_dp_recipes.config import is_fraction
+
 
 class DigitsDataModule(pl.LightningDataModule):
     """1,797 images of 64 pixels in 10 classes, split once with a fixed seed."""
 
     def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, split_seed: int = 0, num_workers: int = 0):
         super().__init__()
-        if not 0 < val_fraction < 1:
+        for option, value, least in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"data.{option}={value!r} is invalid: expected an integer >= {least}.")
+        if not is_fraction(val_fraction):
             raise ValueError(f"data.val_fraction={val_fraction!r} is invalid: expected a number in (0, 1).")
         self.batch_size = batch_size
         self.val_fraction = val_fraction

@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from omegaconf import DictConfig
 
+from lit_dp_recipes.config import is_fraction
+from lit_dp_recipes.report import say
 from lit_dp_recipes.shards import MAX_TOKENS, append_llmc_shard, write_llmc_shard
 
 BYTE_VOCAB_SIZE = 256
@@ -116,7 +119,7 @@ def prepare_shards(
     files = sorted(p for p in glob.glob(os.path.join(input_dir, pattern), recursive=True) if os.path.isfile(p))
     if not files:
         raise ValueError(f"input_dir={input_dir!r} has no file matching pattern={pattern!r}: expected text files.")
-    if not 0 < val_fraction < 1:
+    if not is_fraction(val_fraction):
         raise ValueError(f"val_fraction={val_fraction!r} is invalid: expected a number in (0, 1).")
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or not 1 <= shard_tokens <= MAX_TOKENS // 2:
         raise ValueError(f"shard_tokens={shard_tokens!r} is invalid: expected an integer in [1, {MAX_TOKENS // 2}].")
@@ -143,11 +146,21 @@ def prepare_shards(
     return Prepared(name, len(files), vocab_size, train.close(), val.close(), train.tokens, val.tokens)
 
 
+def prepare_from_config(cfg: DictConfig) -> Prepared:
+    """``recipes/prepare_shards.py``: ``prepare_shards`` with ``conf/prepare_shards.yaml``'s keys; says what it wrote."""
+    prepared = prepare_shards(
+        cfg.input_dir, cfg.output_dir, cfg.pattern, cfg.tokenizer, cfg.val_fraction, cfg.shard_tokens, cfg.name
+    )
+    for line in summary(prepared, cfg.output_dir).splitlines():
+        say(line)
+    return prepared
+
+
 def summary(prepared: Prepared, output_dir: str) -> str:
     """What was written, and the command that trains on it."""
     return (
-        f"[lit_dp] {prepared.files} files -> {prepared.train_tokens} training tokens in {len(prepared.train)} shards, "
+        f"{prepared.files} files -> {prepared.train_tokens} training tokens in {len(prepared.train)} shards, "
         f"{prepared.val_tokens} validation tokens in {len(prepared.val)} shards, in {output_dir}\n"
-        f"[lit_dp] train with: python recipes/gpt.py data.train_shards='{output_dir}/{prepared.name}_train_*.bin' "
+        f"train with: python recipes/gpt.py data.train_shards='{output_dir}/{prepared.name}_train_*.bin' "
         f"data.val_shards='{output_dir}/{prepared.name}_val_*.bin' data.vocab_size={prepared.vocab_size}"
     )

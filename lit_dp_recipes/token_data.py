@@ -25,7 +25,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lit_dp_recipes.shards import Shard, check_shard, inspect_shard, resolve_shards, tokens
+from lit_dp_recipes.config import is_fraction
+from lit_dp_recipes.shards import (
+    AUTO_DTYPE,
+    Shard,
+    check_dtype_option,
+    check_shard,
+    inspect_shard,
+    out_of_vocabulary,
+    resolve_shards,
+    tokens,
+)
 
 BYTE_VOCAB_SIZE = 256
 
@@ -47,12 +57,17 @@ class TokenWindows(Dataset):
     """Non-overlapping windows of ``block_size + 1`` tokens over shards or in-memory token arrays.
 
     Shards are memory-mapped on first use in each process (and not pickled to loader workers
-    or spawned ranks: each maps the file itself).
+    or spawned ranks: each maps the file itself). With ``vocab_size``, a window holding an id
+    outside ``[0, vocab_size)`` is refused with the file and the position (the shards' check
+    before training reads a sample, not every token).
     """
 
-    def __init__(self, sources: Sequence[Shard | np.ndarray], block_size: int) -> None:
+    def __init__(self, sources: Sequence[Shard | np.ndarray], block_size: int, vocab_size: int | None = None,
+                 name: str = "the in-memory tokens") -> None:
         self.sources = list(sources)
         self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.name = name  # what an in-memory source is called in an error
         counts = [max(0, (len(source) - 1) // block_size) for source in self.sources]
         self._first = np.cumsum([0, *counts]).tolist()  # global index of each source's first window
         self._arrays: list[np.ndarray] | None = None
@@ -71,7 +86,17 @@ class TokenWindows(Dataset):
         source, start = self.position(index)
         if self._arrays is None:
             self._arrays = [tokens(s) if isinstance(s, Shard) else s for s in self.sources]
-        window = torch.from_numpy(self._arrays[source][start : start + self.block_size + 1].astype(np.int64))
+        chunk = self._arrays[source][start : start + self.block_size + 1]
+        if self.vocab_size is not None and len(chunk):
+            low, high = int(chunk.min()), int(chunk.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                where = self.sources[source]
+                raise out_of_vocabulary(
+                    where.path if isinstance(where, Shard) else self.name,
+                    bad, start + int(np.flatnonzero(chunk == bad)[0]), self.vocab_size,
+                )
+        window = torch.from_numpy(chunk.astype(np.int64))
         return window[:-1], window[1:]
 
     def __getstate__(self) -> dict:
@@ -98,6 +123,7 @@ class TokenDataModule(pl.LightningDataModule):
         seed: int = 0,
         max_bytes: int = 1_000_000,
         val_fraction: float = 0.1,
+        dtype: str = AUTO_DTYPE,
     ) -> None:
         super().__init__()
         for option, value, least in (
@@ -109,8 +135,9 @@ class TokenDataModule(pl.LightningDataModule):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"data.{option}={value!r} is invalid: expected an integer >= {least}.")
-        if not 0 < val_fraction < 1:
+        if not is_fraction(val_fraction):
             raise ValueError(f"data.val_fraction={val_fraction!r} is invalid: expected a number in (0, 1).")
+        self.dtype = check_dtype_option(dtype)
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.batch_size = batch_size
@@ -143,7 +170,7 @@ class TokenDataModule(pl.LightningDataModule):
             )
         checked = []
         for paths in (train_paths, val_paths):
-            shards = [inspect_shard(path) for path in paths]
+            shards = [inspect_shard(path, self.dtype) for path in paths]
             for shard in shards:
                 check_shard(shard, self.block_size + 1, self.vocab_size)
             checked.append(shards)
@@ -151,8 +178,8 @@ class TokenDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_shards:
-            self.train_set = TokenWindows(self.train_shards, self.block_size)
-            self.val_set = TokenWindows(self.val_shards, self.block_size)
+            self.train_set = TokenWindows(self.train_shards, self.block_size, self.vocab_size)
+            self.val_set = TokenWindows(self.val_shards, self.block_size, self.vocab_size)
         else:
             data = np.frombuffer(stdlib_text(self.max_bytes), dtype=np.uint8)
             split = int(len(data) * (1 - self.val_fraction))

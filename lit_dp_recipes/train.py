@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import warnings
 
 import lightning.pytorch as pl
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig
 
 from lit_dp.job.restart import JobAttempt
 from lit_dp_recipes.callbacks import CompileModel
 from lit_dp_recipes.config import build_strategy, validate_trainer
+from lit_dp_recipes.launch import use_job_launcher
+from lit_dp_recipes.report import say
 from lit_dp_recipes.resume import (
     check_checkpoint_every_n_steps,
     checkpoint_folders,
@@ -37,21 +42,23 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps"))
     attempt, folders = JobAttempt.from_environ(), checkpoint_folders(cfg)
     compile_callbacks = _compile_callbacks(cfg)
-    pl.seed_everything(cfg.seed, workers=True)
+    _code_warnings_from_rank_zero_only()
+    pl.seed_everything(cfg.seed, workers=True, verbose=rank_zero_only.rank == 0)
     datamodule = build_checked(cfg.data)
     model = build_checked(cfg.model)
     trainer = instantiate(
         cfg.trainer,
         strategy=strategy,
         logger=_loggers(cfg.get("logger")),
-        callbacks=[instantiate(node) for node in (cfg.get("callbacks") or {}).values()] + compile_callbacks,
+        callbacks=_callbacks(cfg) + compile_callbacks,
     )
+    use_job_launcher(trainer.strategy)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), folders, attempt)
     with last_attempt_report(folders, attempt):
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
-        print("[lit_dp] final " + " ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())), flush=True)
+        say("final " + " ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))
     return metrics
 
 
@@ -74,6 +81,22 @@ def _compile_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     return [CompileModel(cfg.get("compile_backend", "inductor"))] if enabled else []
 
 
+def _callbacks(cfg: DictConfig) -> list[pl.Callback]:
+    """``cfg.callbacks``, less a progress bar when ``trainer.enable_progress_bar=false`` (Lightning
+    refuses a progress-bar callback then: the switch turns the recipe's own bar off too)."""
+    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    if cfg.trainer.get("enable_progress_bar", True) is False:
+        callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
+    return callbacks
+
+
+def _code_warnings_from_rank_zero_only() -> None:
+    """Deprecation and future warnings are about the code, the same in every rank: rank 0 shows them once."""
+    if rank_zero_only.rank != 0:
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", category=category)
+
+
 def _loggers(nodes: DictConfig | None) -> list[pl.loggers.Logger] | bool:
     """The configured loggers; TensorBoard only where it is installed (it is an optional extra)."""
     if not nodes:
@@ -81,7 +104,8 @@ def _loggers(nodes: DictConfig | None) -> list[pl.loggers.Logger] | bool:
     loggers = []
     for name, node in nodes.items():
         if node._target_.endswith("TensorBoardLogger") and importlib.util.find_spec("tensorboard") is None:
-            log.info("logger.%s skipped: tensorboard is not installed (pip install 'lit_dp[tensorboard]')", name)
+            if rank_zero_only.rank == 0:
+                log.info("logger.%s skipped: tensorboard is not installed (pip install 'lit_dp[tensorboard]')", name)
             continue
         loggers.append(instantiate(node))
     return loggers

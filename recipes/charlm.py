@@ -7,19 +7,10 @@
 Every key of recipes/gpt.py applies (conf/charlm.yaml extends conf/gpt.yaml); see docs/gpt.md.
 """
 
-import hydra
-from omegaconf import DictConfig
-
-from lit_dp_recipes.config import register_configs
+from lit_dp_recipes.cli import recipe_main
 from lit_dp_recipes.train import train
 
-register_configs()
-
-
-@hydra.main(config_path="../conf", config_name="charlm", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    train(cfg)
-
+main = recipe_main(train, config_name="charlm")
 
 if __name__ == "__main__":
     main()

@@ -11,19 +11,10 @@
 Shards: nanoGPT's flat uint16 .bin or llm.c's headed shards (docs/gpt.md).
 """
 
-import hydra
-from omegaconf import DictConfig
-
-from lit_dp_recipes.config import register_configs
+from lit_dp_recipes.cli import recipe_main
 from lit_dp_recipes.train import train
 
-register_configs()
-
-
-@hydra.main(config_path="../conf", config_name="gpt", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    train(cfg)
-
+main = recipe_main(train, config_name="gpt")
 
 if __name__ == "__main__":
     main()

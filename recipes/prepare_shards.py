@@ -7,19 +7,10 @@
 It prints the training command for what it wrote (docs/gpt.md).
 """
 
-import hydra
-from omegaconf import DictConfig
+from lit_dp_recipes.cli import recipe_main
+from lit_dp_recipes.prepare import prepare_from_config
 
-from lit_dp_recipes.prepare import prepare_shards, summary
-
-
-@hydra.main(config_path="../conf", config_name="prepare_shards", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    prepared = prepare_shards(
-        cfg.input_dir, cfg.output_dir, cfg.pattern, cfg.tokenizer, cfg.val_fraction, cfg.shard_tokens, cfg.name
-    )
-    print(summary(prepared, cfg.output_dir), flush=True)
-
+main = recipe_main(prepare_from_config, config_name="prepare_shards")
 
 if __name__ == "__main__":
     main()

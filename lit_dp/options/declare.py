@@ -173,6 +173,10 @@ def choice(*allowed: str, optional: bool = False) -> Check:
 def directory(name: str, value: Any) -> str | None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise ValueError(f"{name}={value!r} is invalid: expected a directory path or None.")
+    # Checked before any process starts: a folder that cannot be written would fail on every rank.
+    for path in () if value is None else (os.path.abspath(value), os.path.dirname(os.path.abspath(value))):
+        if os.path.exists(path) and not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
+            raise ValueError(f"{name}={value!r} is invalid: {path} is not a folder this process can write in.")
     return None if value is None else os.fspath(value)
 
 

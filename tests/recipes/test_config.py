@@ -17,6 +17,7 @@ from lit_dp.options import TRAINER, declared_options
 from lit_dp_recipes.config import (
     DDP_OPTIONS,
     build_strategy,
+    check_cpu_devices,
     ddp_schema,
     ddp_strategy,
     paddle_dp_schema,
@@ -90,6 +91,9 @@ def test_overrides_reach_the_strategy(tmp_path):
         ("strategy.local_sgd.adaptive=true", "strategy.local_sgd.adaptive=True needs strategy.local_sgd.steps"),
         ("strategy.trace.steps=[3,1]", r"strategy.trace.steps=\[3, 1\] is invalid: expected two integers"),
         ("strategy.bucket_size=5", "strategy.bucket_size=5 is not an option of lit_dp.PaddleDPStrategy"),
+        ("trainer.devices=100000", r"trainer.devices=100000 is too many CPU processes: this machine gives \d+ cores"),
+        ("data.batch_size=0", r"data.batch_size=0 is invalid: expected an integer >= 1"),
+        ("data.val_fraction=abc", r"data.val_fraction='abc' is invalid: expected a number in \(0, 1\)"),
     ],
 )
 def test_bad_values_fail_in_train_before_anything_is_built(override, message, tmp_path, monkeypatch):
@@ -97,6 +101,24 @@ def test_bad_values_fail_in_train_before_anything_is_built(override, message, tm
     monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
     with pytest.raises(ValueError, match=message):
         train(cfg)
+
+
+def test_a_trace_dir_under_a_file_fails_in_train_before_anything_is_built(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    cfg = compose_config("digits", [f"strategy.trace.dir={tmp_path / 'afile' / 'trace'}"], tmp_path)
+    monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
+    with pytest.raises(ValueError, match=rf"strategy.trace.dir='.*afile/trace' is invalid: {tmp_path / 'afile'} is not a folder"):
+        train(cfg)
+
+
+def test_cpu_devices_above_the_cores_warn_and_far_above_fail():
+    check_cpu_devices("cpu", 2, cores=2)
+    with pytest.warns(UserWarning, match=r"trainer.devices=3 starts more CPU processes than the 2 cores .*at most 8"):
+        check_cpu_devices("cpu", 3, cores=2)
+    with pytest.raises(ValueError, match=r"trainer.devices=100 is too many CPU processes: this machine gives 2 cores, "
+                                         r"and at most 8 processes \(4 per core\) are accepted. Use trainer.devices=2"):
+        check_cpu_devices("cpu", 100, cores=2)
+    check_cpu_devices("gpu", 100, cores=2)  # GPUs are counted by Lightning against the devices it finds
 
 
 def _must_not_be_called(*args, **kwargs):

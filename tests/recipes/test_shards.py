@@ -63,19 +63,67 @@ def test_windows_of_a_shard_are_its_tokens_shifted_by_one(tmp_path):
     ("content", "message"),
     [
         (llmc_header(magic=12345, count=10) + bytes(20), r"bad magic 12345 in what is laid out as an llm.c header .* expected 20240520"),
-        (llmc_header(version=2, count=10) + bytes(20), r"llm.c header version 2: expected 1 \(uint16 GPT-2 tokens\)"),
+        (llmc_header(version=2, count=10) + bytes(20), r"llm.c header version 2: expected 1 \(magic 20240520: uint16 GPT-2 tokens\)"),
         (llmc_header(count=10) + bytes(18), r"the llm.c header counts 10 tokens \(1044 bytes with the header\) but the file has 1042 bytes"),
         (llmc_header(count=10) + bytes(40), r"the llm.c header counts 10 tokens .* but the file has 1064 bytes"),
-        (llmc_header(magic=20240801, version=7, count=5) + bytes(20), r"an llm.c Llama-3 shard \(magic 20240801, uint32 tokens\)"),
+        (llmc_header(magic=20240801, version=7, count=5) + bytes(10), r"the llm.c header counts 5 tokens \(1044 bytes"),
         (bytes(2047), r"2047 bytes is not a whole number of uint16 tokens"),
     ],
-    ids=["magic", "version", "count_short", "count_long", "llama3", "odd_size"],
+    ids=["magic", "version", "count_short", "count_long", "llama3_count", "odd_size"],
 )
 def test_bad_shards_are_named_with_what_is_wrong(tmp_path, content, message):
     path = tmp_path / "bad.bin"
     path.write_bytes(content)
     with pytest.raises(ValueError, match=f"{path}: {message}"):
         inspect_shard(str(path))
+
+
+def test_llmc_llama3_shards_are_read_as_uint32(tmp_path):
+    # llm.c's version 7: magic 20240801, uint32 Llama-3 ids (vocabulary 128256), told by the header.
+    expected = np.random.default_rng(0).integers(128256, size=300, dtype=np.uint32)
+    path = tmp_path / "llama.bin"
+    path.write_bytes(llmc_header(magic=20240801, version=7, count=300) + expected.astype("<u4").tobytes())
+    shard = inspect_shard(str(path))
+    assert (shard.format, shard.dtype, shard.dtype_assumed) == ("llm.c", "<u4", False)
+    np.testing.assert_array_equal(tokens(shard), expected)
+    with pytest.raises(ValueError, match=r"an llm.c shard of uint32 tokens .* but data.dtype=uint16: the header says"):
+        inspect_shard(str(path), "uint16")
+
+
+@pytest.mark.parametrize(("written", "remedy"), [("<u4", "data.dtype=uint32"), ("<i4", "data.dtype=uint32"), ("<i8", "data.dtype=int64")])
+def test_a_flat_file_of_wider_ids_is_refused_with_the_dtype_to_set(tmp_path, written, remedy):
+    ids = random_tokens(4000, vocab=256).astype(written)
+    path = tmp_path / "train.bin"
+    ids.tofile(path)  # no header: read as uint16, every other (or three in four) id would be 0
+    shard = inspect_shard(str(path))
+    assert shard.dtype_assumed
+    with pytest.raises(ValueError, match=rf"{path}: \d+% of its first \d+ token ids are 0 when read as uint16.* Set {remedy}"):
+        shards.check_shard(shard, window=33, vocab_size=256)
+    # Told the dtype, the reader gives the ids back; uint16 given explicitly is trusted as it is.
+    name = {"<u4": "uint32", "<i4": "int32", "<i8": "int64"}[written]
+    np.testing.assert_array_equal(tokens(inspect_shard(str(path), name)), ids)
+    shards.check_shard(inspect_shard(str(path), "uint16"), window=33, vocab_size=256)
+
+
+def test_a_uint16_file_with_some_zero_ids_passes_the_dtype_check(tmp_path):
+    ids = random_tokens(4000, vocab=256)
+    ids[::5] = 0  # a fifth: frequent, but no wider dtype's pattern
+    write_nanogpt_shard(tmp_path / "train.bin", ids)
+    shards.check_shard(inspect_shard(str(tmp_path / "train.bin")), window=33, vocab_size=256)
+
+
+def test_an_id_outside_the_vocabulary_deep_in_a_shard_is_named_by_the_window_that_reads_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(shards, "CHECKED_PREFIX_TOKENS", 100)
+    monkeypatch.setattr(shards, "CHECKED_SAMPLES", 2)  # the first and the last token only
+    ids = random_tokens(1000, vocab=256)
+    ids[555] = 300
+    write_llmc_shard(tmp_path / "a.bin", ids)
+    shard = inspect_shard(str(tmp_path / "a.bin"))
+    shards.check_shard(shard, window=33, vocab_size=256)  # the sample misses it
+    windows = TokenWindows([shard], block_size=32, vocab_size=256)
+    windows[0]
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'a.bin'}: token id 300 at position 555 is >= data.vocab_size=256"):
+        windows[555 // 32]
 
 
 def write_pair(tmp_path, train=None, val=None):
@@ -106,8 +154,11 @@ def test_datamodule_reads_both_formats_and_checks_every_file(tmp_path):
          r"data.train_shards='.*' and data.val_shards='.*' both match .*d_train_000000.bin: expected disjoint files"),
         (lambda p: {}, {"vocab_size": 100}, r"data.vocab_size=100 is invalid without shards: .* expected at least 256"),
         (lambda p: {}, {"block_size": 0}, r"data.block_size=0 is invalid: expected an integer >= 1"),
+        (lambda p: {}, {"val_fraction": "abc"}, r"data.val_fraction='abc' is invalid: expected a number in \(0, 1\)"),
+        (lambda p: write_pair(p), {"dtype": "uint8"}, r"data.dtype='uint8' is invalid: expected auto or one of uint16, uint32"),
     ],
-    ids=["train_glob", "val_glob", "short_val", "val_token_id", "vocab", "val_missing", "overlap", "stdlib_vocab", "block"],
+    ids=["train_glob", "val_glob", "short_val", "val_token_id", "vocab", "val_missing", "overlap", "stdlib_vocab", "block",
+         "val_fraction", "dtype"],
 )
 def test_bad_data_options_fail_when_the_module_is_built(tmp_path, make, options, message):
     with pytest.raises(ValueError, match=message):

@@ -54,3 +54,18 @@ def test_bad_override_fails_before_any_process_starts(tmp_path):
 def test_every_recipe_module_imports(path):
     # Recipe modules no test runs end to end must not rot: their imports at least are checked here.
     importlib.import_module(f"lit_dp_recipes.{path.stem}")
+
+
+@pytest.mark.slow
+def test_a_gpt_run_says_each_thing_once_and_its_bar_shows_steps_loss_and_tokens_per_second(tmp_path):
+    output = run_recipe("gpt", "experiment=gpt_tiny", "trainer.enable_model_summary=false", f"hydra.run.dir={tmp_path}")
+    lines = output.replace("\r", "\n").splitlines()
+    bar = [line for line in lines if "step:" in line and "10/10" in line]
+    assert bar and "loss=" in bar[-1] and "tokens/s=" in bar[-1], bar[-1:]  # steps out of trainer.max_steps=10
+    # Once, from rank 0: the seed, the skipped TensorBoard logger, a deprecation inside Lightning.
+    assert output.count("Seed set to 7") == 1 and "[rank: 1]" not in output
+    assert output.count("logger.tensorboard skipped") <= 1
+    assert output.count("isinstance(treespec, LeafSpec)") <= 1
+    assert "sync_dist=True" not in output  # Lightning's advice on the recipe's own epoch-level logging
+    assert "dynamo:" not in output and "dynamo_recompiles" not in output  # compile is off
+    assert "[lit_dp] final " in (tmp_path / "gpt.log").read_text()

@@ -1,0 +1,174 @@
+"""Every command the README and docs/ show works as a user types it (tests/helpers/documented.py says how).
+
+Quick tier: every command is accounted for (run, composed, or not run for a stated reason);
+the recipes' and benchmarks' commands compose with their overrides and pass the checks made
+before any process starts, and a transcript's error is the one the command raises. Slow tier:
+the commands run, document by document, from a fresh working directory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from lit_dp_recipes.cli import unknown_strategy_keys
+from lit_dp_recipes.config import build_strategy, register_configs, validate_trainer
+from tests.helpers.documented import (
+    NOT_RUN,
+    ROOT,
+    SHRINK,
+    DocumentedCommand,
+    documented_commands,
+    expected_pattern,
+    shrunk,
+    split_output,
+)
+
+COMMANDS = documented_commands()
+UNIQUE = list({c.text: c for c in reversed(COMMANDS)}.values())[::-1]  # the first of identical commands
+BENCHMARK_CONF = ROOT / "benchmarks" / "conf"
+TOOLS = ("lit_dp.observability.trace", "lit_dp_recipes.trace_render")  # modules the docs run on a run's output
+
+
+def kind(command: DocumentedCommand) -> str:
+    if command.not_run_reason():
+        return "not run"
+    if command.module and command.module.startswith("benchmarks."):
+        return "benchmark"
+    if command.script in SHRINK or command.module in TOOLS:
+        return "run"
+    return "unknown"
+
+
+def test_every_documented_command_is_run_composed_or_not_run_for_a_stated_reason():
+    assert COMMANDS, "no command found in the docs"
+    unknown = [f"{c.source}: {c.text}" for c in COMMANDS if kind(c) == "unknown"]
+    assert not unknown, "commands no test knows how to run (add a SHRINK entry, or a NOT_RUN reason):\n" + "\n".join(unknown)
+
+
+def test_every_not_run_reason_still_matches_a_documented_command():
+    stale = [pattern for pattern, _ in NOT_RUN if not any(re.search(pattern, c.text) for c in COMMANDS)]
+    assert not stale, f"NOT_RUN entries that match no documented command: {stale}"
+
+
+def overrides_of(command: DocumentedCommand) -> list[list[str]]:
+    """The overrides of each job ``command`` starts: one list, or one per element of a ``-m`` sweep."""
+    start = command.argv.index(next(a for a in command.argv if a.endswith(".py") or a.startswith("benchmarks."))) + 1
+    # Not options: flags, and arguments naming a run the test has not made (ckpt_path=outputs/digits/<run>/...).
+    arguments = [a for a in command.argv[start:] if not a.startswith("-") and "<run>" not in a]
+    parsed = OverridesParser.create().parse_overrides(arguments)
+    choices = [
+        [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+        for o in parsed
+    ]
+    return [list(job) for job in itertools.product(*choices)]
+
+
+@pytest.mark.parametrize("command", [c for c in UNIQUE if kind(c) == "run" and c.script in ("digits", "gpt", "charlm")],
+                         ids=lambda c: c.source)
+def test_recipe_commands_pass_the_checks_made_before_any_process_starts(command, tmp_path):
+    register_configs()
+    for overrides in overrides_of(command):
+        try:
+            mistake = unknown_strategy_keys(command.script, overrides)
+            if mistake:
+                raise ValueError(mistake)  # the recipe exits with it before Hydra composes
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                cfg = compose(command.script, overrides=[f"paths.output_dir={tmp_path}", *overrides])
+            build_strategy(cfg.strategy)
+            validate_trainer(cfg)
+        except ValueError as error:
+            assert command.expects_failure, f"{command.source}: {command.text}: {error}"
+            for line in command.expected:
+                assert re.search(expected_pattern(line), f"ValueError: {error}"), (command.source, line, str(error))
+        else:
+            assert not command.expects_failure, f"{command.source}: {command.text} did not fail as the docs show"
+
+
+@pytest.mark.parametrize("command", [c for c in UNIQUE if kind(c) == "benchmark"], ids=lambda c: c.source)
+def test_benchmark_commands_compose_with_their_overrides(command, tmp_path):
+    name = command.module.split(".", 1)[1]
+    if not (BENCHMARK_CONF / f"{name}.yaml").is_file():
+        return  # not a Hydra script (benchmarks.restarts takes argparse options)
+    register_configs()
+    for overrides in overrides_of(command):
+        with initialize_config_dir(config_dir=str(BENCHMARK_CONF), version_base="1.3"):
+            compose(name, overrides=[f"hydra.run.dir={tmp_path}", *overrides])
+
+
+def fresh_working_directory(root: Path) -> Path:
+    """What a user has after cloning, for commands to read (linked), and nothing they would write."""
+    root.mkdir()
+    for name in ("recipes", "conf", "benchmarks"):
+        (root / name).symlink_to(ROOT / name)
+    (root / "docs").mkdir()  # commands may draw pictures into docs/
+    texts = root / "my_texts"
+    texts.mkdir()
+    for index, path in enumerate(sorted((ROOT / "lit_dp_recipes").glob("*.py"))[:4]):
+        (texts / f"text{index}.txt").write_bytes(path.read_bytes())  # a few KB of text each
+    return root
+
+
+def runs_of(document: str) -> list[DocumentedCommand]:
+    """The commands of ``document`` the slow test runs: each that runs, less those an earlier document ran."""
+    seen, runs = set(), []
+    for command in COMMANDS:
+        if kind(command) != "run":
+            continue
+        if command.document == document and (command.expected or "<run>" in command.text or command.text not in seen):
+            runs.append(command)
+        seen.add(command.text)
+    return runs
+
+
+DOCUMENTS = sorted({c.document for c in COMMANDS if kind(c) == "run"}, key=lambda d: (d != "README.md", d))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("document", [d for d in DOCUMENTS if runs_of(d)])
+def test_documented_commands_run_from_a_fresh_working_directory(document, tmp_path):
+    cwd = fresh_working_directory(tmp_path / "clone")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}
+    commands = runs_of(document)
+    batches = [list(group) for _, group in itertools.groupby(commands, key=lambda c: c.argv[0] == "python")]
+    failures = []
+    for batch in batches:
+        if batch[0].argv[0] == "python":
+            plan = [{"argv": shrunk(c, one_rank=c is not commands[0]), "env": dict(c.env)} for c in batch]
+            (tmp_path / "plan.json").write_text(json.dumps(plan))
+            result = subprocess.run([sys.executable, "-m", "tests.helpers.documented", str(tmp_path / "plan.json")],
+                                    cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    timeout=800)
+            (tmp_path / "output.txt").write_text(result.stdout)  # for whoever reads a failure
+            outputs = split_output(result.stdout, len(batch))
+        else:
+            outputs = []
+            for command in batch:
+                run = subprocess.run(shrunk(command), cwd=cwd, env={**env, **dict(command.env)}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, timeout=600)
+                outputs.append((run.returncode, run.stdout))
+        for command, (status, output) in zip(batch, outputs):
+            failures += check(command, status, output)
+    assert not failures, "\n\n".join(failures)
+
+
+def check(command: DocumentedCommand, status: int | None, output: str) -> list[str]:
+    """What is wrong with ``command``'s run, as messages naming its place in the docs."""
+    where = f"{command.source}: {command.text}"
+    if status is None:
+        return [f"{where}: never finished:\n{output[-3000:]}"]
+    if (status != 0) != command.expects_failure:
+        return [f"{where}: exit status {status}:\n{output[-3000:]}"]
+    missing = [line for line in command.expected if not re.search(expected_pattern(line), output)]
+    return [f"{where}: the docs show {missing}, the run printed:\n{output[-3000:]}"] if missing else []
