@@ -163,9 +163,9 @@ def register_configs() -> None:
     paddle_dp = OmegaConf.structured(paddle_dp_schema())
     OmegaConf.set_struct(paddle_dp, False)  # open: Options.build names a moved or misspelt key (module docstring)
     store = ConfigStore.instance()
-    store.store(name="paddle_dp_schema", node=paddle_dp, replace=True)
-    store.store(name="ddp_schema", node=ddp_schema(), replace=True)
-    store.store(name="trainer_schema", node=TrainerConfig, replace=True)
+    store.store(name="paddle_dp_schema", node=paddle_dp)
+    store.store(name="ddp_schema", node=ddp_schema())
+    store.store(name="trainer_schema", node=TrainerConfig)
 
 
 def build_strategy(node: DictConfig) -> Any:

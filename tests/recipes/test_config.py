@@ -130,7 +130,7 @@ def _must_not_be_called(*args, **kwargs):
     [
         ("strategy.find_unused_parameters=maybe", "find_unused_parameters"),
         ("strategy.sharding.stage=two", "stage"),
-        ("strategy.trace.dri=x", "Did you mean: 'dir'?"),
+        ("strategy.trace.dri=x", "Key 'dri' not in 'TraceConfig'"),
         ("strategy=ddp strategy.nrings=2", "nrings"),
     ],
 )
