@@ -139,9 +139,8 @@ class DataParallel(nn.Module, Joinable):
             self._stats = CommObserver(device, [self._trace.add] if self._trace is not None else [])
             reducer.add_observer(self._stats)
         if options.hang_timeout is not None and dist.get_world_size(reducer.group) > 1:
-            self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace_dir)
-            if self._watchdog is not None and self._watchdog.bounds_waits:
-                self._waiter.watch(options.hang_timeout, self._watchdog.on_deadline)
+            # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).
+            self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace_dir, device=device)
         log.debug(
             "lit_dp.DataParallel: observers: comm_stats=%s trace=%s autotune=%s hang watchdog=%s",
             self._stats is not None, self._trace is not None, self._tuner is not None, self._watchdog is not None,

@@ -222,7 +222,8 @@ class Options:
     )  # fmt: skip
     hang_timeout: Optional[float] = option(
         DEFAULT_HANG_TIMEOUT, "seconds a lit_dp collective may wait before the job ends naming the stuck rank, with "
-        "every rank's stack in <log dir>/lit_dp_hang (default 300, at most half of timeout); None: off",
+        "every rank's stack in <log dir>/lit_dp_hang (default 300, or half of a shorter timeout; a given value must "
+        "be below timeout); None: off",
         _optional_seconds, scope=EVERYWHERE, config=Optional[float],
     )  # fmt: skip
     uneven_inputs: bool = option(
@@ -277,9 +278,9 @@ class Options:
                 )
             values[ours] = accepted[ours].metadata["check"](f"{prefix}{name}", value)
         timeout = values.get("timeout")
-        default_hang = values.get("hang_timeout", DEFAULT_HANG_TIMEOUT) == DEFAULT_HANG_TIMEOUT
-        if default_hang and timeout is not None and "hang_timeout" in accepted:
-            # The default (also as a Hydra schema passes it) stays well under a shorter process-group timeout.
+        if "hang_timeout" not in values and timeout is not None and "hang_timeout" in accepted:
+            # The default stays well under a shorter process-group timeout; a hang_timeout given
+            # (a Hydra schema gives its default too) is kept, or refused below, never changed.
             seconds = parse_timeout("timeout", timeout).total_seconds()
             values["hang_timeout"] = min(DEFAULT_HANG_TIMEOUT, seconds / 2)
         options = cls(**values)
@@ -300,8 +301,8 @@ class Options:
         if self.hang_timeout is not None and timeout is not None and self.hang_timeout >= timeout:
             raise ValueError(
                 f"{prefix}hang_timeout={self.hang_timeout:g} with {prefix}timeout={timeout:g} is invalid: the "
-                "process group would time out first, without the diagnosis; expected hang_timeout < timeout "
-                "(or hang_timeout=None)."
+                f"process group would time out first, without the diagnosis; expected {prefix}hang_timeout below "
+                f"{prefix}timeout (e.g. {timeout / 2:g}), or {prefix}hang_timeout=None."
             )
         steps = self.local_sgd_steps
         if steps is None and self.local_sgd_adaptive:

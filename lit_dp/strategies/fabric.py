@@ -141,16 +141,34 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self._watched("all_reduce"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        barrier(self.root_device)
+        with self._watched("barrier"):
+            barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return broadcast_object(obj, src)
+        with self._watched("broadcast"):
+            return broadcast_object(obj, src)
+
+    @override
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
+    ) -> None:
+        # Rank 0 writes while the others go on to a barrier: a known phase of the hang watchdog.
+        watchdog = self._wrapped.watchdog if self._wrapped is not None else None
+        phase = watchdog.phase("saving a checkpoint") if watchdog is not None and self.is_global_zero else nullcontext()
+        with phase:
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    def _watched(self, name: str) -> AbstractContextManager:
+        """One of the strategy's collectives, watched by the hang watchdog of the model set up last (issue 27)."""
+        watchdog = self._wrapped.watchdog if self._wrapped is not None else None
+        return watchdog.watching(f"strategy.{name}") if watchdog is not None else nullcontext()
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:

@@ -5,14 +5,15 @@ training and validation loaders are wrapped (``lit_dp.strategies.uneven``), a ba
 replays skips the user's step and takes the synchronisation without a backward, and the
 collectives a user's step issues while a rank is out are refused at once. Without the option,
 training loaders of known, different lengths are an error at the start of ``fit``. The hang
-watchdog gets the run's log directory, a heartbeat from validation, and a watch over the
-strategy's own collectives (whose waits have no deadline of lit_dp's).
+watchdog gets the run's log directory, validation and rank 0's checkpoint writes as known
+phases (the others' waits meanwhile get its long deadline), and a watch over the strategy's own
+collectives (whose waits have no deadline of lit_dp's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,6 +31,7 @@ class ReliabilityMixin:
     """Uneven inputs and the hang watchdog's wiring, for ``lit_dp.PaddleDPStrategy`` (see the module docstring)."""
 
     _uneven: UnevenInputs | None = None  # uneven_inputs=True, while fitting
+    _validating = False  # inside the hang watchdog's validation phase (issue 27)
 
     @property
     def _replaying(self) -> bool:
@@ -49,7 +51,25 @@ class ReliabilityMixin:
             self._uneven.close()
             self._uneven = None
         if isinstance(self.model, DataParallel) and self.model.watchdog is not None:
+            self._leave_validation_phase()  # a validation that raised
             self.model.watchdog.close()
+
+    # issue 27: validation and rank 0's checkpoint writes are known phases of the hang watchdog.
+    def _known_phase(self, name: str) -> AbstractContextManager:
+        """``name`` as a known phase of the hang watchdog (when on), for what only this rank does."""
+        watchdog = self.model.watchdog if isinstance(self.model, DataParallel) else None
+        return watchdog.phase(name) if watchdog is not None else nullcontext()
+
+    @override
+    def on_validation_start(self) -> None:
+        if isinstance(self.model, DataParallel) and self.model.watchdog is not None and not self._validating:
+            self.model.watchdog.enter_phase("validation")
+            self._validating = True
+
+    def _leave_validation_phase(self) -> None:
+        if self._validating and isinstance(self.model, DataParallel) and self.model.watchdog is not None:
+            self.model.watchdog.leave_phase()
+        self._validating = False
 
     def _setup_uneven_inputs(self, trainer: pl.Trainer, model: DataParallel) -> UnevenInputs | None:
         if model.reducer is None or self.world_size < 2:
@@ -114,8 +134,6 @@ class ReliabilityMixin:
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(self.model, DataParallel) and self.model.watchdog is not None:
-            self.model.watchdog.heartbeat()
         uneven = self._uneven
         if uneven is None:
             return super().validation_step(*args, **kwargs)
@@ -126,6 +144,7 @@ class ReliabilityMixin:
 
     @override
     def on_validation_end(self) -> None:
+        self._leave_validation_phase()
         if self._uneven is not None:
             self._uneven.reset("val")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -218,6 +218,7 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
     @override
     def on_validation_start(self) -> None:
         self.wait_for_parameters()
+        super().on_validation_start()  # the hang watchdog's validation phase (strategies/reliability.py)
 
     def _setup_local_sgd(self) -> LocalSGD | None:
         options = self._options
@@ -331,7 +332,9 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             own["local_sgd"] = self._local_sgd.state_dict()
         if own:
             checkpoint[CHECKPOINT_KEY] = own
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        # Rank 0 writes while the others wait in a barrier: a known phase of the hang watchdog.
+        with self._known_phase("saving a checkpoint") if self.is_global_zero else nullcontext():
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
