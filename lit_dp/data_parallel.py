@@ -61,8 +61,8 @@ class DataParallel(nn.Module, Joinable):
 
     A ``Joinable`` (``torch.distributed.algorithms.join``): ``with model.join():`` or
     ``with Join([model]):`` trains on uneven inputs (``lit_dp.join``). With ``hang_timeout``, a
-    collective waiting longer is diagnosed and raised (``lit_dp.observability.watchdog``): this
-    wrapper owns the ``Waiter`` through which every wait of its collectives goes.
+    collective waiting longer is diagnosed and the whole job ends (``lit_dp.observability.watchdog``):
+    this wrapper owns the ``Waiter`` through which every wait of its collectives goes.
     """
 
     def __init__(
@@ -191,7 +191,8 @@ class DataParallel(nn.Module, Joinable):
 
     @property
     def watchdog(self) -> HangWatchdog | None:
-        """The hang watchdog (``hang_timeout``); set its ``directory`` to choose where stacks go."""
+        """The hang watchdog (``hang_timeout``); set its ``directory`` to choose where stacks go, and
+        mark what this rank alone does on purpose with ``phase(name)``."""
         return self._watchdog
 
     @property

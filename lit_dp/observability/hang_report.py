@@ -72,6 +72,26 @@ def describe_rank(rank: int, report: dict[str, Any] | None, reply_seconds: float
     )
 
 
+def format_summary(
+    opening: str,
+    ranks: list[int],
+    reports: dict[int, dict[str, Any]],
+    waited: tuple[int, int] | None,
+    reply_seconds: float,
+    folder: str,
+) -> str:
+    """The diagnosis: ``opening``, one line per rank, who is behind, where the stacks and traces are."""
+    lines = [opening]
+    lines += [f"  {describe_rank(rank, reports.get(rank), reply_seconds)}" for rank in ranks]
+    lines += behind_lines(ranks, reports, waited)
+    lines.append(
+        f"Stacks: {folder}/rank<R>.txt for the ranks that answered; a rank that could not run Python gets its "
+        "stack on its stderr (faulthandler, signalled by a rank on its host)."
+    )
+    lines.append(flight_recorder_line(folder))
+    return "\n".join(lines)
+
+
 def furthest_bucket(reports: dict[int, dict[str, Any]], step: int) -> tuple[int, int] | None:
     """The furthest bucket of ``step`` any rank launched: on NCCL, where a rank's own wait cannot
     tell which bucket is stuck, the ranks behind it are the ones the others wait for."""

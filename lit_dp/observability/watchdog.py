@@ -1,44 +1,28 @@
 """The hang watchdog: a lit_dp collective waiting longer than ``hang_timeout`` ends the whole job with a diagnosis.
 
-Without it, a rank stuck in data loading, a deadlock or a slow filesystem leaves the others in
-a collective until the process group's timeout (30 minutes), which then says nothing of who
-was where, and under some launchers leaves the stuck process running. With it
-(``hang_timeout``, default 300 s), the first rank whose wait for one of lit_dp's collectives
-passes the deadline raises the alarm in the rendezvous store, and every rank that can still
-run Python answers with where it is: its synchronised step, the last bucket it launched,
-whether it is waiting in a collective (or has collectives in flight on the device), the phase
-it is in, and the innermost frames of its main thread. Each also writes the Python stack of
-every thread (``faulthandler``) to ``<directory>/lit_dp_hang/rank<R>.txt``, and, when torch's
-flight recorder is on (``TORCH_FR_BUFFER_SIZE``, or ``TORCH_NCCL_TRACE_BUFFER_SIZE``), its trace
-to ``fr_trace_rank_<R>`` beside it. The rank that raised the alarm publishes the verdict::
+The first rank whose wait for one of lit_dp's collectives passes its deadline raises the alarm
+in the rendezvous store; every rank that can still run Python answers with where it is (its
+synchronised step, the last bucket it launched, what it waits for or has in flight on the
+device, its known phase, the innermost frames of its main thread) and writes its stacks (and,
+when torch's flight recorder is on, its trace) to ``<directory>/lit_dp_hang/``. The rank that
+raised the alarm publishes the verdict, for instance::
 
     rank 1 never launched bucket 0 of step 41; its last was bucket 2 of step 40.
 
-Then the whole job ends, within ``hang_timeout`` plus a bounded grace: a rank waiting in a
-lit_dp collective raises ``CollectiveHangError`` carrying the diagnosis; on every other rank the
-watchdog's thread raises it in the main thread (which Python delivers at the next bytecode) and,
-if the process has not ended ``grace`` seconds later (the main thread is blocked in C, or the
-error was swallowed), writes the stacks to stderr and exits with status 1, as torch's own NCCL
-watchdog ends a process. A rank that did not answer cannot run Python (C code holding the GIL):
-a rank on the same host sends it ``STACK_SIGNAL`` (its ``faulthandler`` writes its stack to its
-stderr from C) and then ``SIGKILL``. A rank that sees the alarm and then loses the store (its
-host, rank 0, ended first) ends too. So no rank is left behind, whatever the launcher.
+Then every process of the job ends (``lit_dp.observability.hang_exit``): a rank waiting in a
+lit_dp collective raises ``CollectiveHangError``; the others get it raised in their main thread,
+then a hard exit after a grace; a rank that cannot run Python is signalled by a peer on its host
+for its stack, then killed. A rank that sees the alarm and then loses the store ends too.
 
-Deadlines, per wrapper (each ``DataParallel`` has its own waiter and thread; nothing
-process-global such as ``faulthandler.dump_traceback_later``): until this rank has completed
-its second synchronised step (so every rank got through its first optimizer step: compilation,
-warm-up) a wait may last the long deadline, ``LONG_DEADLINE_SHARE`` of the process group's
-timeout (never less than ``hang_timeout``); then ``hang_timeout``. A wait during which some
-rank was in a known phase (``phase``: the strategies mark checkpoint writes and validation; a
-hand-written loop marks its own, such as an evaluation on rank 0 only) also gets the long
-deadline: that rank is busy on purpose.
-
-Mechanics and their cost per step (see ``benchmarks/watchdog.py``): the position is a few
-attribute writes per bucket (the reducer's observer events); the waits go through the model's
-``Waiter`` (``lit_dp.gradients.waiting``): on Gloo a wait is a loop of ``work.wait(slice)``; on
-NCCL a wait leaves a record that this thread polls with ``Work.is_completed()`` and CUDA events
-(the waits themselves stay plain: a deadline there would synchronise the host at every bucket).
-A daemon thread polls the store every few seconds (the alarm, the phases, and on NCCL the records).
+Deadlines are per wrapper (each ``DataParallel`` has its own waiter and thread; nothing
+process-global): the long one (``LONG_DEADLINE_SHARE`` of the process group's timeout, never
+less than ``hang_timeout``) until this rank has completed its second synchronised step (every
+rank then got through its first optimizer step) and for waits during which some rank was in a
+known phase (``lit_dp.observability.phases``); ``hang_timeout`` otherwise. How a wait is judged
+(bounded on Gloo; by the device's completion on NCCL, which completes a work's future at
+enqueue) is the waiter's (``lit_dp.gradients.waiting``); this module's thread polls the store
+every few seconds (the alarm, the phases) and, on NCCL, the waiter's records. See
+docs/reliability.md ("Stuck ranks").
 """
 
 from __future__ import annotations
@@ -73,15 +57,13 @@ from lit_dp.observability.hang_exit import (
     this_process,
 )
 from lit_dp.observability.hang_report import (
-    behind_lines,
-    describe_rank,
     dump_flight_recorder,
-    flight_recorder_line,
+    format_summary,
     furthest_bucket,
     main_thread_position,
     write_stacks,
 )
-from lit_dp.observability.phases import current_phase, enter_phase, known_phase, leave_phase, some_rank_busy
+from lit_dp.observability.phases import current_phase, known_phase, some_rank_busy
 
 log = logging.getLogger(__name__)
 
@@ -207,13 +189,6 @@ class HangWatchdog(ReducerObserver):
         with known_phase(name):
             yield
 
-    def enter_phase(self, name: str) -> None:
-        """``phase`` as two calls, for hooks that open and close it (the strategy's validation)."""
-        enter_phase(name)
-
-    def leave_phase(self) -> None:
-        leave_phase()
-
     # -- the reducer's events: the position reported in a diagnosis ---------------------------
 
     @override
@@ -290,22 +265,13 @@ class HangWatchdog(ReducerObserver):
             what += f" (the rendezvous store stopped answering: {error})"
         if bucket_step is not None:
             waited_bucket = furthest_bucket(reports, bucket_step)
-        lines = [
-            (
-                f"lit_dp hang watchdog: on rank {self._rank}, {what} waited {waited:.1f}s, longer than "
-                f"hang_timeout={self._timeout:g}s (strategy option hang_timeout; {self._long_timeout:g}s during "
-                "warm-up and known phases). Where each rank is:"
-            )
-        ]
-        lines += [f"  {describe_rank(rank, reports.get(rank), self._reply_seconds)}" for rank in self._ranks]
-        lines += behind_lines(self._ranks, reports, waited_bucket)
-        folder = os.path.join(self.directory, HANG_DIRECTORY)
-        lines.append(
-            f"Stacks: {folder}/rank<R>.txt for the ranks that answered; a rank that could not run Python gets its "
-            "stack on its stderr (faulthandler, signalled by a rank on its host)."
+        opening = (
+            f"lit_dp hang watchdog: on rank {self._rank}, {what} waited {waited:.1f}s, longer than "
+            f"hang_timeout={self._timeout:g}s (strategy option hang_timeout; {self._long_timeout:g}s during "
+            "warm-up and known phases). Where each rank is:"
         )
-        lines.append(flight_recorder_line(folder))
-        summary = "\n".join(lines)
+        folder = os.path.join(self.directory, HANG_DIRECTORY)
+        summary = format_summary(opening, self._ranks, reports, waited_bucket, self._reply_seconds, folder)
         silent = [rank for rank in self._ranks if rank not in reports]
         try:
             os.makedirs(folder, exist_ok=True)

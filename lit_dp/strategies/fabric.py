@@ -33,6 +33,7 @@ from typing_extensions import override
 from lit_dp.data_parallel import DataParallel
 from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel_env
 from lit_dp.join import DataParallelJoin
+from lit_dp.observability.watchdog import HangWatchdog
 from lit_dp.options import FABRIC, Options, options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
@@ -160,14 +161,17 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
     ) -> None:
         # Rank 0 writes while the others go on to a barrier: a known phase of the hang watchdog.
-        watchdog = self._wrapped.watchdog if self._wrapped is not None else None
-        phase = watchdog.phase("saving a checkpoint") if watchdog is not None and self.is_global_zero else nullcontext()
-        with phase:
+        watchdog = self._hang_watchdog
+        with watchdog.phase("saving a checkpoint") if watchdog is not None and self.is_global_zero else nullcontext():
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
+    @property
+    def _hang_watchdog(self) -> HangWatchdog | None:
+        """The hang watchdog of the model set up last, which watches the strategy's collectives (issue 27)."""
+        return self._wrapped.watchdog if self._wrapped is not None else None
+
     def _watched(self, name: str) -> AbstractContextManager:
-        """One of the strategy's collectives, watched by the hang watchdog of the model set up last (issue 27)."""
-        watchdog = self._wrapped.watchdog if self._wrapped is not None else None
+        watchdog = self._hang_watchdog
         return watchdog.watching(f"strategy.{name}") if watchdog is not None else nullcontext()
 
     @override

@@ -24,6 +24,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
+from lit_dp.observability.phases import enter_phase, leave_phase
 from lit_dp.strategies.uneven import UnevenInputs, UnevenMetricsCallback, check_equal_lengths, gather_lengths
 
 
@@ -50,8 +51,8 @@ class ReliabilityMixin:
         if self._uneven is not None:
             self._uneven.close()
             self._uneven = None
+        self._leave_validation_phase()  # a validation that raised
         if isinstance(self.model, DataParallel) and self.model.watchdog is not None:
-            self._leave_validation_phase()  # a validation that raised
             self.model.watchdog.close()
 
     # issue 27: validation and rank 0's checkpoint writes are known phases of the hang watchdog.
@@ -63,12 +64,12 @@ class ReliabilityMixin:
     @override
     def on_validation_start(self) -> None:
         if isinstance(self.model, DataParallel) and self.model.watchdog is not None and not self._validating:
-            self.model.watchdog.enter_phase("validation")
+            enter_phase("validation")
             self._validating = True
 
     def _leave_validation_phase(self) -> None:
-        if self._validating and isinstance(self.model, DataParallel) and self.model.watchdog is not None:
-            self.model.watchdog.leave_phase()
+        if self._validating:
+            leave_phase()
         self._validating = False
 
     def _setup_uneven_inputs(self, trainer: pl.Trainer, model: DataParallel) -> UnevenInputs | None:
