@@ -47,7 +47,7 @@ from typing_extensions import override
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
-from lit_dp.gradients.waiting import CollectiveHangError, InFlight, Waiter
+from lit_dp.gradients.waiting import CollectiveHangError, InFlight
 from lit_dp.job.process_group import rendezvous_store
 from lit_dp.observability.hang_exit import (
     end_processes,
