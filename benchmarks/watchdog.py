@@ -6,7 +6,7 @@
 On 2 gloo processes, per model, three ``DataParallel`` wrappers of the same module train side
 by side in rounds whose order rotates (``benchmarks.common.interleaved_times``, each sample a
 block of consecutive steps, as training runs them): two with the watchdog off, one with it on
-(``hang_timeout=300``: its observer events, the waits with a deadline, the thread polling the
+(``hang_timeout=300``: its observer events, the waits made in slices, the thread polling the
 store). On against the mean of the two offs is the watchdog's cost; off against off is the
 noise floor that comparison must beat.
 """

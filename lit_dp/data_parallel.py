@@ -62,8 +62,8 @@ class DataParallel(nn.Module, Joinable):
 
     A ``Joinable`` (``torch.distributed.algorithms.join``): ``with model.join():`` or
     ``with Join([model]):`` trains on uneven inputs (``lit_dp.join``). With ``hang_timeout``, a
-    collective waiting longer is diagnosed and raised (``lit_dp.observability.watchdog``): this
-    wrapper owns the ``Waiter`` through which every wait of its collectives goes.
+    collective waiting longer is diagnosed and the whole job ends (``lit_dp.observability.watchdog``):
+    this wrapper owns the ``Waiter`` through which every wait of its collectives goes.
     """
 
     def __init__(
@@ -140,9 +140,8 @@ class DataParallel(nn.Module, Joinable):
             self._stats = CommObserver(device, [self._trace.add] if self._trace is not None else [])
             reducer.add_observer(self._stats)
         if options.hang_timeout is not None and dist.get_world_size(reducer.group) > 1:
-            self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace.dir)
-            if self._watchdog is not None and self._watchdog.bounds_waits:
-                self._waiter.watch(options.hang_timeout, self._watchdog.on_deadline)
+            # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).
+            self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace.dir, device=device)
         log.debug(
             "lit_dp.DataParallel: observers: comm_stats=%s trace=%s autotune=%s hang watchdog=%s",
             self._stats is not None, self._trace is not None, self._tuner is not None, self._watchdog is not None,
@@ -193,7 +192,8 @@ class DataParallel(nn.Module, Joinable):
 
     @property
     def watchdog(self) -> HangWatchdog | None:
-        """The hang watchdog (``hang_timeout``); set its ``directory`` to choose where stacks go."""
+        """The hang watchdog (``hang_timeout``); set its ``directory`` to choose where stacks go, and
+        mark what this rank alone does on purpose with ``phase(name)``."""
         return self._watchdog
 
     @property

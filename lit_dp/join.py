@@ -185,7 +185,8 @@ class DataParallelJoinHook(JoinHook):
             dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=group, async_op=True), "Join's authoritative rank"
         )
         authoritative = int(candidate.item())
-        sync_params_buffers(model.module, group=group, src_rank=authoritative)
+        with model.waiter.outside("Join's broadcast of the authoritative rank's parameters"):
+            sync_params_buffers(model.module, group=group, src_rank=authoritative)
         if model.local_sgd is not None:
             model.local_sgd.adopt_schedule_of(authoritative)
         state.joined = False

@@ -187,7 +187,8 @@ class LocalSGD:
         if self._world_size < 2:
             return
         schedule = [self.state_dict()]
-        dist.broadcast_object_list(schedule, src=src, group=self._rings[0])
+        with self._waiter.outside("the broadcast of the LocalSGD schedule"):
+            dist.broadcast_object_list(schedule, src=src, group=self._rings[0])
         self.load_state_dict(schedule[0])
 
     def finish(self) -> None:

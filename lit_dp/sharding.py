@@ -77,6 +77,7 @@ class ShardedOptimizer(Optimizer):
         self._rank = dist.get_rank(self._group) if self._group is not None else 0
         self._world_size = dist.get_world_size(self._group) if self._group is not None else 1
         self._overlap = model.options.sharding.overlap
+        self._waiter = model.waiter  # every wait of its collectives, watched by the model's hang watchdog
         # The user's optimizer, under the name wrappers use (DeepSpeed's, LightningOptimizer's), so
         # Lightning's LearningRateMonitor sees the one its scheduler holds.
         self.optimizer = optimizer
@@ -110,7 +111,8 @@ class ShardedOptimizer(Optimizer):
         if not ordered:
             return None
         bucket_bytes = megabytes_to_bytes("comm_buffer_size", model.comm_buffer_size)
-        return ParameterGather(ordered, [owner_of[id(param)] for param in ordered], self._group, bucket_bytes)
+        owners = [owner_of[id(param)] for param in ordered]
+        return ParameterGather(ordered, owners, self._group, bucket_bytes, self._waiter)
 
     def _wait_in_forward(self, model: DataParallel) -> list[torch.utils.hooks.RemovableHandle]:
         """A forward pre-hook per module holding gathered parameters: it waits for their buckets only."""
@@ -178,7 +180,9 @@ class ShardedOptimizer(Optimizer):
         if self._world_size > 1:
             inf = norm_type == float("inf")
             total = total if inf else total**norm_type
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self._group)
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            work = dist.all_reduce(total, op=op, group=self._group, async_op=True)
+            self._waiter.wait(work, "sharding's global gradient norm")
             total = total if inf else total ** (1.0 / norm_type)
         if replicated:  # the same on every rank (or the user's own business): added once, locally
             total = _norm([total, _norm(replicated, norm_type, device)], norm_type, device)
@@ -210,7 +214,8 @@ class ShardedOptimizer(Optimizer):
             self._consolidated = {"state": keep, "param_groups": part["param_groups"]}
             return
         received: list[dict[int, Any]] | None = [{} for _ in range(self._world_size)] if self._rank == to else None
-        dist.gather_object(keep, received, dst=dist.get_global_rank(self._group, to), group=self._group)
+        with self._waiter.outside("sharding's consolidation of the optimizer state"):
+            dist.gather_object(keep, received, dst=dist.get_global_rank(self._group, to), group=self._group)
         if received is not None:
             state = {index: value for states in received for index, value in states.items()}
             self._consolidated = {"state": dict(sorted(state.items())), "param_groups": part["param_groups"]}

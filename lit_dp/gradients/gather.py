@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_dp.gradients.buckets import assign_group_by_size
+from lit_dp.gradients.waiting import UNWATCHED, Waiter
 
 
 class ParameterGather:
@@ -34,12 +35,19 @@ class ParameterGather:
         owners: the owning rank (in ``group``) of each.
         group: the ranks that share the parameters.
         bucket_bytes: bucket size limit (a bucket closes at the parameter that reaches it).
+        waiter: how its waits are made (the model's: watched by the hang watchdog, when on).
     """
 
     def __init__(
-        self, params: Sequence[nn.Parameter], owners: Sequence[int], group: dist.ProcessGroup, bucket_bytes: int
+        self,
+        params: Sequence[nn.Parameter],
+        owners: Sequence[int],
+        group: dist.ProcessGroup,
+        bucket_bytes: int,
+        waiter: Waiter = UNWATCHED,
     ) -> None:
         self._group = group
+        self._waiter = waiter
         self._buckets: list[tuple[int, torch.Tensor]] = []  # (global source rank, slice), in launch order
         self._bucket_of: dict[int, int] = {}  # id(param) -> position of its bucket in launch order
         self._expected: list[tuple[nn.Parameter, int]] = []  # (param, data_ptr) once it lives in the flat storage
@@ -86,7 +94,7 @@ class ParameterGather:
         """Wait for the buckets launched up to and including ``position``."""
         works = self._works
         while self._waited <= position and self._waited < len(works):
-            works[self._waited].wait()
+            self._waiter.wait(works[self._waited], "sharding's gather of the updated parameters")
             self._waited += 1
 
     def wait(self) -> None:

@@ -1,62 +1,81 @@
-"""The hang watchdog: a lit_dp collective waiting longer than ``hang_timeout`` ends the job with a diagnosis.
+"""The hang watchdog: a lit_dp collective waiting longer than ``hang_timeout`` ends the whole job with a diagnosis.
 
-Without it, a rank stuck in data loading, a deadlock or a slow filesystem leaves the others in
-an all-reduce until the process group's timeout (30 minutes), which then says nothing of who
-was where. With it (``hang_timeout``, default 300 s), the first rank whose wait for one of
-lit_dp's collectives (a bucket, its flags, a communication hook's future, the broadcast of the
-bucket order, a LocalSGD average, the Trainer's per-batch exchange of uneven inputs) passes
-the deadline raises the alarm in the rendezvous store, and every rank that can still run
-Python answers with where it is: its synchronised step, the last bucket it launched, whether
-it is waiting in a collective, and the innermost frames of its main thread. Each also writes
-the Python stack of every thread (``faulthandler``) to ``<directory>/lit_dp_hang/rank<R>.txt``.
-The waiting ranks then raise ``CollectiveHangError`` carrying the table, for instance::
+The first rank whose wait for one of lit_dp's collectives passes its deadline raises the alarm
+in the rendezvous store; every rank that can still run Python answers with where it is (its
+synchronised step, the last bucket it launched, what it waits for or has in flight on the
+device, its known phase, the innermost frames of its main thread) and writes its stacks (and,
+when torch's flight recorder is on, its trace) to ``<directory>/lit_dp_hang/``. The rank that
+raised the alarm publishes the verdict, for instance::
 
     rank 1 never launched bucket 0 of step 41; its last was bucket 2 of step 40.
 
-A rank that does not answer is named as outside lit_dp's collectives and unable to run
-Python (C code holding the GIL) or gone. For that case ``faulthandler``'s own C thread, which
-needs no GIL, writes its stack to the rank's stderr once it has started no synchronised step
-(nor validation step, under the Trainer) for between 1.5 and 2 times ``hang_timeout``: no file
-is created up front, and the job's log holds it.
+Then every process of the job ends (``lit_dp.observability.hang_exit``): a rank waiting in a
+lit_dp collective raises ``CollectiveHangError``; the others get it raised in their main thread,
+then a hard exit after a grace; a rank that cannot run Python is signalled by a peer on its host
+for its stack, then killed. A rank that sees the alarm and then loses the store ends too.
 
-Mechanics (their cost per step is measured by ``benchmarks/watchdog.py``, results in
-docs/benchmarks.md): the position is a few attribute writes per bucket (the reducer's observer
-events); the reducer's ``Waiter`` (``lit_dp.gradients.waiting``) gets the deadline, so on Gloo
-a wait is ``work.wait(timeout)`` instead of ``work.wait()`` and a communication hook's future
-is waited on through a done-callback and an event; a daemon thread polls the store for alarms
-every few seconds. Waits that cannot carry a deadline, NCCL's (a wait there only orders the GPU
-stream; a deadline would synchronise the host at every bucket) and torch's Join loop, are
-watched by that thread: past the deadline it raises the alarm itself, prints the diagnosis and
-ends the process, as torch's own NCCL watchdog does, since nothing can interrupt a main thread
-blocked in C.
+Deadlines are per wrapper (each ``DataParallel`` has its own waiter and thread; nothing
+process-global): the long one (``LONG_DEADLINE_SHARE`` of the process group's timeout, never
+less than ``hang_timeout``) until this rank has completed its second synchronised step (every
+rank then got through its first optimizer step) and for waits during which some rank was in a
+known phase (``lit_dp.observability.phases``); ``hang_timeout`` otherwise. How a wait is judged
+(bounded on Gloo; by the device's completion on NCCL, which completes a work's future at
+enqueue) is the waiter's (``lit_dp.gradients.waiting``); this module's thread polls the store
+every few seconds (the alarm, the phases) and, on NCCL, the waiter's records. See
+docs/reliability.md ("Stuck ranks").
 """
 
 from __future__ import annotations
 
-import faulthandler
 import json
+import logging
 import os
 import socket
 import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from typing_extensions import override
 
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
-from lit_dp.gradients.waiting import CollectiveHangError
+from lit_dp.gradients.waiting import CollectiveHangError, InFlight
 from lit_dp.job.store import group_store_prefix, rendezvous_store
-from lit_dp.observability.hang_report import behind_lines, describe_rank, main_thread_position
+from lit_dp.observability.hang_exit import (
+    end_processes,
+    exit_after,
+    raise_in_main_thread,
+    register_stack_signal,
+    this_process,
+)
+from lit_dp.observability.hang_report import (
+    dump_flight_recorder,
+    format_summary,
+    furthest_bucket,
+    main_thread_position,
+    write_stacks,
+)
+from lit_dp.observability.phases import current_phase, known_phase, some_rank_busy
+
+log = logging.getLogger(__name__)
 
 HANG_DIRECTORY = "lit_dp_hang"
+# The share of the process group's timeout a wait may last during warm-up and known phases: the
+# rest leaves the diagnosis time to finish before the process group's own timeout fires.
+LONG_DEADLINE_SHARE = 0.8
+WARMUP_STEPS = 2  # synchronised steps taken with the long deadline
+_NAMESPACE = "lit_dp/watchdog"  # where each process registers itself (per process, shared by its wrappers)
 _STORE_ERRORS = (RuntimeError, ValueError, dist.DistError)
+
+
 class HangWatchdog(ReducerObserver):
     """Watches ``reducer``'s collectives (as its observer, and through its waiter) and answers alarms.
 
@@ -64,13 +83,21 @@ class HangWatchdog(ReducerObserver):
     strategies point it at the run's log directory; default: the working directory).
     """
 
-    def __init__(self, reducer: Reducer, hang_timeout: float, store: dist.Store, directory: str | None) -> None:
+    def __init__(
+        self,
+        reducer: Reducer,
+        hang_timeout: float,
+        store: dist.Store,
+        directory: str | None,
+        device: torch.device,
+    ) -> None:
         self.directory = directory or os.getcwd()
         # Weak: the reducer holds this watchdog (observer, waiter); a cycle would keep its process
         # group, and so rank 0's rendezvous port, alive after the group is destroyed.
         self._reducer = weakref.ref(reducer)
+        self._waiter = reducer.waiter
         self._timeout = hang_timeout
-        self._timed = dist.get_backend(reducer.group) != "nccl"
+        self._bounded = dist.get_backend(reducer.group) != "nccl"
         # The store is looked up at each use, never kept: holding it would keep rank 0's
         # rendezvous port open after the group is destroyed (a second fit could not bind it).
         self._world = weakref.ref(dist.group.WORLD)
@@ -83,23 +110,41 @@ class HangWatchdog(ReducerObserver):
         self._poll_seconds = min(5.0, max(0.1, hang_timeout / 20))
         # Answering takes one poll and a store write; the margin is for a loaded machine.
         self._reply_seconds = min(30.0, max(3.0, hang_timeout / 10))
+        # How long a rank's main thread gets to end by its own exception after the verdict.
+        self._grace = min(30.0, max(5.0, hang_timeout / 10))
+        self._long_timeout = max(hang_timeout, LONG_DEADLINE_SHARE * group_timeout(reducer.group, device))
         self._step = -1
+        self._step_starts: deque[tuple[float, int]] = deque(maxlen=16)  # (time, step): names a bucket on NCCL
         self._participation: Participation | None = None  # of the step being synchronised
         self._launched = -1
         self._launches: list[tuple[BucketLaunch, float]] = []
-        self._untimed: tuple[str, float] | None = None  # a wait only the thread can watch
-        self._answer_lock = threading.Lock()
+        self._untimed: InFlight | None = None  # torch's Join loop, entered and left in two calls
+        self._lock = threading.Lock()
         self._answered = False
-        self._armed_at = -float("inf")
+        self._alarmed_at = 0.0
+        self._ending = False
         self._stop = threading.Event()
+        self._waiter.watch(
+            self._long_timeout,
+            self.on_deadline,
+            bounded=self._bounded,
+            long_deadline=self._long_timeout,
+            device=device,
+            slice_seconds=self._poll_seconds,
+        )
+        store.set(f"{_NAMESPACE}/process/{self._rank}", json.dumps(this_process()))
+        register_stack_signal()
 
     @classmethod
-    def start(cls, reducer: Reducer, hang_timeout: float, directory: str | None = None) -> HangWatchdog | None:
-        """Subscribe a watchdog to ``reducer`` and start its thread; None without a rendezvous store."""
+    def start(
+        cls, reducer: Reducer, hang_timeout: float, directory: str | None = None, device: torch.device | None = None
+    ) -> HangWatchdog | None:
+        """Subscribe a watchdog to ``reducer``, set its waiter's deadlines and start its thread;
+        None without a rendezvous store."""
         store = rendezvous_store()
         if store is None:
             return None
-        watchdog = cls(reducer, hang_timeout, store, directory)
+        watchdog = cls(reducer, hang_timeout, store, directory, device or torch.device("cpu"))
         reducer.add_observer(watchdog)
         thread = threading.Thread(
             target=_watch, args=(weakref.ref(watchdog), watchdog._stop, watchdog._poll_seconds), daemon=True
@@ -107,6 +152,14 @@ class HangWatchdog(ReducerObserver):
         thread.name = f"lit_dp hang watchdog (rank {watchdog._rank})"
         thread.start()
         weakref.finalize(watchdog, watchdog._stop.set)
+        log.debug(
+            "lit_dp hang watchdog: rank %d, hang_timeout=%gs after warm-up, %gs until then and while a rank is in "
+            "a known phase; waits %s",
+            watchdog._rank,
+            hang_timeout,
+            watchdog._long_timeout,
+            "bounded on the host" if watchdog._bounded else "judged by the device's completion",
+        )
         return watchdog
 
     @property
@@ -114,11 +167,9 @@ class HangWatchdog(ReducerObserver):
         return self._timeout
 
     @property
-    def bounds_waits(self) -> bool:
-        """Whether the waits themselves should carry the deadline (``Waiter.watch(hang_timeout,
-        watchdog.on_deadline)``): on Gloo; on NCCL a wait only orders the GPU stream, and this
-        watchdog's thread watches the launches instead."""
-        return self._timed
+    def long_timeout(self) -> float:
+        """The deadline during warm-up and while some rank is in a known phase (seconds)."""
+        return self._long_timeout
 
     @property
     def _store(self) -> dist.Store:
@@ -128,29 +179,33 @@ class HangWatchdog(ReducerObserver):
         return store
 
     def close(self) -> None:
-        """Stop the thread and faulthandler's timer."""
+        """Stop the thread (a verdict already reached still ends the process)."""
         self._stop.set()
-        if self._armed_at > -float("inf"):
-            faulthandler.cancel_dump_traceback_later()
-            self._armed_at = float("inf")
 
-    def heartbeat(self) -> None:
-        """This rank is alive (a step or a validation batch began): push faulthandler's timer back."""
-        now = time.monotonic()
-        if now - self._armed_at > self._timeout / 2:  # re-armed at most twice per hang_timeout
-            self._arm_faulthandler(now)
+    # -- known phases: a rank busy on purpose ------------------------------------------------
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """This rank is busy with ``name`` on purpose (a checkpoint write, an evaluation only it
+        runs): meanwhile the others' waits get the long deadline. Job-wide, nestable."""
+        with known_phase(name):
+            yield
 
     # -- the reducer's events: the position reported in a diagnosis ---------------------------
 
     @override
     def step_started(self, step: int, plan: StepPlan) -> None:
         self._step, self._launched, self._launches = step, -1, []
+        self._step_starts.append((time.monotonic(), step))
         self._participation = plan.participation
-        self.heartbeat()
 
     @override
     def step_ended(self, step: int) -> None:
         self._participation = None
+        if step == WARMUP_STEPS - 1:
+            # Every rank took part in this step's collectives, after its first optimizer step.
+            self._waiter.deadline = self._timeout
+            log.debug("lit_dp hang watchdog: warm-up over at step %d, deadline %gs", step, self._timeout)
 
     @override
     def bucket_launched(self, launch: BucketLaunch) -> None:
@@ -162,29 +217,47 @@ class HangWatchdog(ReducerObserver):
     @contextmanager
     def watching(self, what: str) -> Iterator[None]:
         """Watch a collective lit_dp does not wait for itself (the strategy's ``reduce``, ``barrier``, ...)."""
-        self.untimed_wait_started(what)
-        try:
+        with self._waiter.outside(what):
             yield
-        finally:
-            self.untimed_wait_ended()
 
     def untimed_wait_started(self, what: str) -> None:
         """The main thread enters a wait with no deadline of ours (torch's Join loop): the thread watches it."""
-        self._untimed = (what, time.monotonic())
+        self._waiter.leave(self._untimed)
+        self._untimed = self._waiter.enter(what)
 
     def untimed_wait_ended(self) -> None:
+        self._waiter.leave(self._untimed)
         self._untimed = None
 
     # -- the diagnosis -----------------------------------------------------------------------
 
-    def on_deadline(self, what: str, since: float) -> NoReturn:
-        """Raise the alarm, gather every rank's answer, write the summary, raise."""
-        summary = self._diagnose(what, since)
+    def on_deadline(self, what: str, since: float) -> None:
+        """A bounded wait passed its deadline (main thread): return if some rank is in a known
+        phase (the wait goes on), else raise the alarm, gather every rank's answer, publish the
+        verdict and raise it."""
+        if self._excused():
+            return
+        summary, silent = self._diagnose(what, since)
+        self._end(summary, silent, from_main=True)
         raise CollectiveHangError(summary)
 
-    def _diagnose(self, what: str, since: float) -> str:
+    def _excused(self) -> bool:
+        """Whether some rank is in a known phase now (read afresh from the store)."""
+        try:
+            busy = some_rank_busy(self._store)
+        except _STORE_ERRORS:
+            return False
+        if busy:
+            self._waiter.excused_since = time.monotonic()
+        return busy
+
+    def _diagnose(self, what: str, since: float) -> tuple[str, list[int]]:
+        """Alarm, answers, verdict: the summary and the ranks that did not answer."""
         waited = time.monotonic() - since
-        what, waited_bucket = (what, None) if what else self._bucket_waited_for()
+        waited_bucket: tuple[int, int] | None = None
+        bucket_step: int | None = None
+        if not what:
+            what, waited_bucket, bucket_step = self._bucket_waited_for(since)
         try:
             self._store.add(f"{self._prefix}/alarm", 1)
             self._answer()
@@ -192,59 +265,67 @@ class HangWatchdog(ReducerObserver):
         except _STORE_ERRORS as error:
             reports = {self._rank: self._report()}
             what += f" (the rendezvous store stopped answering: {error})"
-        lines = [
-            (
-                f"lit_dp hang watchdog: on rank {self._rank}, {what} waited {waited:.1f}s, longer than "
-                f"hang_timeout={self._timeout:g}s (strategy option hang_timeout). Where each rank is:"
-            )
-        ]
-        lines += [f"  {describe_rank(rank, reports.get(rank), self._reply_seconds)}" for rank in self._ranks]
-        lines += behind_lines(self._ranks, reports, waited_bucket)
-        folder = os.path.join(self.directory, HANG_DIRECTORY)
-        lines.append(
-            f"Stacks: {folder}/rank<R>.txt for the ranks that answered; a rank that could not run Python gets its "
-            "stack on its stderr from faulthandler's own thread."
+        if bucket_step is not None:
+            waited_bucket = furthest_bucket(reports, bucket_step)
+        opening = (
+            f"lit_dp hang watchdog: on rank {self._rank}, {what} waited {waited:.1f}s, longer than "
+            f"hang_timeout={self._timeout:g}s (strategy option hang_timeout; {self._long_timeout:g}s during "
+            "warm-up and known phases). Where each rank is:"
         )
-        summary = "\n".join(lines)
+        folder = os.path.join(self.directory, HANG_DIRECTORY)
+        summary = format_summary(opening, self._ranks, reports, waited_bucket, self._reply_seconds, folder)
+        silent = [rank for rank in self._ranks if rank not in reports]
         try:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, f"summary_rank{self._rank}.txt"), "w") as file:
                 file.write(summary + "\n")
+            self._store.set(f"{self._prefix}/verdict", json.dumps({"summary": summary, "silent": silent}))
             self._finish_together()
         except (OSError, *_STORE_ERRORS):
             pass  # the summary still travels in the error
-        return summary
+        return summary, silent
 
-    def _bucket_waited_for(self) -> tuple[str, tuple[int, int] | None]:
-        for launch, _ in self._launches:
-            if not all(future.done() for future in launch.futures):
-                return f"bucket {launch.position} of synchronised step {launch.step}", (launch.step, launch.position)
-        return f"a bucket of synchronised step {self._step}", None
+    def _bucket_waited_for(self, since: float) -> tuple[str, tuple[int, int] | None, int | None]:
+        """What a bucket wait (``what=""``) was for: on Gloo the first launch whose futures are not
+        done; on NCCL, where futures are done at launch, the step the wait belonged to (the bucket
+        is then named from the ranks' reports: the furthest any rank got)."""
+        if self._bounded:
+            for launch, _ in self._launches:
+                if not all(future.done() for future in launch.futures):
+                    where = (launch.step, launch.position)
+                    return f"bucket {launch.position} of synchronised step {launch.step}", where, None
+            return f"a bucket of synchronised step {self._step}", None, None
+        step = next((step for started, step in reversed(self._step_starts) if started <= since), self._step)
+        return f"a bucket of synchronised step {step}", None, step
 
     def _answer(self) -> None:
-        """Publish this rank's position and write its stacks, once (from either thread)."""
-        with self._answer_lock:
+        """Publish this rank's position and write its stacks (and flight-recorder trace), once (from either thread)."""
+        with self._lock:
             if self._answered:
                 return
             self._answered = True
-        # Python runs here, so faulthandler's timer (for a rank that cannot) would only add noise.
-        faulthandler.cancel_dump_traceback_later()
-        self._armed_at = float("inf")
+            self._alarmed_at = time.monotonic()
         report = self._report()
-        report["stack"] = self._write_stacks(report)
+        folder = os.path.join(self.directory, HANG_DIRECTORY)
+        report["stack"] = write_stacks(os.path.join(folder, f"rank{self._rank}.txt"), {"rank": self._rank, **report})
+        report["flight_recorder"] = dump_flight_recorder(folder, self._rank)
         self._store.set(f"{self._prefix}/report/{self._rank}", json.dumps(report))
         self._store.add(f"{self._prefix}/reported", 1)
 
     def _report(self) -> dict[str, Any]:
         reducer = self._reducer()
-        waiting = (reducer.waiter.waiting if reducer is not None else None) or self._untimed
+        waiting = self._waiter.waiting
         if waiting is not None:
-            what = waiting[0] or self._bucket_waited_for()[0]
+            what = waiting[0] or self._bucket_waited_for(waiting[1])[0]
             state = f"waiting for {what} for {time.monotonic() - waiting[1]:.1f}s"
         elif self._participation is Participation.SHADOW:
             state = "joined (out of inputs), shadowing the others' steps"
         else:
             state = "outside lit_dp's collectives (data loading or user code)"
+        oldest = self._waiter.oldest_in_flight() if not self._bounded else None
+        if oldest is not None and waiting is None:
+            what = oldest.what or self._bucket_waited_for(oldest.since)[0]
+            state += f"; {what} in flight on the device for {time.monotonic() - oldest.since:.1f}s"
         return {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -252,21 +333,9 @@ class HangWatchdog(ReducerObserver):
             "launched": self._launched,
             "buckets": len(reducer.bucket_bytes) if reducer is not None else 0,
             "state": state,
+            "phase": current_phase(),
             "where": main_thread_position(),
         }
-
-    def _write_stacks(self, report: dict[str, Any]) -> str | None:
-        folder = os.path.join(self.directory, HANG_DIRECTORY)
-        path = os.path.join(folder, f"rank{self._rank}.txt")
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with open(path, "w") as file:
-                file.write(f"rank {self._rank}: {json.dumps(report)}\n\n")
-                file.flush()
-                faulthandler.dump_traceback(file, all_threads=True)
-        except OSError:
-            return None
-        return path
 
     def _collect_reports(self) -> dict[int, dict[str, Any]]:
         deadline = time.monotonic() + self._reply_seconds
@@ -290,38 +359,69 @@ class HangWatchdog(ReducerObserver):
             time.sleep(0.05)
             diagnosed = self._store.add(f"{self._prefix}/diagnosed", 0)
 
+    # -- the end of the job ----------------------------------------------------------------------
+
+    def _end(self, summary: str, silent: list[int], from_main: bool) -> None:
+        """End this process, once: the ranks on this host that cannot run Python first, then this
+        one by ``CollectiveHangError`` in its main thread (raised by the caller ``from_main``, else
+        delivered by Python) and, ``grace`` seconds later, by a hard exit if it is still alive."""
+        with self._lock:
+            if self._ending:
+                return
+            self._ending = True
+        verdict = f"lit_dp hang watchdog: rank {self._rank} ends, the job was declared hung.\n{summary}"
+        self._waiter.verdict = verdict  # a wait of this rank's raises it at its next slice
+        registered = []
+        for rank in silent:
+            try:
+                registered.append(json.loads(self._store.get(f"{_NAMESPACE}/process/{rank}")))
+            except (*_STORE_ERRORS, json.JSONDecodeError):
+                continue
+        ended = end_processes(registered)
+        if ended:
+            log.debug("lit_dp hang watchdog: ended the silent processes %s on this host", ended)
+        self._stop.set()
+        exit_after(self._grace, self._rank)
+        if not from_main:
+            raise_in_main_thread(verdict)
+
     # -- the thread's side -----------------------------------------------------------------------
 
     def _poll(self) -> None:
-        if not self._answered and self._store.add(f"{self._prefix}/alarm", 0) > 0:
+        store, now = self._store, time.monotonic()
+        if not self._answered and store.add(f"{self._prefix}/alarm", 0) > 0:
             self._answer()
-        stale = self._stale_untimed_wait()
-        if stale is not None:
-            summary = self._diagnose(*stale)
-            print(f"{summary}\nlit_dp: ending rank {self._rank} (its main thread is blocked in C).", file=sys.stderr)
-            sys.stderr.flush()
-            os._exit(1)
-
-    def _stale_untimed_wait(self) -> tuple[str, float] | None:
-        now = time.monotonic()
-        untimed = self._untimed
-        if untimed is not None and now - untimed[1] > self._timeout:
-            return untimed
-        if not self._timed:
-            for launch, launched_at in list(self._launches):
-                if now - launched_at > self._timeout and not all(f.done() for f in launch.futures):
-                    return f"bucket {launch.position} of synchronised step {launch.step}", launched_at
-        return None
-
-    def _arm_faulthandler(self, now: float) -> None:
-        if self._stop.is_set():
+        if self._answered:
+            self._await_verdict(store, now)
             return
-        try:
-            faulthandler.dump_traceback_later(2 * self._timeout, repeat=False, file=sys.stderr, exit=False)
-        except (AttributeError, OSError, RuntimeError, ValueError):  # a stderr without a file descriptor
-            self._armed_at = float("inf")
-            return
-        self._armed_at = now
+        if some_rank_busy(store):
+            self._waiter.excused_since = now
+        stale = self._waiter.overdue(now)
+        if stale is not None and not self._excused():
+            summary, silent = self._diagnose(stale.what, stale.since)
+            print(f"{summary}\nlit_dp: ending rank {self._rank}.", file=sys.stderr, flush=True)
+            self._end(summary, silent, from_main=False)
+
+    def _await_verdict(self, store: dist.Store, now: float) -> None:
+        key = f"{self._prefix}/verdict"
+        if store.check([key]):
+            verdict = json.loads(store.get(key))
+            self._end(verdict["summary"], verdict["silent"], from_main=False)
+        elif now - self._alarmed_at > 3 * self._reply_seconds:
+            self._end("lit_dp hang watchdog: a rank raised the alarm but published no verdict.", [], from_main=False)
+
+    def _store_lost(self) -> None:
+        """The store is gone: after an alarm, the job is being ended; before, it is over."""
+        if self._answered:
+            self._end("lit_dp hang watchdog: the job was declared hung and its rendezvous store is gone.", [], False)
+
+
+def group_timeout(group: dist.ProcessGroup, device: torch.device) -> float:
+    """The process group's timeout in seconds (torch's default where the backend does not say)."""
+    try:
+        return group._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout.total_seconds()
 
 
 def _watch(watchdog_ref: weakref.ref[HangWatchdog], stop: threading.Event, poll_seconds: float) -> None:
@@ -332,5 +432,6 @@ def _watch(watchdog_ref: weakref.ref[HangWatchdog], stop: threading.Event, poll_
         try:
             watchdog._poll()
         except _STORE_ERRORS:
-            return  # the store is gone: the job is over
+            watchdog._store_lost()
+            return
         del watchdog

@@ -51,6 +51,14 @@ DEFAULT_HANG_TIMEOUT = 300.0
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
+def _hang_timeout(name: str, value: Any) -> float | str | None:
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, str):
+        raise ValueError(f"{name}={value!r} is invalid: expected a positive number of seconds, '{AUTO}' or None.")
+    return seconds(name, value)
+
+
 def _buffer_size(name: str, value: Any) -> float | str:
     if value == AUTO:
         return AUTO
@@ -141,13 +149,14 @@ class Options:
         scope=EVERYWHERE,
         config=bool,
     )
-    hang_timeout: Optional[float] = option(
-        default=DEFAULT_HANG_TIMEOUT,
-        help="seconds a lit_dp collective may wait before the job ends naming the stuck rank, with every rank's "
-        "stack in <log dir>/lit_dp_hang (default 300, at most half of timeout); None: off",
-        check=seconds,
+    hang_timeout: Any = option(
+        default=AUTO,
+        help="seconds a lit_dp collective may wait (after the first steps) before the job ends naming the stuck "
+        "rank, with every rank's stack in <log dir>/lit_dp_hang; auto: 300, or half of a shorter timeout; a "
+        "number given must be below timeout; None: off",
+        check=_hang_timeout,
         scope=EVERYWHERE,
-        config=Optional[float],
+        config=Any,
     )
     backend: str = option(
         default="auto",
@@ -218,10 +227,11 @@ class Options:
                 written[path] = (name, item)
                 values[path] = names.declared[path].field.metadata["check"](name, item)
         timeout = values.get("timeout")
-        default_hang = values.get("hang_timeout", DEFAULT_HANG_TIMEOUT) == DEFAULT_HANG_TIMEOUT
-        if default_hang and timeout is not None and "hang_timeout" in names.declared:
-            # The default (also as a Hydra schema passes it) stays well under a shorter process-group timeout.
-            values["hang_timeout"] = min(DEFAULT_HANG_TIMEOUT, parse_timeout("timeout", timeout).total_seconds() / 2)
+        if values.get("hang_timeout", AUTO) == AUTO and "hang_timeout" in names.declared:
+            # "auto" stays well under a shorter process-group timeout; a number given is kept, or
+            # refused below, never changed.
+            short = None if timeout is None else parse_timeout("timeout", timeout).total_seconds() / 2
+            values["hang_timeout"] = DEFAULT_HANG_TIMEOUT if short is None else min(DEFAULT_HANG_TIMEOUT, short)
         options = cls._compose(values)
         options._check_combinations(lambda path: written[path][0] if path in written else prefix + names.spell(path))
         return options
@@ -247,8 +257,8 @@ class Options:
         if self.hang_timeout is not None and timeout is not None and self.hang_timeout >= timeout:
             raise ValueError(
                 f"{name('hang_timeout')}={self.hang_timeout:g} with {name('timeout')}={timeout:g} is invalid: the "
-                "process group would time out first, without the diagnosis; expected hang_timeout < timeout "
-                "(or hang_timeout=None)."
+                f"process group would time out first, without the diagnosis; expected {name('hang_timeout')} below "
+                f"{name('timeout')} (e.g. {timeout / 2:g}), 'auto' (half of it) or None."
             )
         steps = self.local_sgd.steps
         if steps is None and self.local_sgd.adaptive:

@@ -176,9 +176,9 @@ class DataParallelStrategyMixin:
                 "optimizers, so that they know which parameters this rank owns."
             )
         log.debug(
-            "%s: sharding_stage=%s: %s rebuilt over this rank's parameters (lit_dp.ShardedOptimizer)",
+            "%s: sharding.stage=%s: %s rebuilt over this rank's parameters (lit_dp.ShardedOptimizer)",
             type(self).__name__,
-            self._options.sharding_stage,
+            self._options.sharding.stage,
             type(optimizer).__name__,
         )
         return ShardedOptimizer(optimizer, model)

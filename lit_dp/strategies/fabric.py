@@ -34,6 +34,7 @@ from typing_extensions import override
 from lit_dp.data_parallel import DataParallel
 from lit_dp.job.process_group import barrier, broadcast_object
 from lit_dp.join import DataParallelJoin
+from lit_dp.observability.watchdog import HangWatchdog
 from lit_dp.options import FABRIC, Options
 from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
@@ -142,16 +143,37 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self._watched("all_reduce"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        barrier(self.root_device)
+        with self._watched("barrier"):
+            barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return broadcast_object(obj, src)
+        with self._watched("broadcast"):
+            return broadcast_object(obj, src)
+
+    @override
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
+    ) -> None:
+        # Rank 0 writes while the others go on to a barrier: a known phase of the hang watchdog.
+        watchdog = self._hang_watchdog
+        with watchdog.phase("saving a checkpoint") if watchdog is not None and self.is_global_zero else nullcontext():
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @property
+    def _hang_watchdog(self) -> HangWatchdog | None:
+        """The hang watchdog of the model set up last, which watches the strategy's collectives (issue 27)."""
+        return self._wrapped.watchdog if self._wrapped is not None else None
+
+    def _watched(self, name: str) -> AbstractContextManager:
+        watchdog = self._hang_watchdog
+        return watchdog.watching(f"strategy.{name}") if watchdog is not None else nullcontext()
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:

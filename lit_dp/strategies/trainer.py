@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -234,6 +234,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         self.wait_for_parameters()
+        self._watchdog.validation_started()
         super().on_validation_start()
 
     def _setup_local_sgd(self) -> LocalSGD | None:
@@ -309,7 +310,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._watchdog.heartbeat()
         if self._uneven.replaying:
             return None
         with self._uneven.user_step("validation_step"):
@@ -318,6 +318,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def on_validation_end(self) -> None:
         self._uneven.validation_end()
+        self._watchdog.validation_ended()
         super().on_validation_end()
 
     @override
@@ -402,7 +403,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             own["local_sgd"] = self._local_sgd.state_dict()
         if own:
             checkpoint[CHECKPOINT_KEY] = own
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        # Rank 0 writes while the others wait in a barrier: a known phase of the hang watchdog.
+        with self._watchdog.phase("saving a checkpoint") if self.is_global_zero else nullcontext():
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -239,8 +239,13 @@ class BatchExchange:
         """The lowest rank with a batch sends it to the ranks that never had one (once per rank and stage)."""
         source = self.ranks[has.index(True)]
         holder = [batch if dist.get_rank() == source else None]
-        dist.broadcast_object_list(holder, src=source, group=self._group)
+        with self.watched("the broadcast of a batch to replay (uneven inputs)"):
+            dist.broadcast_object_list(holder, src=source, group=self._group)
         return holder[0]
+
+    def watched(self, what: str) -> AbstractContextManager:
+        """An object collective of uneven inputs, watched by the hang watchdog (issue 27)."""
+        return self._waiter.outside(what)
 
     def record(self, kind: str, plan: BatchPlan, has: list[bool]) -> None:
         self._plans[kind].append(plan)
@@ -344,7 +349,8 @@ class UnevenMetricsCallback(Callback):
             if metric.is_tensor and metric.meta.sync.should and metric.meta.on_epoch
         ]
         gathered: list[Any] = [None] * len(counts)
-        dist.all_gather_object(gathered, entries)
+        with self._exchange.watched("the exchange of logged metrics (uneven inputs)"):
+            dist.all_gather_object(gathered, entries)
         if counts[self._exchange.ranks.index(dist.get_rank())]:
             return
         donor = next(entries for entries, count in zip(gathered, counts) if count)

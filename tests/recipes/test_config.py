@@ -168,7 +168,7 @@ def test_structured_config_is_generated_from_the_one_declaration_of_options():
             assert member not in node, declared.path
             continue
         value = node.pop(member)
-        assert (tuple(value) if isinstance(value, list) else value) == defaults.value(declared.path), declared.path
+        assert (tuple(value) if isinstance(value, list) else value) == declared.field.default, declared.path
     assert all(node == {} for node in schema.values()), f"schema keys without a declaration: {schema}"
     values = OmegaConf.to_container(OmegaConf.structured(paddle_dp_schema()))
     values.pop("_target_")

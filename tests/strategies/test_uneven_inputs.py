@@ -182,9 +182,11 @@ def test_options_are_validated_naming_both_when_they_conflict():
     with pytest.raises(ValueError, match=r"hang_timeout=60 with timeout=30 is invalid"):
         PaddleDPStrategy(hang_timeout=60, timeout=30)
     assert Options.build({"hang_timeout": None}, "module").hang_timeout is None
-    # The default stays under a shorter process-group timeout, also when a Hydra schema passes it.
+    # The default stays under a shorter process-group timeout; a given hang_timeout is kept or refused, never changed.
     assert PaddleDPStrategy(timeout=60).options.hang_timeout == 30
-    assert PaddleDPStrategy(timeout=60, hang_timeout=300.0).options.hang_timeout == 30
+    assert PaddleDPStrategy(timeout=400, hang_timeout=300.0).options.hang_timeout == 300
+    with pytest.raises(ValueError, match=r"hang_timeout=300 with timeout=60 is invalid.*below timeout \(e.g. 30\)"):
+        PaddleDPStrategy(timeout=60, hang_timeout=300.0)
     with pytest.raises(ValueError, match="uneven_inputs=True is not an option of lit_dp.DataParallel"):
         Options.build({"uneven_inputs": True}, "module")
 
