@@ -10,16 +10,9 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lit_dp.job.restart import JobAttempt
 from lit_dp_recipes.callbacks import CompileModel
 from lit_dp_recipes.config import build_strategy, validate_trainer
-from lit_dp_recipes.resume import (
-    check_checkpoint_every_n_steps,
-    checkpoint_folders,
-    last_attempt_report,
-    resolve_ckpt_path,
-    use_atomic_checkpoints,
-)
+from lit_dp_recipes.resume import ResumableRun, check_checkpoint_every_n_steps, use_atomic_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +22,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     Invalid options raise here, before Lightning starts any process: the strategy's options are
     validated once as the strategy is built, first, then the trainer section is checked.
-    ``ckpt_path=auto`` resumes from the run folder's newest complete checkpoint
-    (``lit_dp_recipes.resume``).
+    ``ckpt_path=auto`` resumes from the run folder's newest good checkpoint, rank 0 says where
+    the run writes and how to resume it, and after a failure which checkpoint a rerun resumes
+    from (``lit_dp_recipes.resume``).
     """
     strategy = use_atomic_checkpoints(build_strategy(cfg.strategy))
     validate_trainer(cfg)
     check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps"))
-    attempt, folders = JobAttempt.from_environ(), checkpoint_folders(cfg)
+    run = ResumableRun(cfg)
+    run.announce()
+    ckpt_path = run.resolve(cfg.get("ckpt_path"))
     compile_callbacks = _compile_callbacks(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = build_checked(cfg.data)
@@ -46,8 +42,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         logger=_loggers(cfg.get("logger")),
         callbacks=[instantiate(node) for node in (cfg.get("callbacks") or {}).values()] + compile_callbacks,
     )
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), folders, attempt)
-    with last_attempt_report(folders, attempt):
+    with run.fitting(ckpt_path):
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:

@@ -46,8 +46,10 @@ from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.strategies.monitor import CommStatsMonitor
+from lit_dp.strategies.lost_ranks import LostRanks
+from lit_dp.strategies.preemption import Preemption
 from lit_dp.strategies.reliability import ReliabilityMixin
-from lit_dp.strategies.resume import continue_epoch
+from lit_dp.strategies.resume import EpochContinuation
 from lit_dp.strategies.sharded_clipping import clip_sharded_by_global_norm
 
 CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
@@ -109,6 +111,9 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         self._local_sgd: LocalSGD | None = None
         self._local_sgd_resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
         self._tuned_buffer_size: float | None = None  # with "auto": restored, or chosen by a finished fit
+        self._preemption = Preemption()  # SIGTERM/SIGUSR1: lit_dp.strategies.preemption
+        self._lost_ranks = LostRanks()  # a dead rank named: lit_dp.strategies.lost_ranks
+        self._epoch_continuation = EpochContinuation()  # mid-epoch resumes: lit_dp.strategies.resume
 
     @property
     def comm_buffer_size(self) -> float | str:
@@ -187,6 +192,7 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
                 trainer.callbacks.append(CommStatsMonitor())
         if fitting:
             self._setup_reliability(trainer)
+            self._preemption.setup(trainer, self.world_size, self.global_rank)  # lit_dp.strategies.preemption
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -264,7 +270,7 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         # Called after Lightning restored the loops and before the first batch is fetched.
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.training:
-            dataloader = continue_epoch(dataloader, trainer.fit_loop)
+            dataloader = self._epoch_continuation.process(dataloader, trainer.fit_loop, self.world_size)
         return super().process_dataloader(dataloader)  # uneven inputs: strategies/reliability.py
 
     @override
@@ -315,6 +321,8 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         message = exception.args[0] if exception.args else None
         if isinstance(message, str) and opening in message and not message.startswith(opening):
             exception.args = (f"{opening}\n{message.replace(opening, '').strip()}",)
+        if isinstance(exception, Exception):  # not a stop (Preempted, Ctrl-C): lit_dp.strategies.lost_ranks
+            self._lost_ranks.note(exception, self.launcher, self.node_rank, self.num_processes, self.global_rank)
 
     @override
     def save_checkpoint(
@@ -325,6 +333,8 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             own["tuned_comm_buffer_size"] = self.tuned_comm_buffer_size
         if self._local_sgd is not None:
             own["local_sgd"] = self._local_sgd.state_dict()
+        if (layout := self._epoch_continuation.state_dict()) is not None:
+            own["loader"] = layout  # lit_dp.strategies.resume: a resume with other ranks reads it
         if own:
             checkpoint[CHECKPOINT_KEY] = own
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -340,6 +350,7 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         if tuned is not None and self._options.comm_buffer_size == AUTO:
             self._tuned_buffer_size = tuned
         self._local_sgd_resumed = own.get("local_sgd")
+        self._epoch_continuation.load_state_dict(own.get("loader"))  # lit_dp.strategies.resume
         return checkpoint
 
     @override
@@ -347,6 +358,8 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         lightning_module = self.lightning_module
         self._local_sgd = None
         self._teardown_reliability()
+        self._preemption.teardown()  # lit_dp.strategies.preemption
+        self._epoch_continuation.teardown()  # lit_dp.strategies.resume
         if isinstance(self.model, DataParallel):
             self.model.flush_comm_stats()  # the trace of a run shorter than trace_steps
             self._tuned_buffer_size = self.tuned_comm_buffer_size
