@@ -53,9 +53,10 @@ class RecipeRun:
         self.pids_folder = cwd / "pids"
         self.pids_folder.mkdir(parents=True, exist_ok=True)
         self.output_path = cwd / "output.txt"
+        self.script = ROOT / "recipes" / f"{name}.py"
         announce = [ANNOUNCE, f"+callbacks.announce.folder={self.pids_folder}", f"+callbacks.announce.step={step}",
                     f"+callbacks.announce.pause={pause}"]
-        command = [sys.executable, str(ROOT / "recipes" / f"{name}.py"), *QUIET, "~logger", *announce, *overrides]
+        command = [sys.executable, str(self.script), *QUIET, "~logger", *announce, *overrides]
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         with open(self.output_path, "w") as output:
             self.process = subprocess.Popen(
