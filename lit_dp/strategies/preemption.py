@@ -24,6 +24,11 @@ names). What ``PaddleDPStrategy`` does during ``trainer.fit``:
    signal number (143 for SIGTERM), as a process killed by that signal reports it: a scheduler
    sees a failure, and torchrun restarts the job if it may.
 
+Under ``start_method="spawn"`` or ``"fork"`` the launching process runs no rank: while the ranks
+run, ``ForwardingMultiProcessingLauncher`` (Lightning's launcher for those) passes SIGTERM and
+SIGUSR1 on to them, and exits with their status 128 + signal once they have stopped, where
+Lightning's would die at once and leave the ranks to their parent-death signal, unsaved.
+
 A signal received after the last optimizer step of the fit changes nothing: the fit has
 completed and saved what its callbacks save. Lightning's connector is replaced through
 ``trainer._signal_connector`` (the one place Lightning reads it), by a subclass of its own, so its
@@ -35,7 +40,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from pathlib import Path
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -44,6 +51,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -220,3 +228,29 @@ class _StopAtStepBoundary(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._preemption.at_train_end()
+
+
+class ForwardingMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher for ``start_method="spawn"``/``"fork"``, whose launching process passes
+    SIGTERM and SIGUSR1 on to the ranks and exits with their 128 + signal once they have stopped."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        forwarded: list[int] = []
+
+        def forward(signum: int, frame: FrameType | None) -> None:
+            forwarded.append(signum)
+            self.kill(signum)  # the ranks started so far (`self.procs`); each stops at the agreed step
+
+        previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except torch.multiprocessing.ProcessExitedException as exited:
+            if forwarded and exited.exit_code == 128 + forwarded[0]:
+                raise SystemExit(exited.exit_code) from exited  # the ranks stopped as asked, and saved
+            raise
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)

@@ -26,7 +26,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -47,7 +47,7 @@ from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_en
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.strategies.monitor import CommStatsMonitor
 from lit_dp.strategies.lost_ranks import LostRanks
-from lit_dp.strategies.preemption import Preemption
+from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher, Preemption
 from lit_dp.strategies.reliability import ReliabilityMixin
 from lit_dp.strategies.resume import EpochContinuation
 from lit_dp.strategies.sharded_clipping import clip_sharded_by_global_norm
@@ -85,7 +85,7 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
     """
 
     strategy_name = "paddle_dp"
-    _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)
+    _launchers = (_SubprocessScriptLauncher, ForwardingMultiProcessingLauncher)  # lit_dp.strategies.preemption
     _unused_parameters_message = LIGHTNING_UNUSED_PARAMETERS_MESSAGE
     _options_scope = TRAINER
 

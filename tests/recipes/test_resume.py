@@ -249,6 +249,59 @@ def test_ckpt_path_null_starts_fresh_even_when_checkpoints_exist(tmp_path, capsy
     assert f"[lit_dp] resuming from {tmp_path / 'checkpoints' / 'last.ckpt'} (step 4," in capsys.readouterr().out
 
 
+def _digits(cwd: Path, *overrides: str) -> tuple[int, str]:
+    """``python recipes/digits.py overrides...`` run from ``cwd``: its exit status and output."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "digits.py"), *overrides], cwd=cwd, capture_output=True, text=True,
+        timeout=RECIPE_TIMEOUT, env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    return result.returncode, result.stdout + result.stderr
+
+
+def _resume_command(output: str) -> list[str]:
+    line = next(line for line in output.splitlines() if line.startswith("[lit_dp] to resume this run: "))
+    return shlex.split(line.removeprefix("[lit_dp] to resume this run: "))
+
+
+@pytest.mark.slow
+def test_a_truncated_last_checkpoint_falls_back_by_name_and_none_good_stops_the_run(tmp_path):
+    # One process, 12 steps, a checkpoint every 4: step=8.ckpt, step=12.ckpt, and last.ckpt (step 12, at the fit's end).
+    status, output = _digits(tmp_path, *QUIET, "~logger", "trainer.devices=1", "trainer.max_steps=12",
+                             "checkpoint_every_n_steps=4")
+    assert status == 0, output[-4000:]
+    command = _resume_command(output)  # what rank 0 printed at the start
+    [folder] = (tmp_path / "outputs" / "digits").iterdir()
+    checkpoints = folder / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step=12.ckpt", "step=8.ckpt"]
+    for name in ("last.ckpt", "step=12.ckpt"):  # the newest two, as a crash while writing both would leave them
+        _truncate(checkpoints / name)
+
+    # The printed command, run as printed but for two more steps, resumes from the previous good checkpoint.
+    assert command[:2] == ["python", str(ROOT / "recipes" / "digits.py")] and command[-1] == f"hydra.run.dir={folder}"
+    status, output = _digits(tmp_path, *command[2:], "trainer.max_steps=14")
+    assert status == 0, output[-4000:]
+    resumed = next(line for line in output.splitlines() if line.startswith("[lit_dp] resuming from "))
+    assert resumed.startswith(
+        f"[lit_dp] resuming from {checkpoints / 'step=8.ckpt'} (step 8, a checkpoint of this run is already in its "
+        "folder); skipped, newer but unusable: "
+    )
+    for name in ("last.ckpt", "step=12.ckpt"):
+        assert f"{checkpoints / name} (damaged: " in resumed
+    assert torch.load(checkpoints / "step=12.ckpt", weights_only=False)["global_step"] == 12  # written again, whole
+
+    for path in checkpoints.glob("*.ckpt"):
+        _truncate(path)
+    before = {path.name: path.read_bytes() for path in checkpoints.glob("*.ckpt")}
+    status, output = _digits(tmp_path, *command[2:], "trainer.max_steps=14")
+    assert status == 1
+    assert f"NoUsableCheckpoint: ckpt_path=auto: no checkpoint in {folder}, {checkpoints} can resume this run: " in output
+    for name in before:
+        assert f"{checkpoints / name} (damaged: " in output
+    assert before == {path.name: path.read_bytes() for path in checkpoints.glob("*.ckpt")}  # left as they were
+    assert "Seed set" not in output  # stopped before anything was built
+
+
 # The torchrun runs: as short as a mid-epoch kill allows (digits: 23 steps an epoch on 2 ranks).
 RUN = [*QUIET, "trainer.max_epochs=2", "trainer.limit_val_batches=2", "checkpoint_every_n_steps=5", "~logger"]
 KILL = ["+callbacks.kill._target_=lit_dp_recipes.faults.KillRankOnce", "+callbacks.kill.step=30"]
@@ -273,8 +326,9 @@ def uninterrupted(tmp_path_factory) -> tuple[dict[str, float], dict[str, torch.T
 def _assert_resumed_exactly(output: str, run_dir: Path, uninterrupted) -> None:
     metrics, weights = uninterrupted
     assert "[lit_dp] fault: rank 1 killed after step 30" in output
-    assert f"[lit_dp] resuming from {run_dir / 'checkpoints' / 'step=30.ckpt'} (step 30, restart 1 of 1)" in output
-    assert "[lit_dp] epoch 1 continues at batch 7" in output
+    # The step-30 checkpoint is not written: rank 1 dies before the checkpoint callback's agreement on it.
+    assert f"[lit_dp] resuming from {run_dir / 'checkpoints' / 'step=25.ckpt'} (step 25, restart 1 of 1)" in output
+    assert "[lit_dp] epoch 1 continues at batch 2" in output
     assert model_metrics(output) == metrics
     resumed = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert all(torch.equal(resumed[name], weights[name]) for name in weights)

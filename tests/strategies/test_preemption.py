@@ -119,6 +119,19 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_a_rerun_of_the_comma
 
 
 @pytest.mark.slow
+def test_sigterm_to_a_spawning_launcher_reaches_the_ranks_which_save_and_exit_143(tmp_path):
+    # Under start_method=spawn the launching process runs no rank: it passes the signal on and waits.
+    run = RecipeRun("digits", tmp_path, *RUN, "strategy.start_method=spawn")
+    run.wait_for_ranks(2)
+    os.kill(run.process.pid, signal.SIGTERM)
+    assert run.wait(ENDS_WITHIN) == 143
+    run.assert_all_gone()
+    step = _stopped_step(run.output, "SIGTERM", "ranks 0, 1")
+    [last] = (tmp_path / "outputs" / "digits").glob("*/checkpoints/last.ckpt")
+    assert torch.load(last, weights_only=False)["global_step"] == step
+
+
+@pytest.mark.slow
 def test_sigterm_to_one_worker_ends_the_job_within_seconds_with_a_checkpoint(tmp_path):
     run = RecipeRun("digits", tmp_path, *RUN)
     pids = run.wait_for_ranks(2)
