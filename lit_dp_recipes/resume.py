@@ -303,7 +303,8 @@ class ResumableRun:
             return f"no checkpoint in {self.folders[-1]} yet: a rerun starts from scratch"
         if self.command is None:
             return f"a rerun with ckpt_path=auto in {self.run_dir} resumes from {newest.path} (step {newest.step})"
-        return f"a rerun resumes from {newest.path} (step {newest.step}): {self.command}"
+        launcher = " under the same launcher" if self.attempt.job_id else ""
+        return f"a rerun{launcher} resumes from {newest.path} (step {newest.step}): {self.command}"
 
 
 class LauncherTerminated(RuntimeError):
