@@ -11,10 +11,14 @@ the launcher's own summary names the failed rank.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import subprocess
 import time
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # How long a failed rank 0 waits for the rank whose socket closed to be reaped: a process killed
 # by a signal closes its sockets as it exits, a moment before its parent can see its status.
@@ -34,7 +38,15 @@ class LostRanks:
 
     def note(self, exception: BaseException, launcher: Any, node_rank: int, num_processes: int, global_rank: int) -> None:
         """Add to ``exception`` a note per rank of this job known to have died (see the module docstring)."""
-        children = list(getattr(launcher, "procs", None) or [])
+        try:
+            self._note(exception, launcher, node_rank, num_processes, global_rank)
+        except Exception:  # noqa: BLE001 - a diagnosis that fails must not replace the error it would explain
+            log.debug("lit_dp: could not tell which rank died", exc_info=True)
+
+    def _note(self, exception: BaseException, launcher: Any, node_rank: int, num_processes: int, global_rank: int) -> None:
+        # Lightning's script launcher keeps the `Popen` of local ranks 1..n-1. Under its spawn/fork
+        # launcher the parent runs no rank, and torch's own error already names the process.
+        children = [child for child in getattr(launcher, "procs", None) or [] if isinstance(child, subprocess.Popen)]
         deadline = time.monotonic() + EXIT_GRACE_SECONDS
         while children and not any(_exit_status(child) for child in children) and time.monotonic() < deadline:
             time.sleep(0.05)
