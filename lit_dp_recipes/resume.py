@@ -218,6 +218,7 @@ class ResumableRun:
         self.attempt = attempt if attempt is not None else JobAttempt.from_environ()
         self.every_n_steps = cfg.get("checkpoint_every_n_steps")
         self._hydra = HydraConfig.get() if HydraConfig.initialized() else None
+        self._from_earlier_run: Checkpoint | None = None  # resumed from another folder's checkpoint
 
     @property
     def command(self) -> str | None:
@@ -246,6 +247,7 @@ class ResumableRun:
         chosen, skipped = choose_checkpoint(self.folders)
         if chosen is None and not skipped and (earlier := self._earlier_run()) is not None:
             chosen, skipped = choose_checkpoint(earlier.folders)
+            self._from_earlier_run = chosen
             why = f"the newest run of this command, {earlier.folder}, did not finish"
         elif self.attempt.is_restart:
             why = self.attempt.describe()
@@ -298,13 +300,16 @@ class ResumableRun:
             (self.run_dir / FINISHED_MARKER).touch()
 
     def where_a_rerun_resumes(self) -> str:
-        newest = newest_checkpoint(self.folders)
+        """One line: the checkpoint a rerun resumes from, and the command (or: from scratch)."""
+        newest = newest_checkpoint(self.folders) or self._from_earlier_run
         if newest is None:
             return f"no checkpoint in {self.folders[-1]} yet: a rerun starts from scratch"
         if self.command is None:
             return f"a rerun with ckpt_path=auto in {self.run_dir} resumes from {newest.path} (step {newest.step})"
         launcher = " under the same launcher" if self.attempt.job_id else ""
-        return f"a rerun{launcher} resumes from {newest.path} (step {newest.step}): {self.command}"
+        # Still the earlier run's checkpoint: this folder's explicit rerun must be pointed at it.
+        elsewhere = f" ckpt_path={shlex.quote(str(newest.path))}" if newest is self._from_earlier_run else ""
+        return f"a rerun{launcher} resumes from {newest.path} (step {newest.step}): {self.command}{elsewhere}"
 
 
 class LauncherTerminated(RuntimeError):

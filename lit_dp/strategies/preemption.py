@@ -41,8 +41,8 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 

@@ -95,6 +95,25 @@ SAMPLES, BATCH = 96, 4
 STOP_BEFORE = 16  # 2 ranks: 12 batches an epoch, so batch 4 of epoch 1
 
 
+def _fit_with_checkpoints(model, folder, ckpt_path=None, stop_before=None, **options) -> list[str]:
+    """Fit ``model`` for 2 epochs (stopped before step ``stop_before``, if given), a checkpoint at every
+    step in ``folder``; Lightning's "not resumable" warnings during the fit."""
+    callbacks = [ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=0, save_last=True)]
+    if stop_before is not None:
+        callbacks.append(_StopBeforeStep(stop_before))
+    trainer = pl.Trainer(
+        accelerator="cpu", strategy="paddle_dp", max_epochs=2, logger=False, num_sanity_val_steps=0,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **options,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(model, ckpt_path=ckpt_path)
+        except _Preempted:
+            pass
+    return [str(w.message) for w in caught if "dataloader is not resumable" in str(w.message)]
+
+
 def _indexed_fit(rank, folder, devices, ckpt_path=None):
     """One rank of a fit of ``_Indexed`` (stopped before step 16 when not resuming): the indices it
     trained in epoch 1, lit_dp's lines, and whether Lightning's "not resumable" warning came."""
@@ -104,22 +123,10 @@ def _indexed_fit(rank, folder, devices, ckpt_path=None):
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
-    callbacks = [ModelCheckpoint(dirpath=Path(folder), every_n_train_steps=1, save_top_k=0, save_last=True)]
-    if ckpt_path is None:
-        callbacks.append(_StopBeforeStep(STOP_BEFORE))
     model = _Indexed()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy="paddle_dp", max_epochs=2, logger=False, num_sanity_val_steps=0,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            trainer.fit(model, ckpt_path=ckpt_path)
-        except _Preempted:
-            pass
-    not_resumable = any("dataloader is not resumable" in str(w.message) for w in caught)
-    return model.seen.get(1, []), [line for line in lines if line.startswith("[lit_dp] epoch")], not_resumable
+    stop_before = STOP_BEFORE if ckpt_path is None else None
+    warned = _fit_with_checkpoints(model, Path(folder), ckpt_path, stop_before, devices=devices)
+    return model.seen.get(1, []), [line for line in lines if line.startswith("[lit_dp] epoch")], bool(warned)
 
 
 @pytest.fixture(scope="module")
@@ -171,22 +178,12 @@ class _OwnBatchesIndexed(_Indexed):
 
 @pytest.mark.slow
 def test_lightnings_not_resumable_warning_stays_where_lit_dp_does_not_restore_the_position(tmp_path):
-    def fit(model, ckpt_path=None, stop=True):
-        callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=0, save_last=True)]
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1, strategy="paddle_dp", max_epochs=2, logger=False, use_distributed_sampler=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks + [_StopBeforeStep(30)] * stop,
-        )
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                trainer.fit(model, ckpt_path=ckpt_path)
-            except _Preempted:
-                pass
-        return [str(w.message) for w in caught if "dataloader is not resumable" in str(w.message)]
+    def fit(model, ckpt_path=None):
+        stop_before = None if ckpt_path else 30
+        return _fit_with_checkpoints(model, tmp_path, ckpt_path, stop_before, devices=1, use_distributed_sampler=False)
 
     assert fit(_OwnBatchesIndexed()) == []
-    assert len(fit(_OwnBatchesIndexed(), tmp_path / "last.ckpt", stop=False)) == 1  # Lightning's own, kept
-    assert fit(_Indexed(), stop=True) == []
-    assert fit(_Indexed(), tmp_path / "last.ckpt", stop=False) == []  # continued by lit_dp: silenced
+    assert len(fit(_OwnBatchesIndexed(), tmp_path / "last.ckpt")) == 1  # Lightning's own, kept
+    assert fit(_Indexed()) == []
+    assert fit(_Indexed(), tmp_path / "last.ckpt") == []  # continued by lit_dp: silenced
     assert not any("dataloader is not resumable" in str(f[1].pattern) for f in warnings.filters if f[1] is not None)
