@@ -36,6 +36,7 @@ from lit_dp.join import DataParallelJoin
 from lit_dp.options import FABRIC, Options, options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
+from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 
 FABRIC_UNUSED_PARAMETERS_MESSAGE = (
     "It looks like your model has parameters that were not used in producing the loss passed to "
@@ -76,7 +77,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=default_cluster_environment(cluster_environment),
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),  # as the Trainer's
             precision=precision,
         )
         self._keep_options(options, values)

@@ -78,7 +78,8 @@ class Preempted(SystemExit):
         name = signal.Signals(self.signum).name
         ranks = ("ranks " if len(self.ranks) > 1 else "rank ") + ", ".join(map(str, self.ranks))
         requeued = f"; {self.requeued}" if self.requeued else ""
-        return f"{name} received by {ranks}: every rank stopped after step {self.step}, checkpoint {self.checkpoint}{requeued}"
+        stopped = f"every rank stopped after step {self.step}, checkpoint {self.checkpoint}"
+        return f"{name} received by {ranks}: {stopped}{requeued}"
 
     def __str__(self) -> str:
         return self.reason
@@ -223,7 +224,9 @@ class _StopAtStepBoundary(pl.Callback):
     def __init__(self, preemption: Preemption) -> None:
         self._preemption = preemption
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._preemption.at_step_boundary(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from lit_dp import PaddleDPStrategy, fabric
 from lit_dp.strategies.checkpoint_io import PARTIAL_MARKER, AtomicCheckpointIO
 from tests.helpers.recipes import ROOT
 
@@ -32,6 +33,13 @@ def test_a_write_replaces_the_file_whole(tmp_path):
         io.save_checkpoint({"global_step": step}, path)
     assert io.load_checkpoint(path) == {"global_step": 2}
     assert not any(PARTIAL_MARKER in name for name in os.listdir(tmp_path))
+
+
+def test_both_strategies_write_atomically_unless_given_another_writer():
+    assert type(PaddleDPStrategy().checkpoint_io) is AtomicCheckpointIO
+    assert type(fabric.PaddleDPStrategy().checkpoint_io) is AtomicCheckpointIO
+    mine = AtomicCheckpointIO()
+    assert fabric.PaddleDPStrategy(checkpoint_io=mine).checkpoint_io is mine
 
 
 # Run inside a mount namespace of its own (`unshare`), on a 256 KiB tmpfs: a real full disk.
