@@ -102,8 +102,8 @@ def read_checkpoint(path: Path) -> Checkpoint | Unusable:
     if size == 0:
         return Unusable(path, modified, "damaged: empty")
     if not zipfile.is_zipfile(path):
-        return Unusable(path, modified, f"damaged: {size} bytes without the zip directory a checkpoint ends with, "
-                        "truncated")
+        reason = f"damaged: {size} bytes without the zip directory a checkpoint ends with, truncated"
+        return Unusable(path, modified, reason)
     try:
         # The job's own files (a Lightning checkpoint holds hyperparameter objects, so not weights_only).
         content = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
