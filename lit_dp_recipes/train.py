@@ -13,18 +13,11 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig
 
-from lit_dp.job.restart import JobAttempt
 from lit_dp_recipes.callbacks import CompileModel
 from lit_dp_recipes.config import build_strategy, validate_trainer
 from lit_dp_recipes.launch import use_job_launcher
 from lit_dp_recipes.report import say
-from lit_dp_recipes.resume import (
-    check_checkpoint_every_n_steps,
-    checkpoint_folders,
-    last_attempt_report,
-    resolve_ckpt_path,
-    use_atomic_checkpoints,
-)
+from lit_dp_recipes.resume import ResumableRun, check_checkpoint_every_n_steps, use_atomic_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +27,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     Invalid options raise here, before Lightning starts any process: the strategy's options are
     validated once as the strategy is built, first, then the trainer section is checked.
-    ``ckpt_path=auto`` resumes from the run folder's newest complete checkpoint
-    (``lit_dp_recipes.resume``).
+    ``ckpt_path=auto`` resumes from the run folder's newest good checkpoint, rank 0 says where
+    the run writes and how to resume it, and after a failure which checkpoint a rerun resumes
+    from (``lit_dp_recipes.resume``).
     """
     strategy = use_atomic_checkpoints(build_strategy(cfg.strategy))
     validate_trainer(cfg)
     check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps"))
-    attempt, folders = JobAttempt.from_environ(), checkpoint_folders(cfg)
+    run = ResumableRun(cfg)
+    run.announce()
+    ckpt_path = run.resolve(cfg.get("ckpt_path"))
     compile_callbacks = _compile_callbacks(cfg)
     _code_warnings_from_rank_zero_only()
     pl.seed_everything(cfg.seed, workers=True, verbose=rank_zero_only.rank == 0)
@@ -53,8 +49,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         callbacks=_callbacks(cfg) + compile_callbacks,
     )
     use_job_launcher(trainer.strategy)
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), folders, attempt)
-    with last_attempt_report(folders, attempt):
+    with run.fitting(ckpt_path):
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:

@@ -39,6 +39,7 @@ from lit_dp.options import FABRIC, Options
 from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
+from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=default_cluster_environment(cluster_environment),
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),  # as the Trainer's
             precision=precision,
         )
         self._keep_options(options, values)

@@ -32,7 +32,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -51,7 +51,9 @@ from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.strategies.monitor import CommStatsMonitor
-from lit_dp.strategies.resume import continue_epoch
+from lit_dp.strategies.lost_ranks import LostRanks
+from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher, Preemption
+from lit_dp.strategies.resume import EpochContinuation
 from lit_dp.strategies.sharded_clipping import clip_sharded_by_global_norm
 from lit_dp.strategies.uneven import UnevenInputs
 from lit_dp.strategies.watchdog import StrategyWatchdog
@@ -91,7 +93,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """
 
     strategy_name = "paddle_dp"
-    _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)
+    _launchers = (_SubprocessScriptLauncher, ForwardingMultiProcessingLauncher)  # lit_dp.strategies.preemption
     _options_scope = TRAINER
 
     def __init__(
@@ -119,6 +121,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._local_sgd: LocalSGD | None = None
         self._local_sgd_resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
         self._tuned_buffer_size: float | None = None  # with "auto": restored, or chosen by a finished fit
+        self._preemption = Preemption()  # SIGTERM/SIGUSR1: lit_dp.strategies.preemption
+        self._lost_ranks = LostRanks()  # a dead rank named: lit_dp.strategies.lost_ranks
+        self._epoch_continuation = EpochContinuation()  # mid-epoch resumes: lit_dp.strategies.resume
 
     @property
     def tuned_comm_buffer_size(self) -> float | None:
@@ -198,6 +203,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
                 log.debug("%s: CommStatsMonitor added to the callbacks", type(self).__name__)
                 trainer.callbacks.append(CommStatsMonitor())
         self._uneven.setup(trainer, self.model, sync_batchnorm=self._layer_sync is not None)
+        self._preemption.setup(trainer, self.world_size, self.global_rank)  # collective under NCCL: on every rank
 
     @override
     def _setup_model(self, model: Module) -> DataParallel:
@@ -288,7 +294,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         trainer = self._running_trainer
         if trainer is not None:
             if trainer.training:
-                dataloader = continue_epoch(dataloader, trainer.fit_loop)
+                dataloader = self._epoch_continuation.process(dataloader, trainer.fit_loop, self.world_size)
             dataloader = self._uneven.process_dataloader(trainer, dataloader)
         return super().process_dataloader(dataloader)
 
@@ -391,6 +397,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             else arg
             for arg in exception.args
         )
+        if isinstance(exception, Exception):  # not a stop (Preempted, Ctrl-C): lit_dp.strategies.lost_ranks
+            self._lost_ranks.note(exception, self.launcher, self.node_rank, self.num_processes, self.global_rank)
 
     @override
     def save_checkpoint(
@@ -401,6 +409,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             own["tuned_comm_buffer_size"] = self.tuned_comm_buffer_size
         if self._local_sgd is not None:
             own["local_sgd"] = self._local_sgd.state_dict()
+        if (layout := self._epoch_continuation.state_dict()) is not None:
+            own["loader"] = layout  # lit_dp.strategies.resume: a resume with other ranks reads it
         if own:
             checkpoint[CHECKPOINT_KEY] = own
         # Rank 0 writes while the others wait in a barrier: a known phase of the hang watchdog.
@@ -418,6 +428,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if tuned is not None and self._options.comm_buffer_size == AUTO:
             self._tuned_buffer_size = tuned
         self._local_sgd_resumed = own.get("local_sgd")
+        self._epoch_continuation.load_state_dict(own.get("loader"))  # lit_dp.strategies.resume
         return checkpoint
 
     @override
@@ -427,6 +438,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._local_sgd = None
         self._uneven.teardown()
         self._watchdog.teardown()
+        self._preemption.teardown()
+        self._epoch_continuation.teardown()
         if isinstance(self.model, DataParallel):
             self.model.flush_comm_stats()  # the trace of a run shorter than trace_steps
             self._tuned_buffer_size = self.tuned_comm_buffer_size

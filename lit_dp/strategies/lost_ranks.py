@@ -1,0 +1,78 @@
+"""A rank that died, named: which rank, its pid and exit status, beside its peers' collective error.
+
+When a rank dies (an OOM kill, a segfault, ``kill -9``), its peers see only their transport's
+view of it, e.g. Gloo's ``Connection reset by peer``. Under Lightning's script launcher the
+launching process is rank 0 and the parent of the other local ranks, so it can say more: when
+``fit`` fails, ``LostRanks.note`` adds a note to the exception (``BaseException.add_note``,
+printed under the traceback's last line) for each child rank that has exited, with its exit
+status, and a rank whose parent (the launching rank) is gone says so. Under torchrun or SLURM
+the launcher's own summary names the failed rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# How long a failed rank 0 waits for the rank whose socket closed to be reaped: a process killed
+# by a signal closes its sockets as it exits, a moment before its parent can see its status.
+EXIT_GRACE_SECONDS = 1.0
+
+
+class LostRanks:
+    """Held by ``PaddleDPStrategy``; ``note(exception, ...)`` is called from its ``on_exception``."""
+
+    def __init__(self) -> None:
+        self._parent = os.getppid()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Pickled into a spawned rank: its parent is the process that spawned it.
+        self.__dict__.update(state)
+        self._parent = os.getppid()
+
+    def note(self, exception: BaseException, launcher: Any, node_rank: int, num_processes: int, global_rank: int) -> None:
+        """Add to ``exception`` a note per rank of this job known to have died (see the module docstring)."""
+        try:
+            self._note(exception, launcher, node_rank, num_processes, global_rank)
+        except Exception:  # noqa: BLE001 - a diagnosis that fails must not replace the error it would explain
+            log.debug("lit_dp: could not tell which rank died", exc_info=True)
+
+    def _note(self, exception: BaseException, launcher: Any, node_rank: int, num_processes: int, global_rank: int) -> None:
+        # Lightning's script launcher keeps the `Popen` of local ranks 1..n-1. Under its spawn/fork
+        # launcher the parent runs no rank, and torch's own error already names the process.
+        children = [child for child in getattr(launcher, "procs", None) or [] if isinstance(child, subprocess.Popen)]
+        deadline = time.monotonic() + EXIT_GRACE_SECONDS
+        while children and not any(_exit_status(child) for child in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for local_rank, child in enumerate(children, start=1):
+            status = _exit_status(child)
+            if status:
+                rank = node_rank * num_processes + local_rank
+                exception.add_note(
+                    f"lit_dp: rank {rank} (pid {child.pid}, started by this process) died: {_describe_status(status)}; "
+                    "the error above is how its peers saw it. Its output went where this process's goes."
+                )
+        if global_rank != 0 and os.getppid() != self._parent:
+            exception.add_note(
+                f"lit_dp: the process that started this rank (pid {self._parent}, rank 0 under Lightning's script "
+                "launcher) is gone; its output or log says why."
+            )
+
+
+def _exit_status(process: Any) -> int | None:
+    """The child's exit status once it has exited with a failure; None while it runs or after a clean exit."""
+    status = process.poll()
+    return status or None
+
+
+def _describe_status(status: int) -> str:
+    if status < 0:
+        name = signal.Signals(-status).name if -status in signal.valid_signals() else f"signal {-status}"
+        return f"killed by {name} (exit status {status}; {128 - status} in a shell)"
+    return f"exited with status {status}"

@@ -1,0 +1,259 @@
+"""Preemption: SIGTERM or SIGUSR1 stops every rank at the same step, with a checkpoint, exit status non-zero.
+
+Schedulers warn a job before they stop it: Kubernetes and torchrun's agent send SIGTERM, SLURM
+``--signal=SIGUSR1@90`` sends SIGUSR1 (or the signal ``SLURMEnvironment(requeue_signal=...)``
+names). What ``PaddleDPStrategy`` does during ``trainer.fit``:
+
+1. A signal is only recorded by the rank that receives it (and forwarded to the ranks this
+   process started, as Lightning does): nothing runs inside the handler. Lightning's own
+   handler broadcasts a flag from inside the handler, at whatever point the rank was, and the
+   other ranks, who did not get the signal, never join that broadcast: a signal to one worker
+   stalled the job until the hang watchdog or the group's timeout.
+2. At each optimizer-step boundary (``on_train_batch_end`` after a step) the ranks agree: one
+   all-reduce of ``world_size`` integers on the host, each rank's slot holding the signal it
+   got (0: none). Every rank sees the same vector after the same step, so all stop there; no
+   timing assumption is involved. Its cost is one small blocking collective per optimizer step
+   (Gloo: the default group when it is Gloo, a Gloo group of its own under NCCL), of the order
+   of Lightning's own per-batch broadcast of its SIGTERM flag.
+3. At the agreed boundary every rank takes part in saving a checkpoint: Lightning's SLURM
+   requeue (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, then ``scontrol requeue``, Lightning's
+   own handler called at the boundary instead of inside the signal) when the signal is SLURM's
+   requeue signal with auto-requeue on; otherwise ``last.ckpt`` in the first ``ModelCheckpoint``'s
+   folder (``default_root_dir`` without one). Rank 0 says which rank got which signal, the step
+   and the file; then every rank raises ``Preempted``, a ``SystemExit`` with status 128 + the
+   signal number (143 for SIGTERM), as a process killed by that signal reports it: a scheduler
+   sees a failure, and torchrun restarts the job if it may.
+
+Under ``start_method="spawn"`` or ``"fork"`` the launching process runs no rank: while the ranks
+run, ``ForwardingMultiProcessingLauncher`` (Lightning's launcher for those) passes SIGTERM and
+SIGUSR1 on to them, and exits with their status 128 + signal once they have stopped, where
+Lightning's would die at once and leave the ranks to their parent-death signal, unsaved.
+
+A signal received after the last optimizer step of the fit changes nothing: the fit has
+completed and saved what its callbacks save. Lightning's connector is replaced through
+``trainer._signal_connector`` (the one place Lightning reads it), by a subclass of its own, so its
+bookkeeping is reused: handlers in place from the start of the fit's run stage to its teardown,
+the previous handlers restored afterwards, its SLURM detection and requeue.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """The fit stopped for a signal: every rank saved at the same step. ``code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int, ranks: list[int], step: int, checkpoint: str, requeued: str | None) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.ranks = ranks
+        self.step = step
+        self.checkpoint = checkpoint
+        self.requeued = requeued
+
+    @property
+    def reason(self) -> str:
+        """One line: which signal, on which ranks, where every rank stopped and what was saved."""
+        name = signal.Signals(self.signum).name
+        ranks = ("ranks " if len(self.ranks) > 1 else "rank ") + ", ".join(map(str, self.ranks))
+        requeued = f"; {self.requeued}" if self.requeued else ""
+        stopped = f"every rank stopped after step {self.step}, checkpoint {self.checkpoint}"
+        return f"{name} received by {ranks}: {stopped}{requeued}"
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+class Preemption:
+    """What ``PaddleDPStrategy`` holds for signals while fitting (see the module docstring).
+
+    The strategy calls ``setup(trainer, ...)`` when it sets up a fit and ``teardown()`` when it
+    tears down; the rest happens in Lightning's signal connector and in a callback this adds.
+    """
+
+    def __init__(self) -> None:
+        self._received: int | None = None  # the first stop signal this rank got during the fit
+        self._group: Any = None  # where the ranks agree; None: the default group
+        self._world_size = 1
+        self._rank = 0
+        self._last_step: int | None = None
+
+    @property
+    def received(self) -> int | None:
+        """The stop signal this rank received during the current fit, if any."""
+        return self._received
+
+    def setup(self, trainer: pl.Trainer, world_size: int, rank: int) -> None:
+        """Take over the fit's signal handling and add the step-boundary callback (every rank, collectively)."""
+        self._received = None
+        self._world_size, self._rank = world_size, rank
+        self._last_step = trainer.global_step
+        if not isinstance(trainer._signal_connector, _PreemptionSignals):
+            trainer._signal_connector = _PreemptionSignals(trainer, self)
+        # The agreement is a host-side exchange: under NCCL on a Gloo group of its own.
+        if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, _StopAtStepBoundary)]
+        trainer.callbacks.append(_StopAtStepBoundary(self))
+        log.debug("lit_dp preemption: SIGTERM and SIGUSR1 stop the fit at the next optimizer step all ranks agree on")
+
+    def teardown(self) -> None:
+        self._received = None
+        self._group = None  # destroyed with the others when the strategy ends the process group
+
+    def at_train_end(self) -> None:
+        if self._received is not None:
+            log.info(
+                "lit_dp: %s arrived on rank %d after the fit's last optimizer step: the fit completed",
+                signal.Signals(self._received).name,
+                self._rank,
+            )
+
+    def record(self, signum: int) -> None:
+        """From the signal handler: remember the first stop signal, nothing else."""
+        if self._received is None:
+            self._received = signum
+
+    def at_step_boundary(self, trainer: pl.Trainer) -> None:
+        """After an optimizer step: agree with the other ranks; if any got a signal, save and stop."""
+        if trainer.global_step == self._last_step:
+            return  # an accumulation micro-batch: no step taken, no boundary
+        self._last_step = trainer.global_step
+        signals = self._agree()
+        if not any(signals):
+            return
+        ranks = [rank for rank, signum in enumerate(signals) if signum]
+        signum = signals[ranks[0]]
+        requeue_signal = _slurm_requeue_signal(trainer)
+        requeue = requeue_signal is not None and requeue_signal in signals
+        if requeue:
+            # Lightning's own SLURM handler, at the boundary: hpc_ckpt_<n>.ckpt, then scontrol requeue.
+            checkpoint = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+            trainer._signal_connector._slurm_sigusr_handler_fn(requeue_signal, None)
+            signum = requeue_signal
+        else:
+            checkpoint = str(stop_checkpoint_path(trainer))
+            trainer.save_checkpoint(checkpoint, weights_only=False)
+        requeued = "requeue asked of SLURM (scontrol requeue; Lightning logs its answer)" if requeue else None
+        stop = Preempted(signum, ranks, trainer.global_step, checkpoint, requeued)
+        if trainer.is_global_zero:
+            print(f"[lit_dp] {stop.reason}; exiting with status {stop.code}", flush=True)
+        self._received = None
+        raise stop
+
+    def _agree(self) -> list[int]:
+        """Every rank's received signal (0: none), the same list on every rank."""
+        mine = self._received or 0
+        if self._world_size == 1 or not dist.is_initialized():
+            return [mine]
+        signals = torch.zeros(self._world_size, dtype=torch.int32)
+        signals[self._rank] = mine
+        dist.all_reduce(signals, group=self._group)
+        return signals.tolist()
+
+
+def stop_checkpoint_path(trainer: pl.Trainer) -> Path:
+    """Where a stop saves: ``last.ckpt`` (the callback's own name for it) in the first
+    ``ModelCheckpoint``'s folder, where ``ckpt_path="last"`` finds it; else ``default_root_dir``."""
+    callback = trainer.checkpoint_callback
+    if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+        metrics = {**trainer.callback_metrics, "epoch": torch.tensor(trainer.current_epoch),
+                   "step": torch.tensor(trainer.global_step)}
+        return Path(callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST))
+    return Path(trainer.default_root_dir) / f"last{ModelCheckpoint.FILE_EXTENSION}"
+
+
+def _slurm_requeue_signal(trainer: pl.Trainer) -> int | None:
+    environment = trainer._accelerator_connector.cluster_environment
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
+        return int(environment.requeue_signal)
+    return None
+
+
+class _PreemptionSignals(_SignalConnector):
+    """Lightning's signal connector whose handlers only record the signal (see the module docstring)."""
+
+    def __init__(self, trainer: pl.Trainer, preemption: Preemption) -> None:
+        super().__init__(trainer)
+        self._preemption = preemption
+
+    @override
+    def register_signal_handlers(self) -> None:
+        if self.trainer.state.fn != TrainerFn.FITTING:
+            super().register_signal_handlers()  # validate, test, predict: Lightning's own handling
+            return
+        self.received_sigterm = False  # Lightning's loops act on it rank by rank: never set here
+        self._original_handlers = self._get_current_signal_handlers()
+        requeue_signal = _slurm_requeue_signal(self.trainer)
+        for signum in {*STOP_SIGNALS, *([requeue_signal] if requeue_signal else [])}:
+            self._register_signal(signum, self._record)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self._preemption.received is None:
+            launcher = self.trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)  # the ranks this process started (Lightning's script launcher)
+        self._preemption.record(signum)
+
+
+class _StopAtStepBoundary(pl.Callback):
+    """Calls ``Preemption.at_step_boundary`` after every training batch (it skips batches with no
+    step), and tells it when training has ended."""
+
+    def __init__(self, preemption: Preemption) -> None:
+        self._preemption = preemption
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._preemption.at_step_boundary(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._preemption.at_train_end()
+
+
+class ForwardingMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher for ``start_method="spawn"``/``"fork"``, whose launching process passes
+    SIGTERM and SIGUSR1 on to the ranks and exits with their 128 + signal once they have stopped."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        forwarded: list[int] = []
+
+        def forward(signum: int, frame: FrameType | None) -> None:
+            forwarded.append(signum)
+            self.kill(signum)  # the ranks started so far (`self.procs`); each stops at the agreed step
+
+        previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except torch.multiprocessing.ProcessExitedException as exited:
+            if forwarded and exited.exit_code == 128 + forwarded[0]:
+                raise SystemExit(exited.exit_code) from exited  # the ranks stopped as asked, and saved
+            raise
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)

@@ -1,0 +1,175 @@
+"""SIGTERM and SIGUSR1 under ``PaddleDPStrategy``: every rank saves at the same step and exits non-zero.
+
+Real signals to real processes: ``os.kill`` of a rank's own process inside a fit on 1 or 2 ranks
+(the strategy joins ranks started by ``run_ranks``), and of the launcher or a worker of
+``python recipes/digits.py`` started from a fresh working directory
+(``tests.helpers.signals.RecipeRun``). A run that does not end names the ranks still alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_dp import PaddleDPStrategy
+from lit_dp.strategies.lost_ranks import _describe_status
+from lit_dp.strategies.preemption import Preempted
+from tests.helpers.distributed import run_ranks
+from tests.helpers.lightning import Regressor, trainer
+from tests.helpers.signals import RecipeRun
+
+# Far below hang_timeout (300 s), which is how long a signal to one worker used to stall the job;
+# generous for a loaded 2-core machine, where the run's own teardown takes seconds.
+ENDS_WITHIN = 90
+
+
+class _SignalAt(pl.Callback):
+    """``signum`` to this process after optimizer step ``step``, on rank ``rank`` only."""
+
+    def __init__(self, step: int, rank: int, signum: int) -> None:
+        self.step, self.rank, self.signum = step, rank, signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), self.signum)
+
+
+def _fit_until_signalled(rank: int, tmp_path: str, world_size: int, rank_to_signal: int, signum: int):
+    """One rank of a fit on ``world_size`` ranks in which ``rank_to_signal`` signals itself after step 3."""
+    from pathlib import Path
+
+    before = signal.getsignal(signum)
+    checkpoints = ModelCheckpoint(dirpath=Path(tmp_path) / "checkpoints", save_top_k=0, save_last=True)
+    run = trainer(
+        PaddleDPStrategy(), Path(tmp_path), devices=world_size, max_epochs=3, enable_checkpointing=True,
+        callbacks=[checkpoints, _SignalAt(3, rank_to_signal, signum)],
+    )  # fmt: skip
+    try:
+        run.fit(Regressor())
+    except Preempted as stop:
+        assert signal.getsignal(signum) == before  # the fit gave the handlers back
+        return stop.code, stop.ranks, stop.step, stop.checkpoint
+    raise AssertionError(f"rank {rank}: the fit ended without stopping for the signal")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world_size, rank_to_signal, signum",
+    [(1, 0, signal.SIGTERM), (2, 1, signal.SIGUSR1)],  # SIGTERM to one of 2 ranks: the recipe runs below
+    ids=["one-process-SIGTERM", "rank1-of-2-SIGUSR1"],
+)
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, world_size, rank_to_signal, signum):
+    # The signalled rank's handler only records it; the ranks agree at the step boundary right after.
+    outcomes = run_ranks(_fit_until_signalled, world_size, str(tmp_path), world_size, rank_to_signal, signum, timeout=180)
+    expected = (128 + signum, [rank_to_signal], 3, str(tmp_path / "checkpoints" / "last.ckpt"))
+    assert outcomes == {rank: expected for rank in range(world_size)}
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+
+
+def test_preempted_says_who_got_which_signal_and_what_was_saved():
+    stop = Preempted(signal.SIGTERM, [0, 1], 12, "ckpts/last.ckpt", None)
+    assert isinstance(stop, SystemExit) and stop.code == 143
+    assert str(stop) == "SIGTERM received by ranks 0, 1: every rank stopped after step 12, checkpoint ckpts/last.ckpt"
+    requeued = Preempted(signal.SIGUSR1, [3], 5, "hpc_ckpt_2.ckpt", "requeue asked of SLURM")
+    assert requeued.code == 138 and str(requeued).endswith("step 5, checkpoint hpc_ckpt_2.ckpt; requeue asked of SLURM")
+
+
+def test_a_dead_rank_is_described_by_its_exit_status():
+    assert _describe_status(-9) == "killed by SIGKILL (exit status -9; 137 in a shell)"
+    assert _describe_status(3) == "exited with status 3"
+
+
+# The recipe runs: digits, 2 processes under Lightning's script launcher (rank 0 is the launcher).
+RUN = ["trainer.max_epochs=2", "trainer.limit_val_batches=2", "checkpoint_every_n_steps=4"]
+
+
+def _stopped_step(output: str, signal_name: str, ranks: str) -> int:
+    line = next(line for line in output.splitlines() if f"[lit_dp] {signal_name} received by {ranks}:" in line)
+    return int(line.split("every rank stopped after step ")[1].split(",")[0])
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_every_rank_and_a_rerun_of_the_command_resumes(tmp_path):
+    run = RecipeRun("digits", tmp_path, *RUN)
+    run.wait_for_ranks(2)
+    run.send(0, signal.SIGTERM)
+    assert run.wait(ENDS_WITHIN) == 143
+    run.assert_all_gone()
+    output = run.output
+    [folder] = (tmp_path / "outputs" / "digits").iterdir()
+    assert f"[lit_dp] run folder: {folder}" in output
+    assert f"[lit_dp] checkpoints: {folder / 'checkpoints'} (every 4 optimizer steps;" in output
+    assert f"[lit_dp] to resume this run: python {run.script} " in output and f"hydra.run.dir={folder}" in output
+    step = _stopped_step(output, "SIGTERM", "ranks 0, 1")  # the launcher forwards it to the rank it started
+    last = folder / "checkpoints" / "last.ckpt"
+    assert f"checkpoint {last}; exiting with status 143" in output
+    assert torch.load(last, weights_only=False)["global_step"] == step
+    assert f"[lit_dp] a rerun resumes from {last} (step {step}): python " in output
+
+    rerun = RecipeRun("digits", tmp_path, *RUN)  # the same command, from the same place
+    assert rerun.wait(240) == 0, rerun.output[-4000:]
+    assert f"[lit_dp] resuming from {last} (step {step}, the newest run of this command, {folder}, did not finish)" \
+        in rerun.output
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_spawning_launcher_reaches_the_ranks_which_save_and_exit_143(tmp_path):
+    # Under start_method=spawn the launching process runs no rank: it passes the signal on and waits.
+    run = RecipeRun("digits", tmp_path, *RUN, "strategy.start_method=spawn")
+    run.wait_for_ranks(2)
+    os.kill(run.process.pid, signal.SIGTERM)
+    assert run.wait(ENDS_WITHIN) == 143
+    run.assert_all_gone()
+    step = _stopped_step(run.output, "SIGTERM", "ranks 0, 1")
+    [last] = (tmp_path / "outputs" / "digits").glob("*/checkpoints/last.ckpt")
+    assert torch.load(last, weights_only=False)["global_step"] == step
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_ends_the_job_within_seconds_with_a_checkpoint(tmp_path):
+    run = RecipeRun("digits", tmp_path, *RUN)
+    pids = run.wait_for_ranks(2)
+    started = time.monotonic()
+    run.send(1, signal.SIGTERM)
+    assert run.wait(ENDS_WITHIN) == 143
+    run.assert_all_gone()
+    assert time.monotonic() - started < ENDS_WITHIN
+    step = _stopped_step(run.output, "SIGTERM", "rank 1")
+    [last] = (tmp_path / "outputs" / "digits").glob("*/checkpoints/last.ckpt")
+    assert torch.load(last, weights_only=False)["global_step"] == step
+    assert pids[1] not in run.alive().values()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_named_with_its_exit_status_and_logs(tmp_path):
+    run = RecipeRun("digits", tmp_path, *RUN, step=5)  # after the first checkpoint (step 4)
+    pids = run.wait_for_ranks(2)
+    run.send(1, signal.SIGKILL)
+    assert run.wait(ENDS_WITHIN) not in (0, None)
+    run.assert_all_gone()
+    output = run.output
+    assert f"[lit_dp] rank 1 (pid {pids[1]}, started by this process) died: killed by SIGKILL (exit status -9; 137 " \
+           "in a shell)" in output
+    [folder] = (tmp_path / "outputs" / "digits").iterdir()
+    assert f"[lit_dp] the ranks' logs: {folder / 'digits.log'}, {folder / 'train_ddp_process_1.log'}" in output
+    assert "[lit_dp] a rerun resumes from " in output
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_which_checkpoint_a_rerun_resumes_from(tmp_path):
+    run = RecipeRun("digits", tmp_path, *RUN, step=5)  # after the first checkpoint (step 4)
+    run.wait_for_ranks(2)
+    os.killpg(run.process.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
+    assert run.wait(ENDS_WITHIN) == 1
+    run.assert_all_gone()
+    output = run.output
+    assert "[lit_dp] the run stopped: interrupted: Ctrl-C" in output
+    steps = [torch.load(path, weights_only=False)["global_step"] for path in tmp_path.glob("outputs/digits/*/checkpoints/*")]
+    assert f"[lit_dp] a rerun resumes from {tmp_path / 'outputs' / 'digits'}/" in output
+    assert f" (step {max(steps)}): python " in output
