@@ -169,6 +169,11 @@ class Options:
         False, ".grad tensors are views into the bucket buffers, stored once",
         _flag, scope=EVERYWHERE | {DDP}, config=bool,
     )  # fmt: skip
+    broadcast_buffers: bool = option(
+        True, "broadcast the first rank's buffers (BatchNorm statistics) before each forward that follows a "
+        "synchronised one, and at the start, as torch DDP does; False keeps buffers local",
+        _flag, scope=EVERYWHERE, config=bool,
+    )  # fmt: skip
     comm_dtype: Optional[str] = option(
         None, "fp16 or bf16: all-reduce gradients in half precision (wraps comm_hook if set)",
         _optional_choice("fp16", "bf16"), scope=EVERYWHERE, config=Optional[str],

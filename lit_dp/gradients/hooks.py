@@ -14,6 +14,7 @@ Lightning's ``ddp_comm_*`` names, the recipe names ``fp16|bf16|powersgd`` and Pa
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from lit_dp.gradients.strides import shaped_like
 from lit_dp.gradients.waiting import UNWATCHED, CollectiveHangError, Waiter
 
 Hook = Callable[[Any, "GradBucket"], torch.futures.Future]
@@ -67,9 +69,10 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """One view into ``buffer()`` per parameter, shaped like it (PowerSGD writes through them)."""
+        """One view into ``buffer()`` per parameter, with its sizes and strides (PowerSGD writes through
+        them; the layout contract of ``lit_dp.gradients.dense``, as DDP's ``GradBucket.gradients()``)."""
         pieces = self._buffer.split([p.numel() for p in self._params])
-        return [piece.view(param.shape) for piece, param in zip(pieces, self._params)]
+        return [shaped_like(piece, param) for piece, param in zip(pieces, self._params)]
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self._params)
@@ -89,7 +92,7 @@ class CommHook:
     """
 
     def __init__(self, state: object, hook: Hook, waiter: Waiter = UNWATCHED) -> None:
-        check_hook("hook", hook)
+        check_signature(hook)
         self.state = state
         self.hook = hook
         self.name = hook_name(hook)
@@ -129,9 +132,11 @@ class CommHook:
             raise RuntimeError(f"lit_dp: communication hook {self.name} raised on bucket {index}: {error!r}") from error
         # torch._C.Future: what Work.get_future() and Future.then() return (torch.futures.Future derives from it).
         if not isinstance(future, torch._C.Future):
-            raise TypeError(
-                f"lit_dp: communication hook {self.name} returned {type(future).__qualname__} for bucket {index}: "
-                "expected a torch.futures.Future whose value is the bucket's averaged flat gradient tensor."
+            # torch DDP's error, type and words: "callback must return a torch.futures.Future object".
+            raise RuntimeError(
+                f"lit_dp: communication hook {self.name}: callback must return a torch.futures.Future object, but "
+                f"got {type(future).__qualname__} for bucket {index}; expected a future whose value is the bucket's "
+                "averaged flat gradient tensor."
             )
         self._in_flight = future if self._ordered else None
         return future
@@ -147,6 +152,8 @@ class CommHook:
         if future is self._in_flight:
             self._in_flight = None
         value = self._wait(future, index)
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]  # a collective's own future holds [tensor]; torch DDP takes its one tensor too
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"lit_dp: communication hook {self.name} returned a future whose value is "
@@ -177,6 +184,28 @@ def hook_name(hook: object) -> str:
     module = getattr(hook, "__module__", None)
     name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
     return f"{module}.{name}" if module else name
+
+
+def check_signature(hook: object) -> None:
+    """torch DDP's checks of a hook given to ``register_comm_hook``, with its error types and words:
+    callable, and where annotated, a ``GradBucket`` argument and a ``Future[Tensor]`` result."""
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable. lit_dp.DataParallel.register_comm_hook got {hook!r}.")
+    try:
+        parameters = list(inspect.signature(hook, eval_str=True).parameters.values())
+        returns = inspect.signature(hook, eval_str=True).return_annotation
+    except (NameError, TypeError, ValueError):  # annotations that do not resolve here, or no signature
+        return
+    bucket = parameters[1].annotation if len(parameters) > 1 else inspect.Parameter.empty
+    if bucket not in (inspect.Parameter.empty, dist.GradBucket, GradBucket):
+        raise ValueError(
+            f"Communication hook: bucket annotation should be dist.GradBucket. {hook_name(hook)} annotates {bucket!r}."
+        )
+    if returns not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        raise ValueError(
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
+            f"{hook_name(hook)} annotates {returns!r}."
+        )
 
 
 def check_hook(option: str, hook: object) -> None:

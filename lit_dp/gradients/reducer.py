@@ -35,6 +35,7 @@ told (``lit_dp.gradients.events``) and ask for bucket limits through ``request_b
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from lit_dp.gradients import group as groups
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.layout import Bucket, BucketFactory, BucketLayout, launch_order
@@ -107,7 +109,7 @@ class Reducer:
         self._params = list(params)
         self._names = list(names)
         self._group = rings[0]
-        self._world_size = dist.get_world_size(self._group)
+        self._world_size = self._group.size()
         self._factory = BucketFactory(
             params=self._params,
             sparse=list(sparse),
@@ -267,6 +269,8 @@ class Reducer:
         if not armed.started:
             armed.started = armed.in_backward = True
             Variable._execution_engine.queue_callback(self._finalize_backward)
+            if self._params[index].grad.requires_grad:
+                _warn_create_graph()
             for observer in self._observers:
                 observer.backward_started(armed.step)
             for unreached in armed.unreached:
@@ -277,6 +281,7 @@ class Reducer:
             self._order.append(index)
         self._mark_ready(armed, index)
 
+    @torch.no_grad()
     def _adopt_gradient(self, index: int) -> None:
         """Move a fresh gradient into its bucket view at once, so it is not held twice."""
         view = self._layout.view_of[index]
@@ -291,6 +296,9 @@ class Reducer:
         if armed.pending[bucket] == 0 and bucket == armed.next_bucket:
             self._launch_complete_buckets(armed)
 
+    # Without grad mode: under `backward(create_graph=True)` gradients require grad themselves, and
+    # copying them into the buckets must not record a graph (as in torch DDP, see _warn_create_graph).
+    @torch.no_grad()
     def _launch_complete_buckets(self, armed: _ArmedStep) -> None:
         buckets, pending = self._layout.buckets, armed.pending
         used = self._used if armed.plan.sends_accumulated else self._nothing_used
@@ -306,6 +314,7 @@ class Reducer:
                     observer.bucket_launched(launch)
             armed.next_bucket += 1
 
+    @torch.no_grad()
     def _finalize_backward(self) -> None:
         armed = self._armed
         assert armed is not None, "the end of a backward the reducer was not armed for"
@@ -370,8 +379,8 @@ class Reducer:
         order = observed + [i for i in reversed(self._forward_order()) if i not in seen]
         agreed = torch.tensor(order, dtype=torch.long, device=self._params[0].device)
         group = self._group
-        work = dist.broadcast(agreed, src=dist.get_global_rank(group, 0), group=group, async_op=True)
-        self.waiter.wait(work, "the broadcast of the agreed bucket order")
+        work = dist.broadcast(agreed, group=group, group_src=0, async_op=True)
+        groups.wait(self.waiter, work, group, "the broadcast of the agreed bucket order")
         limits = self._next_layout[1] if self._next_layout is not None else self._layout.limits
         self._next_layout = (list(reversed(agreed.tolist())), limits)
         self._order = None
@@ -387,6 +396,16 @@ class Reducer:
             for index, param in enumerate(self._params):
                 if param.grad is not None:
                     self._adopt_gradient(index)
+
+
+def _warn_create_graph() -> None:
+    warnings.warn(
+        "lit_dp.DataParallel with backward(create_graph=True): the gradients are averaged as usual, but, as in "
+        "torch DDP, the average is not differentiable: a second-order term computed from .grad sees no "
+        "communication (backpropagation does not run through the all-reduce). Gradient penalties taken with "
+        "torch.autograd.grad(..., create_graph=True) on inputs are unaffected.",
+        stacklevel=2,
+    )
 
 
 def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
