@@ -26,7 +26,7 @@ from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.hooks import CommHook, resolve_comm_hook
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
-from lit_dp.gradients.waiting import Waiter
+from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
 from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
 from lit_dp.observability.autotune import AUTO, BucketAutotuner, settled_step
@@ -178,6 +178,7 @@ class DataParallel(nn.Module, Joinable):
         self.bucket_bytes_cap = max(bucket_bytes, dist._DEFAULT_FIRST_BUCKET_BYTES)
         self._arms_at_forward = True  # False under manual optimisation (arm_at_backward)
         self._trained = False  # a synchronised backward was prepared (static_graph must be set before)
+        self._logged_error: str | None = None  # the last error of an API call (_get_ddp_logging_data)
         self._given_group = group  # None: the rings of init_parallel_env (the default group's)
         self.join_state = JoinState()
         self._owners: dict[int, int] = {}
@@ -250,7 +251,7 @@ class DataParallel(nn.Module, Joinable):
             named += list(self.module.named_buffers())
         if groups.is_registered(group):
             _check_same_structure(named, group, dist.get_process_group_ranks(group))
-        broadcast_coalesced([t for _, t in named], group, 0, self._waiter, "the initial broadcast of the model")
+        broadcast_coalesced([t for _, t in named], group, 0, UNWATCHED, "the initial broadcast of the model")
 
     def _observe(self, reducer: Reducer, device: torch.device, names: list[str]) -> None:
         """Subscribe what the options ask for to the reducer's events."""
@@ -326,12 +327,51 @@ class DataParallel(nn.Module, Joinable):
 
     def _set_static_graph(self) -> None:
         """torch DDP's way to set ``static_graph`` after construction; like DDP, only before training."""
-        if self._trained:
-            raise RuntimeError(
-                "lit_dp.DataParallel._set_static_graph(): it should be called before training loop starts "
-                "(torch DDP's rule); pass static_graph=True to the constructor instead."
-            )
+        with self._logging_errors():
+            if self._trained:
+                raise RuntimeError(
+                    "lit_dp.DataParallel._set_static_graph(): it should be called before training loop starts "
+                    "(torch DDP's rule); pass static_graph=True to the constructor instead."
+                )
         self.static_graph = True
+
+    @contextmanager
+    def _logging_errors(self) -> Iterator[None]:
+        """Keep the message of an error raised inside for ``_get_ddp_logging_data`` (as DDP logs its own)."""
+        try:
+            yield
+        except (TypeError, ValueError, RuntimeError) as error:
+            self._logged_error = str(error)
+            raise
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch DDP's debugging summary, under DDP's keys, for what lit_dp has: the construction's
+        choices, the parameters, the synchronised iterations so far and the last error raised by an
+        API call (``has_error``, ``error``). DDP's environment and per-iteration timing keys are absent."""
+        params = [param for param in self.module.parameters() if param.requires_grad]
+        group = self.process_group
+        reducer = self._reducer
+        return {
+            "module_name": type(self.module).__name__,
+            "world_size": group.size() if group is not None else 1,
+            "rank": group.rank() if group is not None else 0,
+            "backend_name": groups.backend_name(group) if group is not None else "",
+            "device_ids": ",".join(map(str, self.device_ids or [])),
+            "output_device": -1 if self.output_device is None else self.output_device,
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "bucket_cap_bytes": megabytes_to_bytes("comm_buffer_size", self.comm_buffer_size),
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph),
+            "is_multi_device_module": int(self.is_multi_device_module),
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+            "dtypes": ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
+            "bucket_sizes": ", ".join(map(str, reducer.bucket_bytes)) if reducer is not None else "",
+            "iteration": reducer.step + 1 if reducer is not None else 0,
+            "has_error": int(self._logged_error is not None),
+            "error": self._logged_error or "",
+        }
 
     @property
     def reducer(self) -> Reducer | None:
@@ -390,16 +430,17 @@ class DataParallel(nn.Module, Joinable):
         hook can be registered once, before the first synchronised backward. Sparse gradients
         are reduced without it. See docs/comm_hooks.md.
         """
-        comm_hook = CommHook(state, hook, self._waiter)
-        if self._comm_hook is not None:
-            raise RuntimeError(
-                "register_comm_hook or register_builtin_comm_hook can only be called once. lit_dp.DataParallel: "
-                f"{self._comm_hook.name} is already registered, {comm_hook.name} cannot be added."
-            )
-        if self._tuner is not None and self._tuner.chosen_mb is None:
-            comm_hook.check_layout_settled_by(settled_step())
-        if self._reducer is not None:
-            self._reducer.register_comm_hook(comm_hook)
+        with self._logging_errors():
+            comm_hook = CommHook(state, hook, self._waiter)
+            if self._comm_hook is not None:
+                raise RuntimeError(
+                    "register_comm_hook or register_builtin_comm_hook can only be called once. lit_dp.DataParallel: "
+                    f"{self._comm_hook.name} is already registered, {comm_hook.name} cannot be added."
+                )
+            if self._tuner is not None and self._tuner.chosen_mb is None:
+                comm_hook.check_layout_settled_by(settled_step())
+            if self._reducer is not None:
+                self._reducer.register_comm_hook(comm_hook)
         self._comm_hook = comm_hook
         if self._rings and self._rings[0].rank() == 0:
             log.info("lit_dp.DataParallel: communication hook %s", comm_hook.name)
@@ -761,18 +802,18 @@ def _devices(
         )
     trainable = [name for name, p in named if p.requires_grad and not getattr(p, "no_sync", False)]
     if not trainable and not delayed:
-        frozen = [name for name, _ in named]
+        names = [name for name, _ in named]
+        has = f"its parameters {_some(names)} are frozen or marked no_sync" if names else "it has no parameters"
         raise RuntimeError(
-            f"lit_dp.DataParallel: nothing to train: no parameter of {type(module).__name__} requires a gradient "
-            f"({len(frozen)} parameter(s): {frozen[:5]}{' ...' if len(frozen) > 5 else ''}, all frozen or marked "
-            "no_sync). As torch DDP says: DistributedDataParallel is not needed when a module doesn't have any "
-            "parameter that requires a gradient. Wrap the module you train, or run this one unwrapped."
+            f"lit_dp.DataParallel: nothing to train in {type(module).__name__}: {has}. As torch DDP says, "
+            "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient; "
+            "wrap the module you train, or run this one unwrapped."
         )
     by_type: dict[str, list[str]] = {}
     for name, param in named:
         by_type.setdefault(param.device.type, []).append(name)
     if len(by_type) > 1:
-        where = "; ".join(f"on {kind}: {names[:3]}{' ...' if len(names) > 3 else ''}" for kind, names in by_type.items())
+        where = "; ".join(f"on {kind}: {_some(names)}" for kind, names in by_type.items())
         raise ValueError(
             "lit_dp.DataParallel's module must be on one type of device, as DistributedDataParallel's: its "
             f"parameters are {where}. Move the module with module.to(device) first."
@@ -804,6 +845,12 @@ def _devices(
             f"than the parameters'; expected device_ids=[{device.index}] (or move the module first)."
         )
     return ids, _get_device_index(output_device if output_device is not None else device_ids[0], True)
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """``a, b, c (and 2 more)``: parameter names for a message."""
+    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _default_group() -> dist.ProcessGroup | None:

@@ -11,9 +11,13 @@ its works' futures; lit_dp does too, through these functions: ranks are the grou
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 
 from lit_dp.gradients.waiting import Waiter
+
+_NO_TIMEOUT = timedelta(0)  # c10d's Work::wait default (kNoTimeout)
 
 
 def written_in_python(group: dist.ProcessGroup) -> bool:
@@ -42,8 +46,13 @@ def trivially_alone(group: dist.ProcessGroup) -> bool:
 
 
 def wait(waiter: Waiter, work: dist.Work, group: dist.ProcessGroup, what: str = "") -> None:
-    """Wait for ``work`` of ``group`` through ``waiter``: a Python group's work through its future."""
+    """Wait for ``work`` of ``group`` through ``waiter``.
+
+    A Python group's work is waited for as torch's C++ side does it, ``wait(timeout)`` with the
+    "no timeout" value (its Python ``wait`` may require the argument), then through its future.
+    """
     if written_in_python(group):
+        work.wait(_NO_TIMEOUT)
         waiter.wait_future(work.get_future(), what)
     else:
         waiter.wait(work, what)

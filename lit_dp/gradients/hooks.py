@@ -192,20 +192,33 @@ def check_signature(hook: object) -> None:
     if not callable(hook):
         raise TypeError(f"Communication hook must be callable. lit_dp.DataParallel.register_comm_hook got {hook!r}.")
     try:
-        parameters = list(inspect.signature(hook, eval_str=True).parameters.values())
-        returns = inspect.signature(hook, eval_str=True).return_annotation
-    except (NameError, TypeError, ValueError):  # annotations that do not resolve here, or no signature
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a callable without a signature (some builtins)
         return
-    bucket = parameters[1].annotation if len(parameters) > 1 else inspect.Parameter.empty
-    if bucket not in (inspect.Parameter.empty, dist.GradBucket, GradBucket):
+    parameters = list(signature.parameters.values())
+    bucket = _annotation(hook, parameters[1].annotation) if len(parameters) > 1 else inspect.Parameter.empty
+    if bucket not in (inspect.Parameter.empty, dist.GradBucket, GradBucket, "dist.GradBucket", "GradBucket"):
         raise ValueError(
             f"Communication hook: bucket annotation should be dist.GradBucket. {hook_name(hook)} annotates {bucket!r}."
         )
-    if returns not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+    returns = _annotation(hook, signature.return_annotation)
+    if returns not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor], "torch.futures.Future[torch.Tensor]"):
         raise ValueError(
             "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
             f"{hook_name(hook)} annotates {returns!r}."
         )
+
+
+def _annotation(hook: object, annotation: object) -> object:
+    """An annotation as an object; one written as a string (``from __future__ import annotations``)
+    is evaluated in the hook's module, or kept as the string when that module cannot resolve it."""
+    if not isinstance(annotation, str):
+        return annotation
+    namespace = getattr(inspect.unwrap(hook), "__globals__", {})  # type: ignore[arg-type]
+    try:
+        return eval(annotation, dict(namespace))  # noqa: S307 - the hook's own annotation, in its own module
+    except Exception:  # noqa: BLE001 - a name the module does not define: compare the text
+        return annotation
 
 
 def check_hook(option: str, hook: object) -> None:
