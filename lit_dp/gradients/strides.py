@@ -14,7 +14,7 @@ def is_dense(tensor: torch.Tensor) -> bool:
     """Non-overlapping and dense: its elements fill one block of memory exactly, in some order of
     dimensions (contiguous and ``channels_last`` are two such orders)."""
     expected = 1
-    for size, stride in sorted((size, stride) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1):
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1):
         if stride != expected:
             return False
         expected *= size
