@@ -293,6 +293,11 @@ class DataParallel(nn.Module, Joinable):
         return self._rings[0] if self._rings else None
 
     @property
+    def rings(self) -> list[dist.ProcessGroup]:
+        """The communicators buckets are spread over, ``process_group`` first (all span the same ranks)."""
+        return list(self._rings)
+
+    @property
     def broadcast_buffers(self) -> bool:
         """Whether buffers are broadcast before forwards (torch DDP's attribute; ``forward_sync_buffers``)."""
         return self.forward_sync_buffers
