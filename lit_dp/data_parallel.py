@@ -229,6 +229,7 @@ class DataParallel(nn.Module, Joinable):
                 sparse=[id(param) in sparse_ids for _, param in named],
                 gradient_as_bucket_view=options.gradient_as_bucket_view,
                 owners=owners if options.sharding_stage == 2 else None,
+                static_graph=self.static_graph,
                 waiter=self._waiter,
             )
             if not copy:
@@ -339,6 +340,8 @@ class DataParallel(nn.Module, Joinable):
                     "(torch DDP's rule); pass static_graph=True to the constructor instead."
                 )
         self.static_graph = True
+        if self._reducer is not None:
+            self._reducer.set_static_graph()
 
     @contextmanager
     def _logging_errors(self) -> Iterator[None]:
@@ -597,7 +600,9 @@ class DataParallel(nn.Module, Joinable):
         """The step's plan: ``LOCAL`` while gradients stay local, else ``participation``, divided by
         the group's size or, inside a Join context, by what it says (``lit_dp.join.notify``)."""
         local_sgd = self.local_sgd
-        find_unused = self._options.find_unused_parameters
+        # A static graph's unused parameters are those of its first step: flags say "used here", as with
+        # find_unused_parameters, without the per-step graph walk (the reducer knows them).
+        find_unused = self._options.find_unused_parameters or self.static_graph
         size = self.join_process_group.size()
         if not self.require_backward_grad_sync or (local_sgd is not None and local_sgd.in_local_phase):
             return StepPlan.decide(Participation.LOCAL, find_unused, size)

@@ -179,7 +179,7 @@ class DataParallelJoinHook(JoinHook):
         model = self._model
         size = dist.get_world_size(model.join_process_group)
         divisor = size if model.join_state.divide_by_initial_world_size else max(1, size - 1)
-        return StepPlan.decide(Participation.SHADOW, model.options.find_unused_parameters, divisor)
+        return StepPlan.decide(Participation.SHADOW, model.options.find_unused_parameters or model.static_graph, divisor)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters, buffers and LocalSGD schedule of the authoritative rank."""

@@ -209,6 +209,44 @@ def no_sync_accumulation_gives_every_rank_the_same_gradients(rank: int) -> None:
         torch.testing.assert_close(every[0], every[1])
 
 
+def activation_checkpointing_as_on_ddp(rank: int) -> None:
+    """Reentrant checkpointing runs a backward inside the backward; a layer checkpointed twice gets
+    two gradients per step, which needs static_graph (as on DDP); non-reentrant needs nothing."""
+    import pytest
+    from torch.utils.checkpoint import checkpoint
+
+    import lit_dp
+
+    class Checkpointed(nn.Module):
+        def __init__(self, reentrant: bool, twice: bool) -> None:
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(20, 20), nn.Linear(20, 20)
+            self.reentrant, self.twice = reentrant, twice
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = checkpoint(self.l2, self.l1(x), use_reentrant=self.reentrant)
+            return checkpoint(self.l2, x, use_reentrant=self.reentrant) if self.twice else x
+
+    inputs = torch.rand(8 * WORLD, 20, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    targets = torch.randn(8 * WORLD, 20, generator=torch.Generator().manual_seed(2))
+    mine = slice(8 * rank, 8 * rank + 8)
+    # (reentrant, checkpointed twice, static_graph); the one DDP refuses comes last.
+    cases = [(r, t, s) for r in (True, False) for t in (False, True) for s in (False, True) if (r, t, s) != (True, True, False)]
+    for reentrant, twice, static_graph in [*cases, (True, True, False)]:
+        torch.manual_seed(31415)
+        single = Checkpointed(reentrant, twice)
+        model = lit_dp.DataParallel(copy.deepcopy(single), bucket_cap_mb=1, static_graph=static_graph)
+        fails = reentrant and twice and not static_graph
+        with pytest.raises(RuntimeError, match="Expected to mark a variable ready only once") if fails else nullcontext():
+            for _ in range(3):
+                single.zero_grad()
+                model.zero_grad()
+                F.mse_loss(single(inputs), targets).backward()
+                F.mse_loss(model(inputs[mine]), targets[mine]).backward()
+                for expected, ours in zip(single.parameters(), model.parameters()):
+                    torch.testing.assert_close(ours.grad, expected.grad)
+
+
 def contract_cases(rank: int) -> None:
     import lit_dp
 
@@ -220,6 +258,7 @@ def contract_cases(rank: int) -> None:
         a_hooks_future_value_becomes_the_gradient,
         unused_parameters_local_and_global,
         no_sync_accumulation_gives_every_rank_the_same_gradients,
+        activation_checkpointing_as_on_ddp,
     ):
         case(rank)
 

@@ -49,14 +49,16 @@ from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.layout import Bucket, BucketFactory, BucketLayout, launch_order
 from lit_dp.gradients.plan import FlagMeaning, StepPlan
-from lit_dp.gradients.unused import PendingFlags, UnusedParametersError, reached_parameters, unused_members
+from lit_dp.gradients.unused import PendingFlags, UnusedParametersError, reached_parameters, tensors_in, unused_members
 from lit_dp.gradients.waiting import Waiter
 
 
 class _ArmedStep:
     """The progress of the step being synchronised: created when it is armed, dropped when it ends."""
 
-    __slots__ = ("plan", "step", "ready", "pending", "next_bucket", "started", "in_backward", "unreached", "partial")
+    __slots__ = (
+        "plan", "step", "ready", "pending", "next_bucket", "started", "in_backward", "queued", "unreached", "partial"
+    )  # fmt: skip
 
     def __init__(self, plan: StepPlan, step: int, layout: BucketLayout, count: int) -> None:
         self.plan = plan
@@ -66,6 +68,7 @@ class _ArmedStep:
         self.next_bucket = 0  # the next bucket to launch
         self.started = False  # the first gradient arrived (or there is no backward)
         self.in_backward = False  # launches happen while backward still runs (every member present)
+        self.queued = False  # the end-of-backward callback is queued on the autograd engine
         self.unreached: list[int] = []  # parameters this backward cannot reach (find_unused_parameters)
         self.partial: set[int] = set()  # buckets holding such parameters
 
@@ -85,6 +88,9 @@ class Reducer:
             the bucket buffers, so they are not stored twice.
         owners: sharding stage 2: the owning rank (in ``rings[0]``) of each parameter; dense
             buckets then reduce each gradient to its owner only (``lit_dp.gradients.scatter``).
+        static_graph: every backward fires the same hooks as the first (torch DDP's static graph):
+            a parameter's hook may fire several times per backward (reentrant checkpointing), and
+            the parameters without a gradient are known from the first step (``_count_static_hook``).
         waiter: how every wait of this reducer's collectives is made (its owner's policy: a
             deadline under the hang watchdog).
 
@@ -102,6 +108,7 @@ class Reducer:
         sparse: Sequence[bool],
         gradient_as_bucket_view: bool = False,
         owners: Sequence[int] | None = None,
+        static_graph: bool = False,
         waiter: Waiter,
     ) -> None:
         if not params:
@@ -129,6 +136,10 @@ class Reducer:
         self._next_layout: tuple[list[int], tuple[int, int]] | None = None  # applied at the next step's start
         self._step = -1  # the synchronised step armed last
         self._pending_flags: list[PendingFlags] = []  # flags of earlier steps not read yet (CUDA)
+        self._static = static_graph
+        self._hook_counts = [0] * len(self._params)  # static_graph: hooks fired in this backward
+        self._expected_hooks: list[int] | None = None  # static_graph: hooks per backward, from the first
+        self._end_of_backward_hook = self._make_output_hook()
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
 
@@ -186,6 +197,12 @@ class Reducer:
         factory = self._factory
         return launch_order(factory.params, factory.sparse, self._forward_order(), (last_bucket_bytes, bucket_bytes))
 
+    def set_static_graph(self) -> None:
+        """Turn ``static_graph`` on, before the first synchronised step (torch DDP's ``_set_static_graph``)."""
+        if self._step >= 0:
+            raise RuntimeError("lit_dp reducer: static_graph should be set before training loop starts.")
+        self._static = True
+
     def register_comm_hook(self, comm_hook: CommHook) -> None:
         """Reduce dense buckets through ``comm_hook`` (see ``lit_dp.gradients.hooks``); once, before the first backward."""
         if self._comm_hook is not None:
@@ -207,9 +224,22 @@ class Reducer:
         self._rebuild(list(range(len(self._params))), self._layout.limits)
 
     def prepare_for_backward(self, plan: StepPlan, outputs: object) -> None:
-        """Arm the reducer for the next backward (a ``SYNC`` plan); called after the forward that decided it."""
+        """Arm the reducer for the next backward (a ``SYNC`` plan); called after the forward that decided it.
+
+        The end of that backward is the end of the backward through ``outputs``: a hook on each
+        output tensor queues the end-of-backward callback from there, on that backward's own
+        graph task. A parameter's first gradient could arrive inside a nested backward (reentrant
+        activation checkpointing runs one per checkpointed segment), whose end is not the step's.
+        """
         armed = self._arm(plan)
-        if plan.flags is FlagMeaning.USED:
+        for tensor in tensors_in(outputs):
+            if tensor.requires_grad:
+                tensor.register_hook(self._end_of_backward_hook)
+        if self._static:
+            if self._expected_hooks is not None:  # no graph walk: the first step found them
+                armed.unreached = [i for i, count in enumerate(self._expected_hooks) if count == 0]
+                armed.partial = {self._layout.bucket_of[i] for i in armed.unreached}
+        elif plan.flags is FlagMeaning.USED:
             reached = reached_parameters(outputs)
             armed.unreached = [i for i, p in enumerate(self._params) if id(p) not in reached]
             armed.partial = {self._layout.bucket_of[i] for i in armed.unreached}
@@ -236,6 +266,8 @@ class Reducer:
             self._rebuild(order, limits)
         if self._order is not None:
             self._order.clear()
+        if self._static:
+            self._hook_counts = [0] * len(self._params)
         self._armed = _ArmedStep(plan, self._step, self._layout, len(self._params))
         return self._armed
 
@@ -257,18 +289,19 @@ class Reducer:
         if self._factory.as_view:
             self._adopt_gradient(index)
         armed = self._armed
-        if armed is None:
+        if armed is None or (self._static and not self._count_static_hook(armed, index)):
             return
         ready = armed.ready
         if ready[index]:
             raise RuntimeError(
-                f"lit_dp reducer: parameter {self._names[index]!r} received its gradient twice in one backward. "
-                "Run one forward per backward (reentrant checkpointing and repeated forwards before one "
-                "backward are not supported)."
+                f"lit_dp reducer: parameter {self._names[index]!r} received its gradient twice in one backward "
+                "(torch DDP: Expected to mark a variable ready only once.), as when a parameter is used in two "
+                "segments of reentrant activation checkpointing: use checkpoint(..., use_reentrant=False), or "
+                "static_graph=True as on torch DDP."
             )
         if not armed.started:
             armed.started = armed.in_backward = True
-            Variable._execution_engine.queue_callback(self._finalize_backward)
+            self._queue_end_of_backward()  # without output hooks (outputs in another structure): here
             if self._params[index].grad.requires_grad:
                 _warn_create_graph()
             for observer in self._observers:
@@ -280,6 +313,47 @@ class Reducer:
         if self._order is not None:
             self._order.append(index)
         self._mark_ready(armed, index)
+
+    def _count_static_hook(self, armed: _ArmedStep, index: int) -> bool:
+        """``static_graph``: count the hook; whether ``index`` is now ready. The first synchronised
+        step learns how many times each parameter's hook fires per backward (reentrant checkpointing
+        fires it once per segment) and launches its buckets at the end of backward; later steps take
+        a parameter as ready at its last expected gradient, as torch DDP's static graph does."""
+        counts = self._hook_counts
+        counts[index] += 1
+        if self._expected_hooks is None:
+            if not armed.started:
+                armed.started = True
+                self._queue_end_of_backward()
+                for observer in self._observers:
+                    observer.backward_started(armed.step)
+            if counts[index] == 1 and self._order is not None:
+                self._order.append(index)
+            return False
+        expected = self._expected_hooks[index]
+        if counts[index] > expected:
+            raise RuntimeError(
+                f"lit_dp reducer (static_graph=True): parameter {self._names[index]!r} received {counts[index]} "
+                f"gradients in one backward, {expected} in the first: the graph is not static. Construct without "
+                "static_graph (with find_unused_parameters=True if parameters go unused)."
+            )
+        return counts[index] == expected
+
+    def _make_output_hook(self):
+        reducer_ref = weakref.ref(self)  # weak, as the parameters' hooks (_make_hook)
+
+        def end_of_backward_through_outputs(_grad: torch.Tensor) -> None:
+            reducer = reducer_ref()
+            if reducer is not None:
+                reducer._queue_end_of_backward()
+
+        return end_of_backward_through_outputs
+
+    def _queue_end_of_backward(self) -> None:
+        armed = self._armed
+        if armed is not None and not armed.queued:
+            armed.queued = True
+            Variable._execution_engine.queue_callback(self._finalize_backward)
 
     @torch.no_grad()
     def _adopt_gradient(self, index: int) -> None:
@@ -318,6 +392,11 @@ class Reducer:
     def _finalize_backward(self) -> None:
         armed = self._armed
         assert armed is not None, "the end of a backward the reducer was not armed for"
+        if not armed.started:
+            # A backward through the outputs that reached no parameter (``torch.autograd.grad`` with
+            # respect to the inputs, a gradient penalty's): not the step's backward, which follows.
+            armed.queued = False
+            return
         for observer in self._observers:
             observer.backward_ended(armed.step)
         armed.in_backward = False
@@ -346,6 +425,8 @@ class Reducer:
             bucket.write_back(self._factory.as_view, members)
         if self._order is not None:
             self._agree_on_ready_order(self._order)
+        if self._static and self._expected_hooks is None and plan.has_backward:
+            self._expected_hooks = list(self._hook_counts)
         self._armed = None
         for observer in self._observers:
             observer.step_ended(armed.step)
