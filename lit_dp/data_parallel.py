@@ -61,8 +61,7 @@ class DataParallel(nn.Module, Joinable):
         dim: kept as an attribute, as on DDP (neither scatters inputs).
         broadcast_buffers: as on DDP: before each forward that follows a synchronising one, the
             buffers (BatchNorm's running statistics) of the group's first rank are broadcast; with
-            False they are neither broadcast then nor at construction. ``forward_sync_buffers``
-            (torch 2.13's name) turns off the forward broadcast only.
+            False they are neither broadcast then nor at construction (also a lit_dp option).
         init_sync: broadcast the first rank's parameters (and buffers) at construction.
         process_group: the ranks to average over (lit_dp's ``group=`` is the same argument); by
             default the rings of ``init_parallel_env`` (the default group when there is one ring).
@@ -71,14 +70,18 @@ class DataParallel(nn.Module, Joinable):
             last reduced too, as on DDP (lit_dp's own default keeps that one at 1 MB).
         find_unused_parameters, gradient_as_bucket_view: as on DDP (also lit_dp options).
         check_reduction: deprecated in torch, without effect there or here.
-        static_graph: as on DDP: promises the same graph every iteration. lit_dp's reducer needs
-            no such promise (its gradient hooks fire once per parameter and backward), so it only
-            sets the attribute; ``_set_static_graph()`` is refused after training started, as on DDP.
+        static_graph: as on DDP: the same graph every iteration. The first synchronised step
+            counts each parameter's gradients (reentrant checkpointing may give one several), later
+            steps wait for that many and know the unused parameters without a graph walk;
+            ``_set_static_graph()`` is refused after training started, as on DDP.
         delay_all_reduce_named_params, param_to_hook_all_reduce: given together, as on DDP; those
             parameters are averaged in the buckets like the others (DDP only delays them).
         mixed_precision: refused: use ``torch.autocast`` and ``comm_dtype``.
         device_mesh: a one-dimensional mesh, whose group is used, as on DDP.
         skip_all_reduce_unused_params: accepted; unused parameters already keep their ``.grad``.
+        bucket_cap_mb_list: refused: use ``comm_buffer_size`` and ``last_comm_buffer_size``.
+        batched_grad_copy: no effect (a bucket's gradients are copied in one batched call already).
+        forward_sync_buffers: torch 2.13's name for the forward half of ``broadcast_buffers``.
         group: lit_dp's name for ``process_group``.
         options: options already validated by a front door (the strategies pass theirs);
             otherwise the keyword arguments below are validated here.
