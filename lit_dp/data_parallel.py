@@ -16,8 +16,7 @@ from torch._utils import _get_device_index
 from torch.distributed.algorithms.join import Joinable
 from torch.utils._pytree import tree_map
 
-from lit_dp import join
-from lit_dp.gradients import group as groups
+import lit_dp.gradients.group as groups
 from lit_dp.gradients.broadcast import _check_same_structure, sync_params_buffers
 from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, MB, assign_group_by_size, assign_owners, megabytes_to_bytes
 from lit_dp.gradients.coalesced import broadcast_coalesced
@@ -29,6 +28,7 @@ from lit_dp.gradients.reducer import Reducer
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
 from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
+from lit_dp.join import active as in_join_context
 from lit_dp.observability.autotune import AUTO, BucketAutotuner, settled_step
 from lit_dp.observability.stats import CommObserver, CommStats
 from lit_dp.observability.watchdog import HangWatchdog
@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 # What a pickled or deep-copied DataParallel leaves behind and rebuilds (torch DDP drops its
 # process group, reducer and logger the same way): the process group, the reducer and its hooks,
 # and the observers, which hold threads, files and the rendezvous store.
-_RUNTIME_STATE = ("_rings", "_reducer", "_waiter", "_comm_hook", "_stats", "_trace", "_tuner", "_watchdog", "_local_sgd")
+_RUNTIME_STATE = (
+    "_rings", "_reducer", "_waiter", "_comm_hook", "_stats", "_trace", "_tuner", "_watchdog", "_local_sgd"
+)  # fmt: skip
 
 
 class DataParallel(nn.Module, Joinable):
@@ -145,7 +147,9 @@ class DataParallel(nn.Module, Joinable):
             broadcast_buffers=broadcast_buffers,
             bucket_cap_mb=bucket_cap_mb,
         )
-        _refuse_what_cannot_work(mixed_precision, bucket_cap_mb_list, delay_all_reduce_named_params, param_to_hook_all_reduce)
+        _refuse_what_cannot_work(
+            mixed_precision, bucket_cap_mb_list, delay_all_reduce_named_params, param_to_hook_all_reduce
+        )
         if check_reduction:
             warnings.warn(
                 "DataParallel(check_reduction=True): deprecated in torch DDP and without effect there or here; "
@@ -568,14 +572,15 @@ class DataParallel(nn.Module, Joinable):
         in (agreed in one all-reduce that a joined rank matches, ``shadow_buffer_broadcast``):
         a joined rank hears of those forwards only.
         """
-        if join.active(self):
+        if in_join_context(self):
             if plan is not None and plan.participation is Participation.SYNC and self._joins_buffers():
                 self._broadcast_buffers(self._agree_on_buffer_source(self._rings[0].rank()))
         elif self.will_sync_module_buffers():
             self._broadcast_buffers(self._buffer_source)
         local_sgd = self.local_sgd
         local_phase = local_sgd is not None and local_sgd.in_local_phase
-        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync and not local_phase
+        syncs = self.require_backward_grad_sync and not local_phase
+        self.require_forward_param_sync = torch.is_grad_enabled() and syncs
 
     def shadow_buffer_broadcast(self) -> None:
         """On a rank that joined (``lit_dp.join``): take part in the buffer broadcast of a

@@ -19,12 +19,12 @@ communication hook if one is registered, zeros for gradients, flags that count i
 using nor missing a parameter, the step counted for the observers: the bucket-size autotuner
 and the hang watchdog follow the same schedule). When a ``lit_dp.LocalSGD`` drives the model,
 a small all-reduce after the notification says whether the step synchronises gradients or
-runs LocalSGD's collectives, which the joined rank then shadows too. Once all have joined, ``post_hook`` agrees on an authoritative rank (the
-highest of the last to join, as DDP does) and broadcasts its parameters, buffers (unless
-``broadcast_buffers=False``) and LocalSGD schedule. With ``broadcast_buffers``, a synchronising
-forward of the ranks still in broadcasts the buffers of the highest of them (as DDP chooses
-it); a joined rank matches that broadcast (``DataParallel.shadow_buffer_broadcast``) before the
-step's gradient collectives.
+runs LocalSGD's collectives, which the joined rank then shadows too. Once all have joined,
+``post_hook`` agrees on an authoritative rank (the highest of the last to join, as DDP does)
+and broadcasts its parameters, buffers (unless ``broadcast_buffers=False``) and LocalSGD
+schedule. With ``broadcast_buffers``, a synchronising forward of the ranks still in broadcasts
+the buffers of the highest of them (as DDP chooses it); a joined rank matches that broadcast
+(``DataParallel.shadow_buffer_broadcast``) before the step's gradient collectives.
 
 Divisor: ``divide_by_initial_world_size=True`` (default) divides by the world size, so every
 sample weighs the same; ``False`` divides by the ranks still in. As in torch DDP, a
@@ -179,7 +179,8 @@ class DataParallelJoinHook(JoinHook):
         model = self._model
         size = dist.get_world_size(model.join_process_group)
         divisor = size if model.join_state.divide_by_initial_world_size else max(1, size - 1)
-        return StepPlan.decide(Participation.SHADOW, model.options.find_unused_parameters or model.static_graph, divisor)
+        used_flags = model.options.find_unused_parameters or model.static_graph  # as the ranks still in (_plan)
+        return StepPlan.decide(Participation.SHADOW, used_flags, divisor)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters, buffers and LocalSGD schedule of the authoritative rank."""

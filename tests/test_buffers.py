@@ -17,24 +17,14 @@ import torch
 from torch import nn
 
 from tests.helpers.distributed import run_ranks
+from tests.helpers.models import FEATURES, NormNet
 
 STEPS = 3
 
 
-class NormNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Linear(5, 6)
-        self.norm = nn.BatchNorm1d(6)
-        self.head = nn.Linear(6, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.norm(self.stem(x))))
-
-
 def data(rank: int, step: int) -> torch.Tensor:
     # Per-rank data of different scale: the ranks' batch statistics differ.
-    return torch.randn(8, 5, generator=torch.Generator().manual_seed(100 * rank + step)) * (1 + rank)
+    return torch.randn(8, FEATURES, generator=torch.Generator().manual_seed(100 * rank + step)) * (1 + rank)
 
 
 def assert_same_state(ours: nn.Module, theirs: nn.Module, label: str) -> None:

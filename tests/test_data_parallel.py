@@ -11,6 +11,7 @@ from torch import nn
 
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.plan import StepPlan
+from tests.helpers.models import NormNet
 from tests.helpers.distributed import run_ranks
 
 
@@ -92,17 +93,6 @@ def test_require_backward_grad_sync_accumulates_locally_with_one_collective_roun
 # --- torch DDP's constructor, attributes and refusals, on a group of one rank in this process ---
 
 
-class BatchNormNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(3, 4)
-        self.norm = nn.BatchNorm1d(4)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.norm(self.fc(x))))
-
-
 def test_ddp_arguments_by_position_and_its_attributes():
     import torch.distributed as dist
 
@@ -110,7 +100,7 @@ def test_ddp_arguments_by_position_and_its_attributes():
     from tests.helpers.groups import one_rank_group
 
     group = one_rank_group()
-    net = BatchNormNet()
+    net = NormNet()
     # DDP's positional order: module, device_ids, output_device, dim, broadcast_buffers, init_sync,
     # process_group, bucket_cap_mb, find_unused_parameters, check_reduction, gradient_as_bucket_view.
     model = DataParallel(net, None, None, 1, False, True, group, 2, True, False, True, static_graph=True)
@@ -127,33 +117,37 @@ def test_ddp_arguments_by_position_and_its_attributes():
     model.broadcast_buffers = True
     assert model.forward_sync_buffers and model.will_sync_module_buffers() is False  # one rank of torch's: no-op
     logging_data = model._get_ddp_logging_data()
-    assert logging_data["module_name"] == "BatchNormNet" and logging_data["world_size"] == 1
+    assert logging_data["module_name"] == "NormNet" and logging_data["world_size"] == 1
     assert logging_data["find_unused_parameters"] == 1 and logging_data["has_error"] == 0
 
 
 @pytest.mark.parametrize(
-    ("call", "error", "message"),
+    ("args", "kwargs", "error", "message"),
     [
-        (lambda net, g: __import__("lit_dp").DataParallel(net, g), ValueError, "pass the group by name: DataParallel\\(module, process_group=g\\)"),
-        (lambda net, g: __import__("lit_dp").DataParallel(net, [0]), ValueError, "device_ids=None for a CPU"),
-        (lambda net, g: __import__("lit_dp").DataParallel(net, output_device=0), ValueError, "output_device 0"),
-        (lambda net, g: __import__("lit_dp").DataParallel(net, mixed_precision=object()), ValueError, "torch.autocast"),
-        (lambda net, g: __import__("lit_dp").DataParallel(net, bucket_cap_mb_list=[1, 2]), ValueError, "last_comm_buffer_size"),
-        (lambda net, g: __import__("lit_dp").DataParallel(net, delay_all_reduce_named_params=[]), ValueError, "at the same time"),
-        (lambda net, g: __import__("lit_dp").DataParallel(net, process_group=g, group=g.__class__.__new__(g.__class__)), ValueError, "pass one of them"),
-        (lambda net, g: __import__("lit_dp").DataParallel(net, process_group=g, device_mesh=object()), RuntimeError, "both process_group and device_mesh"),
-        (lambda net, g: __import__("lit_dp").DataParallel(net, bucket_cap_mb=2, comm_buffer_size=3), ValueError, "same option"),
-        (lambda net, g: __import__("lit_dp").DataParallel(net, find_unused_parameters=True, options=__import__("lit_dp").Options.build({}, "module")), TypeError, "not both"),
+        pytest.param(("group",), {}, ValueError, r"by name: DataParallel\(module, process_group=g\)", id="group-as-device_ids"),
+        pytest.param(([0],), {}, ValueError, "device_ids=None for a CPU", id="cpu-device_ids"),
+        pytest.param((), {"output_device": 0}, ValueError, "output_device 0", id="cpu-output_device"),
+        pytest.param((), {"mixed_precision": object()}, ValueError, "torch.autocast", id="mixed_precision"),
+        pytest.param((), {"bucket_cap_mb_list": [1, 2]}, ValueError, "last_comm_buffer_size", id="bucket_cap_mb_list"),
+        pytest.param((), {"delay_all_reduce_named_params": []}, ValueError, "at the same time", id="delay-alone"),
+        pytest.param((), {"process_group": "group", "group": "subgroup"}, ValueError, "pass one of them", id="two-groups"),
+        pytest.param((), {"process_group": "group", "device_mesh": object()}, RuntimeError, "and device_mesh", id="mesh"),
+        pytest.param((), {"bucket_cap_mb": 2, "comm_buffer_size": 3}, ValueError, "same option", id="bucket_cap_mb-twice"),
+        pytest.param((), {"find_unused_parameters": True, "options": "options"}, TypeError, "not both", id="options-twice"),
     ],
-    ids=["group-positional", "cpu-device_ids", "cpu-output_device", "mixed_precision", "bucket_cap_mb_list",
-         "delay-alone", "two-groups", "group-and-mesh", "bucket_cap_mb-twice", "options-and-ddp-option"],
 )
-def test_what_cannot_work_is_refused_naming_what_to_use(call, error, message):
+def test_what_cannot_work_is_refused_naming_what_to_use(args, kwargs, error, message):
+    import torch.distributed as dist
+
+    from lit_dp import DataParallel, Options
     from tests.helpers.groups import one_rank_group
 
     group = one_rank_group()
+    stand_ins = {"group": group, "subgroup": dist.new_group([0]), "options": Options.build({}, "module")}
+    args = [stand_ins.get(value, value) if isinstance(value, str) else value for value in args]
+    kwargs = {key: stand_ins.get(value, value) if isinstance(value, str) else value for key, value in kwargs.items()}
     with pytest.raises(error, match=message):
-        call(BatchNormNet(), group)
+        DataParallel(NormNet(), *args, **kwargs)
 
 
 def test_modules_ddp_refuses_are_refused_with_the_parameters_named():
@@ -163,17 +157,19 @@ def test_modules_ddp_refuses_are_refused_with_the_parameters_named():
     one_rank_group()
     with pytest.raises(RuntimeError, match="nothing to train in Module: it has no parameters"):
         DataParallel(nn.Module())
-    frozen = BatchNormNet().requires_grad_(False)
-    with pytest.raises(RuntimeError, match="nothing to train in BatchNormNet: its parameters fc.weight, fc.bias, norm.weight \\(and 3 more\\) are frozen"):
+    frozen = NormNet().requires_grad_(False)
+    frozen_message = r"nothing to train in NormNet: its parameters stem.weight, stem.bias, norm.weight \(and 3 more\)"
+    with pytest.raises(RuntimeError, match=frozen_message):
         DataParallel(frozen)
-    two_devices = BatchNormNet()
+    two_devices = NormNet()
     two_devices.head.to("meta")
-    with pytest.raises(ValueError, match="on cpu: fc.weight, fc.bias, norm.weight \\(and 1 more\\); on meta: head.weight, head.bias"):
+    per_type = r"on cpu: stem.weight, stem.bias, norm.weight \(and 1 more\); on meta: head.weight, head.bias"
+    with pytest.raises(ValueError, match=per_type):
         DataParallel(two_devices)
     with pytest.raises(RuntimeError, match="uninitialized parameters"):
         DataParallel(nn.LazyLinear(3))
     with pytest.warns(FutureWarning, match="check_reduction"):
-        DataParallel(BatchNormNet(), check_reduction=True)
+        DataParallel(NormNet(), check_reduction=True)
 
 
 def test_state_dict_has_ddps_prefix_and_either_form_loads():
@@ -181,19 +177,19 @@ def test_state_dict_has_ddps_prefix_and_either_form_loads():
     from tests.helpers.groups import one_rank_group
 
     one_rank_group()
-    model = DataParallel(BatchNormNet())
-    plain = BatchNormNet()
+    model = DataParallel(NormNet())
+    plain = NormNet()
     assert list(model.state_dict()) == [f"module.{key}" for key in plain.state_dict()]
     assert [name for name, _ in model.named_parameters()] == [f"module.{n}" for n, _ in plain.named_parameters()]
     model.load_state_dict(plain.state_dict())  # a plain module's checkpoint
-    torch.testing.assert_close(model.module.fc.weight, plain.fc.weight)
+    torch.testing.assert_close(model.module.stem.weight, plain.stem.weight)
     saved = {key: value.clone() for key, value in model.state_dict().items()}
     with torch.no_grad():
-        model.module.fc.weight.zero_()
+        model.module.stem.weight.zero_()
     model.load_state_dict(saved)  # its own form, as DDP's
-    torch.testing.assert_close(model.module.fc.weight, plain.fc.weight)
+    torch.testing.assert_close(model.module.stem.weight, plain.stem.weight)
     with pytest.raises(RuntimeError, match="Missing key"):
-        model.load_state_dict({"module.fc.weight": plain.fc.weight})
+        model.load_state_dict({"module.stem.weight": plain.stem.weight})
 
 
 def test_deepcopy_and_pickling_give_a_model_that_trains_like_the_original():
@@ -206,8 +202,8 @@ def test_deepcopy_and_pickling_give_a_model_that_trains_like_the_original():
     from tests.helpers.groups import one_rank_group
 
     one_rank_group()
-    model = DataParallel(BatchNormNet(), comm_stats=True)
-    inputs = torch.randn(6, 3)
+    model = DataParallel(NormNet(), comm_stats=True)
+    inputs = torch.randn(6, 6)
     model(inputs).sum().backward()
     buffer = io.BytesIO()
     torch.save(model, buffer)
@@ -223,7 +219,7 @@ def test_deepcopy_and_pickling_give_a_model_that_trains_like_the_original():
             torch.testing.assert_close(theirs.grad, ours.grad)
     sub = dist.new_group([0])
     with pytest.raises(RuntimeError, match="need the default process group"):
-        copy.deepcopy(DataParallel(BatchNormNet(), process_group=sub))
+        copy.deepcopy(DataParallel(NormNet(), process_group=sub))
 
 
 def test_backward_with_create_graph_runs_as_on_ddp():
@@ -343,8 +339,8 @@ def test_buffers_are_broadcast_before_a_forward_that_follows_a_synchronised_one(
     from tests.helpers.python_group import OneRankPythonGroup
 
     group = OneRankPythonGroup()
-    model = DataParallel(BatchNormNet(), process_group=group)
-    inputs = torch.randn(4, 3)
+    model = DataParallel(NormNet(), process_group=group)
+    inputs = torch.randn(4, 6)
 
     def broadcasts_of(step) -> int:
         before = group.calls["broadcast"]
@@ -366,5 +362,5 @@ def test_buffers_are_broadcast_before_a_forward_that_follows_a_synchronised_one(
     model.broadcast_buffers = False
     assert broadcasts_of(lambda: model(inputs).sum().backward()) == 0
     off = OneRankPythonGroup()
-    DataParallel(BatchNormNet(), process_group=off, broadcast_buffers=False)(inputs).sum().backward()
+    DataParallel(NormNet(), process_group=off, broadcast_buffers=False)(inputs).sum().backward()
     assert off.calls["broadcast"] == 1, "broadcast_buffers=False: parameters only, at construction"

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lit_dp.gradients import group as groups
+import lit_dp.gradients.group as groups
 from lit_dp.gradients.broadcast import _coalesced_chunks
 from lit_dp.gradients.waiting import Waiter
 

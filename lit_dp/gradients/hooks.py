@@ -202,7 +202,8 @@ def check_signature(hook: object) -> None:
             f"Communication hook: bucket annotation should be dist.GradBucket. {hook_name(hook)} annotates {bucket!r}."
         )
     returns = _annotation(hook, signature.return_annotation)
-    if returns not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor], "torch.futures.Future[torch.Tensor]"):
+    futures = (torch.futures.Future[torch.Tensor], torch.futures.Future, "torch.futures.Future[torch.Tensor]")
+    if returns is not inspect.Signature.empty and returns not in futures:
         raise ValueError(
             "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
             f"{hook_name(hook)} annotates {returns!r}."

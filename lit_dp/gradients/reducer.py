@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from lit_dp.gradients import group as groups
+import lit_dp.gradients.group as groups
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.layout import Bucket, BucketFactory, BucketLayout, launch_order

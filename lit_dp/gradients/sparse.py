@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_dp.gradients import group as groups
+import lit_dp.gradients.group as groups
 from lit_dp.gradients.flags import fill_flags, members_present
 from lit_dp.gradients.plan import StepPlan
 from lit_dp.gradients.waiting import UNWATCHED, Waiter

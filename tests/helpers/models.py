@@ -94,6 +94,19 @@ class ChannelsLast(nn.Module):
         return self.head(features.mean(dim=(2, 3)))
 
 
+class NormNet(nn.Module):
+    """A BatchNorm between two layers: buffers (running statistics, a count) that differ per rank's data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(FEATURES, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.norm(self.stem(x))))
+
+
 def batch(step: int, world_size: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
     inputs = torch.randn(world_size * BATCH_PER_RANK, FEATURES, generator=generator)
