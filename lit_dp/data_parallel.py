@@ -577,10 +577,12 @@ class DataParallel(nn.Module, Joinable):
                 self._broadcast_buffers(self._agree_on_buffer_source(self._rings[0].rank()))
         elif self.will_sync_module_buffers():
             self._broadcast_buffers(self._buffer_source)
+        self.require_forward_param_sync = torch.is_grad_enabled() and self._syncs_gradients()
+
+    def _syncs_gradients(self) -> bool:
+        """Whether a backward now synchronises: ``require_backward_grad_sync``, outside LocalSGD's local phase."""
         local_sgd = self.local_sgd
-        local_phase = local_sgd is not None and local_sgd.in_local_phase
-        syncs = self.require_backward_grad_sync and not local_phase
-        self.require_forward_param_sync = torch.is_grad_enabled() and syncs
+        return self.require_backward_grad_sync and not (local_sgd is not None and local_sgd.in_local_phase)
 
     def shadow_buffer_broadcast(self) -> None:
         """On a rank that joined (``lit_dp.join``): take part in the buffer broadcast of a
@@ -607,12 +609,11 @@ class DataParallel(nn.Module, Joinable):
     def _plan(self, participation: Participation) -> StepPlan:
         """The step's plan: ``LOCAL`` while gradients stay local, else ``participation``, divided by
         the group's size or, inside a Join context, by what it says (``lit_dp.join.notify``)."""
-        local_sgd = self.local_sgd
         # A static graph's unused parameters are those of its first step: flags say "used here", as with
         # find_unused_parameters, without the per-step graph walk (the reducer knows them).
         find_unused = self._options.find_unused_parameters or self.static_graph
         size = self.join_process_group.size()
-        if not self.require_backward_grad_sync or (local_sgd is not None and local_sgd.in_local_phase):
+        if not self._syncs_gradients():
             return StepPlan.decide(Participation.LOCAL, find_unused, size)
         divisor = notify(self) if participation is Participation.SYNC else size
         plan = StepPlan.decide(participation, find_unused, divisor)
@@ -688,6 +689,7 @@ class DataParallel(nn.Module, Joinable):
             state["_options"] = self._options.replace(comm_buffer_size=self.comm_buffer_size)  # what tuning chose
         for name in _RUNTIME_STATE:
             state.pop(name, None)
+        state["_given_group"] = None  # the default group, found again when unpickled
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

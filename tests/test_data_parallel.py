@@ -217,6 +217,8 @@ def test_deepcopy_and_pickling_give_a_model_that_trains_like_the_original():
         for ours, theirs in zip(model.parameters(), twin.parameters()):
             assert ours is not theirs
             torch.testing.assert_close(theirs.grad, ours.grad)
+    explicit = DataParallel(NormNet(), process_group=dist.group.WORLD)  # the default group, named: allowed
+    assert copy.deepcopy(explicit).process_group is dist.group.WORLD
     sub = dist.new_group([0])
     with pytest.raises(RuntimeError, match="need the default process group"):
         copy.deepcopy(DataParallel(NormNet(), process_group=sub))

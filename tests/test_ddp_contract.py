@@ -180,6 +180,20 @@ def unused_parameters_local_and_global(rank: int) -> None:
     chain(8, rank).mean().backward()
     assert all(p.grad is not None for p in chain.parameters()), "rank 0 uses every parameter, rank 1 not all"
 
+    class Bypass(nn.Module):
+        """Rank 1's output depends on no parameter at all: its backward still takes the step."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.t0 = Task()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.t0(x) if rank == 0 else x * 2
+
+    bypass = lit_dp.DataParallel(Bypass(), find_unused_parameters=True)
+    bypass(torch.ones(2, 2, requires_grad=True)).sum().backward()
+    torch.testing.assert_close(bypass.module.t0.p.grad, torch.full((2, 2), 0.5))  # (1 + 0) / 2 ranks
+
 
 def no_sync_accumulation_gives_every_rank_the_same_gradients(rank: int) -> None:
     """Each rank uses other layers in each micro-step; after the window, gradients agree everywhere."""
@@ -249,6 +263,31 @@ def activation_checkpointing_as_on_ddp(rank: int) -> None:
                     torch.testing.assert_close(ours.grad, expected.grad)
 
 
+def gradient_penalty_through_the_outputs(rank: int) -> None:
+    """A penalty on the input gradient (WGAN-GP): ``torch.autograd.grad`` through the model's outputs
+    reaches no parameter's ``.grad``; the step's backward that follows synchronises as usual."""
+    import lit_dp
+
+    torch.manual_seed(7)
+    single = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = lit_dp.DataParallel(copy.deepcopy(single))
+    inputs = torch.randn(4 * WORLD, 4, generator=torch.Generator().manual_seed(8))
+
+    def critic_loss(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        scores = net(x)
+        (slope,) = torch.autograd.grad(scores.sum(), x, create_graph=True)
+        return scores.mean() + ((slope.norm(dim=1) - 1) ** 2).mean()
+
+    for _ in range(2):
+        single.zero_grad()
+        model.zero_grad()
+        critic_loss(single, inputs).backward()
+        critic_loss(model, inputs[4 * rank : 4 * rank + 4]).backward()
+        for expected, ours in zip(single.parameters(), model.parameters()):
+            torch.testing.assert_close(ours.grad, expected.grad)
+
+
 def contract_cases(rank: int) -> None:
     import lit_dp
 
@@ -260,6 +299,7 @@ def contract_cases(rank: int) -> None:
         a_hooks_future_value_becomes_the_gradient,
         unused_parameters_local_and_global,
         no_sync_accumulation_gives_every_rank_the_same_gradients,
+        gradient_penalty_through_the_outputs,
         activation_checkpointing_as_on_ddp,
     ):
         case(rank)

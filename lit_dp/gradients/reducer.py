@@ -393,10 +393,16 @@ class Reducer:
         armed = self._armed
         assert armed is not None, "the end of a backward the reducer was not armed for"
         if not armed.started:
-            # A backward through the outputs that reached no parameter (``torch.autograd.grad`` with
-            # respect to the inputs, a gradient penalty's): not the step's backward, which follows.
-            armed.queued = False
-            return
+            if len(armed.unreached) < len(self._params):
+                # A backward through the outputs that reached no parameter although they depend on
+                # some (``torch.autograd.grad`` with respect to the inputs, a gradient penalty's):
+                # not the step's backward, which follows.
+                armed.queued = False
+                return
+            # Outputs that depend on no parameter here (find_unused_parameters): this rank's step.
+            armed.started = True
+            for observer in self._observers:
+                observer.backward_started(armed.step)
         for observer in self._observers:
             observer.backward_ended(armed.step)
         armed.in_backward = False
