@@ -100,7 +100,7 @@ def wrap(
             process_group=group,
         )
     if mode == "lit_dp":
-        return lit_dp.DataParallel(model, group, comm_buffer_size=comm_buffer_size, **lit_dp_options)
+        return lit_dp.DataParallel(model, process_group=group, comm_buffer_size=comm_buffer_size, **lit_dp_options)
     if mode != "none":
         raise ValueError(f"mode={mode!r} is invalid: expected one of {', '.join(MODES)}.")
     return model

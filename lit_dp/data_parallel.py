@@ -1,29 +1,34 @@
-"""``lit_dp.DataParallel``: Paddle's dynamic-graph DataParallel for torch modules."""
+"""``lit_dp.DataParallel``: Paddle's dynamic-graph DataParallel for torch modules, with torch DDP's constructor."""
 
 from __future__ import annotations
 
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _get_device_index
 from torch.distributed.algorithms.join import Joinable
+from torch.utils._pytree import tree_map
 
-from lit_dp.gradients.broadcast import sync_params_buffers
+import lit_dp.gradients.group as groups
+from lit_dp.gradients.broadcast import _check_same_structure, sync_params_buffers
 from lit_dp.gradients.buckets import MB, assign_group_by_size, assign_owners, megabytes_to_bytes
+from lit_dp.gradients.coalesced import broadcast_coalesced
 from lit_dp.gradients.compile import bucket_graph_breaks
 from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
-from lit_dp.gradients.waiting import Waiter
+from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
 from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
+from lit_dp.join import active as in_join_context
 from lit_dp.observability.autotune import BucketAutotuner, settled_step
 from lit_dp.observability.stats import CommObserver, CommStats
 from lit_dp.observability.watchdog import HangWatchdog
@@ -35,14 +40,52 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# What a pickled or deep-copied DataParallel leaves behind and rebuilds (torch DDP drops its
+# process group, reducer and logger the same way): the process group, the reducer and its hooks,
+# and the observers, which hold threads, files and the rendezvous store.
+_RUNTIME_STATE = (
+    "_rings", "_reducer", "_waiter", "_comm_hook", "_stats", "_trace", "_tuner", "_watchdog", "_local_sgd"
+)  # fmt: skip
+
 
 class DataParallel(nn.Module, Joinable):
-    """Run ``layers`` data-parallel: the first rank's state is broadcast, gradients are averaged.
+    """Run ``module`` data-parallel: the first rank's state is broadcast, gradients are averaged.
+
+    The constructor is torch DDP's (``torch.nn.parallel.DistributedDataParallel``), so that
+    ``DDP(...)`` becomes ``lit_dp.DataParallel(...)`` by renaming, positional arguments included;
+    docs/reducer.md has the table of what each argument and attribute does here. In short:
 
     Args:
-        layers: the module to train.
-        group: the process group; defaults to the rings created by ``init_parallel_env``
-            (the default group when there is one ring).
+        module: the module to train (``self.module``; Paddle's name ``_layers`` also works).
+        device_ids: None, or the one CUDA device of a single-device CUDA module, as on DDP:
+            inputs are moved there before the forward. A process group passed here (lit_dp's
+            old second positional argument) is refused: pass it as ``process_group=``.
+        output_device: kept as an attribute, as on DDP (neither moves outputs).
+        dim: kept as an attribute, as on DDP (neither scatters inputs).
+        broadcast_buffers: as on DDP: before each forward that follows a synchronising one, the
+            buffers (BatchNorm's running statistics) of the group's first rank are broadcast; with
+            False they are neither broadcast then nor at construction (also a lit_dp option).
+        init_sync: broadcast the first rank's parameters (and buffers) at construction.
+        process_group: the ranks to average over (lit_dp's ``group=`` is the same argument); by
+            default the rings of ``init_parallel_env`` (the default group when there is one ring).
+            Any group works: a subgroup without global rank 0, or one written in Python.
+        bucket_cap_mb: DDP's name for ``comm_buffer_size``; given, it bounds every bucket, the
+            last reduced too, as on DDP (lit_dp's own default keeps that one at 1 MB).
+        find_unused_parameters, gradient_as_bucket_view: as on DDP (also lit_dp options).
+        check_reduction: deprecated in torch, without effect there or here.
+        static_graph: as on DDP: the same graph every iteration. The first synchronised step
+            counts each parameter's gradients (reentrant checkpointing may give one several), later
+            steps wait for that many and know the unused parameters without a graph walk;
+            ``_set_static_graph()`` is refused after training started, as on DDP.
+        delay_all_reduce_named_params, param_to_hook_all_reduce: given together, as on DDP; those
+            parameters are averaged in the buckets like the others (DDP only delays them).
+        mixed_precision: refused: use ``torch.autocast`` and ``comm_dtype``.
+        device_mesh: a one-dimensional mesh, whose group is used, as on DDP.
+        skip_all_reduce_unused_params: accepted; unused parameters already keep their ``.grad``.
+        bucket_cap_mb_list: refused: use ``comm_buffer_size`` and ``last_comm_buffer_size``.
+        batched_grad_copy: no effect (a bucket's gradients are copied in one batched call already).
+        forward_sync_buffers: torch 2.13's name for the forward half of ``broadcast_buffers``.
+        group: lit_dp's name for ``process_group``.
         options: options already validated by a front door (the strategies pass theirs);
             otherwise the keyword arguments below are validated here.
 
@@ -53,12 +96,14 @@ class DataParallel(nn.Module, Joinable):
     (``lit_dp.gradients.plan``): ``no_sync()`` and ``require_backward_grad_sync = False`` (torch
     DDP's attribute, which scripts written for DDP set to accumulate gradients) keep gradients
     local, as does the local phase of a ``lit_dp.LocalSGD`` driving this model.
-    ``state_dict()`` is the inner module's, with no prefix. ``register_comm_hook`` takes torch
-    DDP's communication hooks. With ``sharding_stage`` each parameter gets an owner
-    (``owner_of``), whose ``lit_dp.ShardedOptimizer`` alone steps it (docs/sharding.md). Without
-    a process group the module runs unchanged; a group of one rank (what the Lightning
-    strategies create for one device) gets a reducer like any other, so an unused parameter
-    raises on one device as it would on many.
+    ``state_dict()`` has DDP's ``module.`` prefix; ``load_state_dict`` takes that form or the
+    plain module's. ``register_comm_hook`` takes torch DDP's communication hooks. With
+    ``sharding_stage`` each parameter gets an owner (``owner_of``), whose
+    ``lit_dp.ShardedOptimizer`` alone steps it (docs/sharding.md). Without a process group the
+    module runs unchanged; a group of one rank (what the Lightning strategies create for one
+    device) gets a reducer like any other, so an unused parameter raises on one device as it
+    would on many. ``copy.deepcopy`` and pickling work as on DDP (with the default group): the
+    copy synchronises its own gradients, without observers or a hook registered by hand.
 
     A ``Joinable`` (``torch.distributed.algorithms.join``): ``with model.join():`` or
     ``with Join([model]):`` trains on uneven inputs (``lit_dp.join``). With ``hang_timeout``, a
@@ -68,63 +113,155 @@ class DataParallel(nn.Module, Joinable):
 
     def __init__(
         self,
-        layers: nn.Module,
-        group: dist.ProcessGroup | None = None,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Iterable[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
+        group: dist.ProcessGroup | None = None,
         options: Options | None = None,
         **option_values: Any,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        if options is None:
-            options = Options.build(option_values, MODULE)
-        elif option_values:
-            raise TypeError(f"DataParallel: pass options= or keyword options, not both (got {sorted(option_values)}).")
-        self._layers = layers
+        options = _options(
+            options,
+            option_values,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        _refuse_what_cannot_work(
+            mixed_precision, bucket_cap_mb_list, delay_all_reduce_named_params, param_to_hook_all_reduce
+        )
+        if check_reduction:
+            warnings.warn(
+                "DataParallel(check_reduction=True): deprecated in torch DDP and without effect there or here; "
+                "lit_dp raises on every rank when a parameter got no gradient (see find_unused_parameters).",
+                FutureWarning,
+                stacklevel=2,
+            )
+        group = _chosen_group(process_group, group, device_mesh)
+        delayed = [param for _, param in delay_all_reduce_named_params or ()]
+        self.module = module
         self._options = options
-        self._tuner: BucketAutotuner | None = None
-        # torch DDP's flag: False keeps the next forward's backward local (no_sync() sets it).
+        self.device_ids, self.output_device = _devices(module, device_ids, output_device, delayed)
+        self.device = next(module.parameters()).device
+        self.device_type = self.device.type
+        self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
+        self.dim = dim
+        self.static_graph = static_graph
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        # torch DDP's flags: False keeps the next forward's backward local (no_sync() sets it), and
+        # the buffers are broadcast before a forward only when the one before synchronised.
         self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.forward_sync_buffers = options.broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
+        # torch 2.13: broadcast_buffers=False also skips the buffers at construction; forward_sync_buffers does not.
+        sync_buffers_at_start = options.broadcast_buffers or forward_sync_buffers is not None
+        self._buffer_source = 0
+        self._has_buffers = next(module.buffers(), None) is not None
+        self._tuner: BucketAutotuner | None = None  # read by comm_buffer_size; _observe starts it
         bucket_bytes = megabytes_to_bytes("comm_buffer_size", self.comm_buffer_size)
         # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.gradients.compile);
         # its splitter requires at least its own first-piece size (1 MB).
         self.bucket_bytes_cap = max(bucket_bytes, dist._DEFAULT_FIRST_BUCKET_BYTES)
         self._arms_at_forward = True  # False under manual optimisation (arm_at_backward)
-        self._local_sgd: weakref.ref[Any] | None = None  # the LocalSGD driving this model (use_local_sgd)
+        self._trained = False  # a synchronised backward was prepared (static_graph must be set before)
+        self._logged_error: str | None = None  # the last error of an API call (_get_ddp_logging_data)
+        self._given_group = group  # None: the rings of init_parallel_env (the default group's)
+        self.join_state = JoinState()
+        self._owners: dict[int, int] = {}
+        rings = [group] if group is not None else get_rings()
+        if not rings:
+            warnings.warn(
+                "lit_dp.DataParallel: world size is 1 and no process group exists; "
+                "the module runs unchanged without gradient synchronisation.",
+                stacklevel=2,
+            )
+        elif init_sync:
+            self._broadcast_initial_state(rings[0], sync_buffers_at_start)
+        self._build_runtime(rings)
+
+    def _build_runtime(self, rings: list[dist.ProcessGroup], copy: bool = False) -> None:
+        """The reducer over the trainable parameters, the observers the options ask for, the
+        communication hook they name. ``copy``: for a deep copy or an unpickled model, which gets
+        its reducer without the observers (threads, files, the store's bookkeeping)."""
+        self._rings = rings
+        self._tuner = None
         self._waiter = Waiter()
+        self._local_sgd: weakref.ref[Any] | None = None  # the LocalSGD driving this model (use_local_sgd)
         self._comm_hook: CommHook | None = None
         self._stats: CommObserver | None = None
         self._trace: TraceWriter | None = None
-        self._reducer: Reducer | None = None
         self._watchdog: HangWatchdog | None = None
-        self.join_state = JoinState()
-        self._owners: dict[int, int] = {}
-        named = _synchronised_parameters(layers, group)
+        self._reducer: Reducer | None = None
+        named = _trainable(self.module) if rings else []
         if named:
-            rings = [group] if group is not None else get_rings()
+            options = self._options
+            if options.sharding.stage is not None and groups.written_in_python(rings[0]):
+                raise ValueError(
+                    f"sharding_stage={options.sharding.stage} with a process group written in Python "
+                    f"({type(rings[0]).__name__}) is not supported: the sharded optimizer addresses ranks through "
+                    "torch's registered groups; expected a group made by init_process_group or new_group."
+                )
             device = named[0][1].device
             names = [name for name, _ in named]
-            sparse_ids = _sparse_gradient_parameters(layers)
-            owners = _shard_owners(named, sparse_ids, options.sharding.stage, dist.get_world_size(rings[0]))
+            sparse_ids = _sparse_gradient_parameters(self.module)
+            owners = _shard_owners(named, sparse_ids, options.sharding.stage, rings[0].size())
             self._owners = {id(param): owner for (_, param), owner in zip(named, owners or ())}
             self._reducer = Reducer(
                 [param for _, param in named],
                 names,
                 rings,
-                bucket_bytes=bucket_bytes,
+                bucket_bytes=megabytes_to_bytes("comm_buffer_size", self.comm_buffer_size),
                 last_bucket_bytes=megabytes_to_bytes("last_comm_buffer_size", options.last_comm_buffer_size),
                 sparse=[id(param) in sparse_ids for _, param in named],
                 gradient_as_bucket_view=options.gradient_as_bucket_view,
                 owners=owners if options.sharding.stage == 2 else None,
+                static_graph=self.static_graph,
                 waiter=self._waiter,
             )
-            self._observe(self._reducer, device, names)
+            if not copy:
+                self._observe(self._reducer, device, names)
             sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
             log.debug("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
         # Built here, in each process: PowerSGD's state belongs to the process group.
-        registration = resolve_comm_hook(options)
+        registration = resolve_comm_hook(self._options)
         if registration is not None:
             self.register_comm_hook(*registration)
+
+    def _broadcast_initial_state(self, group: dist.ProcessGroup, with_buffers: bool) -> None:
+        """The group's first rank's parameters (and buffers) to every rank, once the ranks agree
+        on the model's structure (torch's own groups; a group written in Python is trusted)."""
+        if with_buffers and groups.is_registered(group):
+            sync_params_buffers(self.module, group=group, src_rank=dist.get_global_rank(group, 0))
+            return
+        named = [(name, p.data) for name, p in self.module.named_parameters() if not getattr(p, "no_sync", False)]
+        if with_buffers:
+            named += list(self.module.named_buffers())
+        if groups.is_registered(group):
+            ranks = dist.get_process_group_ranks(group)
+            _check_same_structure(named, group, ranks, ranks[0])
+        broadcast_coalesced([t for _, t in named], group, 0, UNWATCHED, "the initial broadcast of the model")
 
     def _observe(self, reducer: Reducer, device: torch.device, names: list[str]) -> None:
         """Subscribe what the options ask for to the reducer's events."""
@@ -139,7 +276,14 @@ class DataParallel(nn.Module, Joinable):
         if options.comm_stats or self._trace is not None:
             self._stats = CommObserver(device, [self._trace.add] if self._trace is not None else [])
             reducer.add_observer(self._stats)
-        if options.hang_timeout is not None and dist.get_world_size(reducer.group) > 1:
+        if options.hang_timeout is not None and reducer.group.size() > 1 and not groups.is_registered(reducer.group):
+            log.warning(
+                "lit_dp.DataParallel: no hang watchdog (hang_timeout=%s) for %s, a process group torch did not "
+                "register: the watchdog finds the ranks through torch's group bookkeeping.",
+                options.hang_timeout,
+                type(reducer.group).__name__,
+            )
+        elif options.hang_timeout is not None and reducer.group.size() > 1:
             # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).
             self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace.dir, device=device)
         log.debug(
@@ -148,9 +292,102 @@ class DataParallel(nn.Module, Joinable):
         )
 
     @property
-    def module(self) -> nn.Module:
-        """The wrapped module (torch DDP's name for Paddle's ``_layers``)."""
-        return self._layers
+    def _layers(self) -> nn.Module:
+        """Paddle's name for ``module``."""
+        return self.module
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The ranks gradients are averaged over (torch DDP's attribute); None without a process group."""
+        return self._rings[0] if self._rings else None
+
+    @property
+    def rings(self) -> list[dist.ProcessGroup]:
+        """The communicators buckets are spread over, ``process_group`` first (all span the same ranks)."""
+        return list(self._rings)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast before forwards (torch DDP's attribute; ``forward_sync_buffers``)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @property
+    def buffer_source(self) -> int:
+        """The rank of the group whose buffers a forward broadcasts: 0, as on DDP. Under torch's
+        ``Join`` the highest rank still in is agreed instead; a strategy replaying steps for ranks
+        without a batch (``replay_step``) sets a rank that has one."""
+        return self._buffer_source
+
+    @buffer_source.setter
+    def buffer_source(self, rank: int) -> None:
+        size = self._rings[0].size() if self._rings else 1
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"buffer_source={rank!r} is invalid: expected a rank of the group, in [0, {size}).")
+        self._buffer_source = rank
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """torch DDP's attribute (the option of that name)."""
+        return self._options.find_unused_parameters
+
+    @property
+    def gradient_as_bucket_view(self) -> bool:
+        """torch DDP's attribute (the option of that name)."""
+        return self._options.gradient_as_bucket_view
+
+    def _set_static_graph(self) -> None:
+        """torch DDP's way to set ``static_graph`` after construction; like DDP, only before training."""
+        with self._logging_errors():
+            if self._trained:
+                raise RuntimeError(
+                    "lit_dp.DataParallel._set_static_graph(): it should be called before training loop starts "
+                    "(torch DDP's rule); pass static_graph=True to the constructor instead."
+                )
+        self.static_graph = True
+        if self._reducer is not None:
+            self._reducer.set_static_graph()
+
+    @contextmanager
+    def _logging_errors(self) -> Iterator[None]:
+        """Keep the message of an error raised inside for ``_get_ddp_logging_data`` (as DDP logs its own)."""
+        try:
+            yield
+        except (TypeError, ValueError, RuntimeError) as error:
+            self._logged_error = str(error)
+            raise
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch DDP's debugging summary, under DDP's keys, for what lit_dp has: the construction's
+        choices, the parameters, the synchronised iterations so far and the last error raised by an
+        API call (``has_error``, ``error``). DDP's environment and per-iteration timing keys are absent."""
+        params = [param for param in self.module.parameters() if param.requires_grad]
+        group = self.process_group
+        reducer = self._reducer
+        return {
+            "module_name": type(self.module).__name__,
+            "world_size": group.size() if group is not None else 1,
+            "rank": group.rank() if group is not None else 0,
+            "backend_name": groups.backend_name(group) if group is not None else "",
+            "device_ids": ",".join(map(str, self.device_ids or [])),
+            "output_device": -1 if self.output_device is None else self.output_device,
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "bucket_cap_bytes": megabytes_to_bytes("comm_buffer_size", self.comm_buffer_size),
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph),
+            "is_multi_device_module": int(self.is_multi_device_module),
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+            "dtypes": ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
+            "bucket_sizes": ", ".join(map(str, reducer.bucket_bytes)) if reducer is not None else "",
+            "iteration": reducer.step + 1 if reducer is not None else 0,
+            "has_error": int(self._logged_error is not None),
+            "error": self._logged_error or "",
+        }
 
     @property
     def reducer(self) -> Reducer | None:
@@ -210,18 +447,19 @@ class DataParallel(nn.Module, Joinable):
         hook can be registered once, before the first synchronised backward. Sparse gradients
         are reduced without it. See docs/comm_hooks.md.
         """
-        comm_hook = CommHook(state, hook, self._waiter)
-        if self._comm_hook is not None:
-            raise RuntimeError(
-                f"lit_dp.DataParallel: a communication hook ({self._comm_hook.name}) is already registered; "
-                f"register_comm_hook({comm_hook.name}) can only be called once."
-            )
-        if self._tuner is not None and self._tuner.chosen_mb is None:
-            comm_hook.check_layout_settled_by(settled_step())
-        if self._reducer is not None:
-            self._reducer.register_comm_hook(comm_hook)
+        with self._logging_errors():
+            comm_hook = CommHook(state, hook, self._waiter)
+            if self._comm_hook is not None:
+                raise RuntimeError(
+                    "register_comm_hook or register_builtin_comm_hook can only be called once. lit_dp.DataParallel: "
+                    f"{self._comm_hook.name} is already registered, {comm_hook.name} cannot be added."
+                )
+            if self._tuner is not None and self._tuner.chosen_mb is None:
+                comm_hook.check_layout_settled_by(settled_step())
+            if self._reducer is not None:
+                self._reducer.register_comm_hook(comm_hook)
         self._comm_hook = comm_hook
-        if dist.is_initialized() and dist.get_rank() == 0:
+        if self._rings and self._rings[0].rank() == 0:
             log.info("lit_dp.DataParallel: communication hook %s", comm_hook.name)
 
     @property
@@ -266,48 +504,123 @@ class DataParallel(nn.Module, Joinable):
     # compiled as its own frame, inside `bucket_graph_breaks`, and the reducer runs eagerly.
     @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.device_ids:
+            inputs, kwargs = tree_map(self._to_input_device, (inputs, kwargs))
         if self._reducer is None:
-            return self._layers(*inputs, **kwargs)
-        with bucket_graph_breaks(self):
-            outputs = self._layers(*inputs, **kwargs)
+            return self.module(*inputs, **kwargs)
         # The forward decides whether the next backward synchronises (as in torch DDP and Paddle),
-        # so `no_sync()` must wrap the forward, not only the backward.
-        if torch.is_grad_enabled() and self._arms_at_forward:
-            self.prepare_for_backward(outputs)
+        # so `no_sync()` must wrap the forward, not only the backward. Decided before the module
+        # runs: under Join the notification and the buffer broadcast come first, as on DDP.
+        plan = self._plan(Participation.SYNC) if torch.is_grad_enabled() and self._arms_at_forward else None
+        self._forward_communication(plan)
+        with bucket_graph_breaks(self):
+            outputs = self.module(*inputs, **kwargs)
+        if plan is not None and plan.communicates:
+            self._trained = True
+            self._reducer.prepare_for_backward(plan, outputs)
         return outputs
+
+    def _to_input_device(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(torch.device(self.device_type, self.device_ids[0]), non_blocking=True)
+        return value
 
     def prepare_for_backward(self, outputs: Any) -> None:
         """Decide the plan of the backward from ``outputs`` and, unless it stays local, arm the reducer.
 
-        ``forward`` calls it; so does the Trainer strategy's ``manual_backward`` under manual
-        optimization (``arm_at_backward``).
+        The Trainer strategy's ``manual_backward`` calls it under manual optimization
+        (``arm_at_backward``); otherwise each forward decides.
         """
         if self._reducer is None:
             return
         plan = self._plan(Participation.SYNC)
-        log.debug("lit_dp.DataParallel: step %d plan %s", self._reducer.step + 1, plan)
         if plan.communicates:
+            self._trained = True
             self._reducer.prepare_for_backward(plan, outputs)
 
     def replay_step(self) -> None:
-        """Take this step's synchronisation without a batch (the Trainer's ``uneven_inputs``):
-        gradients accumulated here since the last synchronisation count, and the averages land
-        in ``.grad`` (a ``REPLAY`` plan, ``lit_dp.gradients.plan``)."""
+        """Take this step's communication without a batch (the Trainer's ``uneven_inputs``): the buffer
+        broadcast a forward would take, then the synchronisation, where gradients accumulated here
+        since the last synchronisation count and the averages land in ``.grad`` (a ``REPLAY`` plan,
+        ``lit_dp.gradients.plan``)."""
         if self._reducer is None:
             return
+        self.replay_forward()
         plan = self._plan(Participation.REPLAY)
         if plan.communicates:
             self._reducer.synchronise_without_backward(plan)
 
+    def replay_forward(self) -> None:
+        """Take the communication of a forward without running it: the buffer broadcast, when one is
+        due (a rank without a batch under the Trainer's ``uneven_inputs``, e.g. at a validation step)."""
+        if self._reducer is not None:
+            self._forward_communication(None)
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (torch DDP's method of that name)."""
+        return (
+            self.require_forward_param_sync
+            and self.forward_sync_buffers
+            and self._has_buffers
+            and bool(self._rings)
+            and not groups.trivially_alone(self._rings[0])
+        )
+
+    def _forward_communication(self, plan: StepPlan | None) -> None:
+        """A forward's own collective, the buffer broadcast (``broadcast_buffers``), and the flag
+        that says whether the next forward takes one: this forward's backward synchronises.
+
+        Under torch's ``Join`` only synchronising forwards broadcast, from the highest rank still
+        in (agreed in one all-reduce that a joined rank matches, ``shadow_buffer_broadcast``):
+        a joined rank hears of those forwards only.
+        """
+        if in_join_context(self):
+            if plan is not None and plan.participation is Participation.SYNC and self._joins_buffers():
+                self._broadcast_buffers(self._agree_on_buffer_source(self._rings[0].rank()))
+        elif self.will_sync_module_buffers():
+            self._broadcast_buffers(self._buffer_source)
+        self.require_forward_param_sync = torch.is_grad_enabled() and self._syncs_gradients()
+
+    def _syncs_gradients(self) -> bool:
+        """Whether a backward now synchronises: ``require_backward_grad_sync``, outside LocalSGD's local phase."""
+        local_sgd = self.local_sgd
+        return self.require_backward_grad_sync and not (local_sgd is not None and local_sgd.in_local_phase)
+
+    def shadow_buffer_broadcast(self) -> None:
+        """On a rank that joined (``lit_dp.join``): take part in the buffer broadcast of a
+        synchronising forward of the ranks still in, and adopt the buffers it sends."""
+        if self._joins_buffers():
+            self._broadcast_buffers(self._agree_on_buffer_source(-1))
+
+    def _joins_buffers(self) -> bool:
+        return self.forward_sync_buffers and self._has_buffers and not groups.trivially_alone(self._rings[0])
+
+    def _agree_on_buffer_source(self, candidate: int) -> int:
+        """The highest candidate rank of the group (a joined rank offers -1), as DDP's ``_find_common_rank``."""
+        agreed = torch.tensor([candidate], device=self.join_device)
+        group = self._rings[0]
+        work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        groups.wait(self._waiter, work, group, "the choice of the rank whose buffers are broadcast")
+        return int(agreed.item())
+
+    def _broadcast_buffers(self, source: int) -> None:
+        # Collected at each broadcast: a module may have replaced a buffer since (DDP does the same).
+        buffers = list(self.module.buffers())
+        broadcast_coalesced(buffers, self._rings[0], source, self._waiter, "the broadcast of the module's buffers")
+
     def _plan(self, participation: Participation) -> StepPlan:
         """The step's plan: ``LOCAL`` while gradients stay local, else ``participation``, divided by
         the group's size or, inside a Join context, by what it says (``lit_dp.join.notify``)."""
-        local_sgd = self.local_sgd
-        find_unused = self._options.find_unused_parameters
-        if not self.require_backward_grad_sync or (local_sgd is not None and local_sgd.in_local_phase):
-            return StepPlan.decide(Participation.LOCAL, find_unused, dist.get_world_size(self.join_process_group))
-        divisor = notify(self) if participation is Participation.SYNC else dist.get_world_size(self.join_process_group)
-        return StepPlan.decide(participation, find_unused, divisor)
+        # A static graph's unused parameters are those of its first step: flags say "used here", as with
+        # find_unused_parameters, without the per-step graph walk (the reducer knows them).
+        find_unused = self._options.find_unused_parameters or self.static_graph
+        size = self.join_process_group.size()
+        if not self._syncs_gradients():
+            return StepPlan.decide(Participation.LOCAL, find_unused, size)
+        divisor = notify(self) if participation is Participation.SYNC else size
+        plan = StepPlan.decide(participation, find_unused, divisor)
+        log.debug("lit_dp.DataParallel: step %d plan %s", self._reducer.step + 1, plan)
+        return plan
 
     def join(
         self,
@@ -337,7 +650,7 @@ class DataParallel(nn.Module, Joinable):
     @property
     def join_device(self) -> torch.device:
         """Where the Join context's own all-reduces run: the parameters' device."""
-        return next(self._layers.parameters()).device if self._reducer is not None else torch.device("cpu")
+        return self.device if self._reducer is not None else torch.device("cpu")
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
@@ -355,11 +668,42 @@ class DataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = previous
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self._layers.state_dict(*args, **kwargs)
-
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self._layers.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load ``state_dict()``'s form (keys ``module.*``, as DDP's) or the plain module's (no key
+        with that prefix: what ``self.module.state_dict()`` and most checkpoints hold)."""
+        if not any(key.startswith("module.") for key in state_dict):
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As torch DDP: only a model on the default group can be pickled or deep-copied; the
+        process group, the reducer and the observers stay behind (``__setstate__`` rebuilds)."""
+        if self._rings and self._given_group is not None and self._given_group is not _default_group():
+            raise RuntimeError(
+                "lit_dp.DataParallel: pickling and copy.deepcopy need the default process group, as in torch DDP "
+                "(DDP Pickling/Unpickling are only supported when using DDP with the default process group); this "
+                f"model averages over a group of {self._rings[0].size()} given as process_group/group. Copy "
+                "the inner module (model.module) and wrap the copy instead."
+            )
+        state = dict(self.__dict__)
+        state["_had_group"] = bool(self._rings)
+        if self._options.comm_buffer_size == AUTO:
+            state["_options"] = self._options.replace(comm_buffer_size=self.comm_buffer_size)  # what tuning chose
+        for name in _RUNTIME_STATE:
+            state.pop(name, None)
+        state["_given_group"] = None  # the default group, found again when unpickled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        had_group = state.pop("_had_group")
+        super().__setstate__(state)
+        if had_group and not dist.is_initialized():
+            raise RuntimeError(
+                "lit_dp.DataParallel: unpickling a model trained data-parallel needs the default process group; "
+                "call init_process_group (or lit_dp.init_parallel_env) first, or unpickle the inner module."
+            )
+        # A copy averages its own gradients (a second reducer over its own parameters), as DDP's does.
+        self._build_runtime(get_rings() if had_group else [], copy=True)
 
 
 def fused_allreduce_gradients(
@@ -396,19 +740,150 @@ def fused_allreduce_gradients(
         bucket.write_back(as_view=False, skipped=no_gradient)
 
 
-def _synchronised_parameters(layers: nn.Module, group: dist.ProcessGroup | None) -> list[tuple[str, nn.Parameter]]:
-    """Broadcast the group's first rank's state; the trainable parameters to reduce (none without a process group)."""
-    if not dist.is_initialized():
-        warnings.warn(
-            "lit_dp.DataParallel: world size is 1 and no process group exists; "
-            "the module runs unchanged without gradient synchronisation.",
-            stacklevel=3,
+def _options(given: Options | None, values: dict[str, Any], **ddp: Any) -> Options:
+    """The options in effect: ``given`` (a front door validated them), or the keyword options and
+    DDP's arguments that are options (``bucket_cap_mb`` is ``comm_buffer_size``), validated here."""
+    bucket_cap_mb = ddp.pop("bucket_cap_mb")
+    defaults = {"find_unused_parameters": False, "gradient_as_bucket_view": False, "broadcast_buffers": None}
+    changed = {name: value for name, value in ddp.items() if value != defaults[name]}
+    if bucket_cap_mb is not None:
+        changed["bucket_cap_mb"] = bucket_cap_mb
+    if given is not None:
+        if values or changed:
+            raise TypeError(
+                f"DataParallel: pass options= or keyword options, not both (got {sorted({**values, **changed})})."
+            )
+        return given
+    values = {**values, **changed}
+    if bucket_cap_mb is not None and "last_comm_buffer_size" not in values:
+        values["last_comm_buffer_size"] = bucket_cap_mb  # DDP's bucket_cap_mb bounds the last bucket too
+    return Options.build(values, MODULE)
+
+
+def _refuse_what_cannot_work(
+    mixed_precision: Any, bucket_cap_mb_list: Any, delayed: Any, param_to_hook_all_reduce: Any
+) -> None:
+    if mixed_precision is not None:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} is not supported by lit_dp.DataParallel (torch DDP's experimental "
+            "native mixed precision); expected None: run the forward under torch.autocast (Lightning: "
+            "precision='bf16-mixed' or '16-mixed') and all-reduce in half precision with comm_dtype='bf16' or 'fp16'."
         )
-        return []
-    sync_params_buffers(layers, group=group)
+    if bucket_cap_mb_list is not None:
+        raise ValueError(
+            f"bucket_cap_mb_list={list(bucket_cap_mb_list)!r} is not supported by lit_dp.DataParallel; expected None: "
+            "set comm_buffer_size (every bucket) and last_comm_buffer_size (the last one reduced), or "
+            "comm_buffer_size='auto'."
+        )
+    if (delayed is None) != (param_to_hook_all_reduce is None):
+        raise ValueError(
+            "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time "
+            f"(torch DDP's rule); got delay_all_reduce_named_params={'set' if delayed is not None else None}, "
+            f"param_to_hook_all_reduce={'set' if param_to_hook_all_reduce is not None else None}."
+        )
+
+
+def _chosen_group(
+    process_group: dist.ProcessGroup | None, group: dist.ProcessGroup | None, device_mesh: Any
+) -> dist.ProcessGroup | None:
+    """``process_group`` (DDP's name), ``group`` (lit_dp's) or a one-dimensional ``device_mesh``'s group."""
+    if process_group is not None and group is not None and process_group is not group:
+        raise ValueError(
+            "DataParallel(process_group=..., group=...) with two different groups is invalid: they are the same "
+            "argument (torch DDP's name and lit_dp's); pass one of them."
+        )
+    chosen = process_group if process_group is not None else group
+    if device_mesh is None:
+        return chosen
+    if chosen is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments (torch DDP's rule).")
+    if device_mesh.ndim != 1:
+        raise RuntimeError(
+            f"Only 1D device mesh is supported, but got {device_mesh} (torch DDP's rule); expected the data-parallel "
+            "dimension, e.g. mesh['dp']."
+        )
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def _devices(
+    module: nn.Module, device_ids: Any, output_device: Any, delayed: list[nn.Parameter]
+) -> tuple[list[int] | None, int | None]:
+    """DDP's checks of the module and its devices; ``(device_ids, output_device)`` as DDP keeps them."""
+    if isinstance(device_ids, dist.ProcessGroup):
+        raise ValueError(
+            f"DataParallel(module, {type(device_ids).__name__}): the second positional argument is torch DDP's "
+            "device_ids, no longer lit_dp's group; pass the group by name: DataParallel(module, process_group=g) "
+            "(or group=g)."
+        )
+    named = list(module.named_parameters())
+    uninitialized = [name for name, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
+    if uninitialized:
+        raise RuntimeError(
+            f"Modules with uninitialized parameters can't be used with lit_dp.DataParallel ({uninitialized[:5]}); "
+            "run a dummy forward pass first to initialize them (torch DDP's rule)."
+        )
+    trainable = [name for name, p in named if p.requires_grad and not getattr(p, "no_sync", False)]
+    if not trainable and not delayed:
+        names = [name for name, _ in named]
+        has = f"its parameters {_some(names)} are frozen or marked no_sync" if names else "it has no parameters"
+        raise RuntimeError(
+            f"lit_dp.DataParallel: nothing to train in {type(module).__name__}: {has}. As torch DDP says, "
+            "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient; "
+            "wrap the module you train, or run this one unwrapped."
+        )
+    by_type: dict[str, list[str]] = {}
+    for name, param in named:
+        by_type.setdefault(param.device.type, []).append(name)
+    if len(by_type) > 1:
+        where = "; ".join(f"on {kind}: {_some(names)}" for kind, names in by_type.items())
+        raise ValueError(
+            "lit_dp.DataParallel's module must be on one type of device, as DistributedDataParallel's: its "
+            f"parameters are {where}. Move the module with module.to(device) first."
+        )
+    if device_ids is not None:
+        try:
+            device_ids = list(device_ids)
+        except TypeError:
+            raise ValueError(f"device_ids={device_ids!r} is invalid: expected None or a list of one device.") from None
+        if len(device_ids) > 1:
+            raise ValueError(
+                f"device_ids={device_ids!r} is invalid: device_ids can only be None or contain a single element "
+                "(torch DDP's rule: one process per device)."
+            )
+    devices = {param.device for _, param in named}
+    device = next(iter(devices))
+    if not device_ids or device.type == "cpu" or len(devices) > 1:
+        if device_ids or output_device is not None:
+            raise ValueError(
+                "DataParallel device_ids and output_device arguments only work with single-device GPU modules "
+                f"(torch DDP's rule), but got device_ids {device_ids}, output_device {output_device}, and module "
+                f"parameters {sorted(map(str, devices))}; expected device_ids=None for a CPU or multi-device module."
+            )
+        return None, None
+    ids = [_get_device_index(d, True) for d in device_ids]
+    if ids[0] != device.index:
+        raise ValueError(
+            f"device_ids={device_ids!r} is invalid for a module on {device}: inputs would be moved to another device "
+            f"than the parameters'; expected device_ids=[{device.index}] (or move the module first)."
+        )
+    return ids, _get_device_index(output_device if output_device is not None else device_ids[0], True)
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """``a, b, c (and 2 more)``: parameter names for a message."""
+    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _default_group() -> dist.ProcessGroup | None:
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the reducer averages: trainable, not marked ``no_sync``, each once."""
     return [
         (name, param)
-        for name, param in layers.named_parameters()
+        for name, param in module.named_parameters()
         if param.requires_grad and not getattr(param, "no_sync", False)
     ]
 

@@ -19,9 +19,12 @@ communication hook if one is registered, zeros for gradients, flags that count i
 using nor missing a parameter, the step counted for the observers: the bucket-size autotuner
 and the hang watchdog follow the same schedule). When a ``lit_dp.LocalSGD`` drives the model,
 a small all-reduce after the notification says whether the step synchronises gradients or
-runs LocalSGD's collectives, which the joined rank then shadows too. Once all have joined, ``post_hook`` agrees on an authoritative rank (the
-highest of the last to join, as DDP does) and broadcasts its parameters, buffers and LocalSGD
-schedule.
+runs LocalSGD's collectives, which the joined rank then shadows too. Once all have joined,
+``post_hook`` agrees on an authoritative rank (the highest of the last to join, as DDP does)
+and broadcasts its parameters, buffers (unless ``broadcast_buffers=False``) and LocalSGD
+schedule. With ``broadcast_buffers``, a synchronising forward of the ranks still in broadcasts
+the buffers of the highest of them (as DDP chooses it); a joined rank matches that broadcast
+(``DataParallel.shadow_buffer_broadcast``) before the step's gradient collectives.
 
 Divisor: ``divide_by_initial_world_size=True`` (default) divides by the world size, so every
 sample weighs the same; ``False`` divides by the ranks still in. As in torch DDP, a
@@ -47,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from lit_dp.gradients.broadcast import sync_params_buffers
+from lit_dp.gradients.coalesced import broadcast_coalesced
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.job.store import group_store_prefix, rendezvous_store
 
@@ -73,6 +76,12 @@ class JoinState:
     pending: Any = None  # the last LocalSGD step plan this rank sent
 
 
+def active(model: DataParallel) -> bool:
+    """Whether ``model`` is inside an enabled Join context, as the joinable that communicates."""
+    config = model._join_config
+    return config.enable and config.is_first_joinable
+
+
 def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None) -> int:
     """Tell the Join context this rank is still in, before one step's collectives; returns the step's divisor.
 
@@ -84,8 +93,8 @@ def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None)
     """
     group = model.join_process_group
     config = model._join_config
-    if not config.enable or not config.is_first_joinable:
-        return dist.get_world_size(group)
+    if not active(model):
+        return group.size()
     state = model.join_state
     assert model.reducer is not None, "a DataParallel without a reducer is not joinable"
     device, waiter = model.join_device, model.waiter
@@ -155,6 +164,7 @@ class DataParallelJoinHook(JoinHook):
             model.waiter.wait(dist.all_reduce(plan, group=reducer.group, async_op=True), "Join's step plan")
             gradients, agree_first, average = (bool(value) for value in plan.tolist())
         if gradients:
+            model.shadow_buffer_broadcast()  # the forward's, when the ranks still in broadcast buffers
             reducer.synchronise_without_backward(self._shadow_plan())
         if local_sgd is not None and (agree_first or average):
             local_sgd.shadow_step(agree_first, average)
@@ -170,7 +180,8 @@ class DataParallelJoinHook(JoinHook):
         model = self._model
         size = dist.get_world_size(model.join_process_group)
         divisor = size if model.join_state.divide_by_initial_world_size else max(1, size - 1)
-        return StepPlan.decide(Participation.SHADOW, model.options.find_unused_parameters, divisor)
+        used_flags = model.options.find_unused_parameters or model.static_graph  # as the ranks still in (_plan)
+        return StepPlan.decide(Participation.SHADOW, used_flags, divisor)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters, buffers and LocalSGD schedule of the authoritative rank."""
@@ -180,15 +191,18 @@ class DataParallelJoinHook(JoinHook):
         if model.watchdog is not None:
             model.watchdog.untimed_wait_ended()
         group = reducer.group
-        candidate = torch.tensor([dist.get_rank() if is_last_joiner else -1], device=model.join_device)
+        candidate = torch.tensor([group.rank() if is_last_joiner else -1], device=model.join_device)
         model.waiter.wait(
             dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=group, async_op=True), "Join's authoritative rank"
         )
         authoritative = int(candidate.item())
-        with model.waiter.outside("Join's broadcast of the authoritative rank's parameters"):
-            sync_params_buffers(model.module, group=group, src_rank=authoritative)
+        # Parameters, and buffers unless broadcast_buffers=False keeps them local (as DDP's join does).
+        tensors = [p.data for p in model.module.parameters() if not getattr(p, "no_sync", False)]
+        if model.broadcast_buffers:
+            tensors += list(model.module.buffers())
+        broadcast_coalesced(tensors, group, authoritative, model.waiter, "Join's final broadcast of the model")
         if model.local_sgd is not None:
-            model.local_sgd.adopt_schedule_of(authoritative)
+            model.local_sgd.adopt_schedule_of(dist.get_global_rank(group, authoritative))
         state.joined = False
 
 

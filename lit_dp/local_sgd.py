@@ -77,8 +77,8 @@ class LocalSGD:
         adaptive: recompute the period at each average from the loss and learning rate.
         min_local_steps, max_local_steps: bounds of the adaptive period.
         comm_buffer_size: bucket size limit of the averaging all-reduce, MB.
-        group: the process group; defaults to the rings of ``init_parallel_env`` (pass the
-            ``group`` given to ``DataParallel``, if any).
+        group: the process group; defaults to the ``DataParallel``'s (``module.rings``), or for
+            another module to the rings of ``init_parallel_env``.
     """
 
     def __init__(
@@ -111,7 +111,10 @@ class LocalSGD:
         self._initial_local_steps = local_steps
         self._adaptive = adaptive
         self._bounds = (min_local_steps, max_local_steps)
-        self._rings = [group] if group is not None else get_rings()
+        if group is not None:
+            self._rings = [group]
+        else:  # the model's own communicators (its process_group), else those of init_parallel_env
+            self._rings = module.rings if isinstance(module, DataParallel) else get_rings()
         self._world_size = dist.get_world_size(self._rings[0]) if self._rings else 1
         self._first_rank = dist.get_process_group_ranks(self._rings[0])[0] if self._rings else 0
         self._bucket_bytes = megabytes_to_bytes("comm_buffer_size", comm_buffer_size)

@@ -4,6 +4,24 @@ The data path of one bucket launch (``start``), its completion (``wait``) and th
 the averages (``write_back``); the reducer decides when, and the step plan
 (``lit_dp.gradients.plan``) how this rank takes part. The flat buffer also carries one flag per
 member, all-reduced with the gradients (``lit_dp.gradients.flags``).
+
+Gradient layout contract (torch's reducer.cpp keeps the same, "Note [Gradient Layout Contract]"):
+
+- A parameter that is non-overlapping and dense (contiguous, ``channels_last``, any order of
+  dimensions) gets its gradient in its own strides: autograd's ``AccumulateGrad`` gives
+  ``.grad`` the parameter's strides. So a flat member's view into the bucket buffer
+  (``strides.shaped_like``) has the parameter's sizes *and strides* over its slice of the
+  buffer, never merely a reshape: copying ``.grad`` in and the average back out pairs equal
+  layouts (a plain copy, no strided gather), and under ``gradient_as_bucket_view`` the view
+  that becomes ``.grad`` has the parameter's strides, as autograd's own would. A parameter
+  that is not dense (an expanded or sliced tensor) gets a contiguous view.
+- A member reduced in place is reduced through a one-dimensional alias of its gradient's own
+  memory (``strides.flat_alias``): a reduction is elementwise, so any dense layout is reduced
+  as it lies, without a contiguous copy, on any backend. A gradient whose strides are not the
+  parameter's (one set by hand) is first copied into the parameter's layout.
+- Every rank's parameter has the same strides (the same model), so element ``i`` of a bucket
+  is the same parameter entry on every rank.
+- A communication hook's ``GradBucket.gradients()`` are views made the same way.
 """
 
 from __future__ import annotations
@@ -14,10 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import lit_dp.gradients.group as groups
 from lit_dp.gradients.buckets import MB
 from lit_dp.gradients.flags import fill_flags, members_present
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.plan import StepPlan
+from lit_dp.gradients.strides import flat_alias, like_param, shaped_like, zeros_like_param
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 
 # Scaling while copying (one call per tensor) saves a pass over the bucket but costs a Python
@@ -108,7 +128,7 @@ class DenseBucket:
             self.flags = self.buffer[numel:]
         self.views: list[torch.Tensor | None] = [None] * len(params)
         for k, piece in zip(self.flat, self.gradients.split(flat_numels)):
-            self.views[k] = piece.view_as(params[k])
+            self.views[k] = shaped_like(piece, params[k])
         # The flat members and their views as lists, so a launch builds no list per member.
         self.flat_params = [params[k] for k in self.flat]
         self.flat_views = [self.views[k] for k in self.flat]
@@ -118,12 +138,12 @@ class DenseBucket:
         flat_bytes = numel * self.gradients.element_size()
         self.fuse_scale = flat_bytes >= FUSED_SCALE_MIN_BYTES_PER_TENSOR * len(self.flat)
         self.average_op = averaging_op(ring)
-        self.size = dist.get_world_size(ring)
+        self.size = ring.size()
         self.waiter = waiter  # the owner's policy for every wait (a deadline under the hang watchdog)
         # A group of one rank (one device under the Lightning strategies) needs no collective:
         # skipping it keeps the one-device step as cheap as the bare model's, checks included.
-        # A hook still runs there, as under torch DDP.
-        self.alone = dist.get_world_size(ring) == 1 and hook is None
+        # A hook still runs there, as under torch DDP, and so does a group written in Python.
+        self.alone = groups.trivially_alone(ring) and hook is None
         # The flat members' gradients at launch when all were present, for the write-back.
         self._launched_grads: list[torch.Tensor] | None = None
 
@@ -170,18 +190,17 @@ class DenseBucket:
             self.works.append(dist.all_reduce(self.buffer, op=op, group=self.ring, async_op=True))
 
     def _start_in_place(self, k: int, present: bool, divisor: int, op: dist.ReduceOp) -> dist.Work:
-        grad = self.params[k].grad
+        param = self.params[k]
         if not present:
-            reduced = torch.zeros_like(self.params[k], memory_format=torch.contiguous_format)
+            reduced = zeros_like_param(param)
         else:
             # Autograd hands a parameter a gradient that aliases nothing else (it clones otherwise),
-            # the same guarantee that lets it accumulate into .grad in place. A non-contiguous
-            # gradient is reduced through a contiguous copy.
-            reduced = grad if grad.is_contiguous() else grad.contiguous()
+            # the same guarantee that lets it accumulate into .grad in place.
+            reduced = like_param(param.grad, param)
             if op != dist.ReduceOp.AVG:
                 reduced.div_(divisor)
         self.reduced[k] = reduced
-        return dist.all_reduce(reduced, op=op, group=self.ring, async_op=True)
+        return dist.all_reduce(flat_alias(reduced), op=op, group=self.ring, async_op=True)
 
     def _fill_flat(self, present: list[bool] | None, divisor: int, divide: bool) -> None:
         """Copy the flat members' gradients in, divided by ``divisor`` (torch DDP also divides first).
@@ -211,7 +230,7 @@ class DenseBucket:
     def wait(self) -> None:
         """Wait for this bucket's collectives (on CUDA: make the current stream wait for them)."""
         for work in self.works:
-            self.waiter.wait(work)
+            groups.wait(self.waiter, work, self.ring)
         self.works = []
         if self.hook:
             comm_hook, index, _ = self.hook
@@ -252,4 +271,4 @@ class DenseBucket:
 def averaging_op(group: dist.ProcessGroup) -> dist.ReduceOp | None:
     """NCCL averages inside the all-reduce (``ReduceOp.AVG``), saving a pass over the gradients;
     None where the backend only sums (Gloo), and the gradients are divided before."""
-    return dist.ReduceOp.AVG if dist.get_backend(group) == "nccl" else None
+    return dist.ReduceOp.AVG if groups.backend_name(group) == "nccl" else None

@@ -48,7 +48,7 @@ class ParameterGather:
     ) -> None:
         self._group = group
         self._waiter = waiter
-        self._buckets: list[tuple[int, torch.Tensor]] = []  # (global source rank, slice), in launch order
+        self._buckets: list[tuple[int, torch.Tensor]] = []  # (owner, a rank of the group; slice), in launch order
         self._bucket_of: dict[int, int] = {}  # id(param) -> position of its bucket in launch order
         self._expected: list[tuple[nn.Parameter, int]] = []  # (param, data_ptr) once it lives in the flat storage
         self._works: list[dist.Work] = []
@@ -66,7 +66,7 @@ class ParameterGather:
                 pieces.append((position[id(chunk[0])], owner, flat[start:stop], chunk))
             self._expected += [(param, param.data_ptr()) for param in members]
         for launch, (_, owner, piece, chunk) in enumerate(sorted(pieces, key=lambda item: (item[0], item[1]))):
-            self._buckets.append((dist.get_global_rank(group, owner), piece))
+            self._buckets.append((owner, piece))
             for param in chunk:
                 self._bucket_of[id(param)] = launch
 
@@ -86,7 +86,7 @@ class ParameterGather:
                     "ShardedOptimizer after the model is on its device and in its dtype."
                 )
         self._works = [
-            dist.broadcast(piece, src=source, group=self._group, async_op=True) for source, piece in self._buckets
+            dist.broadcast(piece, group=self._group, group_src=owner, async_op=True) for owner, piece in self._buckets
         ]
         self._waited = 0
 

@@ -13,6 +13,7 @@ is ``lit_dp.options.comm_hooks``'s to say; this module runs the one it is given.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -20,8 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
+from lit_dp.gradients.strides import shaped_like
 from lit_dp.gradients.waiting import UNWATCHED, CollectiveHangError, Waiter
-from lit_dp.options.comm_hooks import Hook, check_hook, hook_name
+from lit_dp.options.comm_hooks import Hook, hook_name
 
 
 class GradBucket:
@@ -55,9 +57,10 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """One view into ``buffer()`` per parameter, shaped like it (PowerSGD writes through them)."""
+        """One view into ``buffer()`` per parameter, with its sizes and strides (PowerSGD writes through
+        them; the layout contract of ``lit_dp.gradients.dense``, as DDP's ``GradBucket.gradients()``)."""
         pieces = self._buffer.split([p.numel() for p in self._params])
-        return [piece.view(param.shape) for piece, param in zip(pieces, self._params)]
+        return [shaped_like(piece, param) for piece, param in zip(pieces, self._params)]
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self._params)
@@ -77,7 +80,7 @@ class CommHook:
     """
 
     def __init__(self, state: object, hook: Hook, waiter: Waiter = UNWATCHED) -> None:
-        check_hook("hook", hook)
+        check_signature(hook)
         self.state = state
         self.hook = hook
         self.name = hook_name(hook)
@@ -117,9 +120,11 @@ class CommHook:
             raise RuntimeError(f"lit_dp: communication hook {self.name} raised on bucket {index}: {error!r}") from error
         # torch._C.Future: what Work.get_future() and Future.then() return (torch.futures.Future derives from it).
         if not isinstance(future, torch._C.Future):
-            raise TypeError(
-                f"lit_dp: communication hook {self.name} returned {type(future).__qualname__} for bucket {index}: "
-                "expected a torch.futures.Future whose value is the bucket's averaged flat gradient tensor."
+            # torch DDP's error, type and words: "callback must return a torch.futures.Future object".
+            raise RuntimeError(
+                f"lit_dp: communication hook {self.name}: callback must return a torch.futures.Future object, but "
+                f"got {type(future).__qualname__} for bucket {index}; expected a future whose value is the bucket's "
+                "averaged flat gradient tensor."
             )
         self._in_flight = future if self._ordered else None
         return future
@@ -135,6 +140,8 @@ class CommHook:
         if future is self._in_flight:
             self._in_flight = None
         value = self._wait(future, index)
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]  # a collective's own future holds [tensor]; torch DDP takes its one tensor too
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"lit_dp: communication hook {self.name} returned a future whose value is "
@@ -158,3 +165,40 @@ class CommHook:
         except Exception as error:
             bucket = "a bucket" if index is None else f"bucket {index}"
             raise RuntimeError(f"lit_dp: communication hook {self.name} failed on {bucket}: {error}") from error
+
+
+def check_signature(hook: object) -> None:
+    """torch DDP's checks of a hook given to ``register_comm_hook``, with its error types and words:
+    callable, and where annotated, a ``GradBucket`` argument and a ``Future[Tensor]`` result."""
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable. lit_dp.DataParallel.register_comm_hook got {hook!r}.")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a callable without a signature (some builtins)
+        return
+    parameters = list(signature.parameters.values())
+    bucket = _annotation(hook, parameters[1].annotation) if len(parameters) > 1 else inspect.Parameter.empty
+    if bucket not in (inspect.Parameter.empty, dist.GradBucket, GradBucket, "dist.GradBucket", "GradBucket"):
+        raise ValueError(
+            f"Communication hook: bucket annotation should be dist.GradBucket. {hook_name(hook)} annotates {bucket!r}."
+        )
+    returns = _annotation(hook, signature.return_annotation)
+    futures = (torch.futures.Future[torch.Tensor], torch.futures.Future, "torch.futures.Future[torch.Tensor]")
+    if returns is not inspect.Signature.empty and returns not in futures:
+        raise ValueError(
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
+            f"{hook_name(hook)} annotates {returns!r}."
+        )
+
+
+def _annotation(hook: object, annotation: object) -> object:
+    """An annotation as an object; one written as a string (``from __future__ import annotations``)
+    is evaluated in the hook's module, or kept as the string when that module cannot resolve it."""
+    if not isinstance(annotation, str):
+        return annotation
+    namespace = getattr(inspect.unwrap(hook), "__globals__", {})  # type: ignore[arg-type]
+    try:
+        return eval(annotation, dict(namespace))  # noqa: S307 - the hook's own annotation, in its own module
+    except Exception:  # noqa: BLE001 - a name the module does not define: compare the text
+        return annotation
+

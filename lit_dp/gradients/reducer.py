@@ -35,6 +35,7 @@ told (``lit_dp.gradients.events``) and ask for bucket limits through ``request_b
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -43,18 +44,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+import lit_dp.gradients.group as groups
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.layout import Bucket, BucketFactory, BucketLayout, launch_order
 from lit_dp.gradients.plan import FlagMeaning, StepPlan
-from lit_dp.gradients.unused import PendingFlags, UnusedParametersError, reached_parameters, unused_members
+from lit_dp.gradients.unused import PendingFlags, UnusedParametersError, reached_parameters, tensors_in, unused_members
 from lit_dp.gradients.waiting import Waiter
 
 
 class _ArmedStep:
     """The progress of the step being synchronised: created when it is armed, dropped when it ends."""
 
-    __slots__ = ("plan", "step", "ready", "pending", "next_bucket", "started", "in_backward", "unreached", "partial")
+    __slots__ = (
+        "plan", "step", "ready", "pending", "next_bucket", "started", "in_backward", "queued", "unreached", "partial"
+    )  # fmt: skip
 
     def __init__(self, plan: StepPlan, step: int, layout: BucketLayout, count: int) -> None:
         self.plan = plan
@@ -64,6 +68,7 @@ class _ArmedStep:
         self.next_bucket = 0  # the next bucket to launch
         self.started = False  # the first gradient arrived (or there is no backward)
         self.in_backward = False  # launches happen while backward still runs (every member present)
+        self.queued = False  # the end-of-backward callback is queued on the autograd engine
         self.unreached: list[int] = []  # parameters this backward cannot reach (find_unused_parameters)
         self.partial: set[int] = set()  # buckets holding such parameters
 
@@ -83,6 +88,9 @@ class Reducer:
             the bucket buffers, so they are not stored twice.
         owners: sharding stage 2: the owning rank (in ``rings[0]``) of each parameter; dense
             buckets then reduce each gradient to its owner only (``lit_dp.gradients.scatter``).
+        static_graph: every backward fires the same hooks as the first (torch DDP's static graph):
+            a parameter's hook may fire several times per backward (reentrant checkpointing), and
+            the parameters without a gradient are known from the first step (``_count_static_hook``).
         waiter: how every wait of this reducer's collectives is made (its owner's policy: a
             deadline under the hang watchdog).
 
@@ -100,6 +108,7 @@ class Reducer:
         sparse: Sequence[bool],
         gradient_as_bucket_view: bool = False,
         owners: Sequence[int] | None = None,
+        static_graph: bool = False,
         waiter: Waiter,
     ) -> None:
         if not params:
@@ -107,7 +116,7 @@ class Reducer:
         self._params = list(params)
         self._names = list(names)
         self._group = rings[0]
-        self._world_size = dist.get_world_size(self._group)
+        self._world_size = self._group.size()
         self._factory = BucketFactory(
             params=self._params,
             sparse=list(sparse),
@@ -127,6 +136,10 @@ class Reducer:
         self._next_layout: tuple[list[int], tuple[int, int]] | None = None  # applied at the next step's start
         self._step = -1  # the synchronised step armed last
         self._pending_flags: list[PendingFlags] = []  # flags of earlier steps not read yet (CUDA)
+        self._static = static_graph
+        self._hook_counts = [0] * len(self._params)  # static_graph: hooks fired in this backward
+        self._expected_hooks: list[int] | None = None  # static_graph: hooks per backward, from the first
+        self._end_of_backward_hook = self._make_output_hook()
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
 
@@ -184,6 +197,12 @@ class Reducer:
         factory = self._factory
         return launch_order(factory.params, factory.sparse, self._forward_order(), (last_bucket_bytes, bucket_bytes))
 
+    def set_static_graph(self) -> None:
+        """Turn ``static_graph`` on, before the first synchronised step (torch DDP's ``_set_static_graph``)."""
+        if self._step >= 0:
+            raise RuntimeError("lit_dp reducer: static_graph should be set before training loop starts.")
+        self._static = True
+
     def register_comm_hook(self, comm_hook: CommHook) -> None:
         """Reduce dense buckets through ``comm_hook`` (see ``lit_dp.gradients.hooks``); once, before the first backward."""
         if self._comm_hook is not None:
@@ -205,9 +224,22 @@ class Reducer:
         self._rebuild(list(range(len(self._params))), self._layout.limits)
 
     def prepare_for_backward(self, plan: StepPlan, outputs: object) -> None:
-        """Arm the reducer for the next backward (a ``SYNC`` plan); called after the forward that decided it."""
+        """Arm the reducer for the next backward (a ``SYNC`` plan); called after the forward that decided it.
+
+        The end of that backward is the end of the backward through ``outputs``: a hook on each
+        output tensor queues the end-of-backward callback from there, on that backward's own
+        graph task. A parameter's first gradient could arrive inside a nested backward (reentrant
+        activation checkpointing runs one per checkpointed segment), whose end is not the step's.
+        """
         armed = self._arm(plan)
-        if plan.flags is FlagMeaning.USED:
+        for tensor in tensors_in(outputs):
+            if tensor.requires_grad:
+                tensor.register_hook(self._end_of_backward_hook)
+        if self._static:
+            if self._expected_hooks is not None:  # no graph walk: the first step found them
+                armed.unreached = [i for i, count in enumerate(self._expected_hooks) if count == 0]
+                armed.partial = {self._layout.bucket_of[i] for i in armed.unreached}
+        elif plan.flags is FlagMeaning.USED:
             reached = reached_parameters(outputs)
             armed.unreached = [i for i, p in enumerate(self._params) if id(p) not in reached]
             armed.partial = {self._layout.bucket_of[i] for i in armed.unreached}
@@ -234,6 +266,8 @@ class Reducer:
             self._rebuild(order, limits)
         if self._order is not None:
             self._order.clear()
+        if self._static:
+            self._hook_counts = [0] * len(self._params)
         self._armed = _ArmedStep(plan, self._step, self._layout, len(self._params))
         return self._armed
 
@@ -255,18 +289,21 @@ class Reducer:
         if self._factory.as_view:
             self._adopt_gradient(index)
         armed = self._armed
-        if armed is None:
+        if armed is None or (self._static and not self._count_static_hook(armed, index)):
             return
         ready = armed.ready
         if ready[index]:
             raise RuntimeError(
-                f"lit_dp reducer: parameter {self._names[index]!r} received its gradient twice in one backward. "
-                "Run one forward per backward (reentrant checkpointing and repeated forwards before one "
-                "backward are not supported)."
+                f"lit_dp reducer: parameter {self._names[index]!r} received its gradient twice in one backward "
+                "(torch DDP: Expected to mark a variable ready only once.), as when a parameter is used in two "
+                "segments of reentrant activation checkpointing: use checkpoint(..., use_reentrant=False), or "
+                "static_graph=True as on torch DDP."
             )
         if not armed.started:
             armed.started = armed.in_backward = True
-            Variable._execution_engine.queue_callback(self._finalize_backward)
+            self._queue_end_of_backward()  # without output hooks (outputs in another structure): here
+            if self._params[index].grad.requires_grad:
+                _warn_create_graph()
             for observer in self._observers:
                 observer.backward_started(armed.step)
             for unreached in armed.unreached:
@@ -277,6 +314,48 @@ class Reducer:
             self._order.append(index)
         self._mark_ready(armed, index)
 
+    def _count_static_hook(self, armed: _ArmedStep, index: int) -> bool:
+        """``static_graph``: count the hook; whether ``index`` is now ready. The first synchronised
+        step learns how many times each parameter's hook fires per backward (reentrant checkpointing
+        fires it once per segment) and launches its buckets at the end of backward; later steps take
+        a parameter as ready at its last expected gradient, as torch DDP's static graph does."""
+        counts = self._hook_counts
+        counts[index] += 1
+        if self._expected_hooks is None:
+            if not armed.started:
+                armed.started = True
+                self._queue_end_of_backward()
+                for observer in self._observers:
+                    observer.backward_started(armed.step)
+            if counts[index] == 1 and self._order is not None:
+                self._order.append(index)
+            return False
+        expected = self._expected_hooks[index]
+        if counts[index] > expected:
+            raise RuntimeError(
+                f"lit_dp reducer (static_graph=True): parameter {self._names[index]!r} received {counts[index]} "
+                f"gradients in one backward, {expected} in the first: the graph is not static. Construct without "
+                "static_graph (with find_unused_parameters=True if parameters go unused)."
+            )
+        return counts[index] == expected
+
+    def _make_output_hook(self):
+        reducer_ref = weakref.ref(self)  # weak, as the parameters' hooks (_make_hook)
+
+        def end_of_backward_through_outputs(_grad: torch.Tensor) -> None:
+            reducer = reducer_ref()
+            if reducer is not None:
+                reducer._queue_end_of_backward()
+
+        return end_of_backward_through_outputs
+
+    def _queue_end_of_backward(self) -> None:
+        armed = self._armed
+        if armed is not None and not armed.queued:
+            armed.queued = True
+            Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    @torch.no_grad()
     def _adopt_gradient(self, index: int) -> None:
         """Move a fresh gradient into its bucket view at once, so it is not held twice."""
         view = self._layout.view_of[index]
@@ -291,6 +370,9 @@ class Reducer:
         if armed.pending[bucket] == 0 and bucket == armed.next_bucket:
             self._launch_complete_buckets(armed)
 
+    # Without grad mode: under `backward(create_graph=True)` gradients require grad themselves, and
+    # copying them into the buckets must not record a graph (as in torch DDP, see _warn_create_graph).
+    @torch.no_grad()
     def _launch_complete_buckets(self, armed: _ArmedStep) -> None:
         buckets, pending = self._layout.buckets, armed.pending
         used = self._used if armed.plan.sends_accumulated else self._nothing_used
@@ -306,9 +388,21 @@ class Reducer:
                     observer.bucket_launched(launch)
             armed.next_bucket += 1
 
+    @torch.no_grad()
     def _finalize_backward(self) -> None:
         armed = self._armed
         assert armed is not None, "the end of a backward the reducer was not armed for"
+        if not armed.started:
+            if len(armed.unreached) < len(self._params):
+                # A backward through the outputs that reached no parameter although they depend on
+                # some (``torch.autograd.grad`` with respect to the inputs, a gradient penalty's):
+                # not the step's backward, which follows.
+                armed.queued = False
+                return
+            # Outputs that depend on no parameter here (find_unused_parameters): this rank's step.
+            armed.started = True
+            for observer in self._observers:
+                observer.backward_started(armed.step)
         for observer in self._observers:
             observer.backward_ended(armed.step)
         armed.in_backward = False
@@ -337,6 +431,8 @@ class Reducer:
             bucket.write_back(self._factory.as_view, members)
         if self._order is not None:
             self._agree_on_ready_order(self._order)
+        if self._static and self._expected_hooks is None and plan.has_backward:
+            self._expected_hooks = list(self._hook_counts)
         self._armed = None
         for observer in self._observers:
             observer.step_ended(armed.step)
@@ -370,8 +466,8 @@ class Reducer:
         order = observed + [i for i in reversed(self._forward_order()) if i not in seen]
         agreed = torch.tensor(order, dtype=torch.long, device=self._params[0].device)
         group = self._group
-        work = dist.broadcast(agreed, src=dist.get_global_rank(group, 0), group=group, async_op=True)
-        self.waiter.wait(work, "the broadcast of the agreed bucket order")
+        work = dist.broadcast(agreed, group=group, group_src=0, async_op=True)
+        groups.wait(self.waiter, work, group, "the broadcast of the agreed bucket order")
         limits = self._next_layout[1] if self._next_layout is not None else self._layout.limits
         self._next_layout = (list(reversed(agreed.tolist())), limits)
         self._order = None
@@ -387,6 +483,16 @@ class Reducer:
             for index, param in enumerate(self._params):
                 if param.grad is not None:
                     self._adopt_gradient(index)
+
+
+def _warn_create_graph() -> None:
+    warnings.warn(
+        "lit_dp.DataParallel with backward(create_graph=True): the gradients are averaged as usual, but, as in "
+        "torch DDP, the average is not differentiable: a second-order term computed from .grad sees no "
+        "communication (backpropagation does not run through the all-reduce). Gradient penalties taken with "
+        "torch.autograd.grad(..., create_graph=True) on inputs are unaffected.",
+        stacklevel=2,
+    )
 
 
 def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:

@@ -34,9 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import lit_dp.gradients.group as groups
 from lit_dp.gradients.dense import averaging_op, in_place_min_bytes
 from lit_dp.gradients.flags import fill_flags, members_present
 from lit_dp.gradients.plan import StepPlan
+from lit_dp.gradients.strides import flat_alias, like_param, shaped_like, zeros_like_param
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 
 # Backends whose reduce-scatter beats one reduce per owner (see the module docstring).
@@ -87,8 +89,8 @@ class ScatterBucket:
         self.params = params
         self.owners = list(owners)
         self.ring = ring
-        self.rank = dist.get_rank(ring)
-        world_size = dist.get_world_size(ring)
+        self.rank = ring.rank()
+        world_size = ring.size()
         threshold = in_place_min_bytes(params[0].device)
         self.in_place = [k for k, p in enumerate(params) if p.numel() * p.element_size() >= threshold]
         self.flat = [k for k in range(len(params)) if k not in self.in_place]
@@ -104,8 +106,8 @@ class ScatterBucket:
         self.reduced: list[torch.Tensor | None] = [None] * len(params)
         self.buffer: torch.Tensor | None = None
         self.average_op = averaging_op(ring)
-        self.alone = world_size == 1
-        self.reduce_scatter = dist.get_backend(ring) in REDUCE_SCATTER_BACKENDS
+        self.alone = groups.trivially_alone(ring)
+        self.reduce_scatter = groups.backend_name(ring) in REDUCE_SCATTER_BACKENDS
         self.waiter = waiter  # the owner's policy for every wait (a deadline under the hang watchdog)
 
     @property
@@ -153,17 +155,16 @@ class ScatterBucket:
     def _reduce_in_place(self, k: int, present: bool, divisor: int | None, op: dist.ReduceOp) -> dist.Work:
         param = self.params[k]
         if present:
-            grad = param.grad
-            reduced = grad if grad.is_contiguous() else grad.contiguous()
+            reduced = like_param(param.grad, param)  # dense layouts as they lie (the contract in dense.py)
             if divisor is not None:
                 reduced.div_(divisor)
         else:
-            reduced = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            reduced = zeros_like_param(param)
         self.reduced[k] = reduced  # kept alive until the reduce completes
         owner = self.owners[k]
         if owner != self.rank:
             param.grad = None
-        return dist.reduce(reduced, dst=dist.get_global_rank(self.ring, owner), op=op, group=self.ring, async_op=True)
+        return dist.reduce(flat_alias(reduced), group_dst=owner, op=op, group=self.ring, async_op=True)
 
     def _reduce_flat(self, present: list[bool] | None, divisor: int | None, op: dist.ReduceOp) -> None:
         me = self.rank
@@ -204,13 +205,12 @@ class ScatterBucket:
             return
         for owner, segment in enumerate(segments):
             if self.numels[owner]:
-                dst = dist.get_global_rank(self.ring, owner)
-                self.works.append(dist.reduce(segment, dst=dst, op=op, group=self.ring, async_op=True))
+                self.works.append(dist.reduce(segment, group_dst=owner, op=op, group=self.ring, async_op=True))
 
     def wait(self) -> None:
         """Wait for this bucket's collectives (on CUDA: make the current stream wait for them)."""
         for work in self.works:
-            self.waiter.wait(work)
+            groups.wait(self.waiter, work, self.ring)
         self.works = []
 
     def write_back(self, as_view: bool, skipped: Collection[int]) -> None:
@@ -232,6 +232,6 @@ class ScatterBucket:
 
 
 def _shaped(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """Consecutive pieces of ``flat``, one shaped like each parameter."""
+    """Consecutive pieces of ``flat``, one laid out like each parameter (the contract in dense.py)."""
     pieces = flat.split([p.numel() for p in params])
-    return [piece.view_as(param) for piece, param in zip(pieces, params)]
+    return [shaped_like(piece, param) for piece, param in zip(pieces, params)]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import lit_dp.gradients.group as groups
 from lit_dp.gradients.flags import fill_flags, members_present
 from lit_dp.gradients.plan import StepPlan
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
@@ -28,7 +29,7 @@ class SparseBucket:
         self.indices = indices
         self.params = params
         self.ring = ring
-        self.native = dist.get_backend(ring) == "gloo"
+        self.native = groups.backend_name(ring) == "gloo"
         self.work: dist.Work | None = None
         self.flag_work: dist.Work | None = None
         self.gradient: torch.Tensor | None = None
@@ -73,10 +74,10 @@ class SparseBucket:
         assert self.gradient is not None and self.flag_work is not None, "wait() before start()"
         if self.native:
             assert self.work is not None
-            self.waiter.wait(self.work)  # gloo writes the sparse sum into its input
+            groups.wait(self.waiter, self.work, self.ring)  # gloo writes the sparse sum into its input
         else:
             self.gradient = allgather_sparse_sum(self.gradient, self.ring)
-        self.waiter.wait(self.flag_work)
+        groups.wait(self.waiter, self.flag_work, self.ring)
         self.work = self.flag_work = None
 
     def write_back(self, as_view: bool, skipped: Collection[int]) -> None:
@@ -89,7 +90,7 @@ def allgather_sparse_sum(gradient: torch.Tensor, group: dist.ProcessGroup) -> to
     """Sum sparse COO tensors over ``group`` with all-gathers (for backends without sparse all-reduce)."""
     gradient = gradient.coalesce()
     indices, values = gradient.indices(), gradient.values()
-    world_size = dist.get_world_size(group)
+    world_size = group.size()
     count = torch.tensor([values.shape[0]], dtype=torch.long, device=values.device)
     counts = [torch.empty_like(count) for _ in range(world_size)]
     dist.all_gather(counts, count, group=group)

@@ -10,7 +10,8 @@ read without blocking on CUDA; any count raises ``UnusedParametersError`` on eve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -51,7 +52,7 @@ def reached_parameters(outputs: object) -> set[int]:
     """The ids of the leaf tensors (parameters) that a backward from ``outputs`` will reach."""
     stack = []
     reached: set[int] = set()
-    for tensor in _tensors_in(outputs):
+    for tensor in tensors_in(outputs):
         if tensor.grad_fn is not None:
             stack.append(tensor.grad_fn)
         elif tensor.requires_grad:
@@ -69,15 +70,19 @@ def reached_parameters(outputs: object) -> set[int]:
     return reached
 
 
-def _tensors_in(value: object):
+def tensors_in(value: object) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's outputs: a tensor, or dicts, lists, tuples and dataclasses of them."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, field.name))
 
 
 def unused_members(buckets: Sequence[DenseBucket | ScatterBucket | SparseBucket], totals: list[float]) -> list[set[int]]:

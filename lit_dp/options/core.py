@@ -109,6 +109,14 @@ class Options:
         scope=EVERYWHERE,
         config=bool,
     )
+    broadcast_buffers: bool = option(
+        default=True,
+        help="broadcast the first rank's buffers (BatchNorm statistics) before each forward that follows a "
+        "synchronised one, and at the start, as torch DDP does; False keeps buffers local",
+        check=flag,
+        scope=EVERYWHERE,
+        config=bool,
+    )
     comm_hook: Any = option(
         default=None,
         help="a named hook (fp16, bf16, powersgd: docs/comm_hooks.md) or a callable hook(state, bucket)",

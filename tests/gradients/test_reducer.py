@@ -131,10 +131,11 @@ def features_on_two_ranks(rank):
     torch.testing.assert_close(experts.head.weight.grad, local.head.weight.grad)
     report["expert_bias_is_averaged"] = not torch.equal(experts.head.bias.grad, local.head.bias.grad)
 
-    # state_dict: the inner module's keys, loadable into the plain model and back.
+    # state_dict: DDP's keys (module.*); the wrapper loads its own form and the plain module's.
     state = wrapped.state_dict()
-    report["state_keys"] = sorted(state) == sorted(experts.state_dict())
+    report["state_keys"] = sorted(state) == sorted(f"module.{key}" for key in experts.state_dict())
     wrapped.load_state_dict(MODELS["tied"]().state_dict())
+    wrapped.load_state_dict(state)
 
     # fused_allreduce_gradients after no_sync equals the synchronised gradient.
     torch.manual_seed(1)

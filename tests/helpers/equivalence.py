@@ -32,6 +32,15 @@ def assert_same_gradients(model: nn.Module, reference: nn.Module, label: str) ->
         torch.testing.assert_close(param.grad.to_dense(), ref.grad.to_dense(), msg=lambda m: f"{label}: {name}: {m}")
 
 
+def assert_layout_contract(model: nn.Module, label: str) -> None:
+    """Each dense gradient has its parameter's strides (the gradient layout contract, lit_dp.gradients.dense)."""
+    for name, param in model.named_parameters():
+        if param.grad is not None and not param.grad.is_sparse:
+            assert param.grad.stride() == param.stride(), (
+                f"{label}: {name}.grad has strides {param.grad.stride()}, its parameter {param.stride()}"
+            )
+
+
 def assert_same_parameters(model: nn.Module, reference: nn.Module, label: str) -> None:
     for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param, ref, msg=lambda m: f"{label}: {name}: {m}")
@@ -85,6 +94,7 @@ def _train_side_by_side(rank, name, comm_mb, last_mb, find_unused, as_view, accu
         label = f"{name} step {step} rank {rank}"
         assert_same_gradients(ours, reference, f"{label} vs single process")
         assert_same_gradients(ours, ddp, f"{label} vs DDP")
+        assert_layout_contract(ours, label)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -74,6 +74,39 @@ class Branches(nn.Module):
         return out + self.sometimes(x) if use_sometimes else out
 
 
+class ChannelsLast(nn.Module):
+    """Convolutions whose weights are ``channels_last`` (non-contiguous but dense), as vision models
+    converted with ``model.to(memory_format=torch.channels_last)`` have them; one of the weights
+    is large enough to be all-reduced in place at a small threshold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lift = nn.Linear(FEATURES, 4 * 4 * 4)
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.wide = nn.Conv2d(8, 16, 3, padding=1)
+        self.head = nn.Linear(16, 3)
+        self.conv.to(memory_format=torch.channels_last)
+        self.wide.to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        image = self.lift(x).view(-1, 4, 4, 4).contiguous(memory_format=torch.channels_last)
+        features = torch.tanh(self.wide(torch.tanh(self.conv(image))))
+        return self.head(features.mean(dim=(2, 3)))
+
+
+class NormNet(nn.Module):
+    """A BatchNorm between two layers: buffers (running statistics, a count) that differ per rank's data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(FEATURES, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.norm(self.stem(x))))
+
+
 def batch(step: int, world_size: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
     inputs = torch.randn(world_size * BATCH_PER_RANK, FEATURES, generator=generator)
@@ -109,4 +142,10 @@ def _inner(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-MODELS = {"tied": Tied, "mixed": MixedDtypes, "sparse": SparseEmbedding, "branches": Branches}
+MODELS = {
+    "tied": Tied,
+    "mixed": MixedDtypes,
+    "sparse": SparseEmbedding,
+    "branches": Branches,
+    "channels_last": ChannelsLast,
+}

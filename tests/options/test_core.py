@@ -10,6 +10,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+from torch.nn.parallel import DistributedDataParallel
 
 from lit_dp import DataParallel, Options, PaddleDPStrategy, fabric
 from lit_dp.options import FABRIC, MODULE, TRAINER, ShardingOptions, TraceOptions, declared_options
@@ -138,9 +139,12 @@ def test_front_doors_list_no_options_of_their_own():
     ):
         parameters = set(inspect.signature(strategy.__init__).parameters) - {"self"}
         assert parameters == lightning_arguments | {"options", "values"}, strategy
-    assert set(inspect.signature(DataParallel.__init__).parameters) == {
-        "self", "layers", "group", "options", "option_values"
-    }
+    # DataParallel's own arguments are torch DDP's, in DDP's order (so positional calls move over),
+    # plus lit_dp's name for the group and the options' doors.
+    ours = list(inspect.signature(DataParallel.__init__).parameters)
+    ddp = list(inspect.signature(DistributedDataParallel.__init__).parameters)
+    assert [name for name in ours if name in ddp] == ddp
+    assert set(ours) - set(ddp) == {"group", "options", "option_values"}
     assert {d.path for d in declared_options(MODULE)} <= {d.path for d in declared_options(TRAINER)}
 
 
