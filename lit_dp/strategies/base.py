@@ -172,6 +172,14 @@ class DataParallelStrategyMixin:
             self.cluster_environment, self.global_rank, self.world_size, self.root_device, self._options.nrings
         )
         adopting = dist.is_initialized()
+        if adopting and dist.get_world_size() != self.world_size:
+            raise RuntimeError(
+                f"{name}: a process group of world size {dist.get_world_size()} already exists in this process, but "
+                f"this run has world size {self.world_size}. The group of an earlier run outlives it (as under "
+                '"ddp"), and a forked rank inherits the launching process\'s. Call '
+                "torch.distributed.destroy_process_group() before this run, or start it in fresh processes "
+                "(start_method 'popen' or 'spawn')."
+            )
         if adopting:
             log.debug(
                 "%s: adopting the existing process group (backend %s, world size %d) instead of creating one",

@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lit_dp import PaddleDPStrategy, fabric
 from lit_dp.strategies.base import default_backend, lightning_parallel_env, register_families
+from tests.helpers.groups import one_rank_group
 from tests.helpers.lightning import REGISTERED
 
 
@@ -123,3 +124,14 @@ def test_cuda_devices_are_passed_to_init_process_group_as_device_id_like_ddp(our
     assert ours_args == theirs_args == (("nccl",) if device.type == "cuda" else ("gloo",))
     assert ours_kwargs["device_id"] == theirs_kwargs["device_id"] == (device if device.type == "cuda" else None)
     assert ours_kwargs["timeout"] == theirs_kwargs["timeout"]
+
+
+@pytest.mark.parametrize("strategy_type", [PaddleDPStrategy, fabric.PaddleDPStrategy])
+def test_a_live_group_of_another_size_is_refused_with_the_remedy(strategy_type):
+    """What a forked rank meets after a one-device run in the launching process: that run's group."""
+    one_rank_group()
+    strategy = strategy_type(parallel_devices=[torch.device("cpu")] * 2, cluster_environment=LightningEnvironment())
+    strategy.accelerator = mock.Mock()
+    with pytest.raises(RuntimeError, match=r"a process group of world size 1 already exists in this process, but "
+                       r"this run has world size 2.*destroy_process_group\(\) before this run"):
+        strategy.setup_environment()
