@@ -49,11 +49,11 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import sized_len
-from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
@@ -227,9 +227,8 @@ class ReplayedOutputs:
             self._template = apply_to_collection(output, Tensor, _TensorLike.of)
 
     def replayed(self, device: torch.device) -> Any:
-        loss = torch.zeros((), device=device, requires_grad=True)
         if self._template is None:
-            return loss
+            return torch.zeros((), device=device, requires_grad=True)
         output = apply_to_collection(self._template, _TensorLike, _TensorLike.zeros)
         if isinstance(output, Tensor):
             return output.requires_grad_()
