@@ -67,7 +67,7 @@ def test_a_users_plugin_is_used_as_given_where_ddp_would_use_it(tmp_path):
     assert "last.ckpt" in plugin.saved
     assert PaddleDPStrategy(checkpoint_io=plugin).checkpoint_io is plugin
     StrategyRegistry.register("paddle_dp_recording_io", PaddleDPStrategy, checkpoint_io=plugin, override=True)
-    try:  # Lightning's own test registers a strategy with its plugin so
+    try:  # as Lightning's own test does: a registered name that carries the plugin
         assert pl.Trainer(strategy="paddle_dp_recording_io", accelerator="cpu", devices=2).strategy.checkpoint_io is plugin
     finally:
         StrategyRegistry.remove("paddle_dp_recording_io")
