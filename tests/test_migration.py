@@ -59,11 +59,6 @@ def test_a_ddp_script_gives_ddps_losses_and_communication_after_the_two_line_cha
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs init_parallel_env to read torchrun's variables (issue 25, the job layer's branch): until then "
-    "it sees world size 1 and the ranks train alone",
-)
 def test_the_two_line_change_includes_lit_dps_init(tmp_path, ddp):
     ours = torchrun(tmp_path, "lit_dp", init="lit_dp")
     torch.testing.assert_close(ours["losses"], ddp["losses"])

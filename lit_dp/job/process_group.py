@@ -324,9 +324,9 @@ def _rendezvous(
 def _rendezvous_prefix(server: dist.Store, attempt: JobAttempt, rank: int) -> str:
     """``lit_dp/<attempt>/init_<n>/``: this rank's n-th rendezvous in this attempt.
 
-    Every rank rebuilds the group the same number of times (a ``fit`` then a ``test`` tears it
-    down and brings it up again), so the n-th rendezvous of each rank meet, apart from the
-    earlier ones still in a store that outlives them (torchrun's agent store).
+    Every rank rebuilds the group the same number of times (destroyed and created again; the
+    strategies adopt a live group without a rendezvous), so the n-th rendezvous of each rank
+    meet, apart from the earlier ones still in a store that outlives them (torchrun's agent store).
     """
     count = server.add(f"lit_dp/{attempt.key}/rendezvous_count/{rank}", 1)
     return f"lit_dp/{attempt.key}/init_{count - 1}/"

@@ -3,13 +3,23 @@
 ``lit_dp.PaddleDPStrategy`` (``Trainer(strategy="paddle_dp")``) and
 ``lit_dp.fabric.PaddleDPStrategy`` (``Fabric(strategy="paddle_dp")``) derive from different
 Lightning base classes, as Lightning's two ``DDPStrategy`` classes do; what lit_dp adds to both
-lives here once: the registered names, the options they keep, how a process finds its device,
-brings up the process group and wraps the model.
+lives here once: the registered names, the options they keep (and torch DDP's own arguments,
+which Lightning's ``DDPStrategy`` passes through to ``DistributedDataParallel``), how a process
+finds its device, brings up the process group and wraps the model.
+
+The process group outlives the strategy, as under Lightning's ``"ddp"``: teardown leaves it
+alive, so ``torch.distributed`` calls and ``strategy.barrier()`` work after ``fit``, and a
+later ``fit`` or ``test`` in the same process adopts it instead of meeting the other ranks
+again. Under NCCL it is destroyed when the process exits, as Lightning does.
 """
 
 from __future__ import annotations
 
+import atexit
+import inspect
 import logging
+import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,6 +29,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -26,8 +37,9 @@ from lit_dp.data_parallel import DataParallel
 from lit_dp.job.env import ParallelEnv
 from lit_dp.job.launcher import PADDLE, describe_job, detect_launcher
 from lit_dp.job.process_group import destroy_parallel_env, init_parallel_env, resolve_timeout
-from lit_dp.options import Options
-from lit_dp.options.backends import AUTO
+from lit_dp.options import Options, declared_options
+from lit_dp.options.backends import AUTO, uses_nccl
+from lit_dp.options.spelling import Spellings
 from lit_dp.sharding import ShardedOptimizer
 
 log = logging.getLogger(__name__)
@@ -67,7 +79,13 @@ class DataParallelStrategyMixin:
 
     def _keep_options(self, options: Options | None, values: dict[str, Any]) -> None:
         """Keep ``options`` (validated where they entered, e.g. a recipe's config), or validate
-        the keyword ``values`` once (a ``ValueError`` naming the option)."""
+        the keyword ``values`` once (a ``ValueError`` naming the option); keep torch DDP's own
+        arguments among ``values`` for the wrapper (``wrapper_arguments``)."""
+        if values.get("process_group_backend", AUTO) is None:
+            del values["process_group_backend"]  # Lightning's default: the device's own backend, our "auto"
+        self._ddp_kwargs = {name: value for name, value in values.items() if name in DDP_ARGUMENTS}
+        self._wrapper_arguments = wrapper_arguments(values, self._options_scope)
+        values = {name: value for name, value in values.items() if name not in self._wrapper_arguments}
         if options is None:
             options = Options.build(values, self._options_scope)
         elif values:
@@ -89,6 +107,22 @@ class DataParallelStrategyMixin:
         """The backend in effect: ``auto`` resolved against this process's device."""
         backend = self._options.backend
         return backend if backend != AUTO else default_backend(self.root_device)
+
+    def _get_process_group_backend(self) -> str:
+        """Lightning ``DDPStrategy``'s name for ``process_group_backend``."""
+        return self.process_group_backend
+
+    @property
+    def _timeout(self) -> timedelta:
+        """The process group's timeout in effect (Lightning ``DDPStrategy``'s attribute): the
+        ``timeout`` option, else ``PADDLE_PG_TIMEOUT``, else 30 minutes, as under ``"ddp"``."""
+        paddle = {name: os.environ[name] for name in ("PADDLE_PG_TIMEOUT",) if name in os.environ}
+        return resolve_timeout(self._options.timeout, ParallelEnv(paddle))
+
+    @property
+    def _start_method(self) -> str:
+        """Lightning ``DDPStrategy``'s attribute: ``popen``, ``spawn``, ``fork`` or ``forkserver``."""
+        return self._options.start_method
 
     @property
     @override
@@ -129,14 +163,24 @@ class DataParallelStrategyMixin:
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _init_process_group(self) -> None:
-        """Ranks, then the process group: one rank's own for a single process, as under ``"ddp"``."""
+        """Ranks, then the process group: one rank's own for a single process, as under ``"ddp"``;
+        a group that exists already (an earlier ``fit`` in this process, the user's) is adopted."""
         name = type(self).__name__
         log.debug("%s: setting up distributed...", name)
         self.set_world_ranks()
         environment = lightning_parallel_env(
             self.cluster_environment, self.global_rank, self.world_size, self.root_device, self._options.nrings
         )
-        if dist.is_initialized():
+        adopting = dist.is_initialized()
+        if adopting and dist.get_world_size() != self.world_size:
+            raise RuntimeError(
+                f"{name}: a process group of world size {dist.get_world_size()} already exists in this process, but "
+                f"this run has world size {self.world_size}. The group of an earlier run outlives it (as under "
+                '"ddp"), and a forked rank inherits the launching process\'s. Call '
+                "torch.distributed.destroy_process_group() before this run, or start it in fresh processes "
+                "(start_method 'popen' or 'spawn')."
+            )
+        if adopting:
             log.debug(
                 "%s: adopting the existing process group (backend %s, world size %d) instead of creating one",
                 name,
@@ -153,18 +197,24 @@ class DataParallelStrategyMixin:
                 type(self.cluster_environment).__name__,
                 self.process_group_backend,
                 auto,
-                resolve_timeout(self._options.timeout, environment),
+                self._timeout,
                 environment.nrings,
             )
         init_parallel_env(
             self.process_group_backend, self._options.timeout, parallel_env=environment, one_process_group=True
         )
+        if not adopting and uses_nccl(self.process_group_backend):
+            # As Lightning does: torch warns at exit about an NCCL group never destroyed.
+            atexit.register(destroy_parallel_env)
 
-    def _destroy_process_group(self) -> None:
-        """Destroy the process group and its rings, freeing the rendezvous port for a later fit."""
+    def _leave_process_group(self) -> None:
+        """Teardown's part: nothing, as under ``"ddp"`` (the group serves ``dist.*`` calls after ``fit``)."""
         if dist.is_initialized():
-            log.debug("%s: destroying the process group", type(self).__name__)
-        destroy_parallel_env()
+            log.debug(
+                "%s: leaving the process group alive, as \"ddp\" does (torch.distributed.destroy_process_group() "
+                "ends it)",
+                type(self).__name__,
+            )
 
     def _shard(self, optimizer: Optimizer, model: Module | None) -> Optimizer:
         """``optimizer`` rebuilt over this rank's parameters under ``sharding_stage``; unchanged otherwise."""
@@ -195,8 +245,9 @@ class DataParallelStrategyMixin:
 
     def _wrap(self, module: Module, options: Options) -> DataParallel:
         name = type(self).__name__
-        log.debug("%s: wrapping %s in lit_dp.DataParallel with %s", name, type(module).__name__, options)
-        wrapped = DataParallel(module, options=options)
+        arguments = "".join(f", {key}={value!r}" for key, value in self._wrapper_arguments.items())
+        log.debug("%s: wrapping %s in lit_dp.DataParallel with %s%s", name, type(module).__name__, options, arguments)
+        wrapped = DataParallel(module, options=options, **self._wrapper_arguments)
         if wrapped.watchdog is not None:
             log.debug("%s: hang watchdog started (hang_timeout=%ss)", name, options.hang_timeout)
         else:
@@ -204,6 +255,45 @@ class DataParallelStrategyMixin:
                 "%s: no hang watchdog (hang_timeout=%s, world size %d)", name, options.hang_timeout, self.world_size
             )
         return wrapped
+
+
+# torch DDP's constructor arguments (without ``self``). Lightning's DDPStrategy passes those it
+# is given to DistributedDataParallel (its ``**kwargs``); these strategies take the same.
+DDP_ARGUMENTS = tuple(inspect.signature(DistributedDataParallel.__init__).parameters)[1:]
+# What the strategy decides itself, as Lightning's does, with what to do instead.
+SET_BY_THE_STRATEGY = {
+    "module": "the strategy wraps the LightningModule (Trainer) or the module given to fabric.setup (Fabric)",
+    "device_ids": "one process per device: each rank's device comes from the Trainer's or Fabric's devices=",
+    "output_device": "one process per device: outputs stay on each rank's device, from devices=",
+    "process_group": "the strategy creates the process group (init_parallel_env) or adopts an existing one; for "
+    "a group of your own, wrap the model in lit_dp.DataParallel(model, group=...) in a loop of your own",
+    "device_mesh": "the strategy creates the process group (init_parallel_env) or adopts an existing one; for "
+    "a group of your own, wrap the model in lit_dp.DataParallel(model, group=...) in a loop of your own",
+}
+
+
+def wrapper_arguments(values: dict[str, Any], scope: str) -> dict[str, Any]:
+    """torch DDP's own arguments among ``values`` (those no lit_dp option of ``scope`` takes), for
+    ``lit_dp.DataParallel``, which implements each that it names.
+
+    Raises:
+        ValueError: for an argument the strategy sets itself, or one ``DataParallel`` does not take.
+    """
+    ours = Spellings(declared_options(scope), scope, nested=False)
+    taken = inspect.signature(DataParallel.__init__).parameters
+    arguments = {}
+    for name, value in values.items():
+        if name in SET_BY_THE_STRATEGY:
+            raise ValueError(f"{name}={value!r}: the strategy sets it itself ({SET_BY_THE_STRATEGY[name]}).")
+        if name not in DDP_ARGUMENTS or name in ours.accepted or name in ours.groups:
+            continue
+        if name not in taken:
+            raise ValueError(
+                f"{name}={value!r} is an argument of torch's DistributedDataParallel that lit_dp.DataParallel does "
+                "not take: docs/strategy.md (\"Moving from ddp\") says what lit_dp does instead."
+            )
+        arguments[name] = value
+    return arguments
 
 
 def register_families(registry: _StrategyRegistry, strategy: type) -> None:

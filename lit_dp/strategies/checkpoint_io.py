@@ -20,6 +20,12 @@ left there: torch's own error for it is ``unexpected pos 400704 vs 598``, naming
 It is a CheckpointIO plugin rather than a ``ModelCheckpoint`` subclass because every writer goes
 through it: ``ModelCheckpoint`` (top-k, ``last.ckpt``, step checkpoints), Lightning's SLURM
 ``hpc_ckpt_*.ckpt`` on requeue, ``OnExceptionCheckpoint`` and ``trainer.save_checkpoint``.
+
+A user's own plugin (``Trainer(plugins=[MyCheckpointIO()])``) replaces it, as it replaces
+Lightning's default under ``"ddp"``. Where that plugin saves with ``TorchCheckpointIO``'s own
+``save_checkpoint`` (a plain ``TorchCheckpointIO``, or a subclass that changes only loading or
+removal), its local writes are made atomic too (``save_checkpoint``): the bytes are the ones it
+would write. A plugin with a writer of its own writes as it chooses.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
@@ -59,6 +66,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}."
             )
         write_atomically(checkpoint, Path(path))
+
+
+def save_checkpoint(io: CheckpointIO, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None) -> None:
+    """``io.save_checkpoint(...)``, atomic for a local file where ``io`` writes with
+    ``TorchCheckpointIO``'s own ``save_checkpoint`` (the same bytes, written as ``AtomicCheckpointIO`` does)."""
+    saves_like_torch = isinstance(io, TorchCheckpointIO) and type(io).save_checkpoint is TorchCheckpointIO.save_checkpoint
+    if saves_like_torch and storage_options is None and isinstance(get_filesystem(path), LocalFileSystem):
+        write_atomically(checkpoint, Path(path))
+    else:
+        io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
 
 def write_atomically(checkpoint: dict[str, Any], path: Path) -> None:

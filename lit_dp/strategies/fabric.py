@@ -197,7 +197,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             optimizer.wait_for_parameters()
         self._wrapped, self._sharded = None, []
         super().teardown()
-        self._destroy_process_group()
+        self._leave_process_group()
 
     @classmethod
     @override

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,6 +30,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -43,13 +44,13 @@ from typing_extensions import override
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.broadcast import sync_params_buffers
 from lit_dp.gradients.unused import UNUSED_PARAMETERS_OPENING
-from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel_env
+from lit_dp.job.process_group import barrier, broadcast_object
 from lit_dp.local_sgd import LocalSGD
 from lit_dp.options import AUTO, TRAINER, Options
 from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
-from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
+from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO, save_checkpoint
 from lit_dp.strategies.monitor import CommStatsMonitor
 from lit_dp.strategies.lost_ranks import LostRanks
 from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher, Preemption
@@ -82,9 +83,13 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     over by renaming the class:
 {options}
 
+    torch DDP's own arguments (``broadcast_buffers``, ...) are taken as Lightning's ``DDPStrategy``
+    takes them, and handed to ``lit_dp.DataParallel``.
+
     With ``comm_buffer_size="auto"`` the tuned size is stored in checkpoints, so a resumed run
     keeps it; LocalSGD's schedule is stored too. Checkpoints are written atomically
-    (``AtomicCheckpointIO``, unless another ``checkpoint_io`` is given), and a fit resumed from a
+    (``AtomicCheckpointIO``; a ``CheckpointIO`` of the user's, given here or in the Trainer's
+    ``plugins``, is used as given, see ``lit_dp.strategies.checkpoint_io``), and a fit resumed from a
     checkpoint taken inside an epoch goes on at the next batch of that epoch
     (``lit_dp.strategies.resume``). With ``sharding_stage`` the optimizers from
     ``configure_optimizers`` are rebuilt over each rank's parameters (``lit_dp.ShardedOptimizer``),
@@ -110,10 +115,13 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=default_cluster_environment(cluster_environment),
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+            # Kept unset unless given, as under "ddp": Lightning refuses a strategy's own next to the
+            # user's `plugins`; the default is supplied when read (`checkpoint_io`).
+            checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
         self._keep_options(options, values)
+        self._atomic_checkpoint_io = AtomicCheckpointIO()
         # The reliability wiring (docs/reliability.md), called from the hooks below; each does
         # nothing until `setup` turns it on for a fit.
         self._uneven = UnevenInputs(enabled=self._options.uneven_inputs)
@@ -124,6 +132,21 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._preemption = Preemption()  # SIGTERM/SIGUSR1: lit_dp.strategies.preemption
         self._lost_ranks = LostRanks()  # a dead rank named: lit_dp.strategies.lost_ranks
         self._epoch_continuation = EpochContinuation()  # mid-epoch resumes: lit_dp.strategies.resume
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The user's plugin as given, else ``AtomicCheckpointIO``, also under a wrapping plugin
+        given without its own base (``AsyncCheckpointIO()``), where Lightning puts its default."""
+        if self._checkpoint_io is None:
+            return self._atomic_checkpoint_io
+        if isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = self._atomic_checkpoint_io  # sets only a base not yet given
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
 
     @property
     def tuned_comm_buffer_size(self) -> float | None:
@@ -308,15 +331,19 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._uneven.replaying:
-            # No batch of this rank's: Lightning backpropagates this, and `backward` below takes
-            # the step's collectives with the others instead.
-            return torch.zeros((), device=self.root_device, requires_grad=True)
+            # No batch of this rank's: an output shaped like the others' (zeros), which Lightning
+            # backpropagates through `backward` below, where the step's collectives are taken.
+            return self._uneven.replayed_output(self.root_device)
         with self._uneven.user_step("training_step"):
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+        self._uneven.remember_output(output)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._uneven.replaying:
+            if isinstance(self.model, DataParallel):
+                self.model.replay_forward()  # the buffer broadcast the forwards of the ranks with a batch take
             return None
         with self._uneven.user_step("validation_step"):
             return super().validation_step(*args, **kwargs)
@@ -352,10 +379,18 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._uneven.replaying and isinstance(self.model, DataParallel):
-            self.model.replay_step()  # the step's collectives, without a backward of this rank's
-            return closure_loss
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if not (self._uneven.replaying and isinstance(self.model, DataParallel)):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # Lightning's backward path (Strategy.backward) with every hook, as on the ranks with a
+        # batch, so that a collective in on_before_backward or on_after_backward meets its
+        # partners; only the backward itself is the step's collectives without one of this rank's.
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.model.replay_step()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @contextmanager
     def _collective(self, name: str) -> Generator[None, None, None]:
@@ -413,9 +448,10 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             own["loader"] = layout  # lit_dp.strategies.resume: a resume with other ranks reads it
         if own:
             checkpoint[CHECKPOINT_KEY] = own
-        # Rank 0 writes while the others wait in a barrier: a known phase of the hang watchdog.
-        with self._watchdog.phase("saving a checkpoint") if self.is_global_zero else nullcontext():
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.is_global_zero:
+            # Rank 0 writes while the others wait in a barrier: a known phase of the hang watchdog.
+            with self._watchdog.phase("saving a checkpoint"):
+                save_checkpoint(self.checkpoint_io, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
@@ -455,8 +491,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             log.debug("%s: sync_batchnorm: reverting SyncBatchNorm layers to BatchNorm", type(self).__name__)
             self.model = self._layer_sync.revert(self.model)
         super().teardown()
-        # A second `fit` in the same process then starts from a clean slate.
-        self._destroy_process_group()
+        self._leave_process_group()
 
     @classmethod
     @override

@@ -12,12 +12,16 @@ has run out:
   ends on every rank at once. A rank without a batch yields its last real batch again (a
   peer's, broadcast once, if it never had one), so the hooks that see batches keep working,
   and the strategy learns, per batch, whether this rank takes it for real.
-- On such a replayed batch the strategy does not run the user's ``training_step``: the
-  model's ``replay_step`` issues the step's collectives without a backward of this rank's
-  (gradients it accumulated earlier in an accumulation window still count), the average lands
-  in ``.grad``, and the optimizer steps like everyone else's, so weights and optimizer state
-  stay identical. Gradients are divided by the world size, as with the distributed sampler's
-  padding, but without counting any sample twice. ``validation_step`` is skipped the same way.
+- On such a replayed batch the strategy does not run the user's ``training_step``; it returns
+  an output of the structure this rank's last real one had (``ReplayedOutputs``), every tensor
+  zero. Lightning's backward path runs as on every rank, with its hooks (``on_before_backward``,
+  ``on_after_backward``, the precision plugin's), so a collective there meets its partners;
+  only the backward itself is the model's ``replay_step``, which issues the step's collectives
+  without a backward of this rank's (gradients it accumulated earlier in an accumulation window
+  still count). The average lands in ``.grad``, and the optimizer steps like everyone else's,
+  so weights and optimizer state stay identical. Gradients are divided by the world size, as
+  with the distributed sampler's padding, but without counting any sample twice.
+  ``validation_step`` is skipped the same way (Lightning's validation has no backward).
 - Collectives the replaying rank cannot match, those of the user's own ``training_step`` or
   ``validation_step`` (``self.log(..., sync_dist=True)`` at step level, ``all_gather``) while
   some rank is out, raise at once with the remedy instead of hanging.
@@ -37,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -49,6 +53,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
@@ -84,6 +90,8 @@ class UnevenInputs:
       rank has no batch of its own, so it skips the user's step and takes the synchronisation
       without a backward);
     - ``user_step`` (around the user's ``training_step`` and ``validation_step``);
+    - ``remember_output`` and ``replayed_output`` (``training_step``: what a replayed step
+      returns, learnt from the real ones);
     - ``check_collective`` (the strategy's own collectives);
     - ``validation_end`` (``on_validation_end``).
 
@@ -96,6 +104,7 @@ class UnevenInputs:
         self._exchange: BatchExchange | None = None  # on: from setup to teardown
         self._current: BatchPlan | None = None  # the batch being taken
         self._in_user_step: str | None = None
+        self._outputs = ReplayedOutputs()
 
     def setup(self, trainer: pl.Trainer, model: DataParallel, sync_batchnorm: bool) -> None:
         """Turn on for this fit (``model`` is the wrapped module), or refuse what cannot work with it."""
@@ -114,6 +123,7 @@ class UnevenInputs:
                 "know how many synchronised backwards a training_step takes, so a rank without a batch could not "
                 "take them with the others."
             )
+        self._outputs = ReplayedOutputs()  # learnt anew in each fit
         # The exchange runs on the host: under NCCL on a Gloo group of its own.
         separate_group = dist.get_backend() == "nccl"
         self._exchange = BatchExchange(dist.new_group(backend="gloo") if separate_group else None, model.waiter)
@@ -162,6 +172,15 @@ class UnevenInputs:
         """This rank has no batch of its own for the current step (it takes the step with the others)."""
         return self._current is not None and self._current.replay
 
+    def remember_output(self, output: Any) -> None:
+        """A real ``training_step``'s output, whose structure a replayed step's copies (when on)."""
+        if self._exchange is not None:
+            self._outputs.remember(output)
+
+    def replayed_output(self, device: torch.device) -> Any:
+        """What ``training_step`` returns on a replayed batch (``ReplayedOutputs``)."""
+        return self._outputs.replayed(device)
+
     @contextmanager
     def user_step(self, name: str) -> Iterator[None]:
         """The user's ``training_step``/``validation_step`` runs inside: its collectives are checked."""
@@ -185,6 +204,51 @@ class UnevenInputs:
     def validation_end(self) -> None:
         if self._exchange is not None:
             self._exchange.reset("val")
+
+
+class ReplayedOutputs:
+    """What ``training_step`` returns on a replayed batch: the structure of this rank's last real
+    output (a tensor, or a dict with ``"loss"`` and the user's other entries, nested as they
+    were), every tensor zero, on its device, with its shape and dtype; the loss is a zero that
+    requires grad, as a loss does. Lightning hands it to ``on_train_batch_end`` like any output,
+    so a callback reading ``outputs["preds"]`` (or gathering it) runs on every rank; the zeros
+    count nothing, like the metrics of ``UnevenMetricsCallback``.
+
+    Before this rank's first real step (a rank with no batch at all), the output is a bare zero
+    loss: the structure of a step nobody has returned yet cannot be known.
+    """
+
+    def __init__(self) -> None:
+        self._template: Any = None  # the last real output, tensors as `_TensorLike`
+
+    def remember(self, output: Any) -> None:
+        """Learn the structure of a real ``training_step`` output (None, a skipped step, teaches nothing)."""
+        if output is not None:
+            self._template = apply_to_collection(output, Tensor, _TensorLike.of)
+
+    def replayed(self, device: torch.device) -> Any:
+        if self._template is None:
+            return torch.zeros((), device=device, requires_grad=True)
+        output = apply_to_collection(self._template, _TensorLike, _TensorLike.zeros)
+        if isinstance(output, Tensor):
+            return output.requires_grad_()
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+            output["loss"].requires_grad_()
+        return output
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorLike:
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> _TensorLike:
+        return cls(tensor.shape, tensor.dtype, tensor.device)
+
+    def zeros(self) -> Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
 
 class BatchExchange:

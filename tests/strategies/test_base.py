@@ -1,16 +1,24 @@
-"""What both strategies share: the registered families, the default backend, the job as init_parallel_env reads it."""
+"""What both strategies share: the registered families, the default backend, the job as init_parallel_env reads it,
+Lightning DDPStrategy's attributes and arguments, the device handed to init_process_group."""
 
 from __future__ import annotations
 
 import os
+import re
+from datetime import timedelta
 from unittest import mock
 
+import pytest
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 
-from lit_dp import PaddleDPStrategy
+from lit_dp import PaddleDPStrategy, fabric
 from lit_dp.strategies.base import default_backend, lightning_parallel_env, register_families
+from tests.helpers.groups import one_rank_group
 from tests.helpers.lightning import REGISTERED
 
 
@@ -36,3 +44,103 @@ def test_the_job_comes_from_lightnings_environment_and_paddle_flags_still_apply(
         assert (env.rank, env.world_size, env.device_id) == (3, 4, 1)
         assert (env.master_addr, env.master_port, env.nrings, env.pg_timeout) == ("10.1.2.3", 29512, 2, 9000)
         assert lightning_parallel_env(LightningEnvironment(), 0, 4, torch.device("cpu"), nrings=3).nrings == 3
+
+
+TWINS = [(PaddleDPStrategy, DDPStrategy), (fabric.PaddleDPStrategy, FabricDDPStrategy)]
+
+
+@pytest.mark.parametrize(("ours", "theirs"), TWINS)
+@pytest.mark.parametrize(
+    "arguments",
+    [{}, {"timeout": timedelta(seconds=30)}, {"find_unused_parameters": True}, {"process_group_backend": None}],
+)
+def test_the_attributes_lightnings_ddp_tests_read_are_ddps(ours, theirs, arguments):
+    strategy, twin = ours(**arguments), theirs(**arguments)
+    for name in ("_timeout", "_ddp_kwargs", "_start_method", "num_nodes"):
+        assert getattr(strategy, name) == getattr(twin, name), name
+    for device in (torch.device("cpu"), torch.device("cuda", 1)):
+        strategy.parallel_devices = twin.parallel_devices = [device]
+        assert strategy._get_process_group_backend() == twin._get_process_group_backend(), device
+
+
+def test_the_timeout_in_effect_reads_paddles_variable_unless_the_option_is_given():
+    with mock.patch.dict(os.environ, {"PADDLE_PG_TIMEOUT": "9000"}):
+        assert PaddleDPStrategy()._timeout == timedelta(seconds=9)
+        assert PaddleDPStrategy(timeout=20)._timeout == timedelta(seconds=20)
+
+
+class Wrapper:
+    """Stands for a ``DataParallel`` that takes DDP's ``static_graph`` (its construction recorded)."""
+
+    def __init__(self, module, *, options, static_graph=False) -> None:
+        self.options, self.static_graph, self.watchdog = options, static_graph, None
+
+
+class WrapperWithoutStaticGraph:
+    """Stands for a ``DataParallel`` that does not take DDP's ``static_graph``."""
+
+    def __init__(self, module, *, options) -> None:
+        self.options, self.watchdog = options, None
+
+
+@pytest.mark.parametrize("strategy_type", [PaddleDPStrategy, fabric.PaddleDPStrategy])
+def test_ddps_own_arguments_go_to_the_wrapper_that_names_them(strategy_type):
+    ddp_arguments = {"broadcast_buffers": False, "find_unused_parameters": True, "bucket_cap_mb": 5, "static_graph": True}
+    with mock.patch("lit_dp.strategies.base.DataParallel", Wrapper):
+        strategy = strategy_type(**ddp_arguments)
+        assert strategy._ddp_kwargs == ddp_arguments
+        strategy.parallel_devices = [torch.device("cpu")]
+        wrapped = strategy._wrap(torch.nn.Linear(1, 1), strategy.options)
+    assert wrapped.static_graph is True  # DataParallel's own argument
+    options = wrapped.options  # DDP's arguments that are lit_dp options
+    assert (options.broadcast_buffers, options.find_unused_parameters, options.comm_buffer_size) == (False, True, 5.0)
+    with mock.patch("lit_dp.strategies.base.DataParallel", WrapperWithoutStaticGraph):
+        with pytest.raises(ValueError, match=r"static_graph=True is an argument of torch's DistributedDataParallel "
+                           r"that lit_dp.DataParallel does not take: docs/strategy.md"):
+            strategy_type(static_graph=True)
+    for name, value in (("device_ids", [0]), ("process_group", None), ("output_device", 0)):
+        with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}: the strategy sets it itself")):
+            strategy_type(**{name: value})
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=-1 is invalid"):
+        strategy_type(bucket_cap_mb=-1)
+
+
+class Properties:
+    uuid = "GPU-0000"
+
+
+@pytest.mark.parametrize(("ours", "theirs"), TWINS)
+@pytest.mark.parametrize("device", [torch.device("cpu"), torch.device("cuda", 1)])
+def test_cuda_devices_are_passed_to_init_process_group_as_device_id_like_ddp(ours, theirs, device):
+    """NCCL's eager init binds the group to the rank's device; mocked CUDA, as in Lightning's own tests."""
+    available = dist.is_backend_available
+    calls = []
+    with (
+        mock.patch("torch.cuda.is_available", return_value=True),
+        mock.patch("torch.cuda.device_count", return_value=2),
+        mock.patch("torch.cuda.set_device"),
+        mock.patch("torch.cuda.get_device_properties", return_value=Properties()),
+        mock.patch("torch.distributed.is_backend_available", lambda name: name == "nccl" or available(name)),
+        mock.patch("atexit.register"),  # a group of mocks has nothing to destroy at exit
+    ):
+        for strategy_type in (ours, theirs):
+            strategy = strategy_type(parallel_devices=[device], cluster_environment=LightningEnvironment())
+            strategy.accelerator = mock.Mock()
+            with mock.patch("torch.distributed.init_process_group") as init:
+                strategy.setup_environment()
+            calls.append(init.call_args)
+    (ours_args, ours_kwargs), (theirs_args, theirs_kwargs) = calls
+    assert ours_args == theirs_args == (("nccl",) if device.type == "cuda" else ("gloo",))
+    assert ours_kwargs["device_id"] == theirs_kwargs["device_id"] == (device if device.type == "cuda" else None)
+    assert ours_kwargs["timeout"] == theirs_kwargs["timeout"]
+
+
+@pytest.mark.parametrize("strategy_type", [PaddleDPStrategy, fabric.PaddleDPStrategy])
+def test_a_live_group_of_another_size_is_refused_with_the_remedy(strategy_type):
+    """What a forked rank meets after a one-device run in the launching process: that run's group."""
+    one_rank_group()
+    strategy = strategy_type(parallel_devices=[torch.device("cpu")] * 2, cluster_environment=LightningEnvironment())
+    strategy.accelerator = mock.Mock()
+    with pytest.raises(RuntimeError, match=r"a process group of world size 1 already exists in this process, but "
+                       r"this run has world size 2.*destroy_process_group\(\) before this run"):
+        strategy.setup_environment()

@@ -16,6 +16,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_dp import PaddleDPStrategy, PaddleEnvironment
+from lit_dp.job import process_group
 from tests.helpers.distributed import run_ranks
 from tests.helpers.lightning import (
     REGISTERED,
@@ -116,9 +117,10 @@ def test_one_device_is_a_one_rank_group_like_ddp(tmp_path):
         trainer(name, tmp_path, devices=1, max_epochs=1, callbacks=[record]).fit(module)
         assert record.seen == (0, 1, "gloo"), name
         weights[name] = module.state_dict()
+        # As after "ddp", the group outlives the fit; "ddp" then adopts the one paddle_dp created.
+        assert dist.is_initialized() and dist.get_world_size() == 1, name
         if name == "paddle_dp":
             assert module.wrapper == "DataParallel"
-            assert not dist.is_initialized(), "teardown must destroy the one-rank group"
     assert_same_weights(weights["paddle_dp"], weights["ddp"])
     assert not torch.equal(weights["ddp"]["net.0.weight"], Regressor().state_dict()["net.0.weight"]), "no training"
 
@@ -143,22 +145,40 @@ def test_backend_passes_through_to_the_process_group(tmp_path):
     assert PaddleDPStrategy(backend="GLOO").process_group_backend == "gloo"
 
 
-def fit_twice_under_paddle_launcher(rank, tmp_path):
+class WithTestStep(Regressor):
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", self.step_loss(x, y), sync_dist=True)
+
+    def test_dataloader(self):
+        return self.train_dataloader()
+
+
+def fit_test_and_fit_again_under_paddle_launcher(rank, tmp_path):
+    """As under "ddp", the group outlives each run: user code calls torch.distributed after `fit`,
+    and `test` and a second `fit` adopt the group instead of meeting the other ranks again."""
     assert isinstance(PaddleDPStrategy().cluster_environment, PaddleEnvironment)
     weights = []
-    for _ in range(2):  # a second fit in the same process must work after teardown
-        module = Regressor()
-        trainer(PaddleDPStrategy(), tmp_path, max_epochs=1).fit(module)
-        assert module.wrapper == "DataParallel"
-        assert not dist.is_initialized(), "teardown must destroy the process group"
-        weights.append(module.net[0].weight.sum().item())
-    return weights
+    with mock.patch("lit_dp.job.process_group._rendezvous", wraps=process_group._rendezvous) as rendezvous:
+        for _ in range(2):
+            module, run = WithTestStep(), trainer(PaddleDPStrategy(), tmp_path, max_epochs=1)
+            run.fit(module)
+            assert module.wrapper == "DataParallel"
+            run.strategy.barrier()
+            ranks = torch.tensor([float(rank)])
+            dist.all_reduce(ranks)
+            assert ranks.item() == 1.0, "a user's collective after fit"
+            run.test(module, verbose=False)
+            weights.append(module.net[0].weight.sum().item())
+    assert rendezvous.call_count == 1, "test and the second fit must adopt the live group"
+    return weights, run.callback_metrics["test_loss"].item()
 
 
-def test_paddle_launcher_variables_drive_lightning_and_a_second_fit_works(tmp_path):
-    results = run_ranks(fit_twice_under_paddle_launcher, 2, str(tmp_path), timeout=120)
+def test_paddle_launcher_variables_drive_lightning_and_the_group_outlives_each_run(tmp_path):
+    results = run_ranks(fit_test_and_fit_again_under_paddle_launcher, 2, str(tmp_path), timeout=180)
     assert results[0] == results[1]
-    assert results[0][0] == pytest.approx(results[0][1])
+    weights, _ = results[0]
+    assert weights[0] == pytest.approx(weights[1])
 
 
 def launcher_start_method(launcher) -> str:
@@ -222,6 +242,6 @@ def test_debug_log_shows_each_step_of_setup_and_teardown(tmp_path, caplog):
             "uneven inputs: off (world size 1)",
             "PaddleDPStrategy: tearing down strategy",
             "PaddleDPStrategy: unwrapping the model from lit_dp.DataParallel",
-            "PaddleDPStrategy: destroying the process group",
+            "PaddleDPStrategy: leaving the process group alive, as \"ddp\" does",
         ],
     )

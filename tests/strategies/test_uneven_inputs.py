@@ -15,6 +15,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -54,10 +55,11 @@ class SizedShard(Dataset):
 
 
 class Module(pl.LightningModule):
-    def __init__(self, step_sync: bool = False, manual: bool = False) -> None:
+    def __init__(self, step_sync: bool = False, manual: bool = False, norm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+        middle = nn.BatchNorm1d(16) if norm else nn.Tanh()  # norm: buffers, broadcast before forwards
+        self.net = nn.Sequential(nn.Linear(6, 16), middle, nn.Linear(16, 1))
         self.step_sync = step_sync
         self.automatic_optimization = not manual
 
@@ -103,7 +105,8 @@ def reference_weights(counts: list[int], epochs: int, accumulate: int = 1) -> li
 def fit_uneven(rank: int, tmp_path: str) -> dict[str, object]:
     """Four fits: per-rank streams (with uneven validation), a rank with no batch at all (and
     validation whose longest rank has a single batch), sized per-rank datasets with gradient
-    accumulation, and sharding stage 2."""
+    accumulation, and sharding stage 2; then a model with BatchNorm whose rank 0 has no validation
+    batch, yet takes the buffer broadcast of the others' first validation forward (its buffers go to both)."""
     outcome: dict[str, object] = {}
     cases = [
         ("streams", [2, 5], [1, 3], {}),
@@ -128,6 +131,10 @@ def fit_uneven(rank: int, tmp_path: str) -> dict[str, object]:
             "global_step": trainer.global_step,
             "metrics": {key: round(value.item(), 6) for key, value in trainer.callback_metrics.items()},
         }
+    module = Module(norm=True)
+    train = DataLoader(Shard(rank, 2 + rank), batch_size=None)
+    make_trainer(tmp_path).fit(module, train, DataLoader(Shard(rank, 2 * rank, offset=100), batch_size=None))
+    outcome["batchnorm_buffers"] = [round(v, 6) for v in module.net[1].running_mean.tolist()]
     return outcome
 
 
@@ -142,6 +149,65 @@ def test_ranks_with_different_numbers_of_batches_finish_together_with_the_same_w
     assert outcome["sharded"]["global_step"] == 10
     for name in ("streams", "empty_rank", "sharded"):
         assert set(outcome[name]["metrics"]) == {"train_loss", "val_loss", "val_max"}, name
+
+
+class OutputsBesideTheLoss(Module):
+    """A training_step that returns its predictions beside the loss, as many do."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        predictions = self.net(x)
+        return {"loss": ((predictions - y) ** 2).mean(), "predictions": predictions.detach()}
+
+
+class CollectivesInTheHooks(Callback):
+    """Collectives where Lightning's hooks run after training_step: a sync_dist log of the
+    gradient norm in on_after_backward, a gather of the step's outputs in on_train_batch_end."""
+
+    def __init__(self) -> None:
+        self.backward_hooks: list[str] = []
+        self.gradient_norms: list[float] = []
+        self.outputs: list[dict[str, tuple[int, ...]]] = []
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.backward_hooks.append("before")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.backward_hooks.append("after")
+        norm = pl_module.net[0].weight.grad.norm()
+        self.gradient_norms.append(round(norm.item(), 6))
+        pl_module.log("gradient_norm", norm, on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.outputs.append({key: tuple(value.shape) for key, value in outputs.items()})
+        gathered = trainer.strategy.all_gather(outputs["predictions"])
+        assert gathered.shape == (WORLD, *outputs["predictions"].shape)
+
+
+def fit_with_collectives_in_the_hooks(rank: int, tmp_path: str) -> dict[str, object]:
+    counts = [1, 3]  # rank 0 replays the last two batches of each epoch
+    hooks = CollectivesInTheHooks()
+    module = OutputsBesideTheLoss()
+    run = make_trainer(tmp_path, callbacks=[hooks])
+    run.fit(module, DataLoader(Shard(rank, counts[rank]), batch_size=None))
+    for (name, param), expected in zip(module.named_parameters(), reference_weights(counts, epochs=2)):
+        torch.testing.assert_close(param.detach(), expected, msg=lambda m: f"rank {rank}: {name}: {m}")
+    return {
+        "hooks": hooks.backward_hooks,
+        "gradient_norms": hooks.gradient_norms,
+        "outputs": hooks.outputs,
+        "logged": run.callback_metrics["gradient_norm"].item(),
+    }
+
+
+@pytest.mark.slow
+def test_a_replaying_rank_runs_the_backward_hooks_and_returns_outputs_like_the_others(tmp_path):
+    results = run_ranks(fit_with_collectives_in_the_hooks, WORLD, str(tmp_path), timeout=180)
+    assert results[0] == results[1], "the replaying rank ran other hooks, saw other gradients or returned other outputs"
+    outcome = results[0]
+    assert outcome["hooks"] == ["before", "after"] * 6  # 3 steps an epoch on every rank, 2 epochs
+    assert outcome["outputs"] == [{"loss": (), "predictions": (4, 1)}] * 6
+    assert outcome["logged"] == pytest.approx(outcome["gradient_norms"][-1], abs=1e-6)
 
 
 def failing_fits(rank: int, tmp_path: str) -> dict[str, str]:
