@@ -27,11 +27,19 @@ LIBRARY_EXPORTS = {
     "KMP_INIT_AT_FORK",
 }
 PYTEST_OWN = {"PYTEST_CURRENT_TEST"}
+SESSION_ENVIRONMENT = dict(os.environ)  # what the shell gave the test session
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_environment_or_process_group():
-    """Fail a test that leaks environment variables; never let a process group outlive a test."""
+    """Fail a test that leaks environment variables; never let a process group outlive a test.
+
+    A fixture of wider scope (a module's reference fit) runs before this one, so what Lightning
+    exported there is dropped here: with ``LOCAL_RANK`` inherited, a recipe a later test starts
+    believes its ranks were launched for it and waits for them forever.
+    """
+    for name in LIGHTNING_EXPORTS - SESSION_ENVIRONMENT.keys():
+        os.environ.pop(name, None)
     before = dict(os.environ)
     yield
     if dist.is_available() and dist.is_initialized():

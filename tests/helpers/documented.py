@@ -35,6 +35,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch.distributed as dist
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PROGRAMS = ("python", "torchrun", "srun")
@@ -207,6 +209,9 @@ def run_all(commands: list[dict]) -> None:
             from hydra.core.global_hydra import GlobalHydra
 
             GlobalHydra.instance().clear()
+            # As in a fresh process: the strategies leave the process group alive after a fit (as "ddp" does).
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
         print(f"{MARK} {number} exit {status} after {time.perf_counter() - started:.1f} s", flush=True)
