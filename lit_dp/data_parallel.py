@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
+from lit_dp.fault_tolerance import JOIN_REFUSED, UNDER_MANAGER, check_comm_hook, participants, replica_group
 from lit_dp.gradients.broadcast import sync_params_buffers
 from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, MB, assign_group_by_size, assign_owners, megabytes_to_bytes
 from lit_dp.gradients.compile import bucket_graph_breaks
@@ -43,6 +44,12 @@ class DataParallel(nn.Module, Joinable):
             otherwise the keyword arguments below are validated here.
         unused_parameters_message: the sentence that opens a missing-gradient error (the
             strategies give Lightning's); by default a hint naming ``find_unused_parameters``.
+        manager: a ``torchft.Manager``: gradients are averaged over the replica groups of its
+            quorum, step by step, instead of over ``group`` (``lit_dp.fault_tolerance``,
+            docs/fault_tolerance.md).
+        init_sync: broadcast rank 0's parameters and buffers at construction (torch DDP's
+            ``init_sync``). Never under a ``manager``, whose own ``init_sync`` gives every
+            replica the first one's state at its first quorum.
 
     Options (``lit_dp.options``), as keyword arguments:
 {options}
@@ -68,6 +75,8 @@ class DataParallel(nn.Module, Joinable):
         *,
         options: Options | None = None,
         unused_parameters_message: str | None = None,
+        manager: Any = None,
+        init_sync: bool = True,
         **option_values: Any,
     ) -> None:
         super().__init__()
@@ -96,12 +105,17 @@ class DataParallel(nn.Module, Joinable):
         self._watchdog: HangWatchdog | None = None
         self.join_state = JoinState()
         self._owners: dict[int, int] = {}
-        named = _synchronised_parameters(layers, group)
+        # torchft (lit_dp.fault_tolerance): the group is the replica groups of the Manager's quorum.
+        sparse_ids = _sparse_gradient_parameters(layers)
+        self._replicas = None if manager is None else replica_group(manager, group, options, bool(sparse_ids))
+        if self._replicas is not None:
+            group, named = self._replicas, _trainable_parameters(layers)
+        else:
+            named = _synchronised_parameters(layers, group, init_sync)
         if named:
             rings = [group] if group is not None else get_rings()
             device = named[0][1].device
             names = [name for name, _ in named]
-            sparse_ids = _sparse_gradient_parameters(layers)
             owners = _shard_owners(named, sparse_ids, options.sharding_stage, dist.get_world_size(rings[0]))
             self._owners = {id(param): owner for (_, param), owner in zip(named, owners or ())}
             self._reducer = Reducer(
@@ -115,9 +129,10 @@ class DataParallel(nn.Module, Joinable):
                 gradient_as_bucket_view=options.gradient_as_bucket_view,
                 unused_parameters_message=unused_parameters_message,
                 owners=owners if options.sharding_stage == 2 else None,
+                rebuild_buckets=self._replicas is None,
             )
             self._observe(self._reducer, device, names)
-            if dist.get_rank() == 0:
+            if self._replicas is not None or dist.get_rank() == 0:
                 sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
                 log.info("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
         # Built here, in each process: PowerSGD's state belongs to the process group.
@@ -138,7 +153,8 @@ class DataParallel(nn.Module, Joinable):
         if options.comm_stats or self._trace is not None:
             self._stats = CommObserver(device, [self._trace.add] if self._trace is not None else [])
             reducer.add_observer(self._stats)
-        if options.hang_timeout is not None and dist.get_world_size(reducer.group) > 1:
+        # Under torchft its own timeout discards a stuck step and drops the replica (docs/fault_tolerance.md).
+        if options.hang_timeout is not None and self._replicas is None and dist.get_world_size(reducer.group) > 1:
             self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace_dir)
 
     @property
@@ -180,6 +196,8 @@ class DataParallel(nn.Module, Joinable):
         hook can be registered once, before the first synchronised backward. Sparse gradients
         are reduced without it. See docs/comm_hooks.md.
         """
+        if self._replicas is not None:
+            state = check_comm_hook(state, hook, self._replicas, UNDER_MANAGER)
         comm_hook = CommHook(state, hook)
         if self._comm_hook is not None:
             raise RuntimeError(
@@ -252,6 +270,8 @@ class DataParallel(nn.Module, Joinable):
         """
         if self._reducer is not None and self.grad_need_sync and not self.skip_grad_sync:
             notify(self)  # inside a Join context: "still in", before this step's collectives
+            if self._replicas is not None:
+                self._reducer.divisor = participants(self._replicas)
             self._reducer.prepare_for_backward(outputs)
 
     def shadow_backward(self) -> None:
@@ -284,6 +304,8 @@ class DataParallel(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
         """The hook ``torch.distributed.algorithms.join.Join`` runs on a rank that has run out of inputs."""
+        if self._replicas is not None:
+            raise ValueError(JOIN_REFUSED)
         return DataParallelJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -346,8 +368,10 @@ def fused_allreduce_gradients(
         bucket.write_back(as_view=False, skipped=no_gradient)
 
 
-def _synchronised_parameters(layers: nn.Module, group: dist.ProcessGroup | None) -> list[tuple[str, nn.Parameter]]:
-    """Broadcast rank 0's state; the trainable parameters to reduce (none without a process group)."""
+def _synchronised_parameters(
+    layers: nn.Module, group: dist.ProcessGroup | None, init_sync: bool
+) -> list[tuple[str, nn.Parameter]]:
+    """Broadcast rank 0's state (with ``init_sync``); the trainable parameters to reduce (none without a process group)."""
     if not dist.is_initialized():
         warnings.warn(
             "lit_dp.DataParallel: world size is 1 and no process group exists; "
@@ -355,7 +379,12 @@ def _synchronised_parameters(layers: nn.Module, group: dist.ProcessGroup | None)
             stacklevel=3,
         )
         return []
-    sync_params_buffers(layers, group=group)
+    if init_sync:
+        sync_params_buffers(layers, group=group)
+    return _trainable_parameters(layers)
+
+
+def _trainable_parameters(layers: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [
         (name, param)
         for name, param in layers.named_parameters()

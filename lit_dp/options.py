@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, List, Optional
 
+from lit_dp.fault_tolerance import ENGINES as FAULT_TOLERANCE_ENGINES
+from lit_dp.fault_tolerance import check_options as check_fault_tolerance_options
 from lit_dp.gradients.buckets import DEFAULT_BUCKET_MB, megabytes_to_bytes
 from lit_dp.gradients.hooks import HOOK_NAMES, check_comm_hook_options
 from lit_dp.job.backends import check_backend
@@ -133,6 +135,20 @@ def _sharding_stage(name: str, value: Any) -> int | None:
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value in (0, 1, 2)):
         return value or None  # 0 is "off", as None
     raise ValueError(f"{name}={value!r} is invalid: expected 1 (optimizer states), 2 (also gradients), 0 or None (off).")
+
+
+def _optional_text(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
+        raise ValueError(f"{name}={value!r} is invalid: expected a non-empty string or None.")
+    return str(value)
+
+
+def _positive_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r} is invalid: expected a positive number of seconds.")
+    return float(value)
 
 
 def option(
@@ -250,6 +266,33 @@ class Options:
         False, "sharding: gather updated parameters during the next forward (each module waits for its own)",
         _flag, scope=EVERYWHERE, config=bool,
     )  # fmt: skip
+    # Fault tolerance (lit_dp.fault_tolerance, lit_dp.strategies.fault_tolerance; docs/fault_tolerance.md).
+    fault_tolerance: Optional[str] = option(
+        None, "torchft: train on while replica groups fail and recover, one process per replica group; None: off",
+        _optional_choice(*FAULT_TOLERANCE_ENGINES), config=Optional[str],
+    )  # fmt: skip
+    ft_lighthouse: Optional[str] = option(
+        None, "fault_tolerance: the torchft lighthouse's address, e.g. http://host:29510; None: TORCHFT_LIGHTHOUSE",
+        _optional_text, config=Optional[str],
+    )  # fmt: skip
+    ft_replica_group: Optional[str] = option(
+        None, "fault_tolerance: this replica group's number, distinct per group and kept across its restarts; "
+        "None: REPLICA_GROUP_ID",
+        _optional_text, config=Optional[str],
+    )  # fmt: skip
+    ft_min_replicas: int = option(
+        1, "fault_tolerance: replica groups a step needs to commit", _count(1), config=int,
+    )  # fmt: skip
+    ft_timeout: float = option(
+        60.0, "fault_tolerance: seconds an all-reduce, a commit vote or a recovery may take before the step is "
+        "discarded (TORCHFT_TIMEOUT_SEC wins)",
+        _positive_seconds, config=float,
+    )  # fmt: skip
+    ft_quorum_timeout: float = option(
+        60.0, "fault_tolerance: seconds a step waits for its quorum, e.g. for ft_min_replicas groups to be up "
+        "(TORCHFT_QUORUM_TIMEOUT_SEC wins)",
+        _positive_seconds, config=float,
+    )  # fmt: skip
 
     @classmethod
     def build(cls, given: Mapping[str, Any], scope: str, prefix: str = "") -> Options:
@@ -317,6 +360,18 @@ class Options:
                 "hook, not both."
             )
         self._check_sharding(prefix, hook_name)
+        self._check_fault_tolerance(prefix)
+
+    def _check_fault_tolerance(self, prefix: str) -> None:
+        if self.fault_tolerance is not None:
+            check_fault_tolerance_options(self, f"{prefix}fault_tolerance={self.fault_tolerance!r}", prefix)
+            return
+        for f in dataclasses.fields(self):
+            if f.name.startswith("ft_") and getattr(self, f.name) != f.default:
+                raise ValueError(
+                    f"{prefix}{f.name}={getattr(self, f.name)!r} is invalid without {prefix}fault_tolerance: expected "
+                    f"{prefix}fault_tolerance='torchft' with it, or no {prefix}{f.name}."
+                )
 
     def _check_sharding(self, prefix: str, hook_name: str | None) -> None:
         stage = self.sharding_stage

@@ -93,7 +93,7 @@ def test_front_doors_list_no_options_of_their_own():
         parameters = set(inspect.signature(strategy.__init__).parameters) - {"self"}
         assert parameters == lightning_arguments | {"options", "values"}, strategy
     assert set(inspect.signature(DataParallel.__init__).parameters) == {
-        "self", "layers", "group", "options", "unused_parameters_message", "option_values"
+        "self", "layers", "group", "options", "unused_parameters_message", "manager", "init_sync", "option_values"
     }
     assert {f.name for f in option_fields(MODULE)} <= {f.name for f in option_fields(TRAINER)}
 

@@ -101,6 +101,8 @@ class DenseBucket:
         # skipping it keeps the one-device step as cheap as the bare model's, checks included.
         # A hook still runs there, as under torch DDP.
         self.alone = dist.get_world_size(ring) == 1 and hook is None
+        # A group whose members change from step to step (torchft's replicas, lit_dp.fault_tolerance) never is.
+        self.alone = self.alone and not getattr(ring, "changing_membership", False)
         # The flat members' gradients at launch when all were present, for the write-back.
         self._launched_grads: list[torch.Tensor] | None = None
 
@@ -241,4 +243,13 @@ class DenseBucket:
 def averaging_op(group: dist.ProcessGroup) -> dist.ReduceOp | None:
     """NCCL averages inside the all-reduce (``ReduceOp.AVG``), saving a pass over the gradients;
     None where the backend only sums (Gloo), and the gradients are divided before."""
-    return dist.ReduceOp.AVG if dist.get_backend(group) == "nccl" else None
+    return dist.ReduceOp.AVG if backend_of(group) == "nccl" else None
+
+
+def backend_of(group: dist.ProcessGroup) -> str:
+    """``dist.get_backend(group)``; a group built in Python outside torch.distributed's registry
+    (torchft's replicas, ``lit_dp.fault_tolerance``) names its own backend."""
+    try:
+        return dist.get_backend(group)
+    except ValueError:
+        return group.name()

@@ -62,6 +62,9 @@ class Reducer:
             backward, and reads the same.
         owners: sharding stage 2: the owning rank (in ``rings[0]``) of each parameter; dense
             buckets then reduce each gradient to its owner only (``lit_dp.gradients.scatter``).
+        rebuild_buckets: rebuild the buckets in rank 0's gradient-ready order after the first
+            step (below); False keeps the registration order, which every replica derives alone
+            (torchft's replicas join later and could not learn rank 0's order).
 
     Observers (``add_observer``, ``lit_dp.gradients.events``) are told of each step's moments.
     """
@@ -79,6 +82,7 @@ class Reducer:
         gradient_as_bucket_view: bool = False,
         unused_parameters_message: str | None = None,
         owners: Sequence[int] | None = None,
+        rebuild_buckets: bool = True,
     ) -> None:
         if not params:
             raise ValueError("Reducer needs at least one trainable parameter.")
@@ -100,6 +104,7 @@ class Reducer:
         self._order: list[int] = []
         self._agreed_order: list[int] | None = None
         self._rebuilt = False
+        self._rebuild_buckets = rebuild_buckets
         self._armed = False
         self._started = False
         self._next_bucket = 0
@@ -361,6 +366,9 @@ class Reducer:
         ``zero_grad`` has usually dropped the gradients, so with gradient views the old and new
         buffers are not alive together.
         """
+        if not self._rebuild_buckets:
+            self._rebuilt = True  # the registration order stays (rebuild_buckets=False)
+            return
         seen = set(self._order)
         # Parameters not seen (all, on a rank that joined before its first step) keep their place.
         order = self._order + [i for i in reversed(self._forward_order()) if i not in seen]

@@ -148,8 +148,10 @@ class DataParallelStrategyMixin:
                 "'bf16-mixed' or '32-true', or sharding_stage=1."
             )
 
-    def _wrap(self, module: Module, options: Options) -> DataParallel:
-        return DataParallel(module, options=options, unused_parameters_message=self._unused_parameters_message)
+    def _wrap(self, module: Module, options: Options, manager: Any = None) -> DataParallel:
+        return DataParallel(
+            module, options=options, unused_parameters_message=self._unused_parameters_message, manager=manager
+        )
 
 
 def register_families(registry: _StrategyRegistry, strategy: type) -> None:

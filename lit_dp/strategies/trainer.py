@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -45,6 +46,7 @@ from lit_dp.options import TRAINER, Options, options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
+from lit_dp.strategies.fault_tolerance import FaultTolerance, TrainerFaultTolerance
 from lit_dp.strategies.monitor import CommStatsMonitor
 from lit_dp.strategies.reliability import ReliabilityMixin
 from lit_dp.strategies.resume import continue_epoch
@@ -109,6 +111,10 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         self._local_sgd: LocalSGD | None = None
         self._local_sgd_resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
         self._tuned_buffer_size: float | None = None  # with "auto": restored, or chosen by a finished fit
+        # fault_tolerance="torchft" (lit_dp.strategies.fault_tolerance): settings checked here, the Manager in setup.
+        self._fault_tolerance = (
+            TrainerFaultTolerance(FaultTolerance(self._options)) if self._options.fault_tolerance else None
+        )
 
     @property
     def comm_buffer_size(self) -> float | str:
@@ -157,7 +163,8 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             f"local_sgd_warmup_steps={options.local_sgd_warmup_steps} local_sgd_adaptive={options.local_sgd_adaptive} "
             f"comm_hook={describe_comm_hook(**options.hook_options())} comm_stats={options.comm_stats} "
             f"sharding_stage={options.sharding_stage} sharding_overlap={options.sharding_overlap} "
-            f"uneven_inputs={options.uneven_inputs} hang_timeout={options.hang_timeout}"
+            f"uneven_inputs={options.uneven_inputs} hang_timeout={options.hang_timeout} "
+            f"fault_tolerance={options.fault_tolerance}"
         )
 
     @override
@@ -171,10 +178,14 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if fitting and self._fault_tolerance is not None:  # the Manager before the model it wraps
+            self._fault_tolerance.ft.start(self.root_device, self.world_size)
         if fitting:
             self.model = self._setup_model(self.model)
             self._local_sgd = self._setup_local_sgd()
             self.setup_optimizers(trainer)
+        if fitting and self._fault_tolerance is not None:  # what a recovering replica receives
+            self._fault_tolerance.attach(trainer)
         elif dist.is_initialized():
             sync_params_buffers(self.model)
         self.setup_precision_plugin()
@@ -193,7 +204,8 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         if self._tuned_buffer_size is not None:
             size = self._tuned_buffer_size
             rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {size:g} MB, tuned before (checkpoint or earlier fit)")
-        return self._wrap(model, self._options.replace(comm_buffer_size=self.comm_buffer_size))
+        manager = self._fault_tolerance.ft.manager if self._fault_tolerance is not None else None
+        return self._wrap(model, self._options.replace(comm_buffer_size=self.comm_buffer_size), manager)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -241,6 +253,9 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._fault_tolerance is not None:  # the step is applied only if every replica group commits it
+            step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
+            return self._fault_tolerance.optimizer_step(step, closure)
         # Every optimizer step counts, under automatic and manual optimization alike (manual steps
         # come through LightningOptimizer.step); accumulated micro-batches do not.
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -263,9 +278,17 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
     def process_dataloader(self, dataloader: object) -> object:
         # Called after Lightning restored the loops and before the first batch is fetched.
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.training and self._fault_tolerance is not None:
+            return self._fault_tolerance.process_dataloader(dataloader, trainer)  # dealt step by step
         if trainer is not None and trainer.training:
             dataloader = continue_epoch(dataloader, trainer.fit_loop)
         return super().process_dataloader(dataloader)  # uneven inputs: strategies/reliability.py
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if self._fault_tolerance is not None and self.lightning_module is not None:  # the step's quorum, then its data
+            batch = self._fault_tolerance.batch(batch, self.lightning_module.trainer)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def model_to_device(self) -> None:
@@ -325,6 +348,8 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
             own["tuned_comm_buffer_size"] = self.tuned_comm_buffer_size
         if self._local_sgd is not None:
             own["local_sgd"] = self._local_sgd.state_dict()
+        if self._fault_tolerance is not None:
+            own["fault_tolerance"] = self._fault_tolerance.checkpoint_state()
         if own:
             checkpoint[CHECKPOINT_KEY] = own
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -340,12 +365,16 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         if tuned is not None and self._options.comm_buffer_size == AUTO:
             self._tuned_buffer_size = tuned
         self._local_sgd_resumed = own.get("local_sgd")
+        if self._fault_tolerance is not None and "fault_tolerance" in own:
+            self._fault_tolerance.restore_checkpoint_state(own["fault_tolerance"])
         return checkpoint
 
     @override
     def teardown(self) -> None:
         lightning_module = self.lightning_module
         self._local_sgd = None
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.ft.close()
         self._teardown_reliability()
         if isinstance(self.model, DataParallel):
             self.model.flush_comm_stats()  # the trace of a run shorter than trace_steps
