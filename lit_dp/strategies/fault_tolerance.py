@@ -154,6 +154,7 @@ class FaultTolerance:
     def start_step(self) -> None:
         """The step's quorum: membership, recovery if behind, then this replica's data for the step."""
         started = time.monotonic()
+        self.last_committed = None
         self.manager.start_quorum()
         if self._recovered:
             self._recovered = False
@@ -415,3 +416,60 @@ def _load_trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None, sta
     _load_loop_counters(trainer.fit_loop, state["loops"])
     if batches is not None and state["data"] is not None:
         batches.load_state_dict(state["data"])
+
+
+class FabricFaultTolerance:
+    """Fabric's glue: a step starts when the training loader yields its batch (the quorum, then the
+    data) and is applied by ``optimizer.step()`` only if it commits. One optimizer step per batch."""
+
+    def __init__(self, fault_tolerance: FaultTolerance) -> None:
+        self.ft = fault_tolerance
+        self.modules: list[torch.nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    def manager(self, device: torch.device, world_size: int) -> Any:
+        """The Manager, started with the first module set up; what a recovering replica receives."""
+        if self.ft.manager is None:
+            self.ft.start(device, world_size)
+            self.ft.track(self._state, self._load)
+        return self.ft.manager
+
+    def process_dataloader(self, dataloader: object) -> StepBatches:
+        self.ft.batches = replica_batches(dataloader, 1, int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        return StepBatches(self.ft)
+
+    def optimizer_step(self, step: Callable[[], Any]) -> Any:
+        return step() if self.ft.commit() else None
+
+    def _state(self) -> dict[str, Any]:
+        batches = self.ft.batches
+        return {
+            "modules": [module.state_dict() for module in self.modules],
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "data": batches.state_dict() if batches is not None else None,
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        for module, module_state in zip(self.modules, state["modules"]):
+            module.load_state_dict(module_state)
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+        if self.ft.batches is not None and state["data"] is not None:
+            self.ft.batches.load_state_dict(state["data"])
+
+
+class StepBatches:
+    """Fabric's training loader under fault tolerance: each batch is read after its step's quorum;
+    the iteration ends with the committed step that completes an epoch of the data."""
+
+    def __init__(self, fault_tolerance: FaultTolerance) -> None:
+        self.ft = fault_tolerance
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = self.ft.batches
+        assert batches is not None
+        while True:
+            self.ft.start_step()
+            yield batches.next_batch()
+            if self.ft.last_committed and batches.step_ends_epoch():
+                return

@@ -130,6 +130,11 @@ class PaddleDPStrategy(ReliabilityMixin, DataParallelStrategyMixin, ParallelStra
         return tuner.chosen_mb if tuner is not None else None
 
     @property
+    def fault_tolerance(self) -> FaultTolerance | None:
+        """With ``fault_tolerance="torchft"``: its ``committed_steps``, ``metrics()`` and ``manager``."""
+        return self._fault_tolerance.ft if self._fault_tolerance is not None else None
+
+    @property
     def local_sgd(self) -> LocalSGD | None:
         """The model averager while fitting with ``local_sgd_steps``; None otherwise."""
         return self._local_sgd
