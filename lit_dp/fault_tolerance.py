@@ -49,7 +49,7 @@ class FaultTolerantGroup(dist.ProcessGroup):
     Manager instead of raised. Unlike ``Manager.allreduce`` it returns a work whose future is a
     plain ``torch.futures.Future`` (lit_dp's statistics and communication hooks add callbacks to
     it; the Manager's work builds its future chain only once waited), and a failed all-reduce
-    zeroes its tensors. ``size()`` is the number of replica groups taking part in the step
+    zeroes its tensors and closes the process group at once (see ``_ReplicaWork.wait``). ``size()`` is the number of replica groups taking part in the step
     (0 before the first quorum).
     """
 
@@ -106,6 +106,11 @@ class _ReplicaWork(dist.Work):
         if self._manager.errored() is not None:
             # Possibly half-reduced: zeros leave the reducer's flags quiet, and the step is discarded.
             _zeroed(self._tensors)
+            # This replica skips the step's other all-reduces; a peer already inside one of them would
+            # wait for it until the process group's timeout (measured: 60 s of a 3-group run lost).
+            # Closing this replica's connections now fails that peer at once, as a dead one does;
+            # torchft would close them only at the next quorum's reconfiguration.
+            self._manager._pg.abort()
         return True
 
     def get_future(self) -> torch.futures.Future:

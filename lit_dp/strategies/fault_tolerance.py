@@ -39,6 +39,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 
@@ -194,6 +195,7 @@ class FaultTolerance:
             self.manager.shutdown(wait=False)
             self.manager = None
         self._store = None
+        self.batches = None  # a next fit deals its own loader
 
     def _record_quorum(self, members: list[int]) -> None:
         # Called by the process group in torchft's quorum thread; read after start_quorum returns.
@@ -329,10 +331,18 @@ class TrainerFaultTolerance(pl.Callback):
                 "replicas present decide how many steps an epoch takes, so the training loader has no length; expected "
                 "an int (steps) or 1.0 (each epoch's end)."
             )
+        for owner in (trainer.lightning_module, trainer.datamodule):
+            if owner is not None and is_overridden("on_before_batch_transfer", owner):
+                raise ValueError(
+                    f"fault_tolerance='torchft' with {type(owner).__name__}.on_before_batch_transfer is not supported: "
+                    "the training batch is read only at the step's start, once its quorum is in (Lightning fetches "
+                    "a batch ahead); expected the transform in on_after_batch_transfer."
+                )
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        self.ft.batches = replica_batches(dataloader, trainer.accumulate_grad_batches, seed)
-        if self._restored is not None and self._restored["data"] is not None:
-            self.ft.batches.load_state_dict(self._restored["data"])
+        previous, self.ft.batches = self.ft.batches, replica_batches(dataloader, trainer.accumulate_grad_batches, seed)
+        restored = previous.state_dict() if previous is not None else (self._restored or {}).get("data")
+        if restored is not None:  # a reloaded loader, or a checkpoint's position
+            self.ft.batches.load_state_dict(restored)
         return PendingBatches()
 
     def batch(self, batch: Any, trainer: pl.Trainer) -> Any:
@@ -341,7 +351,8 @@ class TrainerFaultTolerance(pl.Callback):
         assert self.ft.batches is not None
         if trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
             self.ft.start_step()
-        return self.ft.batches.next_batch()
+        # What Lightning did to the placeholder, done to the batch: the precision plugin's conversion.
+        return trainer.precision_plugin.convert_input(self.ft.batches.next_batch())
 
     def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any]) -> Any:
         """``step(closure)`` (the strategy's optimizer step), applied only if the step commits."""
@@ -435,6 +446,12 @@ class FabricFaultTolerance:
         return self.ft.manager
 
     def process_dataloader(self, dataloader: object) -> StepBatches:
+        if self.ft.batches is not None:
+            raise ValueError(
+                "fault_tolerance='torchft' deals the training loader step by step, so fabric.setup_dataloaders takes it "
+                "alone: expected one call, with the training loader (iterate validation loaders directly: every "
+                "replica group validates on all of it)."
+            )
         self.ft.batches = replica_batches(dataloader, 1, int(os.environ.get("PL_GLOBAL_SEED", 0)))
         return StepBatches(self.ft)
 
