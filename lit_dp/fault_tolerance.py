@@ -48,8 +48,9 @@ class FaultTolerantGroup(dist.ProcessGroup):
     recovering), the collective on the Manager's process group, an error reported to the
     Manager instead of raised. Unlike ``Manager.allreduce`` it returns a work whose future is a
     plain ``torch.futures.Future`` (lit_dp's statistics and communication hooks add callbacks to
-    it; the Manager's work builds its future chain only once waited), and a failed all-reduce
-    zeroes its tensors and closes the process group at once (see ``_ReplicaWork.wait``). ``size()`` is the number of replica groups taking part in the step
+    it; the Manager's work builds its future chain only once waited), a failed all-reduce
+    zeroes its tensors and closes the process group at once (see ``_ReplicaWork.wait``), and one
+    all-reduce is in flight at a time (see ``allreduce``). ``size()`` is the number of replica groups taking part in the step
     (0 before the first quorum).
     """
 
@@ -60,6 +61,7 @@ class FaultTolerantGroup(dist.ProcessGroup):
     def __init__(self, manager: Any) -> None:
         super().__init__(0, 1)
         self.manager = manager
+        self._last: _ReplicaWork | None = None
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return TORCHFT
@@ -79,6 +81,13 @@ class FaultTolerantGroup(dist.ProcessGroup):
                 f"lit_dp FaultTolerantGroup: all_reduce with {op} is not supported: the replicas present change from "
                 "step to step, so lit_dp divides by Manager.num_participants() itself; expected ReduceOp.SUM."
             )
+        # One all-reduce in flight at a time, as torchft's own DDP hook waits for each bucket: after
+        # a peer died, gloo fails an operation that was waiting on its connection at once, but one
+        # posted after the connection broke waits out the process group's timeout (60 s lost in
+        # benchmarks/fault_tolerance.py), and buffers that a timed-out operation may still write
+        # cannot be reused. Waiting for the last one first means no operation is left behind.
+        if self._last is not None:
+            self._last.wait()
         if manager.errored() is not None:
             return _CompletedWork(_zeroed(tensors))
         manager.wait_quorum()
@@ -89,7 +98,8 @@ class FaultTolerantGroup(dist.ProcessGroup):
         except Exception as error:  # noqa: BLE001 - torchft's contract: a failed collective discards the step
             manager.report_error(error)
             return _CompletedWork(_zeroed(tensors))
-        return _ReplicaWork(manager, tensors, manager.wrap_future(work.get_future(), tensors))
+        self._last = _ReplicaWork(manager, tensors, manager.wrap_future(work.get_future(), tensors))
+        return self._last
 
 
 class _ReplicaWork(dist.Work):
@@ -100,16 +110,20 @@ class _ReplicaWork(dist.Work):
         self._manager = manager
         self._tensors = tensors
         self._future = future
+        self._waited = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._waited:
+            return True
+        self._waited = True
         self._future.wait()  # errors and the Manager's timeout were turned into a report to the Manager
         if self._manager.errored() is not None:
             # Possibly half-reduced: zeros leave the reducer's flags quiet, and the step is discarded.
             _zeroed(self._tensors)
-            # This replica skips the step's other all-reduces; a peer already inside one of them would
-            # wait for it until the process group's timeout (measured: 60 s of a 3-group run lost).
-            # Closing this replica's connections now fails that peer at once, as a dead one does;
-            # torchft would close them only at the next quorum's reconfiguration.
+            # This replica skips the step's other all-reduces; a peer already inside one of them
+            # would wait for it until the process group's timeout. Closing this replica's
+            # connections now fails that peer at once, as a dead one does; torchft would close
+            # them only at the next quorum's reconfiguration.
             self._manager._pg.abort()
         return True
 

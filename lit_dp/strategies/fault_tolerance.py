@@ -171,12 +171,20 @@ class FaultTolerance:
             self.batches.start_step(manager.current_step(), manager.participating_rank(), manager.num_participants())
 
     def commit(self) -> bool:
-        """torchft's vote: True when the step may be applied (on every replica that took part)."""
+        """torchft's vote: True when this replica group may apply the step. Groups that disagree (a
+        peer failed after one's all-reduces completed) are reconciled at the next quorum: the one
+        behind recovers from the one ahead."""
         committed = self.manager.should_commit()
         self.last_committed = committed
         if not committed:
             self.steps_discarded += 1
-            print(f"{LINE}, step {self.committed_steps}: step discarded (a replica group failed during it)", flush=True)
+            error = self.manager.errored()
+            why = (
+                f"an all-reduce failed: {str(error.original_exception).splitlines()[0][:200]}"
+                if error is not None
+                else f"fewer than ft_min_replicas={self.settings.min_replicas} replica groups took part"
+            )
+            print(f"{LINE}, step {self.committed_steps}: step discarded ({why})", flush=True)
         return committed
 
     def metrics(self) -> dict[str, float]:

@@ -16,7 +16,7 @@ def test_fault_tolerance_benchmark_kills_a_replica_group_and_takes_it_back(tmp_p
     # runs to compare with), so a short run spans it.
     output = run_benchmark(
         "fault_tolerance", "replicas=2", "min_replicas=2", "steps=40", "kill_every=15", "compare=false",
-        "recipe=['experiment=gpt_tiny','strategy.ft_quorum_timeout=150']", f"hydra.run.dir={tmp_path}", timeout=300,
+        "recipe=['experiment=gpt_tiny','strategy.ft_quorum_timeout=150','trainer.limit_val_batches=2']", f"hydra.run.dir={tmp_path}", timeout=300,
     )  # fmt: skip
     row = next(line for line in output.splitlines() if line.startswith("| 1 | 1 |"))
     assert row.strip("|").split("|")[-1].strip() == "yes", output  # recovered bitwise
