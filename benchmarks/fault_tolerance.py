@@ -163,6 +163,7 @@ def execute(config: FaultToleranceBenchmarkConfig, name: str, seed: int, kill: b
         launch(config, run, seed, address)
         if kill:
             kill_in_turn(config, run)
+            (run.folder / "kills.json").write_text(json.dumps(run.kills))  # for a later look at the logs
         deadline = time.monotonic() + config.timeout
         for group, launcher in enumerate(run.launchers):
             launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -177,6 +178,12 @@ def execute(config: FaultToleranceBenchmarkConfig, name: str, seed: int, kill: b
         beacon.send_signal(signal.SIGTERM)
         beacon.wait()
     return run
+
+
+def seconds_per_step(steps: list[dict], start: float, end: float) -> float:
+    """The mean time between the committed steps logged between ``start`` and ``end``."""
+    times = [s["time"] for s in steps if start < s["time"] <= end]
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
 
 
 def samples_per_second(steps: list[dict], start: float, end: float) -> float:
@@ -209,7 +216,8 @@ def analyse(config: FaultToleranceBenchmarkConfig, free: list[Run], failing: Run
         # Down from the kill until the killed group's first committed step after it.
         restarted = [s for s in failing.steps(group) if s["time"] > killed_at and s["committed"]]
         back = restarted[0]["time"] if restarted else committed[-1]["time"]
-        windows.append((group, back - killed_at, samples_per_second(committed, killed_at, back), bool(restarted)))
+        rate, step = samples_per_second(committed, killed_at, back), seconds_per_step(committed, killed_at, back)
+        windows.append((group, back - killed_at, rate, step, bool(restarted)))
         peers = {
             s["committed_steps"]: s["hash"]
             for other in range(config.replicas)
@@ -230,6 +238,7 @@ def analyse(config: FaultToleranceBenchmarkConfig, free: list[Run], failing: Run
     if free:
         timed = job_steps(free[0], config.replicas)[config.warmup :]
         result["free_rate"] = samples_per_second(timed, timed[0]["time"], timed[-1]["time"])
+        result["free_step"] = seconds_per_step(timed, timed[0]["time"] - 1, timed[-1]["time"])
         result["free_losses"] = [val_loss(run) for run in free]
     return result
 
@@ -244,16 +253,21 @@ def report(config: FaultToleranceBenchmarkConfig, result: dict[str, Any]) -> str
         "",
     ]
     if free_rate is not None:
-        lines += [f"fault-free throughput: {free_rate:.1f} samples/s (after {config.warmup} steps)", ""]
+        lines += [
+            f"fault-free throughput: {free_rate:.1f} samples/s, {result['free_step']:.3f} s a step "
+            f"(after {config.warmup} steps)",
+            "",
+        ]
     lines += [
-        "| kill | group | down (s) | survivors' samples/s | / fault-free | bar | recovered bitwise |",
-        "|---|---|---|---|---|---|---|",
+        "| kill | group | down (s) | survivors' samples/s | / fault-free | bar | s a step while down | recovered bitwise |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for index, ((group, down, rate, back), same) in enumerate(zip(result["windows"], result["recovered"])):
+    for index, ((group, down, rate, step, back), same) in enumerate(zip(result["windows"], result["recovered"])):
         ratio = f"{rate / free_rate:.2f}" if free_rate else "-"
         came_back = "" if back else " (not back by the end)"
         lines.append(
-            f"| {index + 1} | {group} | {down:.1f}{came_back} | {rate:.1f} | {ratio} | {bar:.2f} | {'yes' if same else 'NO'} |"
+            f"| {index + 1} | {group} | {down:.1f}{came_back} | {rate:.1f} | {ratio} | {bar:.2f} | {step:.3f} | "
+            f"{'yes' if same else 'NO'} |"
         )
     lines += [
         "",

@@ -10,7 +10,6 @@ bitwise at its first committed step; the committed steps read each sample of an 
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,7 +24,7 @@ pytest.importorskip("torchft")
 import lit_dp  # noqa: E402
 from lit_dp.fault_tolerance import FaultTolerantGroup, check_comm_hook  # noqa: E402
 from tests.helpers import ft_replica  # noqa: E402
-from tests.helpers.torchft import PYTHON, replica_groups  # noqa: E402
+from tests.helpers.torchft import PYTHON, read_records, replica_groups  # noqa: E402
 
 
 def run(tmp_path: Path, steps: int, *flags: str, groups: int = 2, kill: tuple[int, int] | None = None, **lighthouse):
@@ -37,11 +36,13 @@ def run(tmp_path: Path, steps: int, *flags: str, groups: int = 2, kill: tuple[in
         replicas.start_all()
         if kill is not None:
             victim = replicas.replicas[kill[0]]
-            replicas.wait_for(f"replica group {kill[0]} to kill itself at step {kill[1]}", lambda: victim.process.poll() is not None, 120)
+            replicas.wait_for(
+                f"replica group {kill[0]} to kill itself at step {kill[1]}", lambda: victim.process.poll() is not None, 120
+            )
             assert victim.process.returncode == -9, victim.tail()
             replicas.start(kill[0])  # its launcher restarts it
         replicas.wait_all(timeout=240)
-    return {group: [json.loads(line) for line in (tmp_path / f"replica{group}.jsonl").read_text().splitlines()] for group in range(groups)}
+    return {group: read_records(tmp_path / f"replica{group}.jsonl") for group in range(groups)}
 
 
 def committed_hashes(records: dict[int, list[dict]]) -> dict[int, set[str]]:
@@ -52,6 +53,16 @@ def committed_hashes(records: dict[int, list[dict]]) -> dict[int, set[str]]:
             if line["committed"]:
                 after[line["step"]].add(line["after"])
     return after
+
+
+def committed_reads(records: dict[int, list[dict]], step: int) -> dict[int, list[int]]:
+    """The samples each quorum rank read in committed step ``step``."""
+    return {
+        line["rank"]: line["indices"]
+        for lines in records.values()
+        for line in lines
+        if line["step"] == step and line["committed"] and line["rank"] is not None
+    }
 
 
 def check_invariants(records: dict[int, list[dict]], steps: int) -> None:
@@ -67,7 +78,7 @@ def check_invariants(records: dict[int, list[dict]], steps: int) -> None:
     # The committed steps, in order, read the data stream's samples once each: none repeated, none skipped.
     read = []
     for step in range(steps):
-        takers = {line["rank"]: line["indices"] for lines in records.values() for line in lines if line["step"] == step and line["committed"] and line["rank"] is not None}
+        takers = committed_reads(records, step)
         read += [index for rank in sorted(takers) for index in takers[rank]]
     batches = lit_dp.ReplicaBatches(ft_replica.dataset(), ft_replica.BATCH, seed=0)
     assert read == batches.indices(0, len(read)).tolist()
@@ -88,8 +99,8 @@ def test_replicas_average_like_one_process_on_their_concatenated_batches(tmp_pat
     optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
     data = ft_replica.dataset()
     for step in range(steps):
-        indices = [i for rank in (0, 1) for lines in records.values() for line in lines if line["step"] == step and line["committed"] and line["rank"] == rank for i in line["indices"]]
-        inputs, targets = data[torch.tensor(indices)]
+        takers = committed_reads(records, step)
+        inputs, targets = data[torch.tensor(takers[0] + takers[1])]
         F.cross_entropy(reference(inputs), targets).backward()
         optimizer.step()
         optimizer.zero_grad()

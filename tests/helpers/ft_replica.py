@@ -42,7 +42,8 @@ DATASET_SIZE, FEATURES, CLASSES, BATCH = 96, 8, 3, 4
 
 def dataset() -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(DATASET_SIZE, FEATURES, generator=generator), torch.randint(0, CLASSES, (DATASET_SIZE,), generator=generator))
+    inputs = torch.randn(DATASET_SIZE, FEATURES, generator=generator)
+    return TensorDataset(inputs, torch.randint(0, CLASSES, (DATASET_SIZE,), generator=generator))
 
 
 def model(seed: int) -> nn.Module:

@@ -8,6 +8,7 @@ pid when the test ends, and the test fails if one is still alive.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -140,7 +141,8 @@ def _alive(pid: int) -> bool:
 @contextmanager
 def replica_groups(command: list[str], groups: int, directory: Path, **kwargs) -> Iterator[Replicas]:
     """``Replicas`` around a fresh lighthouse; closed (and checked for leftovers) at the end."""
-    lighthouse_kwargs = {k: kwargs.pop(k) for k in ("min_replicas", "join_timeout_ms", "heartbeat_timeout_ms") if k in kwargs}
+    names = ("min_replicas", "join_timeout_ms", "heartbeat_timeout_ms")
+    lighthouse_kwargs = {name: kwargs.pop(name) for name in names if name in kwargs}
     with lighthouse(**lighthouse_kwargs) as address:
         replicas = Replicas(command, groups, directory, address, **kwargs)
         try:
@@ -150,3 +152,8 @@ def replica_groups(command: list[str], groups: int, directory: Path, **kwargs) -
 
 
 PYTHON = sys.executable
+
+
+def read_records(path: Path) -> list[dict]:
+    """A replica's JSON lines (``tests.helpers.ft_replica``, ``tests.helpers.ft_lightning_replica``)."""
+    return [json.loads(line) for line in path.read_text().splitlines()]

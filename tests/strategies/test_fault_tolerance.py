@@ -9,7 +9,6 @@ a line per membership change, the ``ft/*`` metrics in the Trainer's logger.
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from lit_dp.options import TRAINER, Options  # noqa: E402
 from lit_dp.strategies.fault_tolerance import FaultTolerance, Settings, replica_batches  # noqa: E402
 from tests.helpers.ft_lightning_replica import dataset  # noqa: E402
 from tests.helpers.ft_replica import BATCH  # noqa: E402
-from tests.helpers.torchft import PYTHON, replica_groups  # noqa: E402
+from tests.helpers.torchft import PYTHON, read_records, replica_groups  # noqa: E402
 
 STEPS, KILL_AT = 16, 4
 
@@ -39,7 +38,7 @@ def run(tmp_path: Path, front: str) -> dict[int, list[dict]]:
         replicas.start(1)
         replicas.wait_all(timeout=240)
         logs = {group: replica.log.read_text() for group, replica in enumerate(replicas.replicas)}
-    records = {g: [json.loads(line) for line in (tmp_path / f"replica{g}.jsonl").read_text().splitlines()] for g in (0, 1)}
+    records = {group: read_records(tmp_path / f"replica{group}.jsonl") for group in (0, 1)}
     check(records, logs)
     return records
 
@@ -64,7 +63,12 @@ def check(records: dict[int, list[dict]], logs: dict[int, str]) -> None:
     # Each sample once, in the data stream's order, over the committed steps.
     read = []
     for step in range(1, committed + 1):
-        takers = {line["rank"]: line["indices"] for lines in records.values() for line in lines if line["committed"] and line["committed_steps"] == step}
+        takers = {
+            line["rank"]: line["indices"]
+            for lines in records.values()
+            for line in lines
+            if line["committed"] and line["committed_steps"] == step
+        }
         read += [i for rank in sorted(takers) for i in takers[rank]]
     assert read == lit_dp.ReplicaBatches(dataset(), BATCH, seed=0).indices(0, len(read)).tolist()
 
