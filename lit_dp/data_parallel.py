@@ -17,6 +17,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.utils._pytree import tree_map
 
 import lit_dp.gradients.group as groups
+from lit_dp.fault_tolerance import JOIN_REFUSED, check_comm_hook, replica_group
 from lit_dp.gradients.broadcast import _check_same_structure, sync_params_buffers
 from lit_dp.gradients.buckets import MB, assign_group_by_size, assign_owners, megabytes_to_bytes
 from lit_dp.gradients.coalesced import broadcast_coalesced
@@ -34,6 +35,7 @@ from lit_dp.observability.stats import CommObserver, CommStats
 from lit_dp.observability.watchdog import HangWatchdog
 from lit_dp.options import AUTO, DEFAULT_BUCKET_MB, MODULE, Options, resolve_comm_hook
 from lit_dp.options.docs import options_doc
+from lit_dp.options.fault_tolerance import UNDER_MANAGER, refuse_what_replicas_cannot_follow
 
 if TYPE_CHECKING:
     from lit_dp.observability.trace import TraceWriter
@@ -88,6 +90,11 @@ class DataParallel(nn.Module, Joinable):
         group: lit_dp's name for ``process_group``.
         options: options already validated by a front door (the strategies pass theirs);
             otherwise the keyword arguments below are validated here.
+        manager: a ``torchft.Manager``: gradients are averaged over the replica groups of its
+            quorum, step by step, instead of over a process group (``lit_dp.fault_tolerance``,
+            docs/fault_tolerance.md). Nothing is broadcast then, neither at construction (the
+            Manager's own ``init_sync`` gives every replica the first one's state) nor before
+            forwards (each replica group keeps its buffers, as under torchft's DDP).
 
     Options (``lit_dp.options``), as keyword arguments:
 {options}
@@ -136,6 +143,7 @@ class DataParallel(nn.Module, Joinable):
         *,
         group: dist.ProcessGroup | None = None,
         options: Options | None = None,
+        manager: Any = None,
         **option_values: Any,
     ) -> None:
         super().__init__()
@@ -190,14 +198,21 @@ class DataParallel(nn.Module, Joinable):
         self._given_group = group  # None: the rings of init_parallel_env (the default group's)
         self.join_state = JoinState()
         self._owners: dict[int, int] = {}
-        rings = [group] if group is not None else get_rings()
+        self._manager = manager
+        if manager is not None:
+            # torchft (lit_dp.fault_tolerance): the group is the replica groups of the Manager's quorum.
+            refuse_what_replicas_cannot_follow(options, UNDER_MANAGER)
+            rings = [replica_group(manager, group, bool(_sparse_gradient_parameters(module)))]
+            self.forward_sync_buffers = False  # each replica group keeps its buffers (see the docstring)
+        else:
+            rings = [group] if group is not None else get_rings()
         if not rings:
             warnings.warn(
                 "lit_dp.DataParallel: world size is 1 and no process group exists; "
                 "the module runs unchanged without gradient synchronisation.",
                 stacklevel=2,
             )
-        elif init_sync:
+        elif init_sync and manager is None:
             self._broadcast_initial_state(rings[0], sync_buffers_at_start)
         self._build_runtime(rings)
 
@@ -239,6 +254,8 @@ class DataParallel(nn.Module, Joinable):
                 owners=owners if options.sharding.stage == 2 else None,
                 static_graph=self.static_graph,
                 waiter=self._waiter,
+                # A replica group that joins later could not learn the first step's ready order.
+                rebuild_buckets=self._manager is None,
             )
             if not copy:
                 self._observe(self._reducer, device, names)
@@ -276,14 +293,16 @@ class DataParallel(nn.Module, Joinable):
         if options.comm_stats or self._trace is not None:
             self._stats = CommObserver(device, [self._trace.add] if self._trace is not None else [])
             reducer.add_observer(self._stats)
-        if options.hang_timeout is not None and reducer.group.size() > 1 and not groups.is_registered(reducer.group):
+        # Under torchft its own timeouts discard a stuck step and drop the replica (docs/fault_tolerance.md).
+        watched = options.hang_timeout is not None and self._manager is None and reducer.group.size() > 1
+        if watched and not groups.is_registered(reducer.group):
             log.warning(
                 "lit_dp.DataParallel: no hang watchdog (hang_timeout=%s) for %s, a process group torch did not "
                 "register: the watchdog finds the ranks through torch's group bookkeeping.",
                 options.hang_timeout,
                 type(reducer.group).__name__,
             )
-        elif options.hang_timeout is not None and reducer.group.size() > 1:
+        elif watched:
             # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).
             self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace.dir, device=device)
         log.debug(
@@ -448,6 +467,8 @@ class DataParallel(nn.Module, Joinable):
         are reduced without it. See docs/comm_hooks.md.
         """
         with self._logging_errors():
+            if self._manager is not None:
+                state = check_comm_hook(state, hook, self._rings[0], UNDER_MANAGER)
             comm_hook = CommHook(state, hook, self._waiter)
             if self._comm_hook is not None:
                 raise RuntimeError(
@@ -610,7 +631,9 @@ class DataParallel(nn.Module, Joinable):
 
     def _plan(self, participation: Participation) -> StepPlan:
         """The step's plan: ``LOCAL`` while gradients stay local, else ``participation``, divided by
-        the group's size or, inside a Join context, by what it says (``lit_dp.join.notify``)."""
+        the group's size or, inside a Join context, by what it says (``lit_dp.join.notify``).
+        Under a torchft Manager the size is the replica groups taking part in this step's quorum,
+        read here, at the forward that follows it (``FaultTolerantGroup.size``)."""
         # A static graph's unused parameters are those of its first step: flags say "used here", as with
         # find_unused_parameters, without the per-step graph walk (the reducer knows them).
         find_unused = self._options.find_unused_parameters or self.static_graph
@@ -645,6 +668,8 @@ class DataParallel(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
         """The hook ``torch.distributed.algorithms.join.Join`` runs on a rank that has run out of inputs."""
+        if self._manager is not None:
+            raise ValueError(JOIN_REFUSED)
         return DataParallelJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -678,6 +703,12 @@ class DataParallel(nn.Module, Joinable):
     def __getstate__(self) -> dict[str, Any]:
         """As torch DDP: only a model on the default group can be pickled or deep-copied; the
         process group, the reducer and the observers stay behind (``__setstate__`` rebuilds)."""
+        if self._manager is not None:
+            raise RuntimeError(
+                f"lit_dp.DataParallel: pickling and copy.deepcopy of a {UNDER_MANAGER} are not supported: the copy "
+                "would average over the default process group instead of the replica groups. Copy the inner module "
+                "(model.module) and wrap the copy instead."
+            )
         if self._rings and self._given_group is not None and self._given_group is not _default_group():
             raise RuntimeError(
                 "lit_dp.DataParallel: pickling and copy.deepcopy need the default process group, as in torch DDP "

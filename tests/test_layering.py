@@ -4,7 +4,8 @@ Layers, each importing only from itself and the ones before it:
 options -> job -> gradients -> observability -> the top-level modules (DataParallel, ...) -> strategies.
 The library never imports the recipes' or benchmarks' dependencies; only the Lightning layer
 (and the job layer's cluster environment and launcher detection, which reads SLURM, LSF and
-MPI jobs through Lightning's environments) imports Lightning; no import circle.
+MPI jobs through Lightning's environments) imports Lightning; torchft, an optional engine, only
+inside the functions that start it; no import circle.
 """
 
 from __future__ import annotations
@@ -77,6 +78,24 @@ def test_each_module_imports_only_from_its_layer_and_below(module):
             assert layer_of(target) <= layer_of(module), f"{module} imports {target}, a layer above it"
 
 
+def test_torchft_is_imported_only_when_fault_tolerance_is_on():
+    """torchft is an optional engine (``lit_dp[ft]``): imported inside the functions that start it,
+    never when a module is loaded."""
+    for path in sorted(LIBRARY.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        in_functions = {
+            id(node)
+            for function in ast.walk(tree)
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(function)
+        }
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            if any(name.split(".")[0] == "torchft" for name in names):
+                assert id(node) in in_functions, f"{module_name(path)} imports torchft when it is loaded"
+
+
 def test_no_import_circle():
     graph = {
         module: {internal(i) for i in imports if internal(i) not in (None, "lit_dp", module)}
@@ -106,7 +125,7 @@ def run_python(code: str) -> str:
 def test_import_lit_dp_loads_torch_and_lit_dp_only():
     loaded = run_python(
         "import lit_dp, sys; "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'omegaconf', 'sklearn', 'matplotlib', 'lightning'}))"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'omegaconf', 'sklearn', 'matplotlib', 'lightning', 'torchft'}))"
     )
     assert loaded.strip() == "[]"
 

@@ -93,6 +93,9 @@ class Reducer:
             the parameters without a gradient are known from the first step (``_count_static_hook``).
         waiter: how every wait of this reducer's collectives is made (its owner's policy: a
             deadline under the hang watchdog).
+        rebuild_buckets: rebuild the buckets in rank 0's gradient-ready order after the first
+            step (below); False keeps the registration order, which every replica derives alone
+            (torchft's replicas join later and could not learn rank 0's order).
 
     Observers (``add_observer``, ``lit_dp.gradients.events``) are told of each step's moments.
     """
@@ -110,6 +113,7 @@ class Reducer:
         owners: Sequence[int] | None = None,
         static_graph: bool = False,
         waiter: Waiter,
+        rebuild_buckets: bool = True,
     ) -> None:
         if not params:
             raise ValueError("Reducer needs at least one trainable parameter.")
@@ -133,6 +137,7 @@ class Reducer:
         self._used = bytearray(len(self._params))  # a gradient was accumulated since the last synchronisation
         self._armed: _ArmedStep | None = None
         self._order: list[int] | None = []  # the ready order being learnt; None once agreed
+        self._rebuild_buckets = rebuild_buckets
         self._next_layout: tuple[list[int], tuple[int, int]] | None = None  # applied at the next step's start
         self._step = -1  # the synchronised step armed last
         self._pending_flags: list[PendingFlags] = []  # flags of earlier steps not read yet (CUDA)
@@ -461,6 +466,9 @@ class Reducer:
         ``zero_grad`` has usually dropped the gradients, so with gradient views the old and new
         buffers are not alive together.
         """
+        if not self._rebuild_buckets:
+            self._order = None  # the registration order stays: nothing to agree on
+            return
         seen = set(observed)
         # Parameters not seen (all, on a rank that joined before its first step) keep their place.
         order = observed + [i for i in reversed(self._forward_order()) if i not in seen]

@@ -39,6 +39,7 @@ from lit_dp.options.declare import (
     seconds,
     show_value,
 )
+from lit_dp.options.fault_tolerance import FaultToleranceOptions, check_engine, check_fault_tolerance
 from lit_dp.options.local_sgd import COMM_HOOKS_SKIPPING_COMMUNICATION, LocalSGDOptions
 from lit_dp.options.sharding import ShardingOptions
 from lit_dp.options.spelling import Spellings
@@ -203,9 +204,18 @@ class Options:
         scope=frozenset({TRAINER}),
         config=bool,
     )
+    fault_tolerance: Optional[str] = option(
+        default=None,
+        help="torchft: train on while replica groups fail and recover, one process per replica group "
+        "(docs/fault_tolerance.md); None: off",
+        check=check_engine,
+        scope=STRATEGIES,
+        config=Optional[str],
+    )
     trace: TraceOptions = group(TraceOptions)
     local_sgd: LocalSGDOptions = group(LocalSGDOptions)
     sharding: ShardingOptions = group(ShardingOptions)
+    ft: FaultToleranceOptions = group(FaultToleranceOptions)
     # The options of every registered named hook, by its name (lit_dp.options.comm_hooks): spelt
     # <name>.<field> like a group's, e.g. powersgd.rank. Read only.
     hooks: dict[str, Any] = dataclasses.field(
@@ -282,6 +292,7 @@ class Options:
                 "or that hook, not both."
             )
         self._check_sharding(name, hook_name)
+        check_fault_tolerance(self, name)
 
     def _check_sharding(self, name: Callable[[str], str], hook_name: str | None) -> None:
         stage = self.sharding.stage

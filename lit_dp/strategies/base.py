@@ -243,11 +243,15 @@ class DataParallelStrategyMixin:
                 "'bf16-mixed' or '32-true', or sharding_stage=1."
             )
 
-    def _wrap(self, module: Module, options: Options) -> DataParallel:
+    def _wrap(self, module: Module, options: Options, manager: Any = None) -> DataParallel:
+        """``module`` in ``DataParallel``; with a torchft ``manager``, over its replica groups."""
         name = type(self).__name__
-        arguments = "".join(f", {key}={value!r}" for key, value in self._wrapper_arguments.items())
-        log.debug("%s: wrapping %s in lit_dp.DataParallel with %s%s", name, type(module).__name__, options, arguments)
-        wrapped = DataParallel(module, options=options, **self._wrapper_arguments)
+        arguments = dict(self._wrapper_arguments)
+        if manager is not None:
+            arguments["manager"] = manager
+        shown = "".join(f", {key}={value!r}" for key, value in arguments.items())
+        log.debug("%s: wrapping %s in lit_dp.DataParallel with %s%s", name, type(module).__name__, options, shown)
+        wrapped = DataParallel(module, options=options, **arguments)
         if wrapped.watchdog is not None:
             log.debug("%s: hang watchdog started (hang_timeout=%ss)", name, options.hang_timeout)
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
+from lit_dp.strategies.fault_tolerance import FabricFaultTolerance, FaultTolerance
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,15 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._backward_sync_control = _PaddleDPBackwardSyncControl()
         self._wrapped: DataParallel | None = None  # the model set up last: sharded optimizers read its owners
         self._sharded: list[ShardedOptimizer] = []
+        # fault_tolerance="torchft" (lit_dp.strategies.fault_tolerance): settings checked here, the Manager at setup.
+        self._fault_tolerance = (
+            FabricFaultTolerance(FaultTolerance(self._options)) if self._options.fault_tolerance else None
+        )
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance | None:
+        """With ``fault_tolerance="torchft"``: its ``committed_steps``, ``metrics()`` and ``manager``."""
+        return self._fault_tolerance.ft if self._fault_tolerance is not None else None
 
     @override
     def setup_environment(self) -> None:
@@ -90,12 +101,19 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def setup_module(self, module: Module) -> DataParallel:
         self._check_sharding_precision(self.precision)
+        if self._fault_tolerance is not None:  # the Manager before the model it wraps; the module travels
+            manager = self._fault_tolerance.manager(self.root_device, self.world_size)
+            self._fault_tolerance.modules.append(module)
+            self._wrapped = self._wrap(module, self._options, manager)
+            return self._wrapped
         self._wrapped = self._wrap(module, self._options)
         return self._wrapped
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         sharded = self._shard(optimizer, self._wrapped)
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.optimizers.append(sharded)
         if isinstance(sharded, ShardedOptimizer):
             self._sharded.append(sharded)
         return sharded
@@ -134,6 +152,18 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
                 f"inside), got {type(inner).__name__}."
             )
         return inner.join(divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        if self._fault_tolerance is not None:  # dealt step by step to the replica groups present
+            return self._fault_tolerance.process_dataloader(dataloader)
+        return super().process_dataloader(dataloader)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self._fault_tolerance is not None:  # applied only if every replica group commits the step
+            return self._fault_tolerance.optimizer_step(partial(super().optimizer_step, optimizer, **kwargs))
+        return super().optimizer_step(optimizer, **kwargs)
 
     @override
     def module_to_device(self, module: Module) -> None:
@@ -196,6 +226,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         for optimizer in self._sharded:
             optimizer.wait_for_parameters()
         self._wrapped, self._sharded = None, []
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.ft.close()
         super().teardown()
         self._leave_process_group()
 

@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -51,6 +52,7 @@ from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO, save_checkpoint
+from lit_dp.strategies.fault_tolerance import FaultTolerance, TrainerFaultTolerance
 from lit_dp.strategies.monitor import CommStatsMonitor
 from lit_dp.strategies.lost_ranks import LostRanks
 from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher, Preemption
@@ -132,6 +134,10 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._preemption = Preemption()  # SIGTERM/SIGUSR1: lit_dp.strategies.preemption
         self._lost_ranks = LostRanks()  # a dead rank named: lit_dp.strategies.lost_ranks
         self._epoch_continuation = EpochContinuation()  # mid-epoch resumes: lit_dp.strategies.resume
+        # fault_tolerance="torchft" (lit_dp.strategies.fault_tolerance): settings checked here, the Manager in setup.
+        self._fault_tolerance = (
+            TrainerFaultTolerance(FaultTolerance(self._options)) if self._options.fault_tolerance else None
+        )
 
     @property
     @override
@@ -155,6 +161,11 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             return self._tuned_buffer_size
         tuner = self.model.autotuner if isinstance(self.model, DataParallel) else None
         return tuner.chosen_mb if tuner is not None else None
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance | None:
+        """With ``fault_tolerance="torchft"``: its ``committed_steps``, ``metrics()`` and ``manager``."""
+        return self._fault_tolerance.ft if self._fault_tolerance is not None else None
 
     @property
     def local_sgd(self) -> LocalSGD | None:
@@ -202,11 +213,15 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if fitting and self._fault_tolerance is not None:  # the Manager before the model it wraps
+            self._fault_tolerance.ft.start(self.root_device, self.world_size)
         if fitting:
             self.model = self._setup_model(self.model)
             self._watchdog.setup(trainer, self.model)
             self._local_sgd = self._setup_local_sgd()
             self.setup_optimizers(trainer)
+            if self._fault_tolerance is not None:  # what a recovering replica receives
+                self._fault_tolerance.attach(trainer)
         elif dist.is_initialized():
             log.debug("%s: not fitting: no wrapper; broadcasting rank 0's parameters and buffers", type(self).__name__)
             sync_params_buffers(self.model)
@@ -237,7 +252,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             size = self._tuned_buffer_size
             rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {size:g} MB, tuned before (checkpoint or earlier fit)")
             options = options.replace(comm_buffer_size=size)
-        wrapped = self._wrap(model, options)
+        manager = self._fault_tolerance.ft.manager if self._fault_tolerance is not None else None
+        wrapped = self._wrap(model, options, manager)
         if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
             wrapped.arm_at_backward()  # `manual_backward` arms the reducer (pre_backward), not the forwards
         return wrapped
@@ -292,6 +308,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._fault_tolerance is not None:  # the step is applied only if every replica group commits it
+            step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
+            return self._fault_tolerance.optimizer_step(step, closure)
         # Every optimizer step counts, under automatic and manual optimization alike (manual steps
         # come through LightningOptimizer.step); accumulated micro-batches do not.
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -315,6 +334,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         # Called after Lightning restored the loops and before the first batch is fetched.
         trainer = self._running_trainer
+        if trainer is not None and trainer.training and self._fault_tolerance is not None:
+            return self._fault_tolerance.process_dataloader(dataloader, trainer)  # dealt step by step
         if trainer is not None:
             if trainer.training:
                 dataloader = self._epoch_continuation.process(dataloader, trainer.fit_loop, self.world_size)
@@ -324,6 +345,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         trainer = self._running_trainer
+        if trainer is not None and self._fault_tolerance is not None:  # the step's quorum, then its data
+            batch = self._fault_tolerance.batch(batch, trainer)
         if trainer is not None:
             self._uneven.batch_to_device(trainer)
         return super().batch_to_device(batch, device, dataloader_idx)
@@ -446,6 +469,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             own["local_sgd"] = self._local_sgd.state_dict()
         if (layout := self._epoch_continuation.state_dict()) is not None:
             own["loader"] = layout  # lit_dp.strategies.resume: a resume with other ranks reads it
+        if self._fault_tolerance is not None:
+            own["fault_tolerance"] = self._fault_tolerance.checkpoint_state()
         if own:
             checkpoint[CHECKPOINT_KEY] = own
         if self.is_global_zero:
@@ -465,6 +490,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             self._tuned_buffer_size = tuned
         self._local_sgd_resumed = own.get("local_sgd")
         self._epoch_continuation.load_state_dict(own.get("loader"))  # lit_dp.strategies.resume
+        if self._fault_tolerance is not None and "fault_tolerance" in own:
+            self._fault_tolerance.restore_checkpoint_state(own["fault_tolerance"])
         return checkpoint
 
     @override
@@ -476,6 +503,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._watchdog.teardown()
         self._preemption.teardown()
         self._epoch_continuation.teardown()
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.ft.close()
         if isinstance(self.model, DataParallel):
             self.model.flush_comm_stats()  # the trace of a run shorter than trace_steps
             self._tuned_buffer_size = self.tuned_comm_buffer_size

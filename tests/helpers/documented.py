@@ -54,6 +54,8 @@ NOT_RUN: list[tuple[str, str]] = [
      "(compile=true compile_backend=aot_eager) runs the same path"),
     (r"PADDLE_TRAINER_ID=", "two shells by hand on fixed ports 6170-6171; PaddleEnvironment's launch is "
      "tested in tests/job and tests/strategies"),
+    (r"strategy\.fault_tolerance=torchft", "replica groups around a torchft lighthouse started by hand, each "
+     "restarted until stopped; benchmarks/fault_tolerance.py runs that setup (tests/benchmarks/test_fault_tolerance.py)"),
 ]
 
 # Appended to a recipe's command to make it small, unless the command sets the key itself.

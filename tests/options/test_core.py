@@ -140,11 +140,11 @@ def test_front_doors_list_no_options_of_their_own():
         parameters = set(inspect.signature(strategy.__init__).parameters) - {"self"}
         assert parameters == lightning_arguments | {"options", "values"}, strategy
     # DataParallel's own arguments are torch DDP's, in DDP's order (so positional calls move over),
-    # plus lit_dp's name for the group and the options' doors.
+    # plus lit_dp's name for the group, the options' doors and a torchft Manager (docs/fault_tolerance.md).
     ours = list(inspect.signature(DataParallel.__init__).parameters)
     ddp = list(inspect.signature(DistributedDataParallel.__init__).parameters)
     assert [name for name in ours if name in ddp] == ddp
-    assert set(ours) - set(ddp) == {"group", "options", "option_values"}
+    assert set(ours) - set(ddp) == {"group", "options", "manager", "option_values"}
     assert {d.path for d in declared_options(MODULE)} <= {d.path for d in declared_options(TRAINER)}
 
 

@@ -1,0 +1,207 @@
+"""``DataParallel`` under a torchft ``Manager``: lit_dp's reducer over the replica groups present.
+
+torchft (``pip install "lit_dp[ft]"``) keeps a job training while replica groups fail and come
+back. Each step starts with a quorum at torchft's lighthouse, which reconfigures the process
+group across the replica groups present; a collective that fails marks the step as errored, and
+``Manager.should_commit`` then discards it (the optimizer must not step); a restarted replica
+receives a healthy peer's state through torchft's checkpoint transport and joins at the next
+quorum (docs/fault_tolerance.md). With ``lit_dp.DataParallel(module, manager=manager)``:
+
+- the reducer's buckets are all-reduced on a ``FaultTolerantGroup``: the Manager's process group
+  behind the Manager's own error handling (the steps of ``Manager.allreduce``, see below);
+- gradients are divided by the replica groups taking part in the step
+  (``Manager.num_participants``, the group's ``size()``), read by each synchronised forward's plan;
+- a failed all-reduce leaves its bucket zeroed, gradients and flags alike, so the reducer's
+  checks stay quiet on a step that is discarded anyway, and nothing of it is applied;
+- the buckets never follow the first step's gradient-ready order: a replica that joins later
+  could not learn it, so every replica, at every attempt, cuts its buckets from the model's
+  registration order and the options alone;
+- nothing is broadcast at construction (torch DDP's ``init_sync=False``): a replica that
+  recovers joins a quorum long after the others were built. The Manager's own ``init_sync``
+  gives every replica the first one's state at step 0.
+
+What cannot work across replica groups that come and go is refused by name: the options by
+``lit_dp.options.fault_tolerance`` (where every option is checked), a hook registered by hand by
+``check_comm_hook``, a given process group or sparse gradients by ``replica_group``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from lit_dp.options.fault_tolerance import TORCHFT, UNDER_MANAGER
+
+# torch's stateless hooks: each communicates on the process group it gets as its state.
+_GROUP_HOOKS_MODULE = default_hooks.__name__
+
+
+class FaultTolerantGroup(dist.ProcessGroup):
+    """The replica groups of the current quorum as one process group, for lit_dp's reducer.
+
+    Its ``allreduce`` takes the steps of torchft's ``Manager.allreduce``: nothing once the step
+    has errored, wait for the quorum, zeros from a replica that is not participating (it is
+    recovering), the collective on the Manager's process group, an error reported to the
+    Manager instead of raised. Unlike ``Manager.allreduce`` it returns a work whose future is a
+    plain ``torch.futures.Future`` (lit_dp's statistics and communication hooks add callbacks to
+    it; the Manager's work builds its future chain only once waited), a failed all-reduce
+    zeroes its tensors and closes the process group at once (see ``_ReplicaWork.wait``), and one
+    all-reduce is in flight at a time (see ``allreduce``). ``size()`` is the number of replica
+    groups taking part in the step, what gradients are divided by (at least 1: before the first
+    quorum torchft says 0). Being written in Python, the group never gets the reducer's one-rank
+    shortcut (``lit_dp.gradients.group.trivially_alone``): the replicas present change from step
+    to step.
+    """
+
+    def __init__(self, manager: Any) -> None:
+        super().__init__(0, 1)
+        self.manager = manager
+        self._last: _ReplicaWork | None = None
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return TORCHFT
+
+    def size(self) -> int:
+        return max(1, self.manager.num_participants())
+
+    def rank(self) -> int:
+        rank = self.manager.participating_rank()
+        return -1 if rank is None else rank
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        manager = self.manager
+        op = opts if isinstance(opts, dist.ReduceOp) else opts.reduceOp
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(
+                f"lit_dp FaultTolerantGroup: all_reduce with {op} is not supported: the replicas present change from "
+                "step to step, so lit_dp divides by Manager.num_participants() itself; expected ReduceOp.SUM."
+            )
+        # One all-reduce in flight at a time, as torchft's own DDP hook waits for each bucket: after
+        # a peer died, gloo fails an operation that was waiting on its connection at once, but one
+        # posted after the connection broke waits out the process group's timeout (60 s lost in
+        # benchmarks/fault_tolerance.py), and buffers that a timed-out operation may still write
+        # cannot be reused. Waiting for the last one first means no operation is left behind.
+        if self._last is not None:
+            self._last.wait()
+        if manager.errored() is not None:
+            return _CompletedWork(_zeroed(tensors))
+        manager.wait_quorum()
+        if not manager.is_participating():
+            _zeroed(tensors)
+        try:
+            work = manager._pg.allreduce(tensors, opts)
+        except Exception as error:  # noqa: BLE001 - torchft's contract: a failed collective discards the step
+            manager.report_error(error)
+            return _CompletedWork(_zeroed(tensors))
+        self._last = _ReplicaWork(manager, tensors, manager.wrap_future(work.get_future(), tensors))
+        return self._last
+
+
+class _ReplicaWork(dist.Work):
+    """One all-reduce across replica groups: never raises; on failure its tensors are zeros."""
+
+    def __init__(self, manager: Any, tensors: list[torch.Tensor], future: torch.futures.Future) -> None:
+        super().__init__()
+        self._manager = manager
+        self._tensors = tensors
+        self._future = future
+        self._waited = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._waited:
+            return True
+        self._waited = True
+        self._future.wait()  # errors and the Manager's timeout were turned into a report to the Manager
+        if self._manager.errored() is not None:
+            # Possibly half-reduced: zeros leave the reducer's flags quiet, and the step is discarded.
+            _zeroed(self._tensors)
+            # This replica skips the step's other all-reduces; a peer already inside one of them
+            # would wait for it until the process group's timeout. Closing this replica's
+            # connections now fails that peer at once, as a dead one does; torchft would close
+            # them only at the next quorum's reconfiguration.
+            self._manager._pg.abort()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class _CompletedWork(dist.Work):
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._future.set_result(tensors)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _zeroed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    for tensor in tensors:
+        tensor.zero_()
+    return tensors
+
+
+JOIN_REFUSED = (
+    f"Join (uneven inputs) with {UNDER_MANAGER} is not supported: the replica groups present share out the data at every "
+    "step (lit_dp.ReplicaBatches), so none runs out before the others."
+)
+
+
+def replica_group(manager: Any, group: dist.ProcessGroup | None, sparse: bool) -> FaultTolerantGroup:
+    """The reducer's group under a torchft ``manager``, once a given ``group`` and ``sparse`` gradients are refused."""
+    if group is not None:
+        raise ValueError(
+            f"DataParallel(process_group={group!r}, manager=...) is invalid: under a torchft Manager the group is the "
+            "replica groups of its quorum; expected none."
+        )
+    if sparse:
+        raise ValueError(
+            f"{UNDER_MANAGER} with sparse gradients (an embedding built with sparse=True) is not supported: torchft has no "
+            "fault-tolerant sparse all-reduce; expected sparse=False."
+        )
+    return FaultTolerantGroup(manager)
+
+
+def check_comm_hook(state: object, hook: Callable, group: FaultTolerantGroup, where: str) -> object:
+    """The state to register ``hook`` with under fault tolerance, or a ``ValueError`` naming it.
+
+    torch's stateless hooks (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``
+    and their ``fp16/bf16_compress_wrapper`` forms) communicate on their state, the process
+    group: with ``None`` (the named ``fp16``/``bf16`` hooks, ``comm_dtype``) they get
+    ``group``, so they reduce across the replica groups and divide by those taking part. Any
+    other hook could communicate anywhere, and PowerSGD keeps per-replica memory (its iteration
+    count, its error feedback) that a recovering replica would not receive: both are refused.
+    """
+    outside = [inner for inner in _hook_chain(hook) if getattr(inner, "__module__", None) != _GROUP_HOOKS_MODULE]
+    if outside:
+        name = f"{getattr(outside[0], '__module__', '?')}.{getattr(outside[0], '__qualname__', type(outside[0]).__qualname__)}"
+        raise ValueError(
+            f"comm_hook={name} with {where} is not supported: a hook may communicate on any process group and keep "
+            "state of its own, which a recovering replica would not receive; expected comm_hook='fp16' or 'bf16', "
+            "comm_dtype, or one of torch's default_hooks (allreduce_hook, fp16_compress_hook, bf16_compress_hook)."
+        )
+    if state is not None and state is not group:
+        raise ValueError(
+            f"comm_state={state!r} with {where} is invalid: torch's default hooks communicate on their state, which "
+            "must be the replica groups' process group; expected comm_state=None."
+        )
+    return group
+
+
+def _hook_chain(hook: Callable) -> list[Callable]:
+    """``hook`` and, for torch's ``fp16/bf16_compress_wrapper``, the hooks it wraps (its closure's ``hook``)."""
+    chain = [hook]
+    code = getattr(hook, "__code__", None)
+    for name, cell in zip(code.co_freevars if code else (), getattr(hook, "__closure__", None) or ()):
+        if name == "hook" and callable(cell.cell_contents):
+            chain += _hook_chain(cell.cell_contents)
+    return chain

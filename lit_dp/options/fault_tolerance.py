@@ -1,0 +1,165 @@
+"""``fault_tolerance`` and ``ft.*``: live fault tolerance on torchft (docs/fault_tolerance.md).
+
+``fault_tolerance="torchft"`` turns it on for the strategies (``lit_dp.strategies.fault_tolerance``);
+the group ``ft.*`` says where the replica groups meet and how long a step may wait. Plain PyTorch
+passes a torchft ``Manager`` to ``DataParallel(manager=...)`` instead, and its options are held
+to the same refusals (``refuse_what_replicas_cannot_follow``): what cannot work across replica
+groups that come and go is named here, where every option is checked, never later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Optional
+
+from lit_dp.options.declare import STRATEGIES, count, flat_name, option, parse_timeout
+
+TORCHFT = "torchft"
+ENGINES = (TORCHFT,)
+UNDER_MANAGER = "DataParallel(manager=...)"
+# Named hooks that communicate on the group they are given and keep no state of their own.
+STATELESS_HOOKS = ("fp16", "bf16")
+
+
+def check_engine(name: str, value: Any) -> str | None:
+    """The ``fault_tolerance`` option: None (off) or an engine's name (lower-cased)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.lower() in ENGINES:
+        return value.lower()
+    raise ValueError(f"{name}={value!r} is invalid: expected {', '.join(map(repr, ENGINES))} or None (off).")
+
+
+def _address(name: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{name}={value!r} is invalid: expected the lighthouse's address, e.g. 'http://host:29510', or None.")
+    return value
+
+
+def _replica_group(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not str(value).isdigit():
+        raise ValueError(
+            f"{name}={value!r} is invalid: expected a number, e.g. 0 (torchft numbers the replica groups by it: "
+            "distinct per group, kept across the group's restarts), or None."
+        )
+    return str(value)
+
+
+def _positive_seconds(name: str, value: Any) -> float:
+    return parse_timeout(name, value).total_seconds()
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultToleranceOptions:
+    """Where this replica group meets the others and how long a step waits (used with ``fault_tolerance``)."""
+
+    lighthouse: Optional[str] = option(
+        default=None,
+        help="the torchft lighthouse's address, e.g. http://host:29510; None: TORCHFT_LIGHTHOUSE",
+        check=_address,
+        scope=STRATEGIES,
+        config=Optional[str],
+    )
+    replica_group: Optional[str] = option(
+        default=None,
+        help="this replica group's number, distinct per group and kept across its restarts; None: REPLICA_GROUP_ID",
+        check=_replica_group,
+        scope=STRATEGIES,
+        config=Optional[str],
+    )
+    min_replicas: int = option(
+        default=1,
+        help="replica groups a step needs to commit",
+        check=count(1),
+        scope=STRATEGIES,
+        config=int,
+    )
+    timeout: float = option(
+        default=60.0,
+        help="seconds an all-reduce, a commit vote or a recovery may take before the step is discarded "
+        "(TORCHFT_TIMEOUT_SEC wins)",
+        check=_positive_seconds,
+        scope=STRATEGIES,
+        config=float,
+    )
+    quorum_timeout: float = option(
+        default=60.0,
+        help="seconds a step waits for its quorum, e.g. for ft.min_replicas groups to be up "
+        "(TORCHFT_QUORUM_TIMEOUT_SEC wins)",
+        check=_positive_seconds,
+        scope=STRATEGIES,
+        config=float,
+    )
+
+
+def check_fault_tolerance(options: Any, name: Callable[[str], str]) -> None:
+    """``fault_tolerance`` with the options it cannot go with, and ``ft.*`` without it.
+
+    ``options`` is an ``Options``; ``name(path)`` spells an option as the user wrote it.
+    """
+    if options.fault_tolerance is not None:
+        refuse_what_replicas_cannot_follow(options, f"{name('fault_tolerance')}={options.fault_tolerance!r}", name)
+        return
+    for field in dataclasses.fields(FaultToleranceOptions):
+        path = f"ft.{field.name}"
+        if options.is_set(path):
+            raise ValueError(
+                f"{name(path)}={options.value(path)!r} is invalid without {name('fault_tolerance')}: expected "
+                f"{name('fault_tolerance')}='{TORCHFT}' with it, or no {name(path)}."
+            )
+
+
+def refuse_what_replicas_cannot_follow(options: Any, where: str, name: Callable[[str], str] = flat_name) -> None:
+    """Refuse, naming the option and its value, what cannot work across replica groups that come and go.
+
+    ``where`` says how fault tolerance was asked for (``fault_tolerance='torchft'``,
+    ``DataParallel(manager=...)``); ``name(path)`` spells an option (keyword spelling by default).
+    """
+    hook = options.comm_hook
+    refused = [
+        (
+            "sharding.stage",
+            options.sharding.stage is not None,
+            "each parameter's optimizer state would live on one replica group, which may be the one that fails; "
+            f"expected {name('sharding.stage')}=None",
+        ),
+        (
+            "comm_buffer_size",
+            options.comm_buffer_size == "auto",
+            "the tuned layout is chosen by timing the first steps, which a replica group that joins later did not "
+            "see; expected a number of megabytes",
+        ),
+        (
+            "comm_hook",
+            hook is not None and hook not in STATELESS_HOOKS,
+            "PowerSGD keeps per-replica memory a recovering replica would not receive, and a callable hook may "
+            f"communicate on any group; expected {' or '.join(map(repr, STATELESS_HOOKS))} or None",
+        ),
+        ("comm_wrapper", options.comm_wrapper is not None, f"expected {name('comm_dtype')}='fp16' or 'bf16' instead"),
+        (
+            "local_sgd.steps",
+            options.local_sgd.steps is not None,
+            "lit_dp's LocalSGD averages models on the job's own process group, which has no fault tolerance "
+            "(torchft.local_sgd.LocalSGD averages across replica groups); expected None",
+        ),
+        (
+            "uneven_inputs",
+            options.uneven_inputs,
+            "the replica groups present share out the data at every step, so none runs out before the others; "
+            "expected False",
+        ),
+        (
+            "trace.dir",
+            options.trace.dir is not None,
+            "trace files are named by rank, and a replica group's rank changes with every quorum; expected None",
+        ),
+        ("nrings", (options.nrings or 1) > 1, "torchft reconfigures one process group across the replica groups"),
+    ]
+    for path, given, why in refused:
+        if given:
+            value = options.value(path)
+            shown = getattr(value, "__qualname__", None) if callable(value) else None
+            raise ValueError(f"{name(path)}={shown or repr(value)} with {where} is not supported: {why}.")

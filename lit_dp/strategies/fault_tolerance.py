@@ -1,0 +1,502 @@
+"""``fault_tolerance="torchft"``: the Trainer's and Fabric's side of live fault tolerance.
+
+Each replica group is one process (a Lightning job of one device) with its own torchft
+``Manager``; the groups meet at torchft's lighthouse (docs/fault_tolerance.md). A step here:
+
+1. starts with the Manager's quorum, synchronously (``use_async_quorum=False``), before any data
+   is read: a replica that is behind (restarted, or that discarded a step its peers committed)
+   receives a healthy peer's state there, through torchft's checkpoint transport, and loads it
+   at this clean point, between steps;
+2. reads this replica's slice of the step's samples (``lit_dp.replica_data.ReplicaBatches``:
+   the quorum's rank among the replica groups present);
+3. runs forward and backward: ``lit_dp.DataParallel(manager=...)`` all-reduces across the
+   replica groups (``lit_dp.fault_tolerance``);
+4. asks ``Manager.should_commit``; only then does the optimizer step. A discarded step changes
+   no parameter, no optimizer state and no data position: the Trainer counts it like a step its
+   gradient scaler skips (global step and learning-rate schedule move on alike on every replica).
+
+What a recovering replica receives: the parameters and buffers, every optimizer's (and, under
+the Trainer, LR scheduler's and precision plugin's) state, the Trainer's loop counters (epoch,
+batches, optimizer steps), the data position, and torchft's own step count. What it does not:
+callbacks' state, RNG states, anything a LightningModule keeps outside its ``state_dict``.
+
+The settings come from the options (``lit_dp.options.fault_tolerance``) or from torchft's launch
+variables: ``ft_lighthouse`` (a config's ``strategy.ft.lighthouse``) or ``TORCHFT_LIGHTHOUSE``,
+``ft_replica_group`` or ``REPLICA_GROUP_ID``. torchft is imported only here, when the option is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import DataLoader
+
+from lit_dp.options import Options
+from lit_dp.replica_data import ReplicaBatches
+
+log = logging.getLogger(__name__)
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
+STATE_KEY = "lit_dp"  # this replica's state, as registered with the Manager
+LINE = "[lit_dp] fault tolerance"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a replica group needs to join the others, resolved from the options and torchft's variables."""
+
+    lighthouse: str
+    replica_group: str
+    min_replicas: int
+    timeout: float
+    quorum_timeout: float
+
+    @classmethod
+    def resolve(cls, options: Options, environ: os._Environ | dict[str, str] = os.environ) -> Settings:
+        ft = options.ft
+        lighthouse = ft.lighthouse or environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ValueError(
+                f"fault_tolerance='torchft' needs the lighthouse's address: expected ft_lighthouse='http://HOST:29510' "
+                f"(strategy.ft.lighthouse in a config) or {LIGHTHOUSE_ENV} in the environment (start one with: "
+                "torchft_lighthouse --min_replicas 1)."
+            )
+        replica_group = ft.replica_group or environ.get(REPLICA_GROUP_ENV)
+        if not replica_group:
+            raise ValueError(
+                f"fault_tolerance='torchft' needs this replica group's id: expected ft_replica_group (e.g. 0, distinct "
+                f"per replica group and kept across its restarts; strategy.ft.replica_group in a config) or "
+                f"{REPLICA_GROUP_ENV} in the environment."
+            )
+        if not replica_group.isdigit():  # the option's value was checked with the options; this is the variable's
+            raise ValueError(
+                f"{REPLICA_GROUP_ENV}={replica_group!r} is invalid: expected a number, e.g. 0 (torchft numbers the "
+                "replica groups by it: distinct per group, kept across the group's restarts)."
+            )
+        return cls(lighthouse, replica_group, ft.min_replicas, ft.timeout, ft.quorum_timeout)
+
+
+class FaultTolerance:
+    """One replica group's torchft Manager, its steps, its state and what users see of it.
+
+    The strategies call ``start`` before wrapping the model, ``track`` once what must travel to a
+    recovering replica exists, then per step ``start_step`` (quorum) and ``commit``.
+    """
+
+    def __init__(self, options: Options) -> None:
+        self.settings = Settings.resolve(options)
+        self.manager: Any = None
+        self.batches: ReplicaBatches | None = None
+        self._store: dist.TCPStore | None = None
+        self._members: tuple[int, ...] = ()  # the replica groups of the last quorum
+        self._quorum: tuple[int, ...] | None = None  # set by the process group at each reconfiguration
+        self.steps_discarded = 0
+        self.membership_changes = 0
+        self.recovery_seconds: float | None = None  # this replica's last recovery, from its quorum's start
+        self.last_committed: bool | None = None
+        self._recovered = False
+
+    def start(self, device: torch.device, world_size: int) -> Any:
+        """The Manager of this replica group (one process), with its own store; returns it."""
+        if world_size != 1:
+            raise ValueError(
+                f"fault_tolerance='torchft' runs one process per replica group: got {world_size} processes "
+                "(devices x num_nodes); expected devices=1, one job per replica group (docs/fault_tolerance.md)."
+            )
+        from torchft import Manager  # the optional engine: only with the option on
+
+        settings = self.settings
+        host = socket.gethostname()
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=_observed_process_group(device, timedelta(seconds=settings.timeout), self._record_quorum),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=settings.min_replicas,
+            use_async_quorum=False,
+            timeout=timedelta(seconds=settings.timeout),
+            quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=self._store.port,
+            lighthouse_addr=settings.lighthouse,
+            replica_id=settings.replica_group,
+            hostname=host,
+        )
+        log.debug("%s: replica group %s, lighthouse %s", LINE, settings.replica_group, settings.lighthouse)
+        return self.manager
+
+    def track(self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> None:
+        """What a recovering replica receives (``save``) and how it takes it in (``load``)."""
+
+        def load_and_time(state: dict[str, Any]) -> None:
+            load(state)
+            self._recovered = True
+
+        self.manager.register_state_dict_fn(STATE_KEY, load_and_time, save)
+
+    @property
+    def committed_steps(self) -> int:
+        """Steps committed by the replica groups (torchft's count, the same on every participant)."""
+        return self.manager.current_step()
+
+    def start_step(self) -> None:
+        """The step's quorum: membership, recovery if behind, then this replica's data for the step."""
+        started = time.monotonic()
+        self.last_committed = None
+        self.manager.start_quorum()
+        if self._recovered:
+            self._recovered = False
+            self.recovery_seconds = time.monotonic() - started
+            print(
+                f"{LINE}, step {self.committed_steps}: replica group {self.settings.replica_group} recovered a peer's "
+                f"state in {self.recovery_seconds:.2f} s",
+                flush=True,
+            )
+        self._announce_membership()
+        if self.batches is not None:
+            manager = self.manager
+            self.batches.start_step(manager.current_step(), manager.participating_rank(), manager.num_participants())
+
+    def commit(self) -> bool:
+        """torchft's vote: True when this replica group may apply the step. Groups that disagree (a
+        peer failed after one's all-reduces completed) are reconciled at the next quorum: the one
+        behind recovers from the one ahead."""
+        committed = self.manager.should_commit()
+        self.last_committed = committed
+        if not committed:
+            self.steps_discarded += 1
+            error = self.manager.errored()
+            why = (
+                f"an all-reduce failed: {str(error.original_exception).splitlines()[0][:200]}"
+                if error is not None
+                else f"fewer than ft_min_replicas={self.settings.min_replicas} replica groups took part"
+            )
+            print(f"{LINE}, step {self.committed_steps}: step discarded ({why})", flush=True)
+        return committed
+
+    def metrics(self) -> dict[str, float]:
+        """The ``ft/*`` figures: replica groups in the last quorum, steps discarded, last recovery time."""
+        metrics = {
+            "ft/replicas": float(len(self._members)),
+            "ft/steps_discarded": float(self.steps_discarded),
+            "ft/membership_changes": float(self.membership_changes),
+        }
+        if self.recovery_seconds is not None:
+            metrics["ft/recovery_s"] = self.recovery_seconds
+        return metrics
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+        self._store = None
+        self.batches = None  # a next fit deals its own loader
+
+    def _record_quorum(self, members: list[int]) -> None:
+        # Called by the process group in torchft's quorum thread; read after start_quorum returns.
+        self._quorum = tuple(sorted(members))
+
+    def _announce_membership(self) -> None:
+        members = self._quorum if self._quorum is not None else self._members
+        if members == self._members:
+            return
+        left = sorted(set(self._members) - set(members))
+        joined = sorted(set(members) - set(self._members))
+        if self._members:
+            self.membership_changes += 1
+        parts = [
+            f"replica group{'s' * (len(ids) > 1)} {_ids(ids)} {verb}"
+            for ids, verb in ((left, "left"), (joined, "joined"))
+            if ids
+        ]
+        print(
+            f"{LINE}, step {self.committed_steps}: {'; '.join(parts)}; {len(members)} train ({_ids(members)})",
+            flush=True,
+        )
+        self._members = members
+
+
+def _ids(ids: tuple[int, ...] | list[int]) -> str:
+    return ", ".join(str(i) for i in ids)
+
+
+def _observed_process_group(device: torch.device, timeout: timedelta, on_quorum: Callable[[list[int]], None]) -> Any:
+    """torchft's reconfigurable process group for ``device``, telling ``on_quorum`` the replica
+    groups of each new quorum (torchft passes their ids as ``global_ranks``: one process each)."""
+    from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+
+    base = ProcessGroupBabyNCCL if device.type == "cuda" else ProcessGroupGloo
+
+    class ObservedProcessGroup(base):  # type: ignore[misc, valid-type]
+        def configure(
+            self,
+            store_addr: str,
+            replica_id: str,
+            rank: int,
+            world_size: int,
+            quorum_id: int | None = None,
+            group_rank: int | None = None,
+            group_world_size: int | None = None,
+            global_ranks: list[int] | None = None,
+        ) -> None:
+            super().configure(
+                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+            )
+            on_quorum(list(global_ranks or []))
+
+    return ObservedProcessGroup(timeout=timeout)
+
+
+def replica_batches(dataloader: object, accumulate: int, seed: int) -> ReplicaBatches:
+    """The training ``dataloader`` as ``ReplicaBatches``: its dataset, batch size, collate function and
+    order (a ``DistributedSampler``'s ``shuffle`` and ``seed``, a ``RandomSampler``'s shuffle with
+    ``seed``); or a ``ValueError`` saying why it cannot be dealt step by step."""
+    if not isinstance(dataloader, DataLoader):
+        raise ValueError(
+            f"fault_tolerance='torchft' deals the training data step by step to the replica groups present: expected "
+            f"a torch DataLoader over a map-style dataset, got {type(dataloader).__name__}."
+        )
+    sampler = dataloader.sampler
+    if dataloader.batch_size is None or not hasattr(dataloader.dataset, "__len__"):
+        raise ValueError(
+            f"fault_tolerance='torchft' with a DataLoader of {type(dataloader.dataset).__name__} "
+            f"(batch_size={dataloader.batch_size}) is not supported: expected a map-style dataset and a batch_size."
+        )
+    shuffle = isinstance(sampler, torch.utils.data.RandomSampler) or bool(getattr(sampler, "shuffle", False))
+    if dataloader.num_workers:
+        rank_zero_info(
+            f"{LINE}: the training batches are read in this process at each step's start, once the quorum says which "
+            f"samples are this replica's (num_workers={dataloader.num_workers} is not used for them)"
+        )
+    return ReplicaBatches(
+        dataloader.dataset,
+        dataloader.batch_size,
+        shuffle=shuffle,
+        seed=int(getattr(sampler, "seed", seed)),
+        collate_fn=dataloader.collate_fn,
+        accumulate=accumulate,
+    )
+
+
+class PendingBatch:
+    """What the Trainer's training loader yields under fault tolerance: Lightning fetches one batch
+    ahead, before the step's quorum, so the batch itself is read in ``batch_to_device``."""
+
+
+class PendingBatches:
+    """Endless ``PendingBatch`` es; the epoch ends when the data's does (``TrainerFaultTolerance``)."""
+
+    def __iter__(self) -> Iterator[PendingBatch]:
+        while True:
+            yield PendingBatch()
+
+
+class TrainerFaultTolerance(pl.Callback):
+    """The Trainer's glue: the data, the step gate, the loop state, and the ``ft/*`` metrics."""
+
+    def __init__(self, fault_tolerance: FaultTolerance) -> None:
+        self.ft = fault_tolerance
+        self._restored: dict[str, Any] | None = None  # from a checkpoint, until the Manager and the data exist
+
+    def attach(self, trainer: pl.Trainer) -> None:
+        """After the optimizers exist: what travels to a recovering replica; this callback."""
+        self.ft.track(
+            lambda: _trainer_state(trainer, self.ft.batches),
+            lambda state: _load_trainer_state(trainer, self.ft.batches, state),
+        )
+        if self._restored is not None:
+            self.ft.manager.load_state_dict(self._restored["manager"])
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, TrainerFaultTolerance)] + [self]
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (a whole-job restart resumes from it): torchft's step count, the data position."""
+        batches = self.ft.batches
+        return {
+            "manager": self.ft.manager.state_dict() if self.ft.manager is not None else None,
+            "data": batches.state_dict() if batches is not None else None,
+        }
+
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self._restored = state
+
+    def process_dataloader(self, dataloader: object, trainer: pl.Trainer) -> PendingBatches:
+        if isinstance(trainer.val_check_interval, float) and trainer.val_check_interval != 1.0:
+            raise ValueError(
+                f"fault_tolerance='torchft' with trainer.val_check_interval={trainer.val_check_interval} is invalid: the "
+                "replicas present decide how many steps an epoch takes, so the training loader has no length; expected "
+                "an int (steps) or 1.0 (each epoch's end)."
+            )
+        for owner in (trainer.lightning_module, trainer.datamodule):
+            if owner is not None and is_overridden("on_before_batch_transfer", owner):
+                raise ValueError(
+                    f"fault_tolerance='torchft' with {type(owner).__name__}.on_before_batch_transfer is not supported: "
+                    "the training batch is read only at the step's start, once its quorum is in (Lightning fetches "
+                    "a batch ahead); expected the transform in on_after_batch_transfer."
+                )
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        previous, self.ft.batches = self.ft.batches, replica_batches(dataloader, trainer.accumulate_grad_batches, seed)
+        restored = previous.state_dict() if previous is not None else (self._restored or {}).get("data")
+        if restored is not None:  # a reloaded loader, or a checkpoint's position
+            self.ft.batches.load_state_dict(restored)
+        return PendingBatches()
+
+    def batch(self, batch: Any, trainer: pl.Trainer) -> Any:
+        if not isinstance(batch, PendingBatch):
+            return batch
+        assert self.ft.batches is not None
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
+            self.ft.start_step()
+        # What Lightning did to the placeholder, done to the batch: the precision plugin's conversion.
+        return trainer.precision_plugin.convert_input(self.ft.batches.next_batch())
+
+    def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any]) -> Any:
+        """``step(closure)`` (the strategy's optimizer step), applied only if the step commits."""
+
+        def commit_or_discard() -> Any:
+            result = closure()  # forward and backward: the all-reduces ran
+            if not self.ft.commit():
+                raise _Discarded
+            return result
+
+        try:
+            return step(commit_or_discard)
+        except _Discarded:
+            return None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        batches = self.ft.batches
+        stepped = trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
+        if stepped and self.ft.last_committed and batches is not None and batches.step_ends_epoch():
+            # The data's epoch is complete: end Lightning's too (as a training_step's -1 does).
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+        if stepped:
+            pl_module.log_dict(self.ft.metrics(), on_step=True, on_epoch=False, batch_size=1)
+
+
+class _Discarded(Exception):
+    """Raised out of the optimizer's closure so that the optimizer does not step."""
+
+
+def _loop_counters(fit_loop: Any) -> dict[str, Any]:
+    epoch_loop = fit_loop.epoch_loop
+    return {
+        "epoch_progress": fit_loop.epoch_progress.state_dict(),
+        "batch_progress": epoch_loop.batch_progress.state_dict(),
+        "scheduler_progress": epoch_loop.scheduler_progress.state_dict(),
+        "optim_progress": epoch_loop.automatic_optimization.optim_progress.state_dict(),
+        "manual_progress": epoch_loop.manual_optimization.optim_step_progress.state_dict(),
+        "batches_that_stepped": epoch_loop._batches_that_stepped,
+    }
+
+
+def _load_loop_counters(fit_loop: Any, counters: dict[str, Any]) -> None:
+    epoch_loop = fit_loop.epoch_loop
+    fit_loop.epoch_progress.load_state_dict(counters["epoch_progress"])
+    epoch_loop.batch_progress.load_state_dict(counters["batch_progress"])
+    epoch_loop.scheduler_progress.load_state_dict(counters["scheduler_progress"])
+    epoch_loop.automatic_optimization.optim_progress.load_state_dict(counters["optim_progress"])
+    epoch_loop.manual_optimization.optim_step_progress.load_state_dict(counters["manual_progress"])
+    epoch_loop._batches_that_stepped = counters["batches_that_stepped"]
+
+
+def _trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None) -> dict[str, Any]:
+    return {
+        "model": trainer.lightning_module.state_dict(),
+        "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+        "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "precision": trainer.precision_plugin.state_dict(),
+        "loops": _loop_counters(trainer.fit_loop),
+        "data": batches.state_dict() if batches is not None else None,
+    }
+
+
+def _load_trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None, state: dict[str, Any]) -> None:
+    trainer.lightning_module.load_state_dict(state["model"])
+    for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
+        optimizer.load_state_dict(optimizer_state)
+    for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+        config.scheduler.load_state_dict(scheduler_state)
+    trainer.precision_plugin.load_state_dict(state["precision"])
+    _load_loop_counters(trainer.fit_loop, state["loops"])
+    if batches is not None and state["data"] is not None:
+        batches.load_state_dict(state["data"])
+
+
+class FabricFaultTolerance:
+    """Fabric's glue: a step starts when the training loader yields its batch (the quorum, then the
+    data) and is applied by ``optimizer.step()`` only if it commits. One optimizer step per batch."""
+
+    def __init__(self, fault_tolerance: FaultTolerance) -> None:
+        self.ft = fault_tolerance
+        self.modules: list[torch.nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    def manager(self, device: torch.device, world_size: int) -> Any:
+        """The Manager, started with the first module set up; what a recovering replica receives."""
+        if self.ft.manager is None:
+            self.ft.start(device, world_size)
+            self.ft.track(self._state, self._load)
+        return self.ft.manager
+
+    def process_dataloader(self, dataloader: object) -> StepBatches:
+        if self.ft.batches is not None:
+            raise ValueError(
+                "fault_tolerance='torchft' deals the training loader step by step, so fabric.setup_dataloaders takes it "
+                "alone: expected one call, with the training loader (iterate validation loaders directly: every "
+                "replica group validates on all of it)."
+            )
+        self.ft.batches = replica_batches(dataloader, 1, int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        return StepBatches(self.ft)
+
+    def optimizer_step(self, step: Callable[[], Any]) -> Any:
+        return step() if self.ft.commit() else None
+
+    def _state(self) -> dict[str, Any]:
+        batches = self.ft.batches
+        return {
+            "modules": [module.state_dict() for module in self.modules],
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "data": batches.state_dict() if batches is not None else None,
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        for module, module_state in zip(self.modules, state["modules"]):
+            module.load_state_dict(module_state)
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+        if self.ft.batches is not None and state["data"] is not None:
+            self.ft.batches.load_state_dict(state["data"])
+
+
+class StepBatches:
+    """Fabric's training loader under fault tolerance: each batch is read after its step's quorum;
+    the iteration ends with the committed step that completes an epoch of the data."""
+
+    def __init__(self, fault_tolerance: FaultTolerance) -> None:
+        self.ft = fault_tolerance
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = self.ft.batches
+        assert batches is not None
+        while True:
+            self.ft.start_step()
+            yield batches.next_batch()
+            if self.ft.last_committed and batches.step_ends_epoch():
+                return

@@ -1,0 +1,134 @@
+"""``fault_tolerance="torchft"`` through the Trainer and Fabric: real replica groups, a real lighthouse.
+
+Each replica group runs ``tests/helpers/ft_lightning_replica.py``; one is SIGKILLed mid-run and
+started again. Checked as for ``DataParallel`` (tests/test_fault_tolerance.py): equal parameters
+after every committed step, discarded steps not applied, each sample once; plus what users see:
+a line per membership change, the ``ft/*`` metrics in the Trainer's logger.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+pytest.importorskip("torchft")
+
+import lit_dp  # noqa: E402
+from lit_dp.options import TRAINER, Options  # noqa: E402
+from lit_dp.strategies.fault_tolerance import FaultTolerance, Settings, replica_batches  # noqa: E402
+from tests.helpers.ft_lightning_replica import dataset  # noqa: E402
+from tests.helpers.ft_replica import BATCH  # noqa: E402
+from tests.helpers.torchft import PYTHON, read_records, replica_groups  # noqa: E402
+
+STEPS, KILL_AT = 16, 4
+
+
+def run(tmp_path: Path, front: str) -> dict[int, list[dict]]:
+    command = [PYTHON, "-m", "tests.helpers.ft_lightning_replica", str(tmp_path), str(STEPS), front]
+    command += ["--kill", f"1:{KILL_AT}", "--alone-seconds", "3"]  # alone, slowly: the restart comes back first
+    with replica_groups(command, 2, tmp_path) as replicas:
+        replicas.start_all()
+        victim = replicas.replicas[1]
+        replicas.wait_for("replica group 1 to kill itself", lambda: victim.process.poll() is not None, 180)
+        assert victim.process.returncode == -9, victim.tail()
+        replicas.start(1)
+        replicas.wait_all(timeout=240)
+        logs = {group: replica.log.read_text() for group, replica in enumerate(replicas.replicas)}
+    records = {group: read_records(tmp_path / f"replica{group}.jsonl") for group in (0, 1)}
+    check(records, logs)
+    return records
+
+
+def check(records: dict[int, list[dict]], logs: dict[int, str]) -> None:
+    ends: dict[int, set[str]] = {}
+    for group, lines in records.items():
+        for line in lines:
+            if line["committed"]:
+                ends.setdefault(line["committed_steps"], set()).add(line["end"])
+            else:
+                assert line["start"] == line["end"], f"replica group {group} applied a discarded step"
+    # A discarded step counts as a step (as one a gradient scaler skips): fewer than STEPS commit.
+    committed = max(ends)
+    assert sorted(ends) == list(range(1, committed + 1)) and all(len(h) == 1 for h in ends.values()), ends
+    assert all(lines[-1]["committed_steps"] == committed for lines in records.values())
+    # The restarted replica's first committed step: its peers' parameters, bit for bit (checked above),
+    # after a recovery it announces.
+    assert any(not line["committed"] for line in records[0]), "the kill discarded no step"
+    assert "replica group 1 left" in logs[0] and "replica group 1 joined" in logs[0]
+    assert "replica group 1 recovered a peer's state" in logs[1]
+    # Each sample once, in the data stream's order, over the committed steps.
+    read = []
+    for step in range(1, committed + 1):
+        takers = {
+            line["rank"]: line["indices"]
+            for lines in records.values()
+            for line in lines
+            if line["committed"] and line["committed_steps"] == step
+        }
+        read += [i for rank in sorted(takers) for i in takers[rank]]
+    assert read == lit_dp.ReplicaBatches(dataset(), BATCH, seed=0).indices(0, len(read)).tolist()
+
+
+@pytest.mark.slow
+def test_the_trainer_goes_on_without_a_killed_replica_group_and_takes_it_back(tmp_path):
+    run(tmp_path, "trainer")
+    with (tmp_path / "replica0" / "version_0" / "metrics.csv").open() as metrics:
+        rows = list(csv.DictReader(metrics))
+    replicas = [float(row["ft/replicas"]) for row in rows if row.get("ft/replicas")]
+    assert 1.0 in replicas and replicas[-1] == 2.0
+    assert max(float(row["ft/steps_discarded"]) for row in rows if row.get("ft/steps_discarded")) >= 1
+
+
+@pytest.mark.slow
+def test_fabric_goes_on_without_a_killed_replica_group_and_takes_it_back(tmp_path):
+    run(tmp_path, "fabric")
+
+
+def test_the_settings_come_from_the_options_or_torchfts_variables():
+    options = Options.build({"fault_tolerance": "torchft", "ft_min_replicas": 2}, TRAINER)
+    settings = Settings.resolve(options, {"TORCHFT_LIGHTHOUSE": "http://lh:29510", "REPLICA_GROUP_ID": "3"})
+    assert (settings.lighthouse, settings.replica_group, settings.min_replicas) == ("http://lh:29510", "3", 2)
+    with pytest.raises(ValueError, match="needs the lighthouse's address: expected ft_lighthouse=.* or TORCHFT_LIGHTHOUSE"):
+        Settings.resolve(options, {"REPLICA_GROUP_ID": "0"})
+    with pytest.raises(ValueError, match="needs this replica group's id: expected ft_replica_group .* or REPLICA_GROUP_ID"):
+        Settings.resolve(options, {"TORCHFT_LIGHTHOUSE": "http://lh:29510"})
+    with pytest.raises(ValueError, match="REPLICA_GROUP_ID='a' is invalid: expected a number"):
+        Settings.resolve(options, {"TORCHFT_LIGHTHOUSE": "http://lh:29510", "REPLICA_GROUP_ID": "a"})
+    named = Options.build({**{"fault_tolerance": "torchft"}, "ft_lighthouse": "http://a:1", "ft_replica_group": 0}, TRAINER)
+    assert Settings.resolve(named, {}).replica_group == "0"
+    with pytest.raises(ValueError, match="runs one process per replica group: got 2 processes"):
+        FaultTolerance(named).start(torch.device("cpu"), world_size=2)
+
+
+def test_what_the_strategies_cannot_follow_across_replicas_is_refused_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lh:29510")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    with pytest.raises(ValueError, match="local_sgd_steps=4 with fault_tolerance='torchft' is not supported"):
+        lit_dp.PaddleDPStrategy(fault_tolerance="torchft", local_sgd_steps=4)
+    with pytest.raises(ValueError, match="uneven_inputs=True with fault_tolerance='torchft'"):
+        lit_dp.PaddleDPStrategy(fault_tolerance="torchft", uneven_inputs=True)
+    with pytest.raises(ValueError, match="ft_min_replicas=2 is invalid without fault_tolerance"):
+        lit_dp.fabric.PaddleDPStrategy(ft_min_replicas=2)
+    assert lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft").fault_tolerance.settings.replica_group == "0"
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(3)
+
+
+def test_the_training_loader_becomes_replica_batches_with_its_order():
+    data = TensorDataset(torch.arange(10))
+    shuffled = replica_batches(DataLoader(data, batch_size=2, shuffle=True), accumulate=3, seed=7)
+    assert (shuffled.batch_size, shuffled.shuffle, shuffled.seed, shuffled.accumulate) == (2, True, 7, 3)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=False, seed=11)
+    ordered = replica_batches(DataLoader(data, batch_size=2, sampler=sampler), accumulate=1, seed=7)
+    assert (ordered.shuffle, ordered.seed) == (False, 11)
+    with pytest.raises(ValueError, match="expected a map-style dataset and a batch_size"):
+        replica_batches(DataLoader(_Stream(), batch_size=2), accumulate=1, seed=0)
+    with pytest.raises(ValueError, match="expected a torch DataLoader"):
+        replica_batches([1, 2], accumulate=1, seed=0)
