@@ -192,7 +192,7 @@ def earlier_run(run_dir: Path, overrides: list[str], folders: list[Path]) -> Ear
     runs = []
     for folder in run_dir.parent.iterdir():
         recorded = folder / ".hydra" / "overrides.yaml"
-        if folder != run_dir and recorded.is_file() and _task_overrides(list(OmegaConf.load(recorded))) == wanted:
+        if folder != run_dir and recorded.is_file() and _task_overrides(_recorded_overrides(recorded)) == wanted:
             runs.append((recorded.stat().st_mtime, folder))
     found = None
     for _, folder in sorted(runs):
@@ -352,6 +352,11 @@ def _last_attempt_report(run: ResumableRun) -> Iterator[None]:
             raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _recorded_overrides(path: Path) -> list[str]:
+    """Hydra's ``overrides.yaml`` as typed: an interpolation there (``${paths.output_dir}``) is text."""
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
 def _task_overrides(overrides: list[str]) -> list[str]:

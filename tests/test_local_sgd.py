@@ -72,6 +72,9 @@ def simulate(
 ) -> list[nn.Module]:
     """The rule on one process: ``steps[i] = (optimizer index, [rank][micro-batch])``; returns each rank's model.
 
+    Buffers follow DataParallel's defaults: rank 0's before each forward that follows a
+    data-parallel step (``broadcast_buffers``), averaged with the parameters after.
+
     ``reset_after=n``: after step n every rank takes rank 0's model and optimizer state, as a
     run resumed from a checkpoint written by rank 0 after step n does.
     """
@@ -80,6 +83,12 @@ def simulate(
     optimizers = [make_optimizers(m) for m in models]
     last_average, period, first = warmup_steps, local_steps, None
     for number, (which, micro_batches) in enumerate(steps, start=1):
+        if 1 < number <= warmup_steps + 1:
+            # DataParallel's broadcast_buffers (as DDP's): a forward after a synchronised step
+            # starts from rank 0's buffers.
+            for rank_model in models[1:]:
+                for mine, rank0 in zip(rank_model.buffers(), models[0].buffers()):
+                    mine.copy_(rank0)
         losses = []
         for rank_model, rank_batches in zip(models, micro_batches):
             for micro in rank_batches:

@@ -129,10 +129,11 @@ def test_a_rerun_continues_the_newest_unfinished_run_of_the_same_command(tmp_pat
         os.utime(folder / ".hydra" / "overrides.yaml", (len(list(task.iterdir())),) * 2)  # started in this order
         return folder
 
-    same = ["trainer.devices=2", "seed=3"]
+    # An interpolation in an override is recorded as typed, and compared so, never resolved.
+    same = ["trainer.devices=2", "seed=3", "strategy.trace.dir=${paths.output_dir}/trace"]
     run_folder("a", same, steps=(5,))
     finished = run_folder("b", same, steps=(9,), finished=True)
-    unfinished = run_folder("c", ["seed=3", "trainer.devices=2", "ckpt_path=auto"], steps=(4, 8))  # the same command
+    unfinished = run_folder("c", [*reversed(same), "ckpt_path=auto"], steps=(4, 8))  # the same command
     run_folder("d", same)  # started, and failed before any checkpoint
     run_folder("e", ["trainer.devices=3", "seed=3"], steps=(11,))  # another command
     current = run_folder("f", same)
