@@ -7,6 +7,11 @@ launching process is rank 0 and the parent of the other local ranks, so it can s
 printed under the traceback's last line) for each child rank that has exited, with its exit
 status, and a rank whose parent (the launching rank) is gone says so. Under torchrun or SLURM
 the launcher's own summary names the failed rank.
+
+The other way round, when rank 0 fails, ``end_started_ranks`` ends the child ranks it started
+that are still running a moment later: they cannot finish the job without it, and one waiting
+for it where no transport error reaches it (in the rendezvous, whose store rank 0 never hosted)
+would otherwise wait out the process group's timeout, 30 minutes by default.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ log = logging.getLogger(__name__)
 # How long a failed rank 0 waits for the rank whose socket closed to be reaped: a process killed
 # by a signal closes its sockets as it exits, a moment before its parent can see its status.
 EXIT_GRACE_SECONDS = 1.0
+# How long a failed rank 0 lets the ranks it started end on their own (a rank that hits the same
+# error, or loses its connection to rank 0, prints its error and exits within seconds, even on a
+# loaded machine) before it ends those still running.
+STARTED_RANKS_GRACE_SECONDS = 15.0
 
 
 class LostRanks:
@@ -62,6 +71,24 @@ class LostRanks:
             exception.add_note(
                 f"lit_dp: the process that started this rank (pid {self._parent}, rank 0 under Lightning's script "
                 "launcher) is gone; its output or log says why."
+            )
+
+
+def end_started_ranks(exception: BaseException, launcher: Any, node_rank: int, num_processes: int) -> None:
+    """On a failed rank 0 under Lightning's script launcher: SIGKILL to each rank it started that is
+    still running after ``STARTED_RANKS_GRACE_SECONDS``, with a note on ``exception`` naming it."""
+    children = [child for child in getattr(launcher, "procs", None) or [] if isinstance(child, subprocess.Popen)]
+    deadline = time.monotonic() + STARTED_RANKS_GRACE_SECONDS
+    while any(child.poll() is None for child in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for local_rank, child in enumerate(children, start=1):
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+            exception.add_note(
+                f"lit_dp: rank {node_rank * num_processes + local_rank} (pid {child.pid}, started by this process) was "
+                f"still running {STARTED_RANKS_GRACE_SECONDS:g} s after this rank failed, and was ended: without rank 0 "
+                "it could not finish."
             )
 
 

@@ -45,6 +45,7 @@ from typing_extensions import override
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.broadcast import sync_params_buffers
 from lit_dp.gradients.unused import UNUSED_PARAMETERS_OPENING
+from lit_dp.gradients.waiting import CollectiveHangError
 from lit_dp.job.process_group import barrier, broadcast_object
 from lit_dp.local_sgd import LocalSGD
 from lit_dp.options import AUTO, TRAINER, Options
@@ -54,7 +55,7 @@ from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_en
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO, save_checkpoint
 from lit_dp.strategies.fault_tolerance import FaultTolerance, TrainerFaultTolerance
 from lit_dp.strategies.monitor import CommStatsMonitor
-from lit_dp.strategies.lost_ranks import LostRanks
+from lit_dp.strategies.lost_ranks import LostRanks, end_started_ranks
 from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher, Preemption
 from lit_dp.strategies.resume import EpochContinuation
 from lit_dp.strategies.sharded_clipping import clip_sharded_by_global_norm
@@ -457,6 +458,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         )
         if isinstance(exception, Exception):  # not a stop (Preempted, Ctrl-C): lit_dp.strategies.lost_ranks
             self._lost_ranks.note(exception, self.launcher, self.node_rank, self.num_processes, self.global_rank)
+            if not isinstance(exception, CollectiveHangError):  # a hang's verdict ends every rank itself, at once
+                end_started_ranks(exception, self.launcher, self.node_rank, self.num_processes)
 
     @override
     def save_checkpoint(
