@@ -38,7 +38,7 @@ from lit_dp.job.env import ParallelEnv
 from lit_dp.job.launcher import PADDLE, describe_job, detect_launcher
 from lit_dp.job.process_group import destroy_parallel_env, init_parallel_env, resolve_timeout
 from lit_dp.options import Options, declared_options
-from lit_dp.options.backends import AUTO, uses_nccl
+from lit_dp.options.backends import AUTO
 from lit_dp.options.spelling import Spellings
 from lit_dp.sharding import ShardedOptimizer
 
@@ -203,8 +203,10 @@ class DataParallelStrategyMixin:
         init_parallel_env(
             self.process_group_backend, self._options.timeout, parallel_env=environment, one_process_group=True
         )
-        if not adopting and uses_nccl(self.process_group_backend):
-            # As Lightning does: torch warns at exit about an NCCL group never destroyed.
+        if not adopting:
+            # At exit, as Lightning does under NCCL (torch warns of an NCCL group never destroyed);
+            # under Gloo too: a group alive while the interpreter ends can abort the process
+            # ("terminate called without an active exception") after a fit that finished.
             atexit.register(destroy_parallel_env)
 
     def _leave_process_group(self) -> None:
