@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -59,6 +60,8 @@ class LostRanks:
         deadline = time.monotonic() + EXIT_GRACE_SECONDS
         while children and not any(_exit_status(child) for child in children) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if any(_exit_status(child) for child in children):
+            _stop_lightnings_observer()
         for local_rank, child in enumerate(children, start=1):
             status = _exit_status(child)
             if status:
@@ -72,6 +75,16 @@ class LostRanks:
                 f"lit_dp: the process that started this rank (pid {self._parent}, rank 0 under Lightning's script "
                 "launcher) is gone; its output or log says why."
             )
+
+
+def _stop_lightnings_observer() -> None:
+    """Lightning's script launcher watches the ranks it started from a thread that, within 5 s of
+    one dying, SIGKILLs them all and this process too: that cut this rank's report of the failure
+    (the note naming the dead rank) short on a loaded machine. Once this rank has seen the death
+    it ends the others itself (``end_started_ranks``), so the thread's next check ends it instead."""
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer":  # lightning.fabric.strategies.launchers.subprocess_script
+            thread._run = lambda: True  # its loop calls `_run` after each sleep and stops on True
 
 
 def end_started_ranks(exception: BaseException, launcher: Any, node_rank: int, num_processes: int) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -117,3 +119,22 @@ def alive(pids: Iterable[int]) -> list[int]:
         if state not in ("Z", "X"):
             running.append(pid)
     return running
+
+
+def alive_after(pids: Iterable[int], timeout: float) -> list[int]:
+    """The pids of ``pids`` still running ``timeout`` s from now, or as soon as none is."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(pids)
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    """SIGKILL to the session ``process`` leads (started with ``start_new_session=True``): no process
+    of a test's job is left behind, whatever the test found."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()

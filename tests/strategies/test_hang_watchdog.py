@@ -6,7 +6,6 @@ evaluation are not hangs."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import lit_dp
 from lit_dp.observability.watchdog import HANG_DIRECTORY
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from tests.helpers.distributed import run_ranks
-from tests.helpers.jobs import alive
+from tests.helpers.jobs import alive_after, kill_session
 from tests.helpers.lightning import Regressor, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,17 +45,10 @@ def _run_stuck_fit(command: list[str], root: Path) -> str:
         try:
             launcher.wait(timeout=300)  # start-up on a loaded machine, then the hang, then the end
             pids = [launcher.pid, *(int(path.name) for path in (root / "pids").iterdir())]
-            deadline = time.time() + 120
-            while alive(pids) and time.time() < deadline:
-                time.sleep(0.2)
+            left = alive_after(pids, 120)
             all_gone = time.time()
-            left = alive(pids)
         finally:
-            try:
-                os.killpg(launcher.pid, signal.SIGKILL)  # never leave a process of the test's own behind
-            except ProcessLookupError:
-                pass
-            launcher.wait()
+            kill_session(launcher)
     text = (root / "output.txt").read_text()
     assert launcher.returncode != 0, text[-3000:]
     assert not left, f"processes {left} of the job outlived it:\n{text[-3000:]}"

@@ -8,7 +8,6 @@ wait for rank 0's store until the process group's timeout.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lit_dp.strategies.lost_ranks import STARTED_RANKS_GRACE_SECONDS
-from tests.helpers.jobs import alive
+from tests.helpers.jobs import alive, alive_after, kill_session
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "rank_zero_fails_early.py"
@@ -49,17 +48,10 @@ def test_when_rank_0_fails_before_the_rendezvous_the_rank_it_started_is_ended(tm
             while len(list((tmp_path / "pids").iterdir())) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
             pids = [int(path.name) for path in (tmp_path / "pids").iterdir()]
-            deadline = time.monotonic() + 15
-            while alive(pids) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            left = alive_after(pids, 15)
             ended = time.monotonic() - started
-            left = alive(pids)
         finally:
-            try:
-                os.killpg(launcher.pid, signal.SIGKILL)  # never leave a process of the test's own behind
-            except ProcessLookupError:
-                pass
-            launcher.wait()
+            kill_session(launcher)
     text = (tmp_path / "output.txt").read_text()
     assert launcher.returncode != 0, text[-3000:]
     assert "RuntimeError: rank 0 failed before the rendezvous" in text, text[-3000:]
