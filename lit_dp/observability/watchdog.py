@@ -27,6 +27,7 @@ docs/reliability.md ("Stuck ranks").
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -74,6 +75,8 @@ LONG_DEADLINE_SHARE = 0.8
 WARMUP_STEPS = 2  # synchronised steps taken with the long deadline
 _NAMESPACE = "lit_dp/watchdog"  # where each process registers itself (per process, shared by its wrappers)
 _STORE_ERRORS = (RuntimeError, ValueError, dist.DistError)
+# The running watch threads and their stop events, stopped at exit (``_stop_watch_threads``).
+_WATCH_THREADS: weakref.WeakKeyDictionary[threading.Thread, threading.Event] = weakref.WeakKeyDictionary()
 
 
 class HangWatchdog(ReducerObserver):
@@ -151,6 +154,7 @@ class HangWatchdog(ReducerObserver):
         )
         thread.name = f"lit_dp hang watchdog (rank {watchdog._rank})"
         thread.start()
+        _WATCH_THREADS[thread] = watchdog._stop
         weakref.finalize(watchdog, watchdog._stop.set)
         log.debug(
             "lit_dp hang watchdog: rank %d, hang_timeout=%gs after warm-up, %gs until then and while a rank is in "
@@ -422,6 +426,18 @@ def group_timeout(group: dist.ProcessGroup, device: torch.device) -> float:
         return group._get_backend(device).options._timeout.total_seconds()
     except (AttributeError, RuntimeError):
         return dist.default_pg_timeout.total_seconds()
+
+
+@atexit.register
+def _stop_watch_threads() -> None:
+    """At exit, before the interpreter ends: a watch thread left in a poll holds the model, its
+    process group and a store connection while torch destroys them, which aborted a rank after a
+    script had finished ("terminate called without an active exception")."""
+    running = list(_WATCH_THREADS.items())
+    for _, stop in running:
+        stop.set()
+    for thread, _ in running:
+        thread.join(timeout=2.0)
 
 
 def _watch(watchdog_ref: weakref.ref[HangWatchdog], stop: threading.Event, poll_seconds: float) -> None:
