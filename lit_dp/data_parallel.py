@@ -185,7 +185,6 @@ class DataParallel(nn.Module, Joinable):
         self.forward_sync_buffers = options.broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
         # torch 2.13: broadcast_buffers=False also skips the buffers at construction; forward_sync_buffers does not.
         sync_buffers_at_start = options.broadcast_buffers or forward_sync_buffers is not None
-        self._buffer_source = 0
         self._has_buffers = next(module.buffers(), None) is not None
         self._tuner: BucketAutotuner | None = None  # read by comm_buffer_size; _observe starts it
         bucket_bytes = megabytes_to_bytes("comm_buffer_size", self.comm_buffer_size)
@@ -333,20 +332,6 @@ class DataParallel(nn.Module, Joinable):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
-
-    @property
-    def buffer_source(self) -> int:
-        """The rank of the group whose buffers a forward broadcasts: 0, as on DDP. Under torch's
-        ``Join`` the highest rank still in is agreed instead; a strategy replaying steps for ranks
-        without a batch (``replay_step``) sets a rank that has one."""
-        return self._buffer_source
-
-    @buffer_source.setter
-    def buffer_source(self, rank: int) -> None:
-        size = self._rings[0].size() if self._rings else 1
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
-            raise ValueError(f"buffer_source={rank!r} is invalid: expected a rank of the group, in [0, {size}).")
-        self._buffer_source = rank
 
     @property
     def find_unused_parameters(self) -> bool:
@@ -599,7 +584,7 @@ class DataParallel(nn.Module, Joinable):
             if plan is not None and plan.participation is Participation.SYNC and self._joins_buffers():
                 self._broadcast_buffers(self._agree_on_buffer_source(self._rings[0].rank()))
         elif self.will_sync_module_buffers():
-            self._broadcast_buffers(self._buffer_source)
+            self._broadcast_buffers(0)  # the group's first rank, as on DDP
         self.require_forward_param_sync = torch.is_grad_enabled() and self._syncs_gradients()
 
     def _syncs_gradients(self) -> bool:

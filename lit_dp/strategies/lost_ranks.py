@@ -56,7 +56,7 @@ class LostRanks:
     def _note(self, exception: BaseException, launcher: Any, node_rank: int, num_processes: int, global_rank: int) -> None:
         # Lightning's script launcher keeps the `Popen` of local ranks 1..n-1. Under its spawn/fork
         # launcher the parent runs no rank, and torch's own error already names the process.
-        children = [child for child in getattr(launcher, "procs", None) or [] if isinstance(child, subprocess.Popen)]
+        children = _started_ranks(launcher)
         deadline = time.monotonic() + EXIT_GRACE_SECONDS
         while children and not any(_exit_status(child) for child in children) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -90,7 +90,7 @@ def _stop_lightnings_observer() -> None:
 def end_started_ranks(exception: BaseException, launcher: Any, node_rank: int, num_processes: int) -> None:
     """On a failed rank 0 under Lightning's script launcher: SIGKILL to each rank it started that is
     still running after ``STARTED_RANKS_GRACE_SECONDS``, with a note on ``exception`` naming it."""
-    children = [child for child in getattr(launcher, "procs", None) or [] if isinstance(child, subprocess.Popen)]
+    children = _started_ranks(launcher)
     deadline = time.monotonic() + STARTED_RANKS_GRACE_SECONDS
     while any(child.poll() is None for child in children) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -103,6 +103,11 @@ def end_started_ranks(exception: BaseException, launcher: Any, node_rank: int, n
                 f"still running {STARTED_RANKS_GRACE_SECONDS:g} s after this rank failed, and was ended: without rank 0 "
                 "it could not finish."
             )
+
+
+def _started_ranks(launcher: Any) -> list[subprocess.Popen]:
+    """The local ranks 1..n-1 Lightning's script launcher started (none under its spawn/fork launcher)."""
+    return [child for child in getattr(launcher, "procs", None) or [] if isinstance(child, subprocess.Popen)]
 
 
 def _exit_status(process: Any) -> int | None:
