@@ -8,6 +8,12 @@ printed under the traceback's last line) for each child rank that has exited, wi
 status, and a rank whose parent (the launching rank) is gone says so. Under torchrun or SLURM
 the launcher's own summary names the failed rank.
 
+Lightning's script launcher also watches the ranks it started, from a thread in rank 0 that
+SIGKILLs the whole job within 5 s of one dying: on a loaded machine that came before rank 0's
+own error, and cut the note naming the dead rank. ``LostRanks.watch`` gives rank 0
+``OBSERVER_GRACE_SECONDS`` after a death to report it first; past that, Lightning's thread ends
+the job as before (rank 0 stuck where no transport error reaches it).
+
 The other way round, when rank 0 fails, ``end_started_ranks`` ends the child ranks it started
 that are still running a moment later: they cannot finish the job without it, and one waiting
 for it where no transport error reaches it (in the rendezvous, whose store rank 0 never hosted)
@@ -29,6 +35,10 @@ log = logging.getLogger(__name__)
 # How long a failed rank 0 waits for the rank whose socket closed to be reaped: a process killed
 # by a signal closes its sockets as it exits, a moment before its parent can see its status.
 EXIT_GRACE_SECONDS = 1.0
+# How long Lightning's child-process observer waits, once it has seen a rank die, before it ends
+# the job: rank 0's collective fails within seconds of a peer's death, and its report (the note
+# naming that rank) takes a second more, even on a loaded machine.
+OBSERVER_GRACE_SECONDS = 30.0
 # How long a failed rank 0 lets the ranks it started end on their own (a rank that hits the same
 # error, or loses its connection to rank 0, prints its error and exits within seconds, even on a
 # loaded machine) before it ends those still running.
@@ -40,6 +50,12 @@ class LostRanks:
 
     def __init__(self) -> None:
         self._parent = os.getppid()
+
+    def watch(self, launcher: Any) -> None:
+        """Called once the ranks are started: in the process that started them under Lightning's
+        script launcher, its observer thread waits ``OBSERVER_GRACE_SECONDS`` after a death."""
+        if _started_ranks(launcher):
+            _defer_lightnings_observer(OBSERVER_GRACE_SECONDS)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Pickled into a spawned rank: its parent is the process that spawned it.
@@ -77,14 +93,35 @@ class LostRanks:
             )
 
 
+def _lightnings_observers() -> list[threading.Thread]:
+    """The thread of ``lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver``,
+    whose loop calls ``_run`` after each sleep, ends the job when it sees a failed rank, and stops
+    on True."""
+    return [thread for thread in threading.enumerate() if thread.name == "child-process-observer"]
+
+
+def _defer_lightnings_observer(grace: float) -> None:
+    """Lightning's observer sees a rank's death ``grace`` seconds late (see the module docstring)."""
+    for thread in _lightnings_observers():
+        check = thread._run
+        children = thread._child_processes
+        first_seen: list[float] = []
+
+        def patient_check(check=check, children=children, first_seen=first_seen) -> bool:
+            if not first_seen and any(_exit_status(child) for child in children):
+                first_seen.append(time.monotonic())
+            if first_seen and time.monotonic() - first_seen[0] < grace:
+                return False
+            return check()
+
+        thread._run = patient_check
+
+
 def _stop_lightnings_observer() -> None:
-    """Lightning's script launcher watches the ranks it started from a thread that, within 5 s of
-    one dying, SIGKILLs them all and this process too: that cut this rank's report of the failure
-    (the note naming the dead rank) short on a loaded machine. Once this rank has seen the death
-    it ends the others itself (``end_started_ranks``), so the thread's next check ends it instead."""
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer":  # lightning.fabric.strategies.launchers.subprocess_script
-            thread._run = lambda: True  # its loop calls `_run` after each sleep and stops on True
+    """Once this rank has seen a death it reports it and ends the others itself
+    (``end_started_ranks``), so Lightning's thread must not end this process mid-report."""
+    for thread in _lightnings_observers():
+        thread._run = lambda: True
 
 
 def end_started_ranks(exception: BaseException, launcher: Any, node_rank: int, num_processes: int) -> None:

@@ -186,6 +186,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._lost_ranks.watch(self.launcher)
         self.setup_distributed()
 
     def setup_distributed(self) -> None:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_dp.strategies.lost_ranks import STARTED_RANKS_GRACE_SECONDS
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+from lit_dp.strategies.lost_ranks import STARTED_RANKS_GRACE_SECONDS, _defer_lightnings_observer
 from tests.helpers.jobs import alive, alive_after, kill_session
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +25,27 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "rank_zero_fails_early.py
 # The grace, then rank 0's teardown and the interpreters' exits on a loaded machine: far below
 # the script's process-group timeout (600 s), which is how long rank 1 used to wait.
 ENDS_WITHIN = STARTED_RANKS_GRACE_SECONDS + 75
+
+
+def test_lightnings_observer_lets_rank_0_report_a_dead_rank_before_it_ends_the_job():
+    # Lightning's own observer thread (its loop sleeps before each check); its "main process" is a
+    # stand-in sleeper, so that the SIGKILL it sends at the end reaches that and not pytest.
+    dead_rank = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    rank_0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_rank.wait(timeout=30)
+        observer = _ChildProcessObserver(main_pid=rank_0.pid, child_processes=[dead_rank], sleep_period=0.2)
+        observer.start()
+        grace = 2.0
+        _defer_lightnings_observer(grace)
+        assert observer._run() is False  # the death is seen, and rank 0 given its grace
+        time.sleep(grace / 2)
+        assert rank_0.poll() is None, "the observer ended the job within the grace"
+        rank_0.wait(timeout=30)  # then, as Lightning does, it ends the job
+        assert rank_0.returncode == -9
+    finally:
+        rank_0.kill()
+        rank_0.wait()
 
 
 @pytest.mark.slow
