@@ -27,6 +27,7 @@ from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
+from lit_dp.job.launcher import detect_launch
 from lit_dp.job.process_group import get_rings
 from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
 from lit_dp.join import active as in_join_context
@@ -107,7 +108,8 @@ class DataParallel(nn.Module, Joinable):
     plain module's. ``register_comm_hook`` takes torch DDP's communication hooks. With
     ``sharding_stage`` each parameter gets an owner (``owner_of``), whose
     ``lit_dp.ShardedOptimizer`` alone steps it (docs/sharding.md). Without a process group the
-    module runs unchanged; a group of one rank (what the Lightning strategies create for one
+    module runs unchanged in a single process, and is refused where a launcher's variables
+    describe several (each rank would train alone; DDP raises too); a group of one rank (what the Lightning strategies create for one
     device) gets a reducer like any other, so an unused parameter raises on one device as it
     would on many. ``copy.deepcopy`` and pickling work as on DDP (with the default group): the
     copy synchronises its own gradients, without observers or a hook registered by hand.
@@ -206,6 +208,7 @@ class DataParallel(nn.Module, Joinable):
         else:
             rings = [group] if group is not None else get_rings()
         if not rings:
+            _refuse_a_launched_job_without_a_group()
             warnings.warn(
                 "lit_dp.DataParallel: world size is 1 and no process group exists; "
                 "the module runs unchanged without gradient synchronisation.",
@@ -774,6 +777,29 @@ def _options(given: Options | None, values: dict[str, Any], **ddp: Any) -> Optio
     if bucket_cap_mb is not None and "last_comm_buffer_size" not in values:
         values["last_comm_buffer_size"] = bucket_cap_mb  # DDP's bucket_cap_mb bounds the last bucket too
     return Options.build(values, MODULE)
+
+
+def _refuse_a_launched_job_without_a_group() -> None:
+    """No process group, yet a launcher describes several ranks: each would train its own model
+    (torch DDP raises here too). One process, with or without a launcher, runs the module unchanged."""
+    remedy = (
+        "Call lit_dp.init_parallel_env() (or torch.distributed.init_process_group()) before wrapping the model, "
+        "or pass group=."
+    )
+    try:
+        launch = detect_launch()
+    except ValueError as error:
+        raise ValueError(
+            "lit_dp.DataParallel: no process group exists, and the launcher's variables, read to tell whether this "
+            f"process is one of several, are invalid: {error} {remedy}"
+        ) from error
+    world_size = launch.parallel_env.world_size
+    if world_size > 1:
+        described = ", ".join(source for source in (launch.rank_source, launch.world_size_source) if source)
+        raise ValueError(
+            f"lit_dp.DataParallel: the environment describes world size {world_size} ({launch.who}: {described}), "
+            f"but no process group exists, so each rank would train its own model. {remedy}"
+        )
 
 
 def _refuse_what_cannot_work(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -25,6 +27,47 @@ def test_world_size_one_runs_the_module_unchanged():
     with wrapped.no_sync():
         wrapped(x).sum().backward()
     assert module.weight.grad is not None
+
+
+TORCHRUN_RANK_1_OF_2 = {
+    "TORCHELASTIC_RUN_ID": "x",
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
+@pytest.mark.parametrize(
+    ("environ", "described"),
+    [
+        (TORCHRUN_RANK_1_OF_2, "torchrun: RANK=1, WORLD_SIZE=2"),
+        ({"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINERS_NUM": "2"}, "Paddle's launcher: PADDLE_TRAINER_ID=1, PADDLE_TRAINERS_NUM=2"),
+        ({"PADDLE_TRAINERS_NUM": "2"}, "no launcher: PADDLE_TRAINERS_NUM=2"),
+    ],
+)
+def test_a_launched_job_without_a_process_group_is_refused(environ, described):
+    # Each rank would train its own model; torch DDP raises here too ("Default process group has not been initialized").
+    with mock.patch.dict(os.environ, environ, clear=True), pytest.raises(ValueError) as caught:
+        __import__("lit_dp").DataParallel(nn.Linear(3, 2))
+    message = str(caught.value)
+    assert f"describes world size 2 ({described})" in message
+    assert "lit_dp.init_parallel_env()" in message and "torch.distributed.init_process_group()" in message
+
+
+def test_unreadable_launcher_variables_without_a_process_group_are_refused():
+    environ = {name: value for name, value in TORCHRUN_RANK_1_OF_2.items() if name != "LOCAL_RANK"}
+    with mock.patch.dict(os.environ, environ, clear=True), pytest.raises(ValueError, match="LOCAL_RANK is not set"):
+        __import__("lit_dp").DataParallel(nn.Linear(3, 2))
+
+
+@pytest.mark.parametrize("environ", [{}, {**TORCHRUN_RANK_1_OF_2, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}])
+def test_one_process_without_a_process_group_runs_with_a_warning(environ):
+    with mock.patch.dict(os.environ, environ, clear=True), pytest.warns(UserWarning, match="world size is 1"):
+        wrapped = __import__("lit_dp").DataParallel(nn.Linear(3, 2))
+    assert wrapped.reducer is None
 
 
 @pytest.mark.parametrize(("option", "value"), [("comm_buffer_size", 0), ("last_comm_buffer_size", -1)])
