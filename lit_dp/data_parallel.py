@@ -18,7 +18,13 @@ from torch.utils._pytree import tree_map
 
 import lit_dp.gradients.group as groups
 from lit_dp.fault_tolerance import JOIN_REFUSED, check_comm_hook, replica_group
-from lit_dp.gradients.broadcast import _check_same_structure, sync_params_buffers
+from lit_dp.gradients.broadcast import (
+    _check_same_structure,
+    ddp_ignored,
+    synced_buffers,
+    synced_parameters,
+    sync_params_buffers,
+)
 from lit_dp.gradients.buckets import MB, assign_group_by_size, assign_owners, megabytes_to_bytes
 from lit_dp.gradients.coalesced import broadcast_coalesced
 from lit_dp.gradients.compile import bucket_graph_breaks
@@ -171,8 +177,10 @@ class DataParallel(nn.Module, Joinable):
         group = _chosen_group(process_group, group, device_mesh)
         delayed = [param for _, param in delay_all_reduce_named_params or ()]
         self.module = module
+        # torch DDP's attribute, read once at construction as DDP does: these stay local.
+        self.parameters_to_ignore = ddp_ignored(module)
         self._options = options
-        self.device_ids, self.output_device = _devices(module, device_ids, output_device, delayed)
+        self.device_ids, self.output_device = _devices(module, device_ids, output_device, delayed, self.parameters_to_ignore)
         self.device = next(module.parameters()).device
         self.device_type = self.device.type
         self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
@@ -187,7 +195,7 @@ class DataParallel(nn.Module, Joinable):
         self.forward_sync_buffers = options.broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
         # torch 2.13: broadcast_buffers=False also skips the buffers at construction; forward_sync_buffers does not.
         sync_buffers_at_start = options.broadcast_buffers or forward_sync_buffers is not None
-        self._has_buffers = next(module.buffers(), None) is not None
+        self._has_buffers = next(synced_buffers(module, self.parameters_to_ignore), None) is not None
         self._tuner: BucketAutotuner | None = None  # read by comm_buffer_size; _observe starts it
         bucket_bytes = megabytes_to_bytes("comm_buffer_size", self.comm_buffer_size)
         # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.gradients.compile);
@@ -231,7 +239,7 @@ class DataParallel(nn.Module, Joinable):
         self._trace: TraceWriter | None = None
         self._watchdog: HangWatchdog | None = None
         self._reducer: Reducer | None = None
-        named = _trainable(self.module) if rings else []
+        named = _trainable(self.module, self.parameters_to_ignore) if rings else []
         if named:
             options = self._options
             if options.sharding.stage is not None and groups.written_in_python(rings[0]):
@@ -272,11 +280,16 @@ class DataParallel(nn.Module, Joinable):
         """The group's first rank's parameters (and buffers) to every rank, once the ranks agree
         on the model's structure (torch's own groups; a group written in Python is trusted)."""
         if with_buffers and groups.is_registered(group):
-            sync_params_buffers(self.module, group=group, src_rank=dist.get_global_rank(group, 0))
+            sync_params_buffers(
+                self.module,
+                group=group,
+                src_rank=dist.get_global_rank(group, 0),
+                params_and_buffers_to_ignore=self.parameters_to_ignore,
+            )
             return
-        named = [(name, p.data) for name, p in self.module.named_parameters() if not getattr(p, "no_sync", False)]
+        named = [(name, p.data) for name, p in synced_parameters(self.module, self.parameters_to_ignore)]
         if with_buffers:
-            named += list(self.module.named_buffers())
+            named += list(synced_buffers(self.module, self.parameters_to_ignore))
         if groups.is_registered(group):
             ranks = dist.get_process_group_ranks(group)
             _check_same_structure(named, group, ranks, ranks[0])
@@ -614,7 +627,7 @@ class DataParallel(nn.Module, Joinable):
 
     def _broadcast_buffers(self, source: int) -> None:
         # Collected at each broadcast: a module may have replaced a buffer since (DDP does the same).
-        buffers = list(self.module.buffers())
+        buffers = [buffer for _, buffer in synced_buffers(self.module, self.parameters_to_ignore)]
         broadcast_coalesced(buffers, self._rings[0], source, self._waiter, "the broadcast of the module's buffers")
 
     def _plan(self, participation: Participation) -> StepPlan:
@@ -848,7 +861,7 @@ def _chosen_group(
 
 
 def _devices(
-    module: nn.Module, device_ids: Any, output_device: Any, delayed: list[nn.Parameter]
+    module: nn.Module, device_ids: Any, output_device: Any, delayed: list[nn.Parameter], ignore: set[str]
 ) -> tuple[list[int] | None, int | None]:
     """DDP's checks of the module and its devices; ``(device_ids, output_device)`` as DDP keeps them."""
     if isinstance(device_ids, dist.ProcessGroup):
@@ -864,10 +877,14 @@ def _devices(
             f"Modules with uninitialized parameters can't be used with lit_dp.DataParallel ({uninitialized[:5]}); "
             "run a dummy forward pass first to initialize them (torch DDP's rule)."
         )
-    trainable = [name for name, p in named if p.requires_grad and not getattr(p, "no_sync", False)]
+    trainable = [name for name, _ in _trainable(module, ignore)]
     if not trainable and not delayed:
         names = [name for name, _ in named]
-        has = f"its parameters {_some(names)} are frozen or marked no_sync" if names else "it has no parameters"
+        has = (
+            f"its parameters {_some(names)} are frozen, marked no_sync or in _ddp_params_and_buffers_to_ignore"
+            if names
+            else "it has no parameters"
+        )
         raise RuntimeError(
             f"lit_dp.DataParallel: nothing to train in {type(module).__name__}: {has}. As torch DDP says, "
             "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient; "
@@ -921,13 +938,9 @@ def _default_group() -> dist.ProcessGroup | None:
     return dist.group.WORLD if dist.is_initialized() else None
 
 
-def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters the reducer averages: trainable, not marked ``no_sync``, each once."""
-    return [
-        (name, param)
-        for name, param in module.named_parameters()
-        if param.requires_grad and not getattr(param, "no_sync", False)
-    ]
+def _trainable(module: nn.Module, ignore: set[str]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the reducer averages: trainable, not marked ``no_sync`` nor ignored (DDP's list), each once."""
+    return [(name, param) for name, param in synced_parameters(module, ignore) if param.requires_grad]
 
 
 def _shard_owners(

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
+from lit_dp.gradients.broadcast import synced_buffers, synced_parameters
 from lit_dp.gradients.coalesced import broadcast_coalesced
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.job.store import group_store_prefix, rendezvous_store
@@ -197,9 +198,10 @@ class DataParallelJoinHook(JoinHook):
         )
         authoritative = int(candidate.item())
         # Parameters, and buffers unless broadcast_buffers=False keeps them local (as DDP's join does).
-        tensors = [p.data for p in model.module.parameters() if not getattr(p, "no_sync", False)]
+        ignore = model.parameters_to_ignore
+        tensors = [p.data for _, p in synced_parameters(model.module, ignore)]
         if model.broadcast_buffers:
-            tensors += list(model.module.buffers())
+            tensors += [buffer for _, buffer in synced_buffers(model.module, ignore)]
         broadcast_coalesced(tensors, group, authoritative, model.waiter, "Join's final broadcast of the model")
         if model.local_sgd is not None:
             model.local_sgd.adopt_schedule_of(dist.get_global_rank(group, authoritative))

@@ -49,6 +49,7 @@ from torch import nn
 
 from lit_dp import join
 from lit_dp.data_parallel import DataParallel
+from lit_dp.gradients.broadcast import ddp_ignored, synced_buffers, synced_parameters
 from lit_dp.gradients.buckets import assign_group_by_size, megabytes_to_bytes
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
@@ -119,8 +120,10 @@ class LocalSGD:
         self._first_rank = dist.get_process_group_ranks(self._rings[0])[0] if self._rings else 0
         self._bucket_bytes = megabytes_to_bytes("comm_buffer_size", comm_buffer_size)
         inner = module.module if isinstance(module, DataParallel) else module
-        self._params = [p for p in inner.parameters() if p.requires_grad and not getattr(p, "no_sync", False)]
-        self._buffers = list(inner.buffers())
+        # What the model keeps equal across ranks: DDP's ignore list, read when the model was wrapped.
+        ignore = module.parameters_to_ignore if isinstance(module, DataParallel) else ddp_ignored(inner)
+        self._params = [p for _, p in synced_parameters(inner, ignore) if p.requires_grad]
+        self._buffers = [buffer for _, buffer in synced_buffers(inner, ignore)]
         self._buckets: list[_Bucket] | None = None  # built when the local phase starts
         self._step = 0
         self._last_average = warmup_steps

@@ -5,7 +5,8 @@ buffers are broadcast. lit_dp and torch DDP train copies of one model side by si
 ``broadcast_buffers``; after every step their weights and buffers must agree (within float
 tolerance: both average the same gradients and broadcast the same buffers), and with the
 broadcast on the ranks hold identical buffers. Under torch's ``Join`` (uneven inputs) the
-broadcast comes from the highest rank still in, in both. All cases run in one spawn of 2 ranks.
+broadcast comes from the highest rank still in, in both. All these cases run in one spawn of 2 ranks;
+DDP's ignore list (parameters and buffers left local) runs in its own.
 """
 
 from __future__ import annotations
@@ -144,3 +145,47 @@ def buffer_cases(rank: int) -> None:
 
 def test_buffers_match_ddp_with_broadcast_on_and_off_under_join_and_replay():
     run_ranks(buffer_cases, 2, timeout=240)
+
+
+IGNORED = ["stem.weight", "norm.running_mean"]
+
+
+def ignored_against_ddp(rank: int) -> None:
+    """DDP's ignore list (``_set_params_and_buffers_to_ignore_for_model``): the ignored parameter and
+    buffer start different per rank and stay local through training and Join, as under DDP; the
+    rest trains as DDP's."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    torch.manual_seed(3)
+    base = NormNet()
+    with torch.no_grad():
+        base.stem.weight.add_(rank)
+        base.norm.running_mean.add_(rank)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(base, IGNORED)
+    ddp = DistributedDataParallel(copy.deepcopy(base))
+    ours = lit_dp.DataParallel(base)
+    assert ours.parameters_to_ignore == ddp.parameters_to_ignore == set(IGNORED)
+    for model in (ours, ddp):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with model.join():
+            for step in range(STEPS - rank):  # rank 1 joins early: Join's final broadcast skips them too
+                model(data(rank, step)).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert_same_state(ours, ddp, f"with DDP's ignore list, rank {rank}")
+    inner = ours.module
+    for name, tensor in [*inner.named_parameters(), *inner.named_buffers()]:
+        every = [torch.empty_like(tensor) for _ in range(2)]
+        dist.all_gather(every, tensor.detach().contiguous())
+        assert torch.equal(every[0], every[1]) == (name not in IGNORED), (
+            f"rank {rank}: {name} is {'equal' if torch.equal(every[0], every[1]) else 'different'} across ranks; "
+            f"expected it {'local' if name in IGNORED else 'synchronised'}"
+        )
+
+
+def test_ddps_ignore_list_keeps_parameters_and_buffers_local_as_ddp_does():
+    run_ranks(ignored_against_ddp, 2, timeout=180)

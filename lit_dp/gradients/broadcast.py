@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ def sync_params_buffers(
     group: dist.ProcessGroup | None = None,
     src_rank: int | None = None,
     fuse_params: bool = True,
+    params_and_buffers_to_ignore: Collection[str] | None = None,
 ) -> None:
     """Broadcast ``module``'s parameters and buffers over ``group`` (default: the default group).
 
@@ -23,7 +24,8 @@ def sync_params_buffers(
     first rank (``dist.get_global_rank(group, 0)``), which is global rank 0 only when the group
     holds it, as DDP's initial broadcast. Tensors are coalesced per dtype and device into flat
     groups of at most 128 MB (``fuse_params=False`` sends them one by one). Parameters marked
-    ``no_sync = True`` stay local. Before anything is sent, the ranks compare names, shapes and
+    ``no_sync = True`` stay local, as do the parameters and buffers named in
+    ``params_and_buffers_to_ignore`` (default: those torch DDP ignores, ``ddp_ignored``). Before anything is sent, the ranks compare names, shapes and
     dtypes with the source's; a difference raises the same error on every rank, naming the
     tensors and the ranks that differ.
     """
@@ -32,7 +34,8 @@ def sync_params_buffers(
         src_rank = ranks[0]
     elif src_rank not in ranks:
         raise ValueError(f"src_rank={src_rank!r} is invalid: expected one of the group's global ranks {ranks}.")
-    named = list(_tensors_to_sync(module))
+    ignore = ddp_ignored(module) if params_and_buffers_to_ignore is None else params_and_buffers_to_ignore
+    named = list(_tensors_to_sync(module, ignore))
     _check_same_structure(named, group, ranks, src_rank)
 
     tensors = [tensor for _, tensor in named]
@@ -48,12 +51,31 @@ def sync_params_buffers(
             torch._foreach_copy_(chunk, [piece.view_as(tensor) for piece, tensor in zip(pieces, chunk)])
 
 
-def _tensors_to_sync(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def ddp_ignored(module: nn.Module) -> set[str]:
+    """The fully qualified names of ``module``'s parameters and buffers that torch DDP neither
+    reduces nor broadcasts: those ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``
+    recorded on it (``_ddp_params_and_buffers_to_ignore``); scripts and libraries written for DDP set it."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def synced_parameters(module: nn.Module, ignore: Collection[str]) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters kept equal across ranks: all but those marked ``no_sync`` (Paddle's mark) or named in ``ignore``."""
     for name, param in module.named_parameters():
-        if not getattr(param, "no_sync", False):
-            yield name, param.data
+        if not getattr(param, "no_sync", False) and name not in ignore:
+            yield name, param
+
+
+def synced_buffers(module: nn.Module, ignore: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers broadcast from one rank: all but those named in ``ignore``."""
     for name, buffer in module.named_buffers():
-        yield name, buffer
+        if name not in ignore:
+            yield name, buffer
+
+
+def _tensors_to_sync(module: nn.Module, ignore: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, param in synced_parameters(module, ignore):
+        yield name, param.data
+    yield from synced_buffers(module, ignore)
 
 
 def _check_same_structure(
