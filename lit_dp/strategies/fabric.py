@@ -76,10 +76,13 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=default_cluster_environment(cluster_environment),
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),  # as the Trainer's
+            # Kept unset unless given, as the Trainer's: Fabric refuses a strategy's own next to the
+            # user's `plugins`; the default is supplied when read (`checkpoint_io`).
+            checkpoint_io=checkpoint_io,
             precision=precision,
         )
         self._keep_options(options, values)
+        self._atomic_checkpoint_io = AtomicCheckpointIO()
         self._backward_sync_control = _PaddleDPBackwardSyncControl()
         self._wrapped: DataParallel | None = None  # the model set up last: sharded optimizers read its owners
         self._sharded: list[ShardedOptimizer] = []
@@ -87,6 +90,16 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._fault_tolerance = (
             FabricFaultTolerance(FaultTolerance(self._options)) if self._options.fault_tolerance else None
         )
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The user's plugin as given (``Fabric(plugins=[...])`` or ``checkpoint_io=``), else ``AtomicCheckpointIO``."""
+        return self._atomic_checkpoint_io if self._checkpoint_io is None else self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
 
     @property
     def fault_tolerance(self) -> FaultTolerance | None:

@@ -77,6 +77,20 @@ def test_a_users_plugin_is_used_as_given_where_ddp_would_use_it(tmp_path):
         StrategyRegistry.remove("paddle_dp_recording_io")
 
 
+def test_fabric_uses_a_users_plugin_as_given_where_ddp_would_use_it(tmp_path):
+    from lightning.fabric import Fabric
+
+    # Fabric(plugins=...) was refused ("checkpoint_io set through both strategy class and plugins").
+    for strategy in (fabric.PaddleDPStrategy(), "paddle_dp"):
+        plugin = RecordingCheckpointIO()
+        run = Fabric(strategy=strategy, plugins=[plugin], accelerator="cpu", devices=1)
+        assert run.strategy.checkpoint_io is plugin, strategy
+    run.launch()
+    run.save(tmp_path / "state.ckpt", {"step": 1})
+    assert plugin.saved == ["state.ckpt"]
+    assert type(Fabric(strategy="paddle_dp", accelerator="cpu", devices=1).strategy.checkpoint_io) is AtomicCheckpointIO
+
+
 def test_atomic_writes_are_the_default_and_the_base_of_a_wrapping_plugin():
     assert isinstance(PaddleDPStrategy().checkpoint_io, AtomicCheckpointIO)
     for name, base in (("paddle_dp", AtomicCheckpointIO), ("ddp", TorchCheckpointIO)):
