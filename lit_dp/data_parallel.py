@@ -671,6 +671,14 @@ class DataParallel(nn.Module, Joinable):
         """The hook ``torch.distributed.algorithms.join.Join`` runs on a rank that has run out of inputs."""
         if self._manager is not None:
             raise ValueError(JOIN_REFUSED)
+        if self._reducer is not None and not groups.is_registered(self._reducer.group):
+            # torch's Join reads this rank through dist.get_rank(group), as under DDP, whose join()
+            # fails on such a group with "Group ... is not registered".
+            raise ValueError(
+                f"join() on a process group written in Python ({type(self._reducer.group).__name__}) is not "
+                "supported: torch's Join finds the ranks through torch's group bookkeeping, as DDP's join() does; "
+                "expected a group made by init_process_group or new_group."
+            )
         return DataParallelJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
 
     @property

@@ -409,3 +409,24 @@ def test_buffers_are_broadcast_before_a_forward_that_follows_a_synchronised_one(
     off = OneRankPythonGroup()
     DataParallel(NormNet(), process_group=off, broadcast_buffers=False)(inputs).sum().backward()
     assert off.calls["broadcast"] == 1, "broadcast_buffers=False: parameters only, at construction"
+
+
+
+def test_join_on_a_process_group_written_in_python_is_refused_by_name():
+    """torch's Join reads the rank through torch's group bookkeeping, which a Python group (torchft's)
+    is not in: DDP's join() fails with "not registered"; lit_dp's raised a KeyError in its own store
+    bookkeeping. Next to a default group, as under torchft."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lit_dp import DataParallel
+    from tests.helpers.python_group import OneRankPythonGroup
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the conftest destroys it
+    with pytest.raises(ValueError, match="not registered"):
+        DistributedDataParallel(nn.Linear(2, 2), process_group=OneRankPythonGroup()).join()
+    model = DataParallel(nn.Linear(2, 2), process_group=OneRankPythonGroup())
+    for enter in (model.join, lambda: Join([model])):
+        with pytest.raises(ValueError, match="join\\(\\) on a process group written in Python \\(OneRankPythonGroup\\)"):
+            enter()
