@@ -736,7 +736,7 @@ class DataParallel(nn.Module, Joinable):
 def fused_allreduce_gradients(
     parameters: Iterable[nn.Parameter],
     group: dist.ProcessGroup | None = None,
-    comm_buffer_size: float = 25,
+    comm_buffer_size: float = DEFAULT_BUCKET_MB,
 ) -> None:
     """Average the dense gradients of ``parameters`` over ``group`` in coalesced buckets (large ones in place).
 
