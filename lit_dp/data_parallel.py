@@ -533,7 +533,7 @@ class DataParallel(nn.Module, Joinable):
         # The forward decides whether the next backward synchronises (as in torch DDP and Paddle),
         # so `no_sync()` must wrap the forward, not only the backward. Decided before the module
         # runs: under Join the notification and the buffer broadcast come first, as on DDP.
-        plan = self._plan(Participation.SYNC) if torch.is_grad_enabled() and self._arms_at_forward else None
+        plan = self.step_plan(Participation.SYNC) if torch.is_grad_enabled() and self._arms_at_forward else None
         self._forward_communication(plan)
         with bucket_graph_breaks(self):
             outputs = self.module(*inputs, **kwargs)
@@ -555,7 +555,7 @@ class DataParallel(nn.Module, Joinable):
         """
         if self._reducer is None:
             return
-        plan = self._plan(Participation.SYNC)
+        plan = self.step_plan(Participation.SYNC)
         if plan.communicates:
             self._trained = True
             self._reducer.prepare_for_backward(plan, outputs)
@@ -568,7 +568,7 @@ class DataParallel(nn.Module, Joinable):
         if self._reducer is None:
             return
         self.replay_forward()
-        plan = self._plan(Participation.REPLAY)
+        plan = self.step_plan(Participation.REPLAY)
         if plan.communicates:
             self._reducer.synchronise_without_backward(plan)
 
@@ -630,18 +630,29 @@ class DataParallel(nn.Module, Joinable):
         buffers = [buffer for _, buffer in synced_buffers(self.module, self.parameters_to_ignore)]
         broadcast_coalesced(buffers, self._rings[0], source, self._waiter, "the broadcast of the module's buffers")
 
-    def _plan(self, participation: Participation) -> StepPlan:
-        """The step's plan: ``LOCAL`` while gradients stay local, else ``participation``, divided by
-        the group's size or, inside a Join context, by what it says (``lit_dp.join.notify``).
-        Under a torchft Manager the size is the replica groups taking part in this step's quorum,
-        read here, at the forward that follows it (``FaultTolerantGroup.size``)."""
+    def step_plan(self, participation: Participation) -> StepPlan:
+        """The step's plan: the one place every ``StepPlan`` is decided, for every way a rank takes part.
+
+        ``LOCAL`` while gradients stay local, else ``participation``, divided by the group's
+        size or, inside a Join context, by what it says (``lit_dp.join.notify``). Under a
+        torchft Manager the size is the replica groups taking part in this step's quorum, read
+        here, at the forward that follows it (``FaultTolerantGroup.size``). ``SHADOW`` is a
+        joined rank's step (``lit_dp.join``), which follows the ranks still in whatever this
+        rank's own ``no_sync`` or LocalSGD phase says.
+        """
         # A static graph's unused parameters are those of its first step: flags say "used here", as with
         # find_unused_parameters, without the per-step graph walk (the reducer knows them).
         find_unused = self._options.find_unused_parameters or self.static_graph
         size = self.join_process_group.size()
-        if not self._syncs_gradients():
+        if participation is Participation.SHADOW:
+            # A joined rank sends zeros, so the divisor matters only for the choice of collective, which
+            # must be the others': an averaging one when they divide by the group's size, else a sum (they
+            # divide by the ranks still in, fewer than the group now that this rank is out).
+            divisor = size if self.join_state.divide_by_initial_world_size else max(1, size - 1)
+        elif not self._syncs_gradients():
             return StepPlan.decide(Participation.LOCAL, find_unused, size)
-        divisor = notify(self) if participation is Participation.SYNC else size
+        else:
+            divisor = notify(self) if participation is Participation.SYNC else size
         plan = StepPlan.decide(participation, find_unused, divisor)
         log.debug("lit_dp.DataParallel: step %d plan %s", self._reducer.step + 1, plan)
         return plan
@@ -749,7 +760,7 @@ class DataParallel(nn.Module, Joinable):
 def fused_allreduce_gradients(
     parameters: Iterable[nn.Parameter],
     group: dist.ProcessGroup | None = None,
-    comm_buffer_size: float = 25,
+    comm_buffer_size: float = DEFAULT_BUCKET_MB,
 ) -> None:
     """Average the dense gradients of ``parameters`` over ``group`` in coalesced buckets (large ones in place).
 

@@ -52,7 +52,7 @@ from torch.distributed.algorithms.join import Join, JoinHook
 
 from lit_dp.gradients.broadcast import synced_buffers, synced_parameters
 from lit_dp.gradients.coalesced import broadcast_coalesced
-from lit_dp.gradients.plan import Participation, StepPlan
+from lit_dp.gradients.plan import Participation
 from lit_dp.job.store import group_store_prefix, rendezvous_store
 
 # The model is a ``lit_dp.DataParallel``, which imports this module, so it is typed ``Any`` here
@@ -72,7 +72,6 @@ class JoinState:
     divide_by_initial_world_size: bool = True
     steps: int = 0  # notifications sent by this rank, i.e. steps it took inside the context
     shadowed: int = 0  # steps shadowed after joining
-    joined: bool = False
     context: int = 0  # which Join context of the job this is, the same on every rank (store keys)
     pending: Any = None  # the last LocalSGD step plan this rank sent
 
@@ -140,7 +139,6 @@ class DataParallelJoinHook(JoinHook):
         self._model = model
         state = model.join_state
         state.divide_by_initial_world_size = divide_by_initial_world_size
-        state.joined = False
         state.steps = state.shadowed = 0
         store = rendezvous_store()
         if store is not None:
@@ -154,7 +152,6 @@ class DataParallelJoinHook(JoinHook):
         model, state = self._model, self._model.join_state
         reducer, local_sgd = model.reducer, model.local_sgd
         assert reducer is not None
-        state.joined = True
         state.shadowed += 1
         watchdog = model.watchdog
         if watchdog is not None:
@@ -166,23 +163,13 @@ class DataParallelJoinHook(JoinHook):
             gradients, agree_first, average = (bool(value) for value in plan.tolist())
         if gradients:
             model.shadow_buffer_broadcast()  # the forward's, when the ranks still in broadcast buffers
-            reducer.synchronise_without_backward(self._shadow_plan())
+            reducer.synchronise_without_backward(model.step_plan(Participation.SHADOW))
         if local_sgd is not None and (agree_first or average):
             local_sgd.shadow_step(agree_first, average)
         if watchdog is not None:
             # torch's Join now all-reduces the count of the ranks still in: a wait the
             # watchdog cannot put a deadline on, so its thread watches it.
             watchdog.untimed_wait_started("the next step of the ranks still in (torch's Join loop)")
-
-    def _shadow_plan(self) -> StepPlan:
-        """A joined rank sends zeros, so the divisor matters only for the choice of collective, which
-        must be the others': an averaging one when they divide by the group's size, else a sum (they
-        divide by the ranks still in, fewer than the group now that this rank is out)."""
-        model = self._model
-        size = dist.get_world_size(model.join_process_group)
-        divisor = size if model.join_state.divide_by_initial_world_size else max(1, size - 1)
-        used_flags = model.options.find_unused_parameters or model.static_graph  # as the ranks still in (_plan)
-        return StepPlan.decide(Participation.SHADOW, used_flags, divisor)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters, buffers and LocalSGD schedule of the authoritative rank."""
@@ -205,7 +192,6 @@ class DataParallelJoinHook(JoinHook):
         broadcast_coalesced(tensors, group, authoritative, model.waiter, "Join's final broadcast of the model")
         if model.local_sgd is not None:
             model.local_sgd.adopt_schedule_of(dist.get_global_rank(group, authoritative))
-        state.joined = False
 
 
 class DataParallelJoin(Join):

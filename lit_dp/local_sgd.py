@@ -53,6 +53,7 @@ from lit_dp.gradients.broadcast import ddp_ignored, synced_buffers, synced_param
 from lit_dp.gradients.buckets import assign_group_by_size, megabytes_to_bytes
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
+from lit_dp.options import DEFAULT_BUCKET_MB
 
 # Paddle's AdaptiveLocalSGDOptimizer bounds the period to [1, 16].
 ADAPTIVE_MIN_LOCAL_STEPS = 1
@@ -90,7 +91,7 @@ class LocalSGD:
         adaptive: bool = False,
         min_local_steps: int = ADAPTIVE_MIN_LOCAL_STEPS,
         max_local_steps: int = ADAPTIVE_MAX_LOCAL_STEPS,
-        comm_buffer_size: float = 25,
+        comm_buffer_size: float = DEFAULT_BUCKET_MB,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         _check_count("local_steps", local_steps, 1)

@@ -207,7 +207,7 @@ def test_under_a_manager_each_forward_divides_by_the_replica_groups_of_its_quoru
 
     manager = _Quorum(0)
     model = lit_dp.DataParallel(nn.Linear(2, 2), manager=manager)
-    assert model._plan(Participation.SYNC).divisor == 1  # before the first quorum torchft says 0
+    assert model.step_plan(Participation.SYNC).divisor == 1  # before the first quorum torchft says 0
     manager.participants = 3  # the next step's quorum
-    assert model._plan(Participation.SYNC).divisor == 3
+    assert model.step_plan(Participation.SYNC).divisor == 3
     assert not model.will_sync_module_buffers()  # each replica group keeps its buffers

@@ -19,11 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from lit_dp.gradients.strides import shaped_like
 from lit_dp.gradients.waiting import UNWATCHED, CollectiveHangError, Waiter
-from lit_dp.options.comm_hooks import Hook, hook_name
+from lit_dp.options.comm_hooks import Hook, hook_name, named_hooks
 
 
 class GradBucket:
@@ -93,22 +92,18 @@ class CommHook:
         """Raise if the hook keeps per-bucket memory before synchronised ``step``, from which on the
         buckets no longer change (``comm_buffer_size="auto"`` rebuilds them until then).
 
-        PowerSGD's error feedback and warm start are tensors per ``index()``, created at its first
-        compressed step: a later layout hands it a bucket of another size. Only PowerSGD's state
-        is known here; other hooks with per-bucket state are the user's to check (see
-        docs/comm_hooks.md).
+        Each named hook declares whether its state keeps such memory (``NamedHook.bucket_memory``;
+        PowerSGD's error feedback and warm start do), whether it was chosen by name or its state
+        passed to ``register_comm_hook``. Other hooks with per-bucket state are the user's to check
+        (see docs/comm_hooks.md).
         """
-        state = self.state
-        if not isinstance(state, powerSGD_hook.PowerSGDState):
-            return
-        keeps_memory = state.use_error_feedback or state.warm_start
-        if keeps_memory and state.start_powerSGD_iter < step:
-            raise ValueError(
-                f"comm_buffer_size='auto' rebuilds the buckets until synchronised step {step}, but {self.name} "
-                f"with start_powerSGD_iter={state.start_powerSGD_iter} keeps per-bucket memory from its first "
-                f"compressed step: expected start_powerSGD_iter >= {step} (option powersgd.start_iter with comm_hook='powersgd'), "
-                "or a fixed comm_buffer_size."
-            )
+        for named in named_hooks():
+            why = named.bucket_memory(self.state, step) if named.bucket_memory is not None else None
+            if why is not None:
+                raise ValueError(
+                    f"comm_buffer_size='auto' rebuilds the buckets until synchronised step {step}, but {self.name} "
+                    f"{why}, or a fixed comm_buffer_size."
+                )
 
     def launch(
         self, index: int, count: int, gradients: torch.Tensor, params: list[nn.Parameter]

@@ -27,10 +27,15 @@ means no rank used it, so its ``.grad`` is left untouched); without, "missing he
 sum means some rank got no gradient, and every rank raises the same ``UnusedParametersError``).
 The flags cost no extra collective and compare only against zero, which is exact in every dtype.
 
-State: the layout (rebuilt as a whole, between steps), what accumulated since the last
-synchronisation, the armed step's progress (one object, None between steps), the ready order
-while it is being learnt, and the step counter. Nothing outside sets any of it: observers are
-told (``lit_dp.gradients.events``) and ask for bucket limits through ``request_bucket_limits``.
+State: eight fields change after construction. The layout (rebuilt as a whole, between steps)
+and the layout waiting to be applied at the next step's start; what accumulated since the last
+synchronisation; the armed step's progress (one ``_ArmedStep``, None between steps, which also
+counts ``static_graph``'s hooks in its backward); the ready order while it is being learnt; the
+step counter; the communication hook (registered once, before the first backward); and
+``static_graph``'s ``_StaticGraph`` (set before the first step, it learns in the first
+backward how many gradients each parameter gets). Besides them, a queue of earlier steps' flags
+not read yet (CUDA). Only the reducer's own methods set them: observers are told
+(``lit_dp.gradients.events``) and ask for bucket limits through ``request_bucket_limits``.
 """
 
 from __future__ import annotations
@@ -57,8 +62,18 @@ class _ArmedStep:
     """The progress of the step being synchronised: created when it is armed, dropped when it ends."""
 
     __slots__ = (
-        "plan", "step", "ready", "pending", "next_bucket", "started", "in_backward", "queued", "unreached", "partial"
-    )  # fmt: skip
+        "plan",
+        "step",
+        "ready",
+        "pending",
+        "next_bucket",
+        "started",
+        "in_backward",
+        "queued",
+        "unreached",
+        "partial",
+        "hook_counts",
+    )
 
     def __init__(self, plan: StepPlan, step: int, layout: BucketLayout, count: int) -> None:
         self.plan = plan
@@ -71,6 +86,16 @@ class _ArmedStep:
         self.queued = False  # the end-of-backward callback is queued on the autograd engine
         self.unreached: list[int] = []  # parameters this backward cannot reach (find_unused_parameters)
         self.partial: set[int] = set()  # buckets holding such parameters
+        self.hook_counts: list[int] = []  # static_graph: hooks fired per parameter in this backward
+
+
+class _StaticGraph:
+    """What ``static_graph`` learns in its first synchronised backward and holds from then on."""
+
+    __slots__ = ("expected_hooks",)
+
+    def __init__(self) -> None:
+        self.expected_hooks: list[int] | None = None  # hooks per parameter and backward, from the first
 
 
 class Reducer:
@@ -141,9 +166,7 @@ class Reducer:
         self._next_layout: tuple[list[int], tuple[int, int]] | None = None  # applied at the next step's start
         self._step = -1  # the synchronised step armed last
         self._pending_flags: list[PendingFlags] = []  # flags of earlier steps not read yet (CUDA)
-        self._static = static_graph
-        self._hook_counts = [0] * len(self._params)  # static_graph: hooks fired in this backward
-        self._expected_hooks: list[int] | None = None  # static_graph: hooks per backward, from the first
+        self._static = _StaticGraph() if static_graph else None
         self._end_of_backward_hook = self._make_output_hook()
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -206,7 +229,8 @@ class Reducer:
         """Turn ``static_graph`` on, before the first synchronised step (torch DDP's ``_set_static_graph``)."""
         if self._step >= 0:
             raise RuntimeError("lit_dp reducer: static_graph should be set before training loop starts.")
-        self._static = True
+        if self._static is None:
+            self._static = _StaticGraph()
 
     def register_comm_hook(self, comm_hook: CommHook) -> None:
         """Reduce dense buckets through ``comm_hook`` (see ``lit_dp.gradients.hooks``); once, before the first backward."""
@@ -240,9 +264,10 @@ class Reducer:
         for tensor in tensors_in(outputs):
             if tensor.requires_grad:
                 tensor.register_hook(self._end_of_backward_hook)
-        if self._static:
-            if self._expected_hooks is not None:  # no graph walk: the first step found them
-                armed.unreached = [i for i, count in enumerate(self._expected_hooks) if count == 0]
+        if self._static is not None:
+            expected = self._static.expected_hooks
+            if expected is not None:  # no graph walk: the first step found them
+                armed.unreached = [i for i, count in enumerate(expected) if count == 0]
                 armed.partial = {self._layout.bucket_of[i] for i in armed.unreached}
         elif plan.flags is FlagMeaning.USED:
             reached = reached_parameters(outputs)
@@ -271,9 +296,9 @@ class Reducer:
             self._rebuild(order, limits)
         if self._order is not None:
             self._order.clear()
-        if self._static:
-            self._hook_counts = [0] * len(self._params)
         self._armed = _ArmedStep(plan, self._step, self._layout, len(self._params))
+        if self._static is not None:
+            self._armed.hook_counts = [0] * len(self._params)
         return self._armed
 
     def _make_hook(self, index: int):
@@ -294,7 +319,7 @@ class Reducer:
         if self._factory.as_view:
             self._adopt_gradient(index)
         armed = self._armed
-        if armed is None or (self._static and not self._count_static_hook(armed, index)):
+        if armed is None or (self._static is not None and not self._count_static_hook(armed, index)):
             return
         ready = armed.ready
         if ready[index]:
@@ -324,9 +349,10 @@ class Reducer:
         step learns how many times each parameter's hook fires per backward (reentrant checkpointing
         fires it once per segment) and launches its buckets at the end of backward; later steps take
         a parameter as ready at its last expected gradient, as torch DDP's static graph does."""
-        counts = self._hook_counts
+        counts = armed.hook_counts
         counts[index] += 1
-        if self._expected_hooks is None:
+        expected_hooks = self._static.expected_hooks
+        if expected_hooks is None:
             if not armed.started:
                 armed.started = True
                 self._queue_end_of_backward()
@@ -335,7 +361,7 @@ class Reducer:
             if counts[index] == 1 and self._order is not None:
                 self._order.append(index)
             return False
-        expected = self._expected_hooks[index]
+        expected = expected_hooks[index]
         if counts[index] > expected:
             raise RuntimeError(
                 f"lit_dp reducer (static_graph=True): parameter {self._names[index]!r} received {counts[index]} "
@@ -436,8 +462,9 @@ class Reducer:
             bucket.write_back(self._factory.as_view, members)
         if self._order is not None:
             self._agree_on_ready_order(self._order)
-        if self._static and self._expected_hooks is None and plan.has_backward:
-            self._expected_hooks = list(self._hook_counts)
+        static = self._static
+        if static is not None and static.expected_hooks is None and plan.has_backward:
+            static.expected_hooks = armed.hook_counts
         self._armed = None
         for observer in self._observers:
             observer.step_ended(armed.step)

@@ -44,6 +44,14 @@ class NamedHook:
             with this hook, each with the reason the error gives.
         compress_wrapper: for a compression, the wrapper ``comm_dtype="<name>"`` puts around
             another hook (torch's ``fp16_compress_wrapper``); None otherwise.
+        stateless: True for a hook that keeps nothing from one step to the next and communicates
+            only on the process group it is given: fault tolerance accepts it, since a replica
+            group that joins later misses nothing (``lit_dp.options.fault_tolerance``).
+        bucket_memory: for a hook whose state keeps memory per bucket (``GradBucket.index()``),
+            ``bucket_memory(state, step)`` says why that state would keep it before synchronised
+            ``step``, from which on the buckets no longer change, and what to set instead; None
+            when it would not, or when ``state`` is not its kind (``comm_buffer_size="auto"``
+            rebuilds the buckets until then: ``lit_dp.gradients.hooks``).
     """
 
     name: str
@@ -53,6 +61,8 @@ class NamedHook:
     options: type | None = None
     conflicts: Mapping[str, str] = dataclasses.field(default_factory=dict)
     compress_wrapper: Callable[[Hook], Hook] | None = None
+    stateless: bool = False
+    bucket_memory: Callable[[Any, int], str | None] | None = None
 
 
 _REGISTRY: dict[str, NamedHook] = {}

@@ -20,6 +20,7 @@ def _half_precision(name: str, precision: str) -> NamedHook:
         describe=lambda options: hook.__name__,
         conflicts={"comm_dtype": "both compress to half precision; set one of them"},
         compress_wrapper=getattr(default_hooks, f"{name}_compress_wrapper"),
+        stateless=True,  # their state is the process group (None: the default one)
     )
 
 

@@ -13,13 +13,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Optional
 
+from lit_dp.options.comm_hooks import named_hooks
 from lit_dp.options.declare import STRATEGIES, count, flat_name, option, parse_timeout
 
 TORCHFT = "torchft"
 ENGINES = (TORCHFT,)
 UNDER_MANAGER = "DataParallel(manager=...)"
-# Named hooks that communicate on the group they are given and keep no state of their own.
-STATELESS_HOOKS = ("fp16", "bf16")
 
 
 def check_engine(name: str, value: Any) -> str | None:
@@ -119,6 +118,11 @@ def refuse_what_replicas_cannot_follow(options: Any, where: str, name: Callable[
     ``DataParallel(manager=...)``); ``name(path)`` spells an option (keyword spelling by default).
     """
     hook = options.comm_hook
+    # The named hooks that declare themselves stateless: they keep nothing between steps and
+    # communicate on the group they are given, so replica groups may come and go under them.
+    stateless = [named.name for named in named_hooks() if named.stateless]
+    expected = " or ".join(map(repr, stateless))
+    compressions = " or ".join(repr(named.name) for named in named_hooks() if named.stateless and named.compress_wrapper)
     refused = [
         (
             "sharding.stage",
@@ -134,11 +138,16 @@ def refuse_what_replicas_cannot_follow(options: Any, where: str, name: Callable[
         ),
         (
             "comm_hook",
-            hook is not None and hook not in STATELESS_HOOKS,
-            "PowerSGD keeps per-replica memory a recovering replica would not receive, and a callable hook may "
-            f"communicate on any group; expected {' or '.join(map(repr, STATELESS_HOOKS))} or None",
+            hook is not None and hook not in stateless,
+            "a named hook that keeps state between steps (PowerSGD's per-replica memory) leaves a recovering replica "
+            f"without it, and a callable hook may communicate on any group; expected {expected} or None",
         ),
-        ("comm_wrapper", options.comm_wrapper is not None, f"expected {name('comm_dtype')}='fp16' or 'bf16' instead"),
+        (
+            "comm_dtype",
+            options.comm_dtype is not None and options.comm_dtype not in stateless,
+            f"that compression keeps state between steps; expected {compressions} or None",
+        ),
+        ("comm_wrapper", options.comm_wrapper is not None, f"expected {name('comm_dtype')}={compressions} instead"),
         (
             "local_sgd.steps",
             options.local_sgd.steps is not None,

@@ -53,6 +53,20 @@ def _describe(options: PowerSGDOptions) -> str:
     return f"powerSGD_hook(rank={rank},start_iter={options.start_iter or DEFAULT_START_ITER})"
 
 
+def _bucket_memory(state: object, step: int) -> str | None:
+    """Error feedback and warm start are tensors per ``index()``, created at the first compressed
+    step: a later bucket layout would hand them a bucket of another size."""
+    if not isinstance(state, powerSGD_hook.PowerSGDState):
+        return None
+    keeps_memory = state.use_error_feedback or state.warm_start
+    if not keeps_memory or state.start_powerSGD_iter >= step:
+        return None
+    return (
+        f"with start_powerSGD_iter={state.start_powerSGD_iter} keeps per-bucket memory from its first compressed "
+        f"step: expected start_powerSGD_iter >= {step} (option powersgd.start_iter with comm_hook='powersgd')"
+    )
+
+
 POWERSGD = register_named_hook(
     NamedHook(
         name="powersgd",
@@ -60,5 +74,6 @@ POWERSGD = register_named_hook(
         build=_build,
         describe=_describe,
         options=PowerSGDOptions,
+        bucket_memory=_bucket_memory,
     )
 )

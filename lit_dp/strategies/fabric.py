@@ -124,6 +124,12 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        log.debug(
+            "%s: setting up %s%s",
+            type(self).__name__,
+            type(optimizer).__name__,
+            "; its state is sent to a recovering replica group" if self._fault_tolerance is not None else "",
+        )
         sharded = self._shard(optimizer, self._wrapped)
         if self._fault_tolerance is not None:
             self._fault_tolerance.optimizers.append(sharded)

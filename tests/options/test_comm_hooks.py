@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from lit_dp.options import NamedHook, Options, register_named_hook
+from lit_dp.options import TRAINER, NamedHook, Options, register_named_hook
+from lit_dp.options import comm_hooks
 from lit_dp.options.comm_hooks import named_hooks
 from tests.helpers.distributed import run_ranks
 from tests.helpers.models import MODELS, batch, loss, shard
@@ -43,6 +44,53 @@ def test_a_registration_is_refused_before_it_takes_effect(hook, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         register_named_hook(hook)
     assert hook.name not in [registered.name for registered in named_hooks() if registered is hook]
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """A copy of the registry for one test: the runner's generated docs list lit_dp's hooks only."""
+    monkeypatch.setattr(comm_hooks, "_REGISTRY", dict(comm_hooks._REGISTRY))
+
+
+def _declared(name: str, **properties) -> NamedHook:
+    return register_named_hook(NamedHook(name, "a test's hook", lambda o: (None, None), lambda o: name, **properties))
+
+
+def test_fault_tolerance_accepts_a_named_hook_by_what_it_declares(registry):
+    _declared("quiet", stateless=True)
+    _declared("chatty")
+    accepted = Options.build({"fault_tolerance": "torchft", "comm_hook": "quiet"}, TRAINER)
+    assert accepted.comm_hook == "quiet"
+    with pytest.raises(ValueError, match=r"comm_hook='chatty' with fault_tolerance='torchft' is not supported: .*"
+                       r"expected 'fp16' or 'bf16' or 'quiet' or None"):
+        Options.build({"fault_tolerance": "torchft", "comm_hook": "chatty"}, TRAINER)
+    with pytest.raises(ValueError, match="comm_hook='powersgd' with fault_tolerance='torchft' is not supported"):
+        Options.build({"fault_tolerance": "torchft", "comm_hook": "powersgd"}, TRAINER)
+
+
+class _PerBucket:
+    """A hook state with memory per bucket from ``start``."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+
+def test_a_hook_declaring_per_bucket_memory_needs_the_buckets_settled_first(registry):
+    from lit_dp import DataParallel, ParallelEnv, init_parallel_env
+    from lit_dp.observability.autotune import settled_step
+
+    def early(state, step):
+        if isinstance(state, _PerBucket) and state.start < step:
+            return f"keeps memory from step {state.start}: expected a start >= {step}"
+        return None
+
+    _declared("per_bucket", bucket_memory=early)
+    init_parallel_env(parallel_env=ParallelEnv({}), backend="gloo", one_process_group=True)
+    hook = lambda state, bucket: None  # noqa: E731 - never called: registration is refused first
+    with pytest.raises(ValueError, match=rf"keeps memory from step 2: expected a start >= {settled_step()}, or a fixed"):
+        DataParallel(MODELS["tied"](), comm_buffer_size="auto").register_comm_hook(_PerBucket(2), hook)
+    DataParallel(MODELS["tied"](), comm_buffer_size="auto").register_comm_hook(_PerBucket(settled_step()), hook)
+    DataParallel(MODELS["tied"](), comm_buffer_size=5).register_comm_hook(_PerBucket(2), hook)
 
 
 def train_with_a_new_named_hook(rank, output_dir):

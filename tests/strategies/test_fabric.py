@@ -141,6 +141,7 @@ def test_debug_log_shows_each_step_of_setup_and_teardown(caplog):
             "PaddleDPStrategy: creating the process group: rank 0 of 1",
             "PaddleDPStrategy: wrapping Net in lit_dp.DataParallel with Options(",
             "PaddleDPStrategy: no hang watchdog (hang_timeout=None, world size 1)",
+            "PaddleDPStrategy: setting up SGD",
             "PaddleDPStrategy: sharding.stage=1: SGD rebuilt over this rank's parameters",
             "PaddleDPStrategy: tearing down strategy",
             "PaddleDPStrategy: leaving the process group alive, as \"ddp\" does",
