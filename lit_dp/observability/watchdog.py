@@ -93,7 +93,10 @@ class HangWatchdog(ReducerObserver):
         store: dist.Store,
         directory: str | None,
         device: torch.device,
+        given: bool = False,
     ) -> None:
+        group_seconds = group_timeout(reducer.group, device)
+        hang_timeout = deadline_below(hang_timeout, given, group_seconds)
         self.directory = directory or os.getcwd()
         # Weak: the reducer holds this watchdog (observer, waiter); a cycle would keep its process
         # group, and so rank 0's rendezvous port, alive after the group is destroyed.
@@ -115,7 +118,7 @@ class HangWatchdog(ReducerObserver):
         self._reply_seconds = min(30.0, max(3.0, hang_timeout / 10))
         # How long a rank's main thread gets to end by its own exception after the verdict.
         self._grace = min(30.0, max(5.0, hang_timeout / 10))
-        self._long_timeout = max(hang_timeout, LONG_DEADLINE_SHARE * group_timeout(reducer.group, device))
+        self._long_timeout = max(hang_timeout, LONG_DEADLINE_SHARE * group_seconds)
         self._step = -1
         self._step_starts: deque[tuple[float, int]] = deque(maxlen=16)  # (time, step): names a bucket on NCCL
         self._participation: Participation | None = None  # of the step being synchronised
@@ -140,14 +143,21 @@ class HangWatchdog(ReducerObserver):
 
     @classmethod
     def start(
-        cls, reducer: Reducer, hang_timeout: float, directory: str | None = None, device: torch.device | None = None
+        cls,
+        reducer: Reducer,
+        hang_timeout: float,
+        directory: str | None = None,
+        device: torch.device | None = None,
+        *,
+        given: bool = False,
     ) -> HangWatchdog | None:
         """Subscribe a watchdog to ``reducer``, set its waiter's deadlines and start its thread;
-        None without a rendezvous store."""
+        None without a rendezvous store. ``given``: the user chose ``hang_timeout`` (it is kept,
+        or refused when the process group would time out first); else it came from "auto"."""
         store = rendezvous_store()
         if store is None:
             return None
-        watchdog = cls(reducer, hang_timeout, store, directory, device or torch.device("cpu"))
+        watchdog = cls(reducer, hang_timeout, store, directory, device or torch.device("cpu"), given)
         reducer.add_observer(watchdog)
         thread = threading.Thread(
             target=_watch, args=(weakref.ref(watchdog), watchdog._stop, watchdog._poll_seconds), daemon=True
@@ -418,6 +428,24 @@ class HangWatchdog(ReducerObserver):
         """The store is gone: after an alarm, the job is being ended; before, it is over."""
         if self._answered:
             self._end("lit_dp hang watchdog: the job was declared hung and its rendezvous store is gone.", [], False)
+
+
+def deadline_below(hang_timeout: float, given: bool, group_seconds: float) -> float:
+    """``hang_timeout``, which must be below the process group's timeout (``group_seconds``): past
+    that the group's own timeout fires first and ends the job with no diagnosis. A given value is
+    refused there, never changed; "auto"'s 300 s becomes half of a shorter group timeout (as it does
+    for a shorter ``timeout`` option: PADDLE_PG_TIMEOUT, or a group the user created)."""
+    if hang_timeout < group_seconds:
+        return hang_timeout
+    if not given:
+        return group_seconds / 2
+    raise ValueError(
+        f"hang_timeout={hang_timeout:g} is invalid: the process group's timeout is {group_seconds:g}s, so it would "
+        f"time out first, without the diagnosis; expected a hang_timeout below {group_seconds:g} (e.g. "
+        f"{group_seconds / 2:g}), 'auto' (300, or half of a shorter group timeout), None (no watchdog), or a longer "
+        "process-group timeout (the strategy's timeout option, PADDLE_PG_TIMEOUT in milliseconds, or "
+        "init_process_group(timeout=...))."
+    )
 
 
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> float:

@@ -27,6 +27,7 @@ import lit_dp
 from lit_dp.gradients.waiting import CollectiveHangError, Waiter
 from lit_dp.observability.hang_report import FLIGHT_RECORDER_PREFIX, behind_lines, describe_rank, furthest_bucket
 from lit_dp.observability.watchdog import HANG_DIRECTORY, LONG_DEADLINE_SHARE
+from tests.helpers.distributed import run_ranks
 from tests.helpers.jobs import run_job
 
 HANG_TIMEOUT = 2.0
@@ -163,6 +164,34 @@ def test_the_summary_names_who_is_behind_who_is_silent_and_who_is_busy():
     assert furthest_bucket({1: {"step": 6, "launched": 1, "buckets": 6}}, 7) is None
     busy = {"host": "h", "pid": 1, "step": 7, "launched": 2, "buckets": 6, "state": "outside", "phase": "eval"}
     assert "in phase 'eval'; at x.py:3" in describe_rank(1, {**busy, "where": "x.py:3"}, 3.0)
+
+
+# -- the deadline against the process group's own timeout --------------------------------------
+
+
+def watchdog_deadlines_under_a_30s_group(rank: int) -> dict[str, object]:
+    """A group made with a 30 s timeout (as PADDLE_PG_TIMEOUT=30000 or torch's own init would):
+    a given hang_timeout at or above it is refused, "auto" stays under it."""
+    lit_dp.init_parallel_env(timeout=30)
+    outcome: dict[str, object] = {}
+    for given in (30, 3600):
+        try:
+            lit_dp.DataParallel(nn.Linear(6, 3), hang_timeout=given)
+        except ValueError as error:
+            outcome[f"refused {given}"] = str(error)
+    outcome["kept"] = lit_dp.DataParallel(nn.Linear(6, 3), hang_timeout=20).watchdog.hang_timeout
+    outcome["auto"] = lit_dp.DataParallel(nn.Linear(6, 3)).watchdog.hang_timeout
+    return outcome
+
+
+def test_a_given_hang_timeout_at_or_above_the_process_groups_timeout_is_refused_and_auto_stays_below_it():
+    outcomes = run_ranks(watchdog_deadlines_under_a_30s_group, 2, timeout=120)
+    for rank, outcome in outcomes.items():
+        for given in (30, 3600):
+            message = outcome.get(f"refused {given}", "")
+            assert f"hang_timeout={given} is invalid: the process group's timeout is 30s" in message, (rank, outcome)
+            assert "'auto'" in message and "None" in message and "longer process-group timeout" in message, message
+        assert outcome["kept"] == 20 and outcome["auto"] == 15, (rank, outcome)
 
 
 # -- the protocol, on real processes ------------------------------------------------------------
