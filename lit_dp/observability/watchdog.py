@@ -218,7 +218,7 @@ class HangWatchdog(ReducerObserver):
         self._participation = None
         if step == WARMUP_STEPS - 1:
             # Every rank took part in this step's collectives, after its first optimizer step.
-            self._waiter.deadline = self._timeout
+            self._waiter.end_warmup(self._timeout)
             log.debug("lit_dp hang watchdog: warm-up over at step %d, deadline %gs", step, self._timeout)
 
     @override
@@ -237,6 +237,7 @@ class HangWatchdog(ReducerObserver):
     def untimed_wait_started(self, what: str) -> None:
         """The main thread enters a wait with no deadline of ours (torch's Join loop): the thread watches it."""
         self._waiter.leave(self._untimed)
+        self._untimed = None  # entering raises once the job was declared hung
         self._untimed = self._waiter.enter(what)
 
     def untimed_wait_ended(self) -> None:
@@ -262,7 +263,7 @@ class HangWatchdog(ReducerObserver):
         except _STORE_ERRORS:
             return False
         if busy:
-            self._waiter.excused_since = time.monotonic()
+            self._waiter.excuse(time.monotonic())
         return busy
 
     def _diagnose(self, what: str, since: float) -> tuple[str, list[int]]:
@@ -384,7 +385,7 @@ class HangWatchdog(ReducerObserver):
                 return
             self._ending = True
         verdict = f"lit_dp hang watchdog: rank {self._rank} ends, the job was declared hung.\n{summary}"
-        self._waiter.verdict = verdict  # a wait of this rank's raises it at its next slice
+        self._waiter.declare(verdict)  # a wait of this rank's raises it at its next slice
         registered = []
         for rank in silent:
             try:
@@ -409,7 +410,7 @@ class HangWatchdog(ReducerObserver):
             self._await_verdict(store, now)
             return
         if some_rank_busy(store):
-            self._waiter.excused_since = now
+            self._waiter.excuse(now)
         stale = self._waiter.overdue(now)
         if stale is not None and not self._excused():
             summary, silent = self._diagnose(stale.what, stale.since)

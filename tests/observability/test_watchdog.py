@@ -141,7 +141,7 @@ def test_only_the_oldest_collective_is_judged_and_its_clock_starts_when_the_one_
     first.on_device = False
     assert waiter.overdue(start + 11) is None  # "second" waited behind "first": its clock starts now
     assert waiter.overdue(start + 22).what == "second"
-    waiter.excused_since = start + 12  # some rank was in a known phase meanwhile: the long deadline
+    waiter.excuse(start + 12)  # some rank was in a known phase meanwhile: the long deadline
     assert waiter.overdue(start + 22) is None
     assert waiter.overdue(start + 112).what == "second"
 
@@ -174,7 +174,7 @@ def test_a_bounded_wait_calls_the_hang_past_the_deadline_goes_on_when_excused_an
     def on_hang(what: str, since: float) -> None:
         calls.append(what)
         if len(calls) == 1:
-            waiter.excused_since = time.monotonic()  # excused: the wait goes on with the long deadline
+            waiter.excuse(time.monotonic())  # excused: the wait goes on with the long deadline
             return
         raise CollectiveHangError("diagnosed")
 
@@ -186,9 +186,13 @@ def test_a_bounded_wait_calls_the_hang_past_the_deadline_goes_on_when_excused_an
     assert calls == ["stuck", "stuck"]
     with pytest.raises(RuntimeError, match="Connection reset"):
         waiter.wait(GlooWork(finishes_after=0.1, fails=True), "failing")  # a failure is not a hang
-    waiter.verdict = "the job was declared hung"
+    waiter.declare("the job was declared hung")
     with pytest.raises(CollectiveHangError, match="declared hung"):
         waiter.wait(GlooWork(finishes_after=30), "after the verdict")
+    # A collective lit_dp only watches (the strategy's barrier at teardown) is not entered either.
+    with pytest.raises(CollectiveHangError, match="declared hung"):
+        with waiter.outside("barrier"):
+            pytest.fail("a barrier after the verdict would block until the hard exit")
 
 
 def test_the_summary_names_who_is_behind_who_is_silent_and_who_is_busy():
