@@ -319,7 +319,9 @@ class DataParallel(nn.Module, Joinable):
             )
         elif watched:
             # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).
-            self._watchdog = HangWatchdog.start(reducer, options.hang_timeout, directory=options.trace.dir, device=device)
+            self._watchdog = HangWatchdog.start(
+                reducer, options.hang_timeout, directory=options.trace.dir, device=device, given=options.hang_timeout_given
+            )
         log.debug(
             "lit_dp.DataParallel: observers: comm_stats=%s trace=%s autotune=%s hang watchdog=%s",
             self._stats is not None, self._trace is not None, self._tuner is not None, self._watchdog is not None,

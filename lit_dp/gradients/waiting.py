@@ -88,9 +88,9 @@ class Waiter:
         self.slice = 1.0  # seconds a bounded wait blocks before it looks at the verdict and the clock
         self.device: torch.device | None = None  # where the collectives' results live (CUDA: events)
         self.waiting: tuple[str, float] | None = None
-        # time.monotonic() when a peer was last seen in a known phase (written by the watchdog's thread).
+        # time.monotonic() when a peer was last seen in a known phase (``excuse``, from the watchdog's thread).
         self.excused_since = -float("inf")
-        self.verdict: str | None = None  # the diagnosis, once the job was declared hung
+        self.verdict: str | None = None  # the diagnosis, once the job was declared hung (``declare``)
         self._on_hang: Callable[[str, float], None] | None = None
         self._in_flight: deque[InFlight] = deque()
         self._lock = threading.Lock()
@@ -114,6 +114,18 @@ class Waiter:
         self.deadline, self._on_hang, self.bounded = deadline, on_hang, bounded
         self.long_deadline = max(deadline, long_deadline or deadline)
         self.device, self.slice = device, slice_seconds
+
+    def end_warmup(self, deadline: float) -> None:
+        """Warm-up is over: waits started from now on are hangs past ``deadline`` seconds."""
+        self.deadline = deadline
+
+    def excuse(self, now: float) -> None:
+        """A peer was seen in a known phase at ``now``: a wait overlapping it gets the long deadline."""
+        self.excused_since = now
+
+    def declare(self, verdict: str) -> None:
+        """The job was declared hung: every wait, and every wait being entered, raises ``verdict``."""
+        self.verdict = verdict
 
     def wait(self, work: dist.Work, what: str = "") -> None:
         if self.deadline is None:
@@ -163,6 +175,9 @@ class Waiter:
         """The calling thread enters a wait lit_dp cannot bound itself (``outside``, as two calls)."""
         if self.deadline is None:
             return None
+        # After the verdict a collective would block until the hard exit (a strategy's barrier
+        # at teardown): the verdict is raised at once instead.
+        self._raise_verdict()
         since = time.monotonic()
         self.waiting = (what, since)
         return self._start_record(what, since, _inside)

@@ -93,7 +93,10 @@ class HangWatchdog(ReducerObserver):
         store: dist.Store,
         directory: str | None,
         device: torch.device,
+        given: bool = False,
     ) -> None:
+        group_seconds = group_timeout(reducer.group, device)
+        hang_timeout = deadline_below(hang_timeout, given, group_seconds)
         self.directory = directory or os.getcwd()
         # Weak: the reducer holds this watchdog (observer, waiter); a cycle would keep its process
         # group, and so rank 0's rendezvous port, alive after the group is destroyed.
@@ -115,7 +118,7 @@ class HangWatchdog(ReducerObserver):
         self._reply_seconds = min(30.0, max(3.0, hang_timeout / 10))
         # How long a rank's main thread gets to end by its own exception after the verdict.
         self._grace = min(30.0, max(5.0, hang_timeout / 10))
-        self._long_timeout = max(hang_timeout, LONG_DEADLINE_SHARE * group_timeout(reducer.group, device))
+        self._long_timeout = max(hang_timeout, LONG_DEADLINE_SHARE * group_seconds)
         self._step = -1
         self._step_starts: deque[tuple[float, int]] = deque(maxlen=16)  # (time, step): names a bucket on NCCL
         self._participation: Participation | None = None  # of the step being synchronised
@@ -140,14 +143,21 @@ class HangWatchdog(ReducerObserver):
 
     @classmethod
     def start(
-        cls, reducer: Reducer, hang_timeout: float, directory: str | None = None, device: torch.device | None = None
+        cls,
+        reducer: Reducer,
+        hang_timeout: float,
+        directory: str | None = None,
+        device: torch.device | None = None,
+        *,
+        given: bool = False,
     ) -> HangWatchdog | None:
         """Subscribe a watchdog to ``reducer``, set its waiter's deadlines and start its thread;
-        None without a rendezvous store."""
+        None without a rendezvous store. ``given``: the user chose ``hang_timeout`` (it is kept,
+        or refused when the process group would time out first); else it came from "auto"."""
         store = rendezvous_store()
         if store is None:
             return None
-        watchdog = cls(reducer, hang_timeout, store, directory, device or torch.device("cpu"))
+        watchdog = cls(reducer, hang_timeout, store, directory, device or torch.device("cpu"), given)
         reducer.add_observer(watchdog)
         thread = threading.Thread(
             target=_watch, args=(weakref.ref(watchdog), watchdog._stop, watchdog._poll_seconds), daemon=True
@@ -208,7 +218,7 @@ class HangWatchdog(ReducerObserver):
         self._participation = None
         if step == WARMUP_STEPS - 1:
             # Every rank took part in this step's collectives, after its first optimizer step.
-            self._waiter.deadline = self._timeout
+            self._waiter.end_warmup(self._timeout)
             log.debug("lit_dp hang watchdog: warm-up over at step %d, deadline %gs", step, self._timeout)
 
     @override
@@ -227,6 +237,7 @@ class HangWatchdog(ReducerObserver):
     def untimed_wait_started(self, what: str) -> None:
         """The main thread enters a wait with no deadline of ours (torch's Join loop): the thread watches it."""
         self._waiter.leave(self._untimed)
+        self._untimed = None  # entering raises once the job was declared hung
         self._untimed = self._waiter.enter(what)
 
     def untimed_wait_ended(self) -> None:
@@ -252,7 +263,7 @@ class HangWatchdog(ReducerObserver):
         except _STORE_ERRORS:
             return False
         if busy:
-            self._waiter.excused_since = time.monotonic()
+            self._waiter.excuse(time.monotonic())
         return busy
 
     def _diagnose(self, what: str, since: float) -> tuple[str, list[int]]:
@@ -374,7 +385,7 @@ class HangWatchdog(ReducerObserver):
                 return
             self._ending = True
         verdict = f"lit_dp hang watchdog: rank {self._rank} ends, the job was declared hung.\n{summary}"
-        self._waiter.verdict = verdict  # a wait of this rank's raises it at its next slice
+        self._waiter.declare(verdict)  # a wait of this rank's raises it at its next slice
         registered = []
         for rank in silent:
             try:
@@ -399,7 +410,7 @@ class HangWatchdog(ReducerObserver):
             self._await_verdict(store, now)
             return
         if some_rank_busy(store):
-            self._waiter.excused_since = now
+            self._waiter.excuse(now)
         stale = self._waiter.overdue(now)
         if stale is not None and not self._excused():
             summary, silent = self._diagnose(stale.what, stale.since)
@@ -418,6 +429,24 @@ class HangWatchdog(ReducerObserver):
         """The store is gone: after an alarm, the job is being ended; before, it is over."""
         if self._answered:
             self._end("lit_dp hang watchdog: the job was declared hung and its rendezvous store is gone.", [], False)
+
+
+def deadline_below(hang_timeout: float, given: bool, group_seconds: float) -> float:
+    """``hang_timeout``, which must be below the process group's timeout (``group_seconds``): past
+    that the group's own timeout fires first and ends the job with no diagnosis. A given value is
+    refused there, never changed; "auto"'s 300 s becomes half of a shorter group timeout (as it does
+    for a shorter ``timeout`` option: PADDLE_PG_TIMEOUT, or a group the user created)."""
+    if hang_timeout < group_seconds:
+        return hang_timeout
+    if not given:
+        return group_seconds / 2
+    raise ValueError(
+        f"hang_timeout={hang_timeout:g} is invalid: the process group's timeout is {group_seconds:g}s, so it would "
+        f"time out first, without the diagnosis; expected a hang_timeout below {group_seconds:g} (e.g. "
+        f"{group_seconds / 2:g}), 'auto' (300, or half of a shorter group timeout), None (no watchdog), or a longer "
+        "process-group timeout (the strategy's timeout option, PADDLE_PG_TIMEOUT in milliseconds, or "
+        "init_process_group(timeout=...))."
+    )
 
 
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> float:

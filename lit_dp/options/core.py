@@ -161,8 +161,8 @@ class Options:
     hang_timeout: Any = option(
         default=AUTO,
         help="seconds a lit_dp collective may wait (after the first steps) before the job ends naming the stuck "
-        "rank, with every rank's stack in <log dir>/lit_dp_hang; auto: 300, or half of a shorter timeout; a "
-        "number given must be below timeout; None: off",
+        "rank, with every rank's stack in <log dir>/lit_dp_hang; auto: 300, or half of a shorter process-group "
+        "timeout; a number given must be below that timeout (else refused); None: off",
         check=_hang_timeout,
         scope=EVERYWHERE,
         config=Any,
@@ -221,6 +221,9 @@ class Options:
     hooks: dict[str, Any] = dataclasses.field(
         default_factory=lambda: {hook.name: hook.options() for hook in named_hooks() if hook.options is not None}
     )
+    # Not an option: whether hang_timeout was given as a number (the watchdog then keeps it or
+    # refuses it against the process group's own timeout) or resolved from "auto". Read only.
+    hang_timeout_given: bool = dataclasses.field(default=False, metadata={"derived": True})
 
     @classmethod
     def build(cls, given: Mapping[str, Any], scope: str, prefix: str = "", *, nested: bool = False) -> Options:
@@ -251,6 +254,8 @@ class Options:
             short = None if timeout is None else parse_timeout("timeout", timeout).total_seconds() / 2
             values["hang_timeout"] = DEFAULT_HANG_TIMEOUT if short is None else min(DEFAULT_HANG_TIMEOUT, short)
         options = cls._compose(values)
+        if "hang_timeout" in written and written["hang_timeout"][1] not in (AUTO, None):
+            options = options.replace(hang_timeout_given=True)
         options._check_combinations(lambda path: written[path][0] if path in written else prefix + names.spell(path))
         return options
 
@@ -361,7 +366,7 @@ def declared_options(scope: str | None = None) -> list[Declared]:
     for field in dataclasses.fields(Options):
         if is_group(field):
             declared += [Declared(f"{field.name}.{member.name}", member) for member in dataclasses.fields(field.metadata["group"])]
-        elif field.name != "hooks":
+        elif field.name != "hooks" and not field.metadata.get("derived"):
             declared.append(Declared(field.name, field))
     fields = {field.name: field for field in dataclasses.fields(Options)}
     for hook in named_hooks():

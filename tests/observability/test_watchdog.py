@@ -18,6 +18,7 @@ import pickle
 import signal
 import time
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ from torch import nn
 import lit_dp
 from lit_dp.gradients.waiting import CollectiveHangError, Waiter
 from lit_dp.observability.hang_report import FLIGHT_RECORDER_PREFIX, behind_lines, describe_rank, furthest_bucket
-from lit_dp.observability.watchdog import HANG_DIRECTORY, LONG_DEADLINE_SHARE
+from lit_dp.observability.watchdog import HANG_DIRECTORY, LONG_DEADLINE_SHARE, HangWatchdog
+from tests.helpers.distributed import run_ranks
 from tests.helpers.jobs import run_job
 
 HANG_TIMEOUT = 2.0
@@ -80,6 +82,54 @@ def test_on_nccl_a_collective_whose_future_is_done_is_pending_until_the_device_c
     assert waiter.oldest_in_flight() is None
 
 
+class DeviceEvent:
+    """A CUDA event as torch's behaves: recorded on a stream, ``query()`` is False until the
+    device has run the stream up to it (here: until ``reached`` is set)."""
+
+    recorded: list[DeviceEvent] = []
+
+    def __init__(self) -> None:
+        self.stream = None
+        self.reached = False
+        DeviceEvent.recorded.append(self)
+
+    def record(self, stream: object) -> None:
+        self.stream = stream
+
+    def query(self) -> bool:
+        return self.reached
+
+
+def test_on_cuda_a_wait_leaves_an_event_which_says_when_the_device_completed_and_keeps_no_work(monkeypatch):
+    DeviceEvent.recorded.clear()
+    monkeypatch.setattr(torch.cuda, "Event", DeviceEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"current stream of {device}")
+    waiter = Waiter()
+    waiter.watch(10.0, never_called, bounded=False, device=torch.device("cuda", 0))
+    work = EnqueuedWork()
+    waiter.wait(work, "bucket 0")
+    (event,) = DeviceEvent.recorded
+    assert event.stream == "current stream of cuda:0"
+    now = time.monotonic()
+    work.on_device = False  # the work is no longer asked (it would hold its gradients): the event is
+    assert waiter.overdue(now + 11).what == "bucket 0"
+    event.reached = True
+    assert waiter.overdue(now + 11) is None
+    # A communication hook's future (done at enqueue on NCCL) is judged by an event after its wait too.
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result("reduced")
+    assert waiter.wait_future(future, "comm hook") == "reduced"
+    hook_event = DeviceEvent.recorded[-1]
+    assert waiter.overdue(time.monotonic() + 11).what == "comm hook"
+    hook_event.reached = True
+    assert waiter.oldest_in_flight() is None
+    # A work the device completed before the wait returned leaves no event.
+    finished = EnqueuedWork()
+    finished.on_device = False
+    waiter.wait(finished, "bucket 1")
+    assert len(DeviceEvent.recorded) == 2 and waiter.oldest_in_flight() is None
+
+
 def test_only_the_oldest_collective_is_judged_and_its_clock_starts_when_the_one_before_completed():
     waiter = Waiter()
     waiter.watch(10.0, never_called, bounded=False, long_deadline=100.0)
@@ -91,7 +141,7 @@ def test_only_the_oldest_collective_is_judged_and_its_clock_starts_when_the_one_
     first.on_device = False
     assert waiter.overdue(start + 11) is None  # "second" waited behind "first": its clock starts now
     assert waiter.overdue(start + 22).what == "second"
-    waiter.excused_since = start + 12  # some rank was in a known phase meanwhile: the long deadline
+    waiter.excuse(start + 12)  # some rank was in a known phase meanwhile: the long deadline
     assert waiter.overdue(start + 22) is None
     assert waiter.overdue(start + 112).what == "second"
 
@@ -124,7 +174,7 @@ def test_a_bounded_wait_calls_the_hang_past_the_deadline_goes_on_when_excused_an
     def on_hang(what: str, since: float) -> None:
         calls.append(what)
         if len(calls) == 1:
-            waiter.excused_since = time.monotonic()  # excused: the wait goes on with the long deadline
+            waiter.excuse(time.monotonic())  # excused: the wait goes on with the long deadline
             return
         raise CollectiveHangError("diagnosed")
 
@@ -136,9 +186,13 @@ def test_a_bounded_wait_calls_the_hang_past_the_deadline_goes_on_when_excused_an
     assert calls == ["stuck", "stuck"]
     with pytest.raises(RuntimeError, match="Connection reset"):
         waiter.wait(GlooWork(finishes_after=0.1, fails=True), "failing")  # a failure is not a hang
-    waiter.verdict = "the job was declared hung"
+    waiter.declare("the job was declared hung")
     with pytest.raises(CollectiveHangError, match="declared hung"):
         waiter.wait(GlooWork(finishes_after=30), "after the verdict")
+    # A collective lit_dp only watches (the strategy's barrier at teardown) is not entered either.
+    with pytest.raises(CollectiveHangError, match="declared hung"):
+        with waiter.outside("barrier"):
+            pytest.fail("a barrier after the verdict would block until the hard exit")
 
 
 def test_the_summary_names_who_is_behind_who_is_silent_and_who_is_busy():
@@ -163,6 +217,34 @@ def test_the_summary_names_who_is_behind_who_is_silent_and_who_is_busy():
     assert furthest_bucket({1: {"step": 6, "launched": 1, "buckets": 6}}, 7) is None
     busy = {"host": "h", "pid": 1, "step": 7, "launched": 2, "buckets": 6, "state": "outside", "phase": "eval"}
     assert "in phase 'eval'; at x.py:3" in describe_rank(1, {**busy, "where": "x.py:3"}, 3.0)
+
+
+# -- the deadline against the process group's own timeout --------------------------------------
+
+
+def watchdog_deadlines_under_a_30s_group(rank: int) -> dict[str, object]:
+    """A group made with a 30 s timeout (as PADDLE_PG_TIMEOUT=30000 or torch's own init would):
+    a given hang_timeout at or above it is refused, "auto" stays under it."""
+    lit_dp.init_parallel_env(timeout=30)
+    outcome: dict[str, object] = {}
+    for given in (30, 3600):
+        try:
+            lit_dp.DataParallel(nn.Linear(6, 3), hang_timeout=given)
+        except ValueError as error:
+            outcome[f"refused {given}"] = str(error)
+    outcome["kept"] = lit_dp.DataParallel(nn.Linear(6, 3), hang_timeout=20).watchdog.hang_timeout
+    outcome["auto"] = lit_dp.DataParallel(nn.Linear(6, 3)).watchdog.hang_timeout
+    return outcome
+
+
+def test_a_given_hang_timeout_at_or_above_the_process_groups_timeout_is_refused_and_auto_stays_below_it():
+    outcomes = run_ranks(watchdog_deadlines_under_a_30s_group, 2, timeout=120)
+    for rank, outcome in outcomes.items():
+        for given in (30, 3600):
+            message = outcome.get(f"refused {given}", "")
+            assert f"hang_timeout={given} is invalid: the process group's timeout is 30s" in message, (rank, outcome)
+            assert "'auto'" in message and "None" in message and "longer process-group timeout" in message, message
+        assert outcome["kept"] == 20 and outcome["auto"] == 15, (rank, outcome)
 
 
 # -- the protocol, on real processes ------------------------------------------------------------
@@ -237,6 +319,38 @@ def test_a_wait_in_torchs_join_loop_is_watched_by_the_thread_and_both_ranks_end(
         assert end.ok is False or (end.ok is None and end.exitcode == 1), (rank, end)
     hang_started = max(end.ended_at for end in ends.values()) - ENDS_WITHIN
     assert (tmp_path / HANG_DIRECTORY / "rank1.txt").stat().st_mtime > hang_started, "ended long after the diagnosis"
+
+
+def stuck_on_the_device_path(rank: int, directory: str) -> None:
+    """As ``sleep_or_hold_the_gil``'s sleeper, with the watchdog built as on an NCCL group: its
+    waits unbounded, judged by the thread from the works' completion. Gloo's ``get_backend`` is
+    made to answer "nccl" for the watchdog only (the reducer must keep Gloo's reduction)."""
+    lit_dp.init_parallel_env()
+    built_as_on_gloo = HangWatchdog.__init__
+
+    def built_as_on_nccl(*args, **kwargs) -> None:
+        with mock.patch.object(torch.distributed, "get_backend", return_value="nccl"):
+            built_as_on_gloo(*args, **kwargs)
+
+    with mock.patch.object(HangWatchdog, "__init__", built_as_on_nccl):
+        model = lit_dp.DataParallel(nn.Linear(6, 3), hang_timeout=HANG_TIMEOUT)
+    model.watchdog.directory = directory
+    for step in range(5):
+        loss = model(torch.randn(4, 6)).sum()
+        if step == 3 and rank == 1:
+            time.sleep(HANG_TIMEOUT + 4)  # the thread polls every 0.1 s, then diagnoses within 3 s
+        loss.backward()
+
+
+def test_on_an_nccl_group_the_watchdogs_thread_declares_the_hang_and_both_ranks_end(tmp_path):
+    ends = run_job(stuck_on_the_device_path, 2, tmp_path, str(tmp_path), timeout=90)
+    summary = (tmp_path / HANG_DIRECTORY / "summary_rank0.txt").read_text()
+    # On NCCL a wait cannot tell which bucket it is for: the step, and the bucket from the reports.
+    assert "on rank 0, a bucket of synchronised step 3 waited" in summary, summary
+    assert "rank 1 never launched bucket 0 of step 3" in summary, summary
+    assert "ending rank 0" in ends[0].stderr, ends[0].stderr  # the thread declared: the main thread sat in the wait
+    for rank, end in ends.items():
+        assert end.ok is False or (end.ok is None and end.exitcode == 1), (rank, end)
 
 
 def warm_up_busy_then_stuck(rank: int, directory: str) -> None:

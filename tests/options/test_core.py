@@ -156,6 +156,8 @@ def every_option() -> list[tuple[str, dataclasses.Field, str | None]]:
         if field.name == "hooks":
             for hook, hook_options in Options().hooks.items():
                 found += [(f"{hook}.{member.name}", member, hook) for member in dataclasses.fields(hook_options)]
+        elif field.metadata.get("derived"):
+            continue  # not an option (hang_timeout_given)
         elif field.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(field.default_factory):
             found += [(f"{field.name}.{member.name}", member, None) for member in dataclasses.fields(field.default_factory)]
         else:
