@@ -9,6 +9,7 @@ a line per membership change, the ``ft/*`` metrics in the Trainer's logger.
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,17 @@ def test_what_the_strategies_cannot_follow_across_replicas_is_refused_before_any
     with pytest.raises(ValueError, match="ft_min_replicas=2 is invalid without fault_tolerance"):
         lit_dp.fabric.PaddleDPStrategy(ft_min_replicas=2)
     assert lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft").fault_tolerance.settings.replica_group == "0"
+
+
+def test_without_torchft_the_strategies_say_how_to_install_it_as_they_are_built(monkeypatch):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lh:29510")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setitem(sys.modules, "torchft", None)  # what an environment without it imports
+    for strategy in (lit_dp.PaddleDPStrategy, lit_dp.fabric.PaddleDPStrategy):
+        with pytest.raises(ImportError, match=r"fault_tolerance='torchft' needs torchft, which is not installed here: "
+                                              r"pip install \"lit_dp\[ft\]\""):
+            strategy(fault_tolerance="torchft")
+    lit_dp.PaddleDPStrategy()  # off: torchft is not needed
 
 
 class _Stream(IterableDataset):
