@@ -28,8 +28,9 @@ from tests.helpers.torchft import PYTHON, read_records, replica_groups  # noqa: 
 STEPS, KILL_AT = 16, 4
 
 
-def run(tmp_path: Path, front: str) -> dict[int, list[dict]]:
+def run(tmp_path: Path, front: str, accumulate: int = 1) -> dict[int, list[dict]]:
     command = [PYTHON, "-m", "tests.helpers.ft_lightning_replica", str(tmp_path), str(STEPS), front]
+    command += ["--accumulate", str(accumulate)]
     command += ["--kill", f"1:{KILL_AT}", "--alone-seconds", "3"]  # alone, slowly: the restart comes back first
     with replica_groups(command, 2, tmp_path) as replicas:
         replicas.start_all()
@@ -61,7 +62,8 @@ def check(records: dict[int, list[dict]], logs: dict[int, str]) -> None:
     assert any(not line["committed"] for line in records[0]), "the kill discarded no step"
     assert "replica group 1 left" in logs[0] and "replica group 1 joined" in logs[0]
     assert "replica group 1 recovered a peer's state" in logs[1]
-    # Each sample once, in the data stream's order, over the committed steps.
+    # Each sample once, in the data stream's order, over the committed steps: micro-batch j of the
+    # replica of quorum rank r reads the step's (j * replicas + r)-th batch (lit_dp.replica_data).
     read = []
     for step in range(1, committed + 1):
         takers = {
@@ -70,7 +72,8 @@ def check(records: dict[int, list[dict]], logs: dict[int, str]) -> None:
             for line in lines
             if line["committed"] and line["committed_steps"] == step
         }
-        read += [i for rank in sorted(takers) for i in takers[rank]]
+        micro_batches = max(len(batches) for batches in takers.values())
+        read += [i for j in range(micro_batches) for rank in sorted(takers) for i in takers[rank][j]]
     assert read == lit_dp.ReplicaBatches(dataset(), BATCH, seed=0).indices(0, len(read)).tolist()
 
 
@@ -82,6 +85,19 @@ def test_the_trainer_goes_on_without_a_killed_replica_group_and_takes_it_back(tm
     replicas = [float(row["ft/replicas"]) for row in rows if row.get("ft/replicas")]
     assert 1.0 in replicas and replicas[-1] == 2.0
     assert max(float(row["ft/steps_discarded"]) for row in rows if row.get("ft/steps_discarded")) >= 1
+
+
+@pytest.mark.slow
+def test_under_gradient_accumulation_the_trainers_step_count_survives_a_recovery(tmp_path):
+    records = run(tmp_path, "trainer", accumulate=2)
+    # global_step counts discarded steps too (as steps a gradient scaler skips): every replica,
+    # the recovered one with its peer's loop counters, ends at max_steps, not a step short or over.
+    steps = {group: int((tmp_path / f"replica{group}.steps").read_text()) for group in records}
+    assert steps == {0: STEPS, 1: STEPS}, steps
+    assert all(len(line["indices"]) == 2 for lines in records.values() for line in lines if line["committed"])
+    weights = [torch.load(tmp_path / f"replica{group}.pt") for group in records]
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
