@@ -184,18 +184,47 @@ def build_strategy(node: DictConfig) -> Any:
 
 
 def validate_trainer(cfg: DictConfig) -> None:
-    """Check the trainer section (``TrainerConfig.__post_init__``, then ``check_cpu_devices``); raises
-    ``ValueError`` naming the key."""
+    """Check the trainer section (``TrainerConfig.__post_init__``, then ``check_cpu_devices`` and
+    ``check_fault_tolerance_processes``); raises ``ValueError`` naming the key."""
     if OmegaConf.get_type(cfg.trainer) is TrainerConfig:
         OmegaConf.to_object(cfg.trainer)
-    check_cpu_devices(cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto"))
+    accelerator, devices = cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto")
+    check_cpu_devices(accelerator, devices)
+    check_fault_tolerance_processes(
+        (cfg.get("strategy") or {}).get("fault_tolerance"), accelerator, devices, cfg.trainer.get("num_nodes", 1)
+    )
+
+
+def check_fault_tolerance_processes(fault_tolerance: Any, accelerator: Any, devices: Any, num_nodes: Any) -> None:
+    """``strategy.fault_tolerance`` runs one process per replica group: ``trainer.devices`` and
+    ``trainer.num_nodes`` above 1 are refused here, before Lightning starts the ranks (the strategy
+    refuses them too, but only in each rank it has started)."""
+    if not fault_tolerance:
+        return
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        processes = len(devices)
+    elif devices == "auto":  # Lightning's "auto": one process on CPU, one per visible GPU otherwise
+        processes = 1 if _on_cpu(accelerator) else max(torch.cuda.device_count(), 1)
+    else:
+        processes = devices
+    remedy = (
+        "a replica group is one process: expected trainer.devices=1 and trainer.num_nodes=1, with one launcher "
+        "per replica group, each with its own REPLICA_GROUP_ID (docs/fault_tolerance.md, Launch)."
+    )
+    if processes != 1:
+        raise ValueError(
+            f"trainer.devices={devices!r} is invalid with strategy.fault_tolerance={fault_tolerance}: {remedy}"
+        )
+    if num_nodes != 1:
+        raise ValueError(
+            f"trainer.num_nodes={num_nodes!r} is invalid with strategy.fault_tolerance={fault_tolerance}: {remedy}"
+        )
 
 
 def check_cpu_devices(accelerator: Any, devices: Any, cores: int | None = None) -> None:
     """On CPU, ``trainer.devices`` processes against the cores this process may run on: a warning
     above them, a ``ValueError`` above ``MAX_CPU_RANKS_PER_CORE`` per core."""
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    if not on_cpu or isinstance(devices, bool) or not isinstance(devices, int):
+    if not _on_cpu(accelerator) or isinstance(devices, bool) or not isinstance(devices, int):
         return
     cores = cores if cores is not None else available_cores()
     bound = MAX_CPU_RANKS_PER_CORE * cores
@@ -210,6 +239,10 @@ def check_cpu_devices(accelerator: Any, devices: Any, cores: int | None = None) 
             f"trainer.devices={devices} starts more CPU processes than the {cores} cores this machine gives: "
             f"they share the cores, so each step takes longer (at most {bound} are accepted)."
         )
+
+
+def _on_cpu(accelerator: Any) -> bool:
+    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
 
 
 def available_cores() -> int:

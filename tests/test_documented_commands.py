@@ -1,9 +1,10 @@
 """Every command the README and docs/ show works as a user types it (tests/helpers/documented.py says how).
 
 Quick tier: every command is accounted for (run, composed, or not run for a stated reason);
-the recipes' and benchmarks' commands compose with their overrides and pass the checks made
-before any process starts, and a transcript's error is the one the command raises. Slow tier:
-the commands run, document by document, from a fresh working directory.
+the recipes' and benchmarks' commands, those not run here included, compose with their
+overrides and pass the checks made before any process starts, a transcript's error is the one
+the command raises, and the lighthouse's flags are its own. Slow tier: the commands run,
+document by document, from a fresh working directory.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.helpers.documented import (
     NOT_RUN,
     ROOT,
     SHRINK,
+    TRAINED,
     DocumentedCommand,
     documented_commands,
     expected_pattern,
@@ -40,10 +42,13 @@ TOOLS = ("lit_dp.observability.trace", "lit_dp_recipes.trace_render")  # modules
 
 
 def kind(command: DocumentedCommand) -> str:
+    """``run`` (the slow tier runs it), ``composed`` (its config is composed and checked, not run),
+    ``not run`` (``NOT_RUN`` says why) or ``unknown``."""
+    benchmark = bool(command.module and command.module.startswith("benchmarks."))
     if command.not_run_reason():
-        return "not run"
-    if command.module and command.module.startswith("benchmarks."):
-        return "benchmark"
+        return "composed" if command.script in TRAINED or benchmark else "not run"
+    if benchmark:
+        return "composed"
     if command.script in SHRINK or command.module in TOOLS:
         return "run"
     return "unknown"
@@ -63,8 +68,9 @@ def test_every_not_run_reason_still_matches_a_documented_command():
 def overrides_of(command: DocumentedCommand) -> list[list[str]]:
     """The overrides of each job ``command`` starts: one list, or one per element of a ``-m`` sweep."""
     start = command.argv.index(next(a for a in command.argv if a.endswith(".py") or a.startswith("benchmarks."))) + 1
-    # Not options: flags, and arguments naming a run the test has not made (ckpt_path=outputs/digits/<run>/...).
-    arguments = [a for a in command.argv[start:] if not a.startswith("-") and "<run>" not in a]
+    # Not options: flags, arguments naming a run the test has not made (ckpt_path=outputs/digits/<run>/...),
+    # and the docs' "..." for options left out.
+    arguments = [a for a in command.argv[start:] if not a.startswith("-") and "<run>" not in a and a != "..."]
     parsed = OverridesParser.create().parse_overrides(arguments)
     choices = [
         [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
@@ -73,9 +79,14 @@ def overrides_of(command: DocumentedCommand) -> list[list[str]]:
     return [list(job) for job in itertools.product(*choices)]
 
 
-@pytest.mark.parametrize("command", [c for c in UNIQUE if kind(c) == "run" and c.script in ("digits", "gpt", "charlm")],
+@pytest.mark.parametrize("command", [c for c in UNIQUE if kind(c) in ("run", "composed") and c.script in TRAINED],
                          ids=lambda c: c.source)
-def test_recipe_commands_pass_the_checks_made_before_any_process_starts(command, tmp_path):
+def test_recipe_commands_pass_the_checks_made_before_any_process_starts(command, tmp_path, monkeypatch):
+    if "strategy.fault_tolerance=" in command.text:
+        pytest.importorskip("torchft")
+        # What the docs' `export` lines give each replica group's launcher.
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
+        monkeypatch.setenv("REPLICA_GROUP_ID", "0")
     register_configs()
     for overrides in overrides_of(command):
         try:
@@ -94,7 +105,7 @@ def test_recipe_commands_pass_the_checks_made_before_any_process_starts(command,
             assert not command.expects_failure, f"{command.source}: {command.text} did not fail as the docs show"
 
 
-@pytest.mark.parametrize("command", [c for c in UNIQUE if kind(c) == "benchmark"], ids=lambda c: c.source)
+@pytest.mark.parametrize("command", [c for c in UNIQUE if kind(c) == "composed" and c.module], ids=lambda c: c.source)
 def test_benchmark_commands_compose_with_their_overrides(command, tmp_path):
     name = command.module.split(".", 1)[1]
     if not (BENCHMARK_CONF / f"{name}.yaml").is_file():
@@ -103,6 +114,16 @@ def test_benchmark_commands_compose_with_their_overrides(command, tmp_path):
     for overrides in overrides_of(command):
         with initialize_config_dir(config_dir=str(BENCHMARK_CONF), version_base="1.3"):
             compose(name, overrides=[f"hydra.run.dir={tmp_path}", *overrides])
+
+
+@pytest.mark.parametrize("command", [c for c in UNIQUE if c.argv[0] == "torchft_lighthouse"], ids=lambda c: c.source)
+def test_lighthouse_commands_use_flags_the_lighthouse_has(command):
+    pytest.importorskip("torchft")
+    usage = subprocess.run(["torchft_lighthouse", "--help"], capture_output=True, text=True, timeout=60).stdout
+    flags = [a.split("=", 1)[0] for a in command.argv[1:] if a.startswith("--")]
+    assert flags, f"{command.source}: {command.text}: no flag to check"
+    unknown = [flag for flag in flags if not re.search(rf"{re.escape(flag)}\b", usage)]
+    assert not unknown, f"{command.source}: {command.text}: torchft_lighthouse has no {unknown}:\n{usage}"
 
 
 def fresh_working_directory(root: Path) -> Path:

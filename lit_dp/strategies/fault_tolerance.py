@@ -27,6 +27,7 @@ variables: ``ft_lighthouse`` (a config's ``strategy.ft.lighthouse``) or ``TORCHF
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
@@ -52,6 +53,17 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
 STATE_KEY = "lit_dp"  # this replica's state, as registered with the Manager
 LINE = "[lit_dp] fault tolerance"
+
+
+def require_torchft() -> None:
+    """An ``ImportError`` saying how to install torchft when it is missing. The strategies call it as
+    they are built, so a launcher's ranks never start only to fail at the import, each with a bare
+    ``ModuleNotFoundError``; it finds the package without importing it (that waits for ``start``)."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ImportError(
+            "fault_tolerance='torchft' needs torchft, which is not installed here: pip install \"lit_dp[ft]\" "
+            "(docs/fault_tolerance.md)."
+        )
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class FaultTolerance:
     """
 
     def __init__(self, options: Options) -> None:
+        require_torchft()
         self.settings = Settings.resolve(options)
         self.manager: Any = None
         self.batches: ReplicaBatches | None = None

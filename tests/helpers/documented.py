@@ -1,7 +1,7 @@
 """The commands the README and docs/ show, read from their Markdown, and how the tests run them.
 
-A command is a line of a fenced code block (not a ``python`` block) that starts with
-``python``, ``torchrun`` or ``srun`` (after ``$ `` and ``VAR=value`` assignments), with its
+A command is a line of a fenced code block (not a ``python`` block) that starts with one of
+``PROGRAMS`` (after ``$ `` and ``VAR=value`` assignments), with its
 ``\\`` continuations joined and its ``#`` comment dropped; ``a && b`` is two commands. In a
 ``$ ``-transcript the lines after a command are what it prints: an error line (``ValueError:
 ...``, ``... is not an option of ...``) means the command must fail with it. Reading the
@@ -19,7 +19,11 @@ the first command of a document runs as typed, on the ranks it asks for (Lightni
 as real processes), and the others with ``trainer.devices=1`` appended unless they set it.
 The exceptions: ``python -m benchmarks.*`` is composed against its benchmark's config, not
 run (a benchmark takes minutes; most have a shrunk end-to-end test of their own in
-tests/benchmarks), and ``NOT_RUN`` lists the commands that cannot run here, each with its reason.
+tests/benchmarks), and ``NOT_RUN`` lists the commands that cannot run here, each with its reason;
+those of them that start a recipe or a benchmark are still composed, with the recipe's checks
+made before any process starts, so that a key the docs misspell fails. Lines that start with
+another program are not commands: the shell's own (``export``, ``for``, ``wait``) and what a
+transcript prints.
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-PROGRAMS = ("python", "torchrun", "srun")
+PROGRAMS = ("python", "torchrun", "srun", "pip", "torchft_lighthouse")
 
 # Commands that cannot run on this machine or in this suite, each with its reason. A pattern
 # that matches no documented command fails a test, so the list cannot outlive the docs.
 NOT_RUN: list[tuple[str, str]] = [
-    (r"-m pip install", "installs the package: the suite runs in that installed environment"),
+    (r"\bpip install", "installs packages: the suite runs in the environment they were installed in"),
+    (r"^torchft_lighthouse\b", "torchft's lighthouse, a server that runs until stopped: tests/helpers/torchft.py "
+     "starts one for the fault-tolerance tests, and the documented flags are checked against its --help"),
     (r"-m pytest", "the test suite itself"),
     (r"\btrainer=(gpu|multinode)\b", "needs CUDA GPUs"),
     (r"\bexperiment=(gpt2_small|charlm_gpt2)\b", "GPT-2 small on CUDA GPUs"),

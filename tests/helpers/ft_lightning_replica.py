@@ -1,13 +1,16 @@
 """One replica group of the Lightning fault-tolerance tests: the Trainer or Fabric with ``fault_tolerance="torchft"``.
 
     python -m tests.helpers.ft_lightning_replica OUT STEPS {trainer,fabric} [--kill GROUP:STEP] [--alone-seconds S]
+        [--accumulate N]
 
 The replica group comes from ``REPLICA_GROUP_ID``, the lighthouse from ``TORCHFT_LIGHTHOUSE``
 (torchft's launch variables, which the strategy reads). Every step attempt appends one JSON line
 to ``OUT/replica<group>.jsonl``: torchft's committed steps after it, whether it committed, the
-quorum's rank, the samples it read, and a hash of the parameters' bytes at the step's start
-(after the quorum, and after a recovery) and at its end. ``--kill`` and ``--alone-seconds`` as in
-``tests.helpers.ft_replica``. The Trainer logs to ``OUT/replica<group>/`` (CSV).
+quorum's rank, the samples each of its micro-batches read, and a hash of the parameters' bytes at
+the step's start (after the quorum, and after a recovery) and at its end. ``--kill`` and
+``--alone-seconds`` as in ``tests.helpers.ft_replica``; ``--accumulate``: the Trainer's
+``accumulate_grad_batches``. The Trainer logs to ``OUT/replica<group>/`` (CSV) and writes its
+final ``global_step`` to ``OUT/replica<group>.steps``.
 """
 
 from __future__ import annotations
@@ -64,11 +67,15 @@ class Recorder:
 
     def step_started(self, ft, module: nn.Module, indices: torch.Tensor) -> None:
         manager = ft.manager
-        self.start = {"rank": manager.participating_rank(), "indices": indices.tolist(), "start": parameters_hash(module)}
+        self.start = {"rank": manager.participating_rank(), "indices": [indices.tolist()], "start": parameters_hash(module)}
         step, participants = ft.committed_steps, manager.num_participants()
         if self.group == self.victim and step >= self.die_at and participants > 1 and not self.died.exists():
             self.died.touch()
             os.kill(os.getpid(), signal.SIGKILL)  # after the quorum, before the all-reduce: the others' step fails
+
+    def micro_batch(self, indices: torch.Tensor) -> None:
+        """A later micro-batch of the step (gradient accumulation)."""
+        self.start["indices"].append(indices.tolist())
 
     def step_ended(self, ft, module: nn.Module) -> None:
         line = {**self.start, "committed_steps": ft.committed_steps, "committed": ft.last_committed, "end": parameters_hash(module)}
@@ -83,22 +90,32 @@ class RecordingCallback(pl.Callback):
         self.recorder = recorder
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.recorder.step_started(trainer.strategy.fault_tolerance, pl_module, batch[2])
+        # The loop counted this batch as ready before the hook: micro-batch (ready - 1) % N of its step.
+        if (_ready(trainer) - 1) % trainer.accumulate_grad_batches == 0:
+            self.recorder.step_started(trainer.strategy.fault_tolerance, pl_module, batch[2])
+        else:
+            self.recorder.micro_batch(batch[2])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.recorder.step_ended(trainer.strategy.fault_tolerance, pl_module)
+        if _ready(trainer) % trainer.accumulate_grad_batches == 0:
+            self.recorder.step_ended(trainer.strategy.fault_tolerance, pl_module)
 
 
-def trainer_replica(out: Path, steps: int, recorder: Recorder, group: int) -> None:
+def _ready(trainer: pl.Trainer) -> int:
+    return trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def trainer_replica(out: Path, steps: int, recorder: Recorder, group: int, accumulate: int) -> None:
     model = Classifier()
     trainer = pl.Trainer(
         strategy=lit_dp.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10),
-        accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1,
+        accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1, accumulate_grad_batches=accumulate,
         logger=CSVLogger(out, name=f"replica{group}", version=0), callbacks=[RecordingCallback(recorder)],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(model, DataLoader(dataset(), batch_size=BATCH, shuffle=True))
     torch.save(model.state_dict(), out / f"replica{group}.pt")
+    (out / f"replica{group}.steps").write_text(str(trainer.global_step))
 
 
 def fabric_replica(out: Path, steps: int, recorder: Recorder, group: int) -> None:
@@ -127,12 +144,16 @@ def main() -> None:
     parser.add_argument("front", choices=["trainer", "fabric"])
     parser.add_argument("--kill", default="-1:-1", help="GROUP:STEP")
     parser.add_argument("--alone-seconds", type=float, default=0.0)
+    parser.add_argument("--accumulate", type=int, default=1, help="the Trainer's accumulate_grad_batches")
     args = parser.parse_args()
     torch.set_num_threads(1)
     group = int(os.environ["REPLICA_GROUP_ID"])
     torch.manual_seed(group)  # different starts: torchft's init_sync makes them one
     recorder = Recorder(args.out, group, args.kill, args.alone_seconds)
-    (trainer_replica if args.front == "trainer" else fabric_replica)(args.out, args.steps, recorder, group)
+    if args.front == "trainer":
+        trainer_replica(args.out, args.steps, recorder, group, args.accumulate)
+    else:
+        fabric_replica(args.out, args.steps, recorder, group)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from lit_dp_recipes.prepare import prepare_shards, summary
 from lit_dp_recipes.shards import inspect_shard, tokens
 from lit_dp_recipes.token_data import TokenDataModule
+from tests.helpers.recipes import ROOT
 
 
 def write_texts(folder, sizes=(3000, 1000, 5000)):
@@ -47,6 +50,22 @@ def test_bytes_shards_hold_each_files_text_split_train_then_val(tmp_path):
         block_size=32, batch_size=4,
     )
     assert [s.path for s in data.train_shards] == prepared.train
+
+
+def test_the_script_runs_as_a_user_types_it_from_a_fresh_folder(tmp_path):
+    # A fresh process from a fresh working directory, with the run folder Hydra names itself
+    # (conf/hydra/default.yaml's lit_dp.job_folder resolver): the documented tests run the
+    # commands in one process, where another recipe registered the resolver first (issue 28 #1).
+    write_texts(tmp_path / "texts")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "prepare_shards.py"), "input_dir=texts", "output_dir=shards"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"recipes/prepare_shards.py failed ({result.returncode}):\n{output[-4000:]}"
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["texts_train_000000.bin", "texts_val_000000.bin"]
+    assert list((tmp_path / "outputs" / "prepare_shards").glob("*/prepare_shards.log"))
 
 
 @pytest.mark.parametrize(

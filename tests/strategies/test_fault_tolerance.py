@@ -9,6 +9,7 @@ a line per membership change, the ``ft/*`` metrics in the Trainer's logger.
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,9 @@ from tests.helpers.torchft import PYTHON, read_records, replica_groups  # noqa: 
 STEPS, KILL_AT = 16, 4
 
 
-def run(tmp_path: Path, front: str) -> dict[int, list[dict]]:
+def run(tmp_path: Path, front: str, accumulate: int = 1) -> dict[int, list[dict]]:
     command = [PYTHON, "-m", "tests.helpers.ft_lightning_replica", str(tmp_path), str(STEPS), front]
+    command += ["--accumulate", str(accumulate)]
     command += ["--kill", f"1:{KILL_AT}", "--alone-seconds", "3"]  # alone, slowly: the restart comes back first
     with replica_groups(command, 2, tmp_path) as replicas:
         replicas.start_all()
@@ -60,7 +62,8 @@ def check(records: dict[int, list[dict]], logs: dict[int, str]) -> None:
     assert any(not line["committed"] for line in records[0]), "the kill discarded no step"
     assert "replica group 1 left" in logs[0] and "replica group 1 joined" in logs[0]
     assert "replica group 1 recovered a peer's state" in logs[1]
-    # Each sample once, in the data stream's order, over the committed steps.
+    # Each sample once, in the data stream's order, over the committed steps: micro-batch j of the
+    # replica of quorum rank r reads the step's (j * replicas + r)-th batch (lit_dp.replica_data).
     read = []
     for step in range(1, committed + 1):
         takers = {
@@ -69,7 +72,8 @@ def check(records: dict[int, list[dict]], logs: dict[int, str]) -> None:
             for line in lines
             if line["committed"] and line["committed_steps"] == step
         }
-        read += [i for rank in sorted(takers) for i in takers[rank]]
+        micro_batches = max(len(batches) for batches in takers.values())
+        read += [i for j in range(micro_batches) for rank in sorted(takers) for i in takers[rank][j]]
     assert read == lit_dp.ReplicaBatches(dataset(), BATCH, seed=0).indices(0, len(read)).tolist()
 
 
@@ -81,6 +85,19 @@ def test_the_trainer_goes_on_without_a_killed_replica_group_and_takes_it_back(tm
     replicas = [float(row["ft/replicas"]) for row in rows if row.get("ft/replicas")]
     assert 1.0 in replicas and replicas[-1] == 2.0
     assert max(float(row["ft/steps_discarded"]) for row in rows if row.get("ft/steps_discarded")) >= 1
+
+
+@pytest.mark.slow
+def test_under_gradient_accumulation_the_trainers_step_count_survives_a_recovery(tmp_path):
+    records = run(tmp_path, "trainer", accumulate=2)
+    # global_step counts discarded steps too (as steps a gradient scaler skips): every replica,
+    # the recovered one with its peer's loop counters, ends at max_steps, not a step short or over.
+    steps = {group: int((tmp_path / f"replica{group}.steps").read_text()) for group in records}
+    assert steps == {0: STEPS, 1: STEPS}, steps
+    assert all(len(line["indices"]) == 2 for lines in records.values() for line in lines if line["committed"])
+    weights = [torch.load(tmp_path / f"replica{group}.pt") for group in records]
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
@@ -114,6 +131,17 @@ def test_what_the_strategies_cannot_follow_across_replicas_is_refused_before_any
     with pytest.raises(ValueError, match="ft_min_replicas=2 is invalid without fault_tolerance"):
         lit_dp.fabric.PaddleDPStrategy(ft_min_replicas=2)
     assert lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft").fault_tolerance.settings.replica_group == "0"
+
+
+def test_without_torchft_the_strategies_say_how_to_install_it_as_they_are_built(monkeypatch):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lh:29510")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setitem(sys.modules, "torchft", None)  # what an environment without it imports
+    for strategy in (lit_dp.PaddleDPStrategy, lit_dp.fabric.PaddleDPStrategy):
+        with pytest.raises(ImportError, match=r"fault_tolerance='torchft' needs torchft, which is not installed here: "
+                                              r"pip install \"lit_dp\[ft\]\""):
+            strategy(fault_tolerance="torchft")
+    lit_dp.PaddleDPStrategy()  # off: torchft is not needed
 
 
 class _Stream(IterableDataset):
