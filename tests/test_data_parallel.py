@@ -90,8 +90,20 @@ class CountCollectives(ReducerObserver):
         self.launches += 1
 
 
+def gloo_collectives(run) -> int:
+    """How many collectives Gloo itself ran during ``run()`` (its ``gloo:*`` profiler events): the
+    process group's count, whichever Python path issued them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        run()
+    return sum(event.name.startswith("gloo:") for event in profiler.events())
+
+
 def accumulate_the_way_scripts_written_for_ddp_do(rank, steps, accumulate):
-    """nanoGPT's accumulation: ``require_backward_grad_sync`` set before each micro-step's forward."""
+    """nanoGPT's accumulation: ``require_backward_grad_sync`` set before each micro-step's forward.
+    Returns what the reducer saw, and Gloo's own count of collectives per micro-step, for lit_dp
+    and for torch DDP."""
     import copy
 
     import torch.distributed as dist
@@ -109,28 +121,39 @@ def accumulate_the_way_scripts_written_for_ddp_do(rank, steps, accumulate):
     ours, ddp = lit_dp.DataParallel(base), DistributedDataParallel(ddp_model)
     counter = CountCollectives()
     ours.reducer.add_observer(counter)
+    collectives = {"lit_dp": [], "ddp": []}
     for step in range(steps):
         for micro in range(accumulate):
             seed = step * accumulate + micro
             inputs, targets = batch(seed, world_size)
-            for model in (ours, ddp):
+            for name, model in (("lit_dp", ours), ("ddp", ddp)):
                 model.require_backward_grad_sync = micro == accumulate - 1
-                loss(model, shard(inputs, rank), shard(targets, rank), rank, seed).backward()
+                micro_step = lambda: loss(model, shard(inputs, rank), shard(targets, rank), rank, seed).backward()
+                collectives[name].append(gloo_collectives(micro_step))
             reference_loss(reference, seed, world_size).backward()
         assert_same_gradients(ours, ddp, f"step {step} rank {rank} vs DDP")
         assert_same_gradients(ours, reference, f"step {step} rank {rank} vs one process")
         for model in (ours, ddp, reference):
             model.zero_grad(set_to_none=True)
-    return counter.steps, counter.launches, len(ours.reducer.bucket_indices)
+    return counter.steps, counter.launches, len(ours.reducer.bucket_indices), collectives
 
 
 def test_require_backward_grad_sync_accumulates_locally_with_one_collective_round_per_step():
     steps, accumulate = 3, 4
-    for rank, (synchronised, launches, buckets) in run_ranks(
+    for rank, (synchronised, launches, buckets, collectives) in run_ranks(
         accumulate_the_way_scripts_written_for_ddp_do, 2, steps, accumulate
     ).items():
         assert synchronised == steps, f"rank {rank}: {synchronised} synchronised backwards for {steps} steps"
         assert launches == steps * buckets, f"rank {rank}: {launches} bucket launches, expected {steps} x {buckets}"
+        # Counted by Gloo. lit_dp agrees on the buckets' ready order at the end of the first
+        # synchronised backward, DDP at the forward after it (its bucket rebuild): from then on,
+        # no collective in a local micro-step, and as many per step as DDP.
+        ours, ddp = collectives["lit_dp"], collectives["ddp"]
+        settled = slice(2 * accumulate, None)
+        local_ours = [count for micro, count in enumerate(ours) if micro % accumulate != accumulate - 1]
+        local_ddp = [count for micro, count in enumerate(ddp[settled]) if micro % accumulate != accumulate - 1]
+        assert not any(local_ours) and not any(local_ddp), f"rank {rank}: collectives in local micro-steps {collectives}"
+        assert ours[settled] == ddp[settled] and sum(ours[settled]) == steps - 2, f"rank {rank}: {collectives}"
 
 
 # --- torch DDP's constructor, attributes and refusals, on a group of one rank in this process ---

@@ -4,7 +4,7 @@ Modelled on torch's own CPU tests of DDP (``test/distributed/test_c10d_gloo.py``
 ``test_c10d_common.py`` and ``torch/testing/_internal/distributed/distributed_test.py``), written
 for lit_dp: every case builds ``lit_dp.DataParallel`` with DDP's arguments, as a script written
 for DDP would, and checks what such a script relies on. The single-process behaviours (a group
-written in Python, bad hooks, ``create_graph``, copies, refusals) are in ``test_data_parallel.py``.
+written in Python, bad hooks, copies, refusals) are in ``test_data_parallel.py``.
 All cases run in one spawn of 2 ranks; tolerances are ``torch.testing``'s defaults (averaging
 only reorders float sums).
 """
@@ -288,6 +288,33 @@ def gradient_penalty_through_the_outputs(rank: int) -> None:
             torch.testing.assert_close(ours.grad, expected.grad)
 
 
+def backward_with_create_graph_matches_one_process(rank: int) -> None:
+    """``backward(create_graph=True)`` (a second-order method, a gradient penalty taken through
+    ``.grad``) on two ranks, many buckets, views or not: the gradients are the averaged ones, as on
+    DDP (which warns too: the all-reduce is not differentiated)."""
+    import warnings
+
+    import lit_dp
+
+    for as_view in (False, True):
+        torch.manual_seed(3)
+        single = Net()
+        model = lit_dp.DataParallel(copy.deepcopy(single), bucket_cap_mb=0.001, gradient_as_bucket_view=as_view)
+        inputs, targets = torch.randn(2 * WORLD, 2), torch.randn(2 * WORLD, 4)
+        mine = slice(2 * rank, 2 * rank + 2)
+        for iteration in range(3):
+            F.mse_loss(single(inputs), targets).backward(create_graph=True)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*create_graph=True")
+                F.mse_loss(model(inputs[mine]), targets[mine]).backward(create_graph=True)
+            for expected, ours in zip(single.parameters(), model.module.parameters()):
+                torch.testing.assert_close(
+                    ours.grad.detach(), expected.grad.detach(), msg=lambda m: f"view={as_view} it {iteration}: {m}"
+                )
+            step_down(single)
+            step_down(model)
+
+
 def contract_cases(rank: int) -> None:
     import lit_dp
 
@@ -301,6 +328,7 @@ def contract_cases(rank: int) -> None:
         no_sync_accumulation_gives_every_rank_the_same_gradients,
         gradient_penalty_through_the_outputs,
         activation_checkpointing_as_on_ddp,
+        backward_with_create_graph_matches_one_process,
     ):
         case(rank)
 
