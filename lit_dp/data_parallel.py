@@ -196,6 +196,7 @@ class DataParallel(nn.Module, Joinable):
         # torch 2.13: broadcast_buffers=False also skips the buffers at construction; forward_sync_buffers does not.
         sync_buffers_at_start = options.broadcast_buffers or forward_sync_buffers is not None
         self._has_buffers = next(synced_buffers(module, self.parameters_to_ignore), None) is not None
+        self._buffer_source = 0  # the group rank whose buffers forwards broadcast (buffers_from)
         self._tuner: BucketAutotuner | None = None  # read by comm_buffer_size; _observe starts it
         bucket_bytes = megabytes_to_bytes("comm_buffer_size", self.comm_buffer_size)
         # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.gradients.compile);
@@ -602,13 +603,20 @@ class DataParallel(nn.Module, Joinable):
             if plan is not None and plan.participation is Participation.SYNC and self._joins_buffers():
                 self._broadcast_buffers(self._agree_on_buffer_source(self._rings[0].rank()))
         elif self.will_sync_module_buffers():
-            self._broadcast_buffers(0)  # the group's first rank, as on DDP
+            self._broadcast_buffers(self._buffer_source)  # the group's first rank, as on DDP, by default
         self.require_forward_param_sync = torch.is_grad_enabled() and self._syncs_gradients()
 
     def _syncs_gradients(self) -> bool:
         """Whether a backward now synchronises: ``require_backward_grad_sync``, outside LocalSGD's local phase."""
         local_sgd = self.local_sgd
         return self.require_backward_grad_sync and not (local_sgd is not None and local_sgd.in_local_phase)
+
+    def buffers_from(self, group_rank: int) -> None:
+        """Which rank of the group the following forwards broadcast buffers from (``broadcast_buffers``):
+        the group's first, as on DDP, unless the Trainer's ``uneven_inputs`` names the lowest rank
+        that took the last step with a batch of its own (a rank without one updated no buffer).
+        Every rank must name the same, as they do from the batch plans they agreed."""
+        self._buffer_source = group_rank
 
     def shadow_buffer_broadcast(self) -> None:
         """On a rank that joined (``lit_dp.join``): take part in the buffer broadcast of a

@@ -103,6 +103,10 @@ class UnevenInputs:
         self._enabled = enabled
         self._exchange: BatchExchange | None = None  # on: from setup to teardown
         self._current: BatchPlan | None = None  # the batch being taken
+        self._model: DataParallel | None = None  # on: from setup to teardown
+        # The lowest rank that took the last training step with a batch of its own: its buffers
+        # (BatchNorm's statistics) are the freshest, so the next forward broadcasts from it.
+        self._freshest = 0
         self._in_user_step: str | None = None
         self._outputs = ReplayedOutputs()
 
@@ -124,11 +128,14 @@ class UnevenInputs:
                 "take them with the others."
             )
         self._outputs = ReplayedOutputs()  # learnt anew in each fit
+        self._model, self._freshest = model, 0
         # The exchange runs on the host: under NCCL on a Gloo group of its own.
         separate_group = dist.get_backend() == "nccl"
         self._exchange = BatchExchange(dist.new_group(backend="gloo") if separate_group else None, model.waiter)
-        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, UnevenMetricsCallback)]
-        trainer.callbacks.append(UnevenMetricsCallback(self._exchange, trainer))
+        trainer.callbacks = [
+            c for c in trainer.callbacks if not isinstance(c, (UnevenMetricsCallback, UnevenBuffersCallback))
+        ]
+        trainer.callbacks += [UnevenMetricsCallback(self._exchange, trainer), UnevenBuffersCallback(self)]
         where = "a Gloo group of its own" if separate_group else "the default group"
         log.debug("uneven inputs: on; the per-batch exchange runs on %s; UnevenMetricsCallback added", where)
 
@@ -137,7 +144,8 @@ class UnevenInputs:
             return
         log.debug("uneven inputs: releasing the exchange's group")
         self._exchange.close()
-        self._exchange = None
+        self._model.buffers_from(0)
+        self._exchange = self._model = None
         self._current = None
 
     def process_dataloader(self, trainer: pl.Trainer, dataloader: object) -> object:
@@ -162,10 +170,23 @@ class UnevenInputs:
         """A batch is about to be taken: it is the next one its stage's loader yielded."""
         if self._exchange is None:
             return
+        # This batch's forward broadcasts the buffers of the freshest rank (every rank names the same:
+        # the plans are agreed); then, in training, the ranks with a batch now are the freshest.
+        self._model.buffers_from(self._freshest)
         if trainer.training:
             self._current = self._exchange.next_plan("train")
+            if self._current is not None:
+                present = [i for i, rank in enumerate(self._exchange.ranks) if rank not in self._current.ranks_out]
+                self._freshest = present[0]
         elif trainer.validating or trainer.sanity_checking:
             self._current = self._exchange.next_plan("val")
+
+    def settle_buffers(self) -> None:
+        """After an epoch's last training step, every rank takes the freshest rank's buffers, as
+        torch's ``Join`` ends with the last rank's: what is checkpointed or evaluated next holds the
+        statistics of the batches only some ranks had."""
+        if self._model is not None and self._freshest != 0:
+            self._model.replay_forward()  # the buffer broadcast a forward takes, from the freshest rank
 
     @property
     def replaying(self) -> bool:
@@ -374,6 +395,19 @@ class SizedUnevenLoader(UnevenLoader):
     def __len__(self) -> int:
         assert self._length is not None
         return self._length
+
+
+class UnevenBuffersCallback(Callback):
+    """Calls ``UnevenInputs.settle_buffers`` after each epoch's last training batch, where every rank is
+    (training prefetches: the loader's end comes before the last step)."""
+
+    def __init__(self, uneven: UnevenInputs) -> None:
+        self._uneven = uneven
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._uneven.settle_buffers()
 
 
 class UnevenMetricsCallback(Callback):

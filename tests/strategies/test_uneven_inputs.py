@@ -102,6 +102,33 @@ def reference_weights(counts: list[int], epochs: int, accumulate: int = 1) -> li
     return [p.detach() for p in module.parameters()]
 
 
+def reference_batchnorm_buffers(counts: list[int], epochs: int) -> list[torch.Tensor]:
+    """The BatchNorm statistics every rank should end with: at each step the ranks with a batch
+    start from the buffers of the lowest rank that had one in the step before (broadcast before the
+    forward), and that rank's update is the one kept; the weights follow ``reference_weights``."""
+    module = Module(norm=True)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    norm = module.net[1]
+    for _ in range(epochs):
+        for t in range(max(counts)):
+            broadcast = [buffer.clone() for buffer in norm.buffers()]
+            kept = None
+            for rank in (r for r in range(len(counts)) if t < counts[r]):
+                with torch.no_grad():
+                    for buffer, value in zip(norm.buffers(), broadcast):
+                        buffer.copy_(value)
+                x, y = shard_batch(rank, t)
+                # Each rank's backward before the next resets the buffers (BatchNorm saves them for it).
+                (((module.net(x) - y) ** 2).mean() / len(counts)).backward()
+                kept = kept or [buffer.clone() for buffer in norm.buffers()]
+            with torch.no_grad():
+                for buffer, value in zip(norm.buffers(), kept):
+                    buffer.copy_(value)
+            optimizer.step()
+            optimizer.zero_grad()
+    return [norm.running_mean, norm.running_var]
+
+
 def fit_uneven(rank: int, tmp_path: str) -> dict[str, object]:
     """Four fits: per-rank streams (with uneven validation), a rank with no batch at all (and
     validation whose longest rank has a single batch), sized per-rank datasets with gradient
@@ -135,6 +162,12 @@ def fit_uneven(rank: int, tmp_path: str) -> dict[str, object]:
     train = DataLoader(Shard(rank, 2 + rank), batch_size=None)
     make_trainer(tmp_path).fit(module, train, DataLoader(Shard(rank, 2 * rank, offset=100), batch_size=None))
     outcome["batchnorm_buffers"] = [round(v, 6) for v in module.net[1].running_mean.tolist()]
+    # Rank 0 runs out first: the tail's statistics are rank 1's, and every rank ends with them.
+    module, counts = Module(norm=True), [2, 4]
+    make_trainer(tmp_path).fit(module, DataLoader(Shard(rank, counts[rank]), batch_size=None))
+    expected = reference_batchnorm_buffers(counts, epochs=2)
+    for name, ours, reference in zip(("running_mean", "running_var"), module.net[1].buffers(), expected):
+        torch.testing.assert_close(ours, reference, msg=lambda m: f"rank {rank}: BatchNorm {name} after the tail: {m}")
     return outcome
 
 
