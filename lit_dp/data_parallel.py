@@ -41,6 +41,7 @@ from lit_dp.observability.autotune import BucketAutotuner, settled_step
 from lit_dp.observability.stats import CommObserver, CommStats
 from lit_dp.observability.watchdog import HangWatchdog
 from lit_dp.options import AUTO, DEFAULT_BUCKET_MB, MODULE, Options, resolve_comm_hook
+from lit_dp.options.comm_hooks import declared_stateless
 from lit_dp.options.docs import options_doc
 from lit_dp.options.fault_tolerance import UNDER_MANAGER, refuse_what_replicas_cannot_follow
 
@@ -275,7 +276,7 @@ class DataParallel(nn.Module, Joinable):
         # Built here, in each process: PowerSGD's state belongs to the process group.
         registration = resolve_comm_hook(self._options)
         if registration is not None:
-            self.register_comm_hook(*registration)
+            self._register_comm_hook(*registration, declared_stateless=declared_stateless(self._options))
 
     def _broadcast_initial_state(self, group: dist.ProcessGroup, with_buffers: bool) -> None:
         """The group's first rank's parameters (and buffers) to every rank, once the ranks agree
@@ -470,9 +471,13 @@ class DataParallel(nn.Module, Joinable):
         hook can be registered once, before the first synchronised backward. Sparse gradients
         are reduced without it. See docs/comm_hooks.md.
         """
+        self._register_comm_hook(state, hook, declared_stateless=False)
+
+    def _register_comm_hook(self, state: object, hook: Callable, declared_stateless: bool) -> None:
+        """``register_comm_hook``; ``declared_stateless``: the options chose named hooks that declare it."""
         with self._logging_errors():
             if self._manager is not None:
-                state = check_comm_hook(state, hook, self._rings[0], UNDER_MANAGER)
+                state = check_comm_hook(state, hook, self._rings[0], UNDER_MANAGER, declared_stateless)
             comm_hook = CommHook(state, hook, self._waiter)
             if self._comm_hook is not None:
                 raise RuntimeError(

@@ -171,17 +171,22 @@ def replica_group(manager: Any, group: dist.ProcessGroup | None, sparse: bool) -
     return FaultTolerantGroup(manager)
 
 
-def check_comm_hook(state: object, hook: Callable, group: FaultTolerantGroup, where: str) -> object:
+def check_comm_hook(
+    state: object, hook: Callable, group: FaultTolerantGroup, where: str, declared_stateless: bool = False
+) -> object:
     """The state to register ``hook`` with under fault tolerance, or a ``ValueError`` naming it.
 
     torch's stateless hooks (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``
     and their ``fp16/bf16_compress_wrapper`` forms) communicate on their state, the process
     group: with ``None`` (the named ``fp16``/``bf16`` hooks, ``comm_dtype``) they get
-    ``group``, so they reduce across the replica groups and divide by those taking part. Any
-    other hook could communicate anywhere, and PowerSGD keeps per-replica memory (its iteration
-    count, its error feedback) that a recovering replica would not receive: both are refused.
+    ``group``, so they reduce across the replica groups and divide by those taking part. So do
+    the named hooks that declare themselves stateless (``declared_stateless``, chosen through the
+    options). Any other hook could communicate anywhere, and PowerSGD keeps per-replica memory
+    (its iteration count, its error feedback) that a recovering replica would not receive: both
+    are refused.
     """
-    outside = [inner for inner in _hook_chain(hook) if getattr(inner, "__module__", None) != _GROUP_HOOKS_MODULE]
+    chain = [] if declared_stateless else _hook_chain(hook)
+    outside = [inner for inner in chain if getattr(inner, "__module__", None) != _GROUP_HOOKS_MODULE]
     if outside:
         name = f"{getattr(outside[0], '__module__', '?')}.{getattr(outside[0], '__qualname__', type(outside[0]).__qualname__)}"
         raise ValueError(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -156,6 +157,9 @@ class _QuorumlessManager:
     def num_participants(self) -> int:
         return 0
 
+    def participating_rank(self) -> int | None:
+        return None
+
 
 def test_under_a_manager_what_cannot_follow_replicas_is_refused_by_name():
     net = nn.Linear(2, 2)
@@ -190,6 +194,27 @@ def test_under_a_manager_the_buckets_keep_the_registration_order_and_a_hook_gets
         check_comm_hook(None, default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook), group, "x")
     with pytest.raises(ValueError, match="comm_state=.* is invalid"):
         check_comm_hook(object(), default_hooks.allreduce_hook, group, "x")
+
+
+def _quiet_hook(state, bucket):
+    """A third party's hook that communicates only on the group it is given, as it declares."""
+    return dist.all_reduce(bucket.buffer(), group=state, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def test_under_a_manager_a_named_hook_declared_stateless_gets_the_replicas_and_the_same_hook_by_hand_is_refused(
+    monkeypatch,
+):
+    from lit_dp.options import comm_hooks
+
+    monkeypatch.setattr(comm_hooks, "_REGISTRY", dict(comm_hooks._REGISTRY))  # the generated docs list lit_dp's own
+    comm_hooks.register_named_hook(
+        comm_hooks.NamedHook("quiet", "a test's hook", lambda o: (None, _quiet_hook), lambda o: "quiet", stateless=True)
+    )
+    model = lit_dp.DataParallel(nn.Linear(4, 4), manager=_QuorumlessManager(), comm_hook="quiet")
+    assert model.comm_hook.hook is _quiet_hook and model.comm_hook.state is model.reducer.group
+    by_hand = lit_dp.DataParallel(nn.Linear(4, 4), manager=_QuorumlessManager())
+    with pytest.raises(ValueError, match=r"_quiet_hook with DataParallel\(manager=\.\.\.\) is not supported"):
+        by_hand.register_comm_hook(None, _quiet_hook)
 
 
 class _Quorum(_QuorumlessManager):

@@ -224,6 +224,13 @@ def resolve_comm_hook(choice: HookChoice) -> tuple[object, Hook] | None:
     return state, hook
 
 
+def declared_stateless(choice: HookChoice) -> bool:
+    """Whether the options chose only named hooks that declare themselves ``stateless`` (no hook
+    or wrapper given as a callable): fault tolerance trusts those (``lit_dp.fault_tolerance``)."""
+    names = [name for name in (choice.comm_hook, choice.comm_dtype) if name is not None]
+    return choice.comm_wrapper is None and all(isinstance(name, str) and named_hook(name).stateless for name in names)
+
+
 def describe_comm_hook(choice: HookChoice) -> str:
     """The hook in effect, e.g. ``fp16_compress_wrapper(powerSGD_hook(rank=1,start_iter=1000))``."""
     hook, wrapper, dtype = choice.comm_hook, choice.comm_wrapper, choice.comm_dtype
