@@ -12,11 +12,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _get_device_index
 from torch.distributed.algorithms.join import Joinable
 from torch.utils._pytree import tree_map
 
 import lit_dp.gradients.group as groups
+from lit_dp.ddp_arguments import (
+    checked_devices,
+    chosen_group,
+    options_from,
+    refuse_a_launched_job_without_a_group,
+    refuse_what_cannot_work,
+)
 from lit_dp.fault_tolerance import JOIN_REFUSED, check_comm_hook, replica_group
 from lit_dp.gradients.broadcast import (
     _check_same_structure,
@@ -24,6 +30,7 @@ from lit_dp.gradients.broadcast import (
     synced_buffers,
     synced_parameters,
     sync_params_buffers,
+    trainable_parameters,
 )
 from lit_dp.gradients.buckets import MB, assign_group_by_size, assign_owners, megabytes_to_bytes
 from lit_dp.gradients.coalesced import broadcast_coalesced
@@ -33,7 +40,6 @@ from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
-from lit_dp.job.launcher import detect_launch
 from lit_dp.job.process_group import get_rings
 from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
 from lit_dp.join import active as in_join_context
@@ -157,7 +163,7 @@ class DataParallel(nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        options = _options(
+        options = options_from(
             options,
             option_values,
             find_unused_parameters=find_unused_parameters,
@@ -165,7 +171,7 @@ class DataParallel(nn.Module, Joinable):
             broadcast_buffers=broadcast_buffers,
             bucket_cap_mb=bucket_cap_mb,
         )
-        _refuse_what_cannot_work(
+        refuse_what_cannot_work(
             mixed_precision, bucket_cap_mb_list, delay_all_reduce_named_params, param_to_hook_all_reduce
         )
         if check_reduction:
@@ -175,13 +181,13 @@ class DataParallel(nn.Module, Joinable):
                 FutureWarning,
                 stacklevel=2,
             )
-        group = _chosen_group(process_group, group, device_mesh)
+        group = chosen_group(process_group, group, device_mesh)
         delayed = [param for _, param in delay_all_reduce_named_params or ()]
         self.module = module
         # torch DDP's attribute, read once at construction as DDP does: these stay local.
         self.parameters_to_ignore = ddp_ignored(module)
         self._options = options
-        self.device_ids, self.output_device = _devices(module, device_ids, output_device, delayed, self.parameters_to_ignore)
+        self.device_ids, self.output_device = checked_devices(module, device_ids, output_device, delayed, self.parameters_to_ignore)
         self.device = next(module.parameters()).device
         self.device_type = self.device.type
         self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
@@ -218,7 +224,7 @@ class DataParallel(nn.Module, Joinable):
         else:
             rings = [group] if group is not None else get_rings()
         if not rings:
-            _refuse_a_launched_job_without_a_group()
+            refuse_a_launched_job_without_a_group()
             warnings.warn(
                 "lit_dp.DataParallel: world size is 1 and no process group exists; "
                 "the module runs unchanged without gradient synchronisation.",
@@ -241,7 +247,7 @@ class DataParallel(nn.Module, Joinable):
         self._trace: TraceWriter | None = None
         self._watchdog: HangWatchdog | None = None
         self._reducer: Reducer | None = None
-        named = _trainable(self.module, self.parameters_to_ignore) if rings else []
+        named = trainable_parameters(self.module, self.parameters_to_ignore) if rings else []
         if named:
             options = self._options
             if options.sharding.stage is not None and groups.written_in_python(rings[0]):
@@ -806,175 +812,8 @@ def fused_allreduce_gradients(
         bucket.write_back(as_view=False, skipped=no_gradient)
 
 
-def _options(given: Options | None, values: dict[str, Any], **ddp: Any) -> Options:
-    """The options in effect: ``given`` (a front door validated them), or the keyword options and
-    DDP's arguments that are options (``bucket_cap_mb`` is ``comm_buffer_size``), validated here."""
-    bucket_cap_mb = ddp.pop("bucket_cap_mb")
-    defaults = {"find_unused_parameters": False, "gradient_as_bucket_view": False, "broadcast_buffers": None}
-    changed = {name: value for name, value in ddp.items() if value != defaults[name]}
-    if bucket_cap_mb is not None:
-        changed["bucket_cap_mb"] = bucket_cap_mb
-    if given is not None:
-        if values or changed:
-            raise TypeError(
-                f"DataParallel: pass options= or keyword options, not both (got {sorted({**values, **changed})})."
-            )
-        return given
-    values = {**values, **changed}
-    if bucket_cap_mb is not None and "last_comm_buffer_size" not in values:
-        values["last_comm_buffer_size"] = bucket_cap_mb  # DDP's bucket_cap_mb bounds the last bucket too
-    return Options.build(values, MODULE)
-
-
-def _refuse_a_launched_job_without_a_group() -> None:
-    """No process group, yet a launcher describes several ranks: each would train its own model
-    (torch DDP raises here too). One process, with or without a launcher, runs the module unchanged."""
-    remedy = (
-        "Call lit_dp.init_parallel_env() (or torch.distributed.init_process_group()) before wrapping the model, "
-        "or pass group=."
-    )
-    try:
-        launch = detect_launch()
-    except ValueError as error:
-        raise ValueError(
-            "lit_dp.DataParallel: no process group exists, and the launcher's variables, read to tell whether this "
-            f"process is one of several, are invalid: {error} {remedy}"
-        ) from error
-    world_size = launch.parallel_env.world_size
-    if world_size > 1:
-        described = ", ".join(source for source in (launch.rank_source, launch.world_size_source) if source)
-        raise ValueError(
-            f"lit_dp.DataParallel: the environment describes world size {world_size} ({launch.who}: {described}), "
-            f"but no process group exists, so each rank would train its own model. {remedy}"
-        )
-
-
-def _refuse_what_cannot_work(
-    mixed_precision: Any, bucket_cap_mb_list: Any, delayed: Any, param_to_hook_all_reduce: Any
-) -> None:
-    if mixed_precision is not None:
-        raise ValueError(
-            f"mixed_precision={mixed_precision!r} is not supported by lit_dp.DataParallel (torch DDP's experimental "
-            "native mixed precision); expected None: run the forward under torch.autocast (Lightning: "
-            "precision='bf16-mixed' or '16-mixed') and all-reduce in half precision with comm_dtype='bf16' or 'fp16'."
-        )
-    if bucket_cap_mb_list is not None:
-        raise ValueError(
-            f"bucket_cap_mb_list={list(bucket_cap_mb_list)!r} is not supported by lit_dp.DataParallel; expected None: "
-            "set comm_buffer_size (every bucket) and last_comm_buffer_size (the last one reduced), or "
-            "comm_buffer_size='auto'."
-        )
-    if (delayed is None) != (param_to_hook_all_reduce is None):
-        raise ValueError(
-            "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time "
-            f"(torch DDP's rule); got delay_all_reduce_named_params={'set' if delayed is not None else None}, "
-            f"param_to_hook_all_reduce={'set' if param_to_hook_all_reduce is not None else None}."
-        )
-
-
-def _chosen_group(
-    process_group: dist.ProcessGroup | None, group: dist.ProcessGroup | None, device_mesh: Any
-) -> dist.ProcessGroup | None:
-    """``process_group`` (DDP's name), ``group`` (lit_dp's) or a one-dimensional ``device_mesh``'s group."""
-    if process_group is not None and group is not None and process_group is not group:
-        raise ValueError(
-            "DataParallel(process_group=..., group=...) with two different groups is invalid: they are the same "
-            "argument (torch DDP's name and lit_dp's); pass one of them."
-        )
-    chosen = process_group if process_group is not None else group
-    if device_mesh is None:
-        return chosen
-    if chosen is not None:
-        raise RuntimeError("Cannot specify both process_group and device_mesh arguments (torch DDP's rule).")
-    if device_mesh.ndim != 1:
-        raise RuntimeError(
-            f"Only 1D device mesh is supported, but got {device_mesh} (torch DDP's rule); expected the data-parallel "
-            "dimension, e.g. mesh['dp']."
-        )
-    return device_mesh.get_group(mesh_dim=0)
-
-
-def _devices(
-    module: nn.Module, device_ids: Any, output_device: Any, delayed: list[nn.Parameter], ignore: set[str]
-) -> tuple[list[int] | None, int | None]:
-    """DDP's checks of the module and its devices; ``(device_ids, output_device)`` as DDP keeps them."""
-    if isinstance(device_ids, dist.ProcessGroup):
-        raise ValueError(
-            f"DataParallel(module, {type(device_ids).__name__}): the second positional argument is torch DDP's "
-            "device_ids, no longer lit_dp's group; pass the group by name: DataParallel(module, process_group=g) "
-            "(or group=g)."
-        )
-    named = list(module.named_parameters())
-    uninitialized = [name for name, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
-    if uninitialized:
-        raise RuntimeError(
-            f"Modules with uninitialized parameters can't be used with lit_dp.DataParallel ({uninitialized[:5]}); "
-            "run a dummy forward pass first to initialize them (torch DDP's rule)."
-        )
-    trainable = [name for name, _ in _trainable(module, ignore)]
-    if not trainable and not delayed:
-        names = [name for name, _ in named]
-        has = (
-            f"its parameters {_some(names)} are frozen, marked no_sync or in _ddp_params_and_buffers_to_ignore"
-            if names
-            else "it has no parameters"
-        )
-        raise RuntimeError(
-            f"lit_dp.DataParallel: nothing to train in {type(module).__name__}: {has}. As torch DDP says, "
-            "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient; "
-            "wrap the module you train, or run this one unwrapped."
-        )
-    by_type: dict[str, list[str]] = {}
-    for name, param in named:
-        by_type.setdefault(param.device.type, []).append(name)
-    if len(by_type) > 1:
-        where = "; ".join(f"on {kind}: {_some(names)}" for kind, names in by_type.items())
-        raise ValueError(
-            "lit_dp.DataParallel's module must be on one type of device, as DistributedDataParallel's: its "
-            f"parameters are {where}. Move the module with module.to(device) first."
-        )
-    if device_ids is not None:
-        try:
-            device_ids = list(device_ids)
-        except TypeError:
-            raise ValueError(f"device_ids={device_ids!r} is invalid: expected None or a list of one device.") from None
-        if len(device_ids) > 1:
-            raise ValueError(
-                f"device_ids={device_ids!r} is invalid: device_ids can only be None or contain a single element "
-                "(torch DDP's rule: one process per device)."
-            )
-    devices = {param.device for _, param in named}
-    device = next(iter(devices))
-    if not device_ids or device.type == "cpu" or len(devices) > 1:
-        if device_ids or output_device is not None:
-            raise ValueError(
-                "DataParallel device_ids and output_device arguments only work with single-device GPU modules "
-                f"(torch DDP's rule), but got device_ids {device_ids}, output_device {output_device}, and module "
-                f"parameters {sorted(map(str, devices))}; expected device_ids=None for a CPU or multi-device module."
-            )
-        return None, None
-    ids = [_get_device_index(d, True) for d in device_ids]
-    if ids[0] != device.index:
-        raise ValueError(
-            f"device_ids={device_ids!r} is invalid for a module on {device}: inputs would be moved to another device "
-            f"than the parameters'; expected device_ids=[{device.index}] (or move the module first)."
-        )
-    return ids, _get_device_index(output_device if output_device is not None else device_ids[0], True)
-
-
-def _some(names: list[str], shown: int = 3) -> str:
-    """``a, b, c (and 2 more)``: parameter names for a message."""
-    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
-
-
 def _default_group() -> dist.ProcessGroup | None:
     return dist.group.WORLD if dist.is_initialized() else None
-
-
-def _trainable(module: nn.Module, ignore: set[str]) -> list[tuple[str, nn.Parameter]]:
-    """The parameters the reducer averages: trainable, not marked ``no_sync`` nor ignored (DDP's list), each once."""
-    return [(name, param) for name, param in synced_parameters(module, ignore) if param.requires_grad]
 
 
 def _shard_owners(

@@ -173,7 +173,7 @@ class DataParallelJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters, buffers and LocalSGD schedule of the authoritative rank."""
-        model, state = self._model, self._model.join_state
+        model = self._model
         reducer = model.reducer
         assert reducer is not None
         if model.watchdog is not None:

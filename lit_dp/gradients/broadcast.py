@@ -65,6 +65,11 @@ def synced_parameters(module: nn.Module, ignore: Collection[str]) -> Iterator[tu
             yield name, param
 
 
+def trainable_parameters(module: nn.Module, ignore: Collection[str]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the reducer averages: trainable, not marked ``no_sync`` nor ignored (DDP's list), each once."""
+    return [(name, param) for name, param in synced_parameters(module, ignore) if param.requires_grad]
+
+
 def synced_buffers(module: nn.Module, ignore: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """The buffers broadcast from one rank: all but those named in ``ignore``."""
     for name, buffer in module.named_buffers():
