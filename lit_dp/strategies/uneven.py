@@ -137,7 +137,11 @@ class UnevenInputs:
         ]
         trainer.callbacks += [UnevenMetricsCallback(self._exchange, trainer), UnevenBuffersCallback(self)]
         where = "a Gloo group of its own" if separate_group else "the default group"
-        log.debug("uneven inputs: on; the per-batch exchange runs on %s; UnevenMetricsCallback added", where)
+        log.debug(
+            "uneven inputs: on; the per-batch exchange runs on %s; "
+            "UnevenMetricsCallback and UnevenBuffersCallback added",
+            where,
+        )
 
     def teardown(self) -> None:
         if self._exchange is None:
@@ -185,6 +189,8 @@ class UnevenInputs:
         """After an epoch's last training step, every rank takes the freshest rank's buffers, as
         torch's ``Join`` ends with the last rank's: what is checkpointed or evaluated next holds the
         statistics of the batches only some ranks had."""
+        # Rank 0 took the last step: the next forward broadcasts its buffers anyway. No model: the fit
+        # that added the callback has been torn down (Lightning keeps its callbacks).
         if self._model is not None and self._freshest != 0:
             self._model.replay_forward()  # the buffer broadcast a forward takes, from the freshest rank
 
