@@ -17,10 +17,13 @@ and the arrival counter, already at the world size, let it through without waiti
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import warnings
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import NoReturn, TypeVar
 
@@ -140,18 +143,42 @@ def init_parallel_env(
         # NCCL's eager init, bound to this device (Lightning's DDPStrategy passes it too).
         device_id = torch.device("cuda", env.device_id)
 
-    # One rank has nobody to meet: an in-memory store, and no port to bind or collide on.
-    attempt = JobAttempt.from_environ() if attempt is None else attempt
-    store = _rendezvous(env, deadline, device, attempt) if env.world_size > 1 else dist.HashStore()
-    dist.init_process_group(
-        chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=deadline, device_id=device_id
-    )
+    arguments = {"rank": env.rank, "world_size": env.world_size, "timeout": deadline, "device_id": device_id}
+    if env.world_size > 1:
+        attempt = JobAttempt.from_environ() if attempt is None else attempt
+        dist.init_process_group(chosen, store=_rendezvous(env, deadline, device, attempt), **arguments)
+    elif env.master_addr is not None and env.master_port is not None:
+        # One rank has nobody to meet: the group is created with the very call Lightning's "ddp"
+        # makes (torch's env:// rendezvous at the launcher's address), so that a script or test
+        # that checks the call (Lightning's own test_set_timeout) sees the same one.
+        with _address_in_environ(env.master_addr, env.master_port):
+            dist.init_process_group(chosen, **arguments)
+    else:
+        # Nobody to meet and no address to meet at: an in-memory store, no port bound.
+        dist.init_process_group(chosen, store=dist.HashStore(), **arguments)
     world = dist.group.WORLD
     # Only extra rings are recorded: with one ring nothing refers to the group, so a test that
     # mocks `init_process_group` (Lightning's own do; the group is then None) runs unharmed.
     if env.nrings > 1:
         _add_rings(world, env.nrings, chosen, deadline)
     return world
+
+
+@contextmanager
+def _address_in_environ(address: str, port: int) -> Iterator[None]:
+    """``MASTER_ADDR`` and ``MASTER_PORT``, where torch's env:// rendezvous reads them, for one
+    call: Lightning's ``DDPStrategy`` exports them for good; here the process's environment is
+    left as it was."""
+    given = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))
+    try:
+        yield
+    finally:
+        for name, value in given.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _adopt(launch: Launch, backend: str | None, timeout: timedelta | float | None) -> dist.ProcessGroup:

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.nn import Module
@@ -41,6 +40,7 @@ from lit_dp.options import Options, declared_options
 from lit_dp.options.backends import AUTO
 from lit_dp.options.spelling import Spellings
 from lit_dp.sharding import ShardedOptimizer
+from lit_dp.strategies.lightning_private import StrategyRegistryType
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ def wrapper_arguments(values: dict[str, Any], scope: str) -> dict[str, Any]:
     return arguments
 
 
-def register_families(registry: _StrategyRegistry, strategy: type) -> None:
+def register_families(registry: StrategyRegistryType, strategy: type) -> None:
     """Register ``FAMILIES`` and their ``_find_unused_parameters_true|false`` forms for ``strategy``.
 
     Lower-case, like Lightning's: the Trainer and Fabric lower-case a name before looking it up.

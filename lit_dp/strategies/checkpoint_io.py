@@ -40,7 +40,6 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.types import _PATH
 from fsspec.implementations.local import LocalFileSystem
 from typing_extensions import override
 
@@ -57,7 +56,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local writes are atomic: temporary file, fsync, rename."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
         if not isinstance(get_filesystem(path), LocalFileSystem):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
@@ -68,7 +69,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         write_atomically(checkpoint, Path(path))
 
 
-def save_checkpoint(io: CheckpointIO, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None) -> None:
+def save_checkpoint(
+    io: CheckpointIO, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None
+) -> None:
     """``io.save_checkpoint(...)``, atomic for a local file where ``io`` writes with
     ``TorchCheckpointIO``'s own ``save_checkpoint`` (the same bytes, written as ``AtomicCheckpointIO`` does)."""
     saves_like_torch = isinstance(io, TorchCheckpointIO) and type(io).save_checkpoint is TorchCheckpointIO.save_checkpoint

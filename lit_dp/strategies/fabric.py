@@ -22,11 +22,8 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
-from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
-from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
-from lightning.fabric.wrappers import _FabricModule
+from lightning.fabric.strategies.strategy import TBroadcast
+from lightning.fabric.utilities.distributed import ReduceOp
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -42,6 +39,14 @@ from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.strategies.fault_tolerance import FabricFaultTolerance, FaultTolerance
+from lit_dp.strategies.lightning_private import (
+    BackwardSyncControl,
+    FabricMultiProcessingLauncher,
+    FabricScriptLauncher,
+    StrategyRegistryType,
+    forward_module,
+    sync_ddp_if_available,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +64,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     and a wrapped model, as under Fabric's ``"ddp"``.
     """
 
-    _launchers = (_SubprocessScriptLauncher, _MultiProcessingLauncher)
+    _launchers = (FabricScriptLauncher, FabricMultiProcessingLauncher)
     _options_scope = FABRIC
 
     def __init__(
@@ -100,6 +105,15 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO) -> None:
         self._checkpoint_io = io
+
+    @property
+    def comm_buffer_size(self) -> float | str:
+        """The bucket size in MB of the model set up last (``DataParallel.comm_buffer_size``: with
+        ``"auto"``, the default while the first steps tune, then the tuned size); the option as
+        given (a size, or ``"auto"``) before ``fabric.setup`` and after teardown."""
+        if self._wrapped is not None:
+            return self._wrapped.comm_buffer_size
+        return self._options.comm_buffer_size
 
     @property
     def fault_tolerance(self) -> FaultTolerance | None:
@@ -164,7 +178,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         others' synchronised steps until all have, then every rank holds the same parameters
         (``lit_dp.DataParallel.join``; the arguments are torch DDP's ``join``'s).
         """
-        inner = module._forward_module if isinstance(module, _FabricModule) else module
+        inner = forward_module(module)
         if not isinstance(inner, DataParallel):
             raise TypeError(
                 f"{type(self).__name__}.join expects the module returned by fabric.setup (a lit_dp.DataParallel "
@@ -194,7 +208,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     ) -> Tensor:
         if isinstance(tensor, Tensor):
             with self._watched("all_reduce"):
-                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+                return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
@@ -252,11 +266,11 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         register_families(strategy_registry, cls)
 
 
-class _PaddleDPBackwardSyncControl(_BackwardSyncControl):
+class _PaddleDPBackwardSyncControl(BackwardSyncControl):
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         """``DataParallel.no_sync``: forward and backward inside accumulate gradients locally."""

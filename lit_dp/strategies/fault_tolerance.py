@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader
 
 from lit_dp.options import Options
 from lit_dp.replica_data import ReplicaBatches
+from lit_dp.strategies.lightning_private import batches_that_stepped, restore_batches_that_stepped
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +416,7 @@ def _loop_counters(fit_loop: Any) -> dict[str, Any]:
         "scheduler_progress": epoch_loop.scheduler_progress.state_dict(),
         "optim_progress": epoch_loop.automatic_optimization.optim_progress.state_dict(),
         "manual_progress": epoch_loop.manual_optimization.optim_step_progress.state_dict(),
-        "batches_that_stepped": epoch_loop._batches_that_stepped,
+        "batches_that_stepped": batches_that_stepped(epoch_loop),
     }
 
 
@@ -426,7 +427,7 @@ def _load_loop_counters(fit_loop: Any, counters: dict[str, Any]) -> None:
     epoch_loop.scheduler_progress.load_state_dict(counters["scheduler_progress"])
     epoch_loop.automatic_optimization.optim_progress.load_state_dict(counters["optim_progress"])
     epoch_loop.manual_optimization.optim_step_progress.load_state_dict(counters["manual_progress"])
-    epoch_loop._batches_that_stepped = counters["batches_that_stepped"]
+    restore_batches_that_stepped(epoch_loop, counters["batches_that_stepped"])
 
 
 def _trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None) -> dict[str, Any]:

@@ -26,9 +26,15 @@ import logging
 import os
 import signal
 import subprocess
-import threading
 import time
 from typing import Any
+
+from lit_dp.strategies.lightning_private import (
+    child_process_observers,
+    observed_processes,
+    observer_check,
+    replace_observer_check,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,18 +99,11 @@ class LostRanks:
             )
 
 
-def _lightnings_observers() -> list[threading.Thread]:
-    """The thread of ``lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver``,
-    whose loop calls ``_run`` after each sleep, ends the job when it sees a failed rank, and stops
-    on True."""
-    return [thread for thread in threading.enumerate() if thread.name == "child-process-observer"]
-
-
 def _defer_lightnings_observer(grace: float) -> None:
     """Lightning's observer sees a rank's death ``grace`` seconds late (see the module docstring)."""
-    for thread in _lightnings_observers():
-        check = thread._run
-        children = thread._child_processes
+    for thread in child_process_observers():
+        check = observer_check(thread)
+        children = observed_processes(thread)
         first_seen: list[float] = []
 
         def patient_check(check=check, children=children, first_seen=first_seen) -> bool:
@@ -114,14 +113,14 @@ def _defer_lightnings_observer(grace: float) -> None:
                 return False
             return check()
 
-        thread._run = patient_check
+        replace_observer_check(thread, patient_check)
 
 
 def _stop_lightnings_observer() -> None:
     """Once this rank has seen a death it reports it and ends the others itself
     (``end_started_ranks``), so Lightning's thread must not end this process mid-report."""
-    for thread in _lightnings_observers():
-        thread._run = lambda: True
+    for thread in child_process_observers():
+        replace_observer_check(thread, lambda: True)
 
 
 def end_started_ranks(exception: BaseException, launcher: Any, node_rank: int, num_processes: int) -> None:

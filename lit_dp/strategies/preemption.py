@@ -31,7 +31,7 @@ Lightning's would die at once and leave the ranks to their parent-death signal, 
 
 A signal received after the last optimizer step of the fit changes nothing: the fit has
 completed and saved what its callbacks save. Lightning's connector is replaced through
-``trainer._signal_connector`` (the one place Lightning reads it), by a subclass of its own, so its
+the Trainer's ``_signal_connector`` (the one place Lightning reads it; see ``lightning_private``), by a subclass of its own, so its
 bookkeeping is reused: handlers in place from the start of the fit's run stage to its teardown,
 the previous handlers restored afterwards, its SLURM detection and requeue.
 """
@@ -51,10 +51,17 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
+
+from lit_dp.strategies.lightning_private import (
+    SignalConnector,
+    TrainerMultiProcessingLauncher,
+    cluster_environment,
+    replace_signal_connector,
+    signal_connector,
+    slurm_requeue,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +116,8 @@ class Preemption:
         self._received = None
         self._world_size, self._rank = world_size, rank
         self._last_step = trainer.global_step
-        if not isinstance(trainer._signal_connector, _PreemptionSignals):
-            trainer._signal_connector = _PreemptionSignals(trainer, self)
+        if not isinstance(signal_connector(trainer), _PreemptionSignals):
+            replace_signal_connector(trainer, _PreemptionSignals(trainer, self))
         # The agreement is a host-side exchange: under NCCL on a Gloo group of its own.
         if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")
@@ -149,8 +156,7 @@ class Preemption:
         requeue = requeue_signal is not None and requeue_signal in signals
         if requeue:
             # Lightning's own SLURM handler, at the boundary: hpc_ckpt_<n>.ckpt, then scontrol requeue.
-            checkpoint = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
-            trainer._signal_connector._slurm_sigusr_handler_fn(requeue_signal, None)
+            checkpoint = slurm_requeue(trainer, requeue_signal)
             signum = requeue_signal
         else:
             checkpoint = str(stop_checkpoint_path(trainer))
@@ -185,13 +191,13 @@ def stop_checkpoint_path(trainer: pl.Trainer) -> Path:
 
 
 def _slurm_requeue_signal(trainer: pl.Trainer) -> int | None:
-    environment = trainer._accelerator_connector.cluster_environment
+    environment = cluster_environment(trainer)
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
         return int(environment.requeue_signal)
     return None
 
 
-class _PreemptionSignals(_SignalConnector):
+class _PreemptionSignals(SignalConnector):
     """Lightning's signal connector whose handlers only record the signal (see the module docstring)."""
 
     def __init__(self, trainer: pl.Trainer, preemption: Preemption) -> None:
@@ -233,7 +239,7 @@ class _StopAtStepBoundary(pl.Callback):
         self._preemption.at_train_end()
 
 
-class ForwardingMultiProcessingLauncher(_MultiProcessingLauncher):
+class ForwardingMultiProcessingLauncher(TrainerMultiProcessingLauncher):
     """Lightning's launcher for ``start_method="spawn"``/``"fork"``, whose launching process passes
     SIGTERM and SIGUSR1 on to the ranks and exits with their 128 + signal once they have stopped."""
 

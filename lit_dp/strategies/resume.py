@@ -34,13 +34,12 @@ import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
 
-from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.pytorch.loops.fit_loop import _FitLoop
-from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
+
+from lit_dp.strategies.lightning_private import FitLoop, parse_num_batches, set_sampler_epoch
 
 # The start of the warning Lightning's `_TrainingEpochLoop.reset` gives for a mid-epoch resume of
 # a loader that has no `state_dict`: wrong for the loaders continued here.
@@ -94,7 +93,7 @@ class EpochContinuation:
         self._filter = None
         self._saved_layout = None
 
-    def process(self, dataloader: object, fit_loop: _FitLoop, world_size: int) -> object:
+    def process(self, dataloader: object, fit_loop: FitLoop, world_size: int) -> object:
         """Point ``dataloader`` at the restored epoch, past the samples already trained in it (in place)."""
         if not isinstance(dataloader, DataLoader):
             return dataloader
@@ -108,7 +107,7 @@ class EpochContinuation:
         if not fit_loop.restarting:
             return dataloader
         epoch = fit_loop.epoch_progress.current.processed
-        _set_sampler_epoch(dataloader, epoch)
+        set_sampler_epoch(dataloader, epoch)
         saved = self._saved_layout or self._layout
         if saved != self._layout and isinstance(sampler, DistributedSampler):
             trained = fit_loop.epoch_loop.batch_progress.current.processed
@@ -135,23 +134,23 @@ class EpochContinuation:
         return dataloader
 
 
-def batches_trained(fit_loop: _FitLoop, dataloader: DataLoader) -> int:
+def batches_trained(fit_loop: FitLoop, dataloader: DataLoader) -> int:
     """How many batches of the current epoch the restored checkpoint had trained (0: none, or all)."""
     if not fit_loop.restarting:
         return 0
     trained = fit_loop.epoch_loop.batch_progress.current.processed
-    per_epoch = _parse_num_batches(RunningStage.TRAINING, len(dataloader), fit_loop.trainer.limit_train_batches)
+    per_epoch = parse_num_batches(RunningStage.TRAINING, len(dataloader), fit_loop.trainer.limit_train_batches)
     return trained if 0 < trained < per_epoch else 0
 
 
 def _continue_in_new_layout(
-    fit_loop: _FitLoop, dataloader: DataLoader, trained: int, saved: dict[str, Any], world_size: int
+    fit_loop: FitLoop, dataloader: DataLoader, trained: int, saved: dict[str, Any], world_size: int
 ) -> tuple[int, str]:
     """The indices each rank skips, and the line saying where the epoch goes on, after a change of
     world size or batch size under a ``DistributedSampler``; sets the epoch's batch count to match."""
     batch_size = dataloader.batch_sampler.batch_size
     per_rank = len(dataloader.batch_sampler.sampler)
-    length = _parse_num_batches(RunningStage.TRAINING, len(dataloader), fit_loop.trainer.limit_train_batches)
+    length = parse_num_batches(RunningStage.TRAINING, len(dataloader), fit_loop.trainer.limit_train_batches)
     consumed = trained * saved["batch_size"] * saved["world_size"]
     here = _describe({"world_size": world_size, "batch_size": batch_size})
     skip = consumed // world_size

@@ -26,15 +26,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -54,6 +49,14 @@ from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO, save_checkpoint
 from lit_dp.strategies.fault_tolerance import FaultTolerance, TrainerFaultTolerance
+from lit_dp.strategies.lightning_private import (
+    StrategyRegistryType,
+    TrainerScriptLauncher,
+    WrappingCheckpointIO,
+    attached_trainer,
+    optimizers_to_device,
+    sync_ddp_if_available,
+)
 from lit_dp.strategies.monitor import CommStatsMonitor
 from lit_dp.strategies.lost_ranks import LostRanks, end_started_ranks
 from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher, Preemption
@@ -101,7 +104,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """
 
     strategy_name = "paddle_dp"
-    _launchers = (_SubprocessScriptLauncher, ForwardingMultiProcessingLauncher)  # lit_dp.strategies.preemption
+    _launchers = (TrainerScriptLauncher, ForwardingMultiProcessingLauncher)  # lit_dp.strategies.preemption
     _options_scope = TRAINER
 
     def __init__(
@@ -147,13 +150,24 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         given without its own base (``AsyncCheckpointIO()``), where Lightning puts its default."""
         if self._checkpoint_io is None:
             return self._atomic_checkpoint_io
-        if isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+        if isinstance(self._checkpoint_io, WrappingCheckpointIO):
             self._checkpoint_io.checkpoint_io = self._atomic_checkpoint_io  # sets only a base not yet given
         return self._checkpoint_io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO) -> None:
         self._checkpoint_io = io
+
+    @property
+    def comm_buffer_size(self) -> float | str:
+        """The bucket size in MB: the fixed size; with ``"auto"``, the tuned size once chosen or
+        restored from a checkpoint (``tuned_comm_buffer_size``), the default while the first steps
+        tune (``DataParallel.comm_buffer_size``), and ``"auto"`` before a fit wraps the model."""
+        if self.tuned_comm_buffer_size is not None:
+            return self.tuned_comm_buffer_size
+        if isinstance(self.model, DataParallel):
+            return self.model.comm_buffer_size
+        return self._options.comm_buffer_size
 
     @property
     def tuned_comm_buffer_size(self) -> float | None:
@@ -176,7 +190,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @property
     def _running_trainer(self) -> pl.Trainer | None:
         """The Trainer running the LightningModule, if any (the strategy itself holds no reference to it)."""
-        return self.lightning_module._trainer if self.lightning_module is not None else None
+        return attached_trainer(self.lightning_module) if self.lightning_module is not None else None
 
     @property
     def is_distributed(self) -> bool:
@@ -237,7 +251,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if self._options.sharding.stage is not None:
             log.debug("%s: gradient clipping by the norm over every rank's gradients", type(self).__name__)
             clip_sharded_by_global_norm(self.precision_plugin)
-        _optimizers_to_device(self.optimizers, self.root_device)
+        optimizers_to_device(self.optimizers, self.root_device)
         if self._options.comm_stats or self._options.comm_buffer_size == AUTO:
             if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
                 log.debug("%s: CommStatsMonitor added to the callbacks", type(self).__name__)
@@ -440,7 +454,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if not isinstance(tensor, Tensor):
             return tensor
         with self._collective("reduce (self.log(..., sync_dist=True), reduce_boolean_decision)"):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
@@ -514,12 +528,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             self._tuned_buffer_size = self.tuned_comm_buffer_size
             log.debug("%s: unwrapping the model from lit_dp.DataParallel", type(self).__name__)
             self.model = lightning_module
-        if (
-            lightning_module is not None
-            and lightning_module._trainer is not None
-            and lightning_module._trainer.state.fn == TrainerFn.FITTING
-            and self._layer_sync
-        ):
+        trainer = self._running_trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             assert self.model is not None
             log.debug("%s: sync_batchnorm: reverting SyncBatchNorm layers to BatchNorm", type(self).__name__)
             self.model = self._layer_sync.revert(self.model)
@@ -528,7 +538,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         register_families(strategy_registry, cls)
 
 

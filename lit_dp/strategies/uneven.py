@@ -50,8 +50,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -59,6 +57,12 @@ from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
+from lit_dp.strategies.lightning_private import (
+    add_synced_metric,
+    logged_results,
+    parse_num_batches,
+    synced_epoch_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -444,14 +448,10 @@ class UnevenMetricsCallback(Callback):
 
     def _align(self, kind: str) -> None:
         counts = self._exchange.real_batches[kind]
-        results = self._trainer._results
+        results = logged_results(self._trainer)
         if not counts or all(counts) or results is None:
             return  # every rank logged from its own steps
-        entries = [
-            (key, {f.name: getattr(metric.meta, f.name) for f in dataclasses.fields(_Metadata) if f.name != "_sync"})
-            for key, metric in results.valid_items()
-            if metric.is_tensor and metric.meta.sync.should and metric.meta.on_epoch
-        ]
+        entries = synced_epoch_metrics(results)
         gathered: list[Any] = [None] * len(counts)
         with self._exchange.watched("the exchange of logged metrics (uneven inputs)"):
             dist.all_gather_object(gathered, entries)
@@ -461,11 +461,7 @@ class UnevenMetricsCallback(Callback):
         for key, fields in donor:
             if key in results and not results[key].has_reset:
                 continue  # given at an earlier call
-            meta = _Metadata(**fields)
-            meta.sync = _Sync(_should=True, fn=self._trainer.strategy.reduce)
-            metric = _ResultMetric(meta, is_tensor=True).to(self._trainer.strategy.root_device)
-            metric._update_count = 1  # torchmetrics' "updated" mark: its fresh values are meant
-            results[key] = metric  # its default values add nothing to the reduction
+            add_synced_metric(results, key, fields, self._trainer.strategy.reduce, self._trainer.strategy.root_device)
 
 
 def gather_lengths(dataloader: object) -> list[int | None]:
@@ -481,7 +477,7 @@ def check_equal_lengths(lengths: list[int | None], limit: int | float) -> None:
     shorter ones do not have."""
     if None in lengths:
         return
-    effective = [_parse_num_batches(RunningStage.TRAINING, length, limit) for length in lengths]  # type: ignore[arg-type]
+    effective = [parse_num_batches(RunningStage.TRAINING, length, limit) for length in lengths]  # type: ignore[arg-type]
     if len(set(effective)) < 2:
         return
     listed = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(effective))

@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 from lit_dp import ParallelEnv, get_rings, init_parallel_env
+from lit_dp.job.launcher import describe_job
 from lit_dp.job.process_group import backends_agree, resolve_backend, resolve_timeout
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import free_port, run_ranks
 
 
 def allreduce_on_every_ring(rank):
@@ -292,6 +293,21 @@ def test_a_torchrun_world_of_one_gets_a_group_as_from_init_process_group():
     with mock.patch.dict(os.environ, torchrun, clear=True):
         group = init_parallel_env(backend="gloo")
     assert group is dist.group.WORLD and dist.get_world_size(group) == 1
+
+
+def test_one_rank_with_an_address_meets_there_as_ddp_does_and_leaves_the_environment_as_it_was():
+    """The strategies' group of one rank: torch's env:// rendezvous at the launcher's address, the
+    call Lightning's "ddp" makes; without an address, an in-memory store and no port bound."""
+    port = free_port()
+    with mock.patch.dict(os.environ, {"MASTER_PORT": "1"}, clear=True):
+        init_parallel_env(backend="gloo", parallel_env=describe_job(0, 1, "127.0.0.1", port, 0), one_process_group=True)
+        assert dict(os.environ) == {"MASTER_PORT": "1"}
+    # The group's store listens at the address given: a client reaches it there.
+    dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)).set("reached", "yes")
+    dist.destroy_process_group()
+    with mock.patch("torch.distributed.init_process_group") as init:
+        init_parallel_env(backend="gloo", parallel_env=describe_job(0, 1, None, None, 0), one_process_group=True)
+    assert isinstance(init.call_args.kwargs["store"], dist.HashStore)
 
 
 def _mocked_cuda_init(environ, **kwargs):

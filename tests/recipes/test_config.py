@@ -124,6 +124,7 @@ def test_a_trace_dir_under_a_file_fails_in_train_before_anything_is_built(tmp_pa
 def test_fault_tolerance_with_several_processes_per_replica_group_fails_in_train_before_the_ranks_start(
     overrides, message, tmp_path, monkeypatch
 ):
+    pytest.importorskip("torchft")  # the strategy is built (and torchft looked for) before the trainer's check
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
     monkeypatch.setenv("REPLICA_GROUP_ID", "0")
     cfg = compose_config("gpt", ["strategy.fault_tolerance=torchft", *overrides], tmp_path)

@@ -110,9 +110,12 @@ class Properties:
 
 
 @pytest.mark.parametrize(("ours", "theirs"), TWINS)
+@pytest.mark.parametrize("timeout", [None, timedelta(seconds=30)])
 @pytest.mark.parametrize("device", [torch.device("cpu"), torch.device("cuda", 1)])
-def test_cuda_devices_are_passed_to_init_process_group_as_device_id_like_ddp(ours, theirs, device):
-    """NCCL's eager init binds the group to the rank's device; mocked CUDA, as in Lightning's own tests."""
+def test_one_device_creates_its_group_with_ddps_very_call(ours, theirs, device, timeout):
+    """Lightning's test_set_timeout and test_device_id_passed_for_cuda_devices_pytorch, side by side:
+    the same init_process_group call, argument for argument (timeout; device_id for a CUDA device,
+    NCCL's eager init; mocked CUDA, as in Lightning's own tests)."""
     available = dist.is_backend_available
     calls = []
     with (
@@ -124,15 +127,18 @@ def test_cuda_devices_are_passed_to_init_process_group_as_device_id_like_ddp(our
         mock.patch("atexit.register"),  # a group of mocks has nothing to destroy at exit
     ):
         for strategy_type in (ours, theirs):
-            strategy = strategy_type(parallel_devices=[device], cluster_environment=LightningEnvironment())
+            strategy = strategy_type(
+                parallel_devices=[device], cluster_environment=LightningEnvironment(), **({"timeout": timeout} if timeout else {})
+            )
             strategy.accelerator = mock.Mock()
             with mock.patch("torch.distributed.init_process_group") as init:
                 strategy.setup_environment()
             calls.append(init.call_args)
-    (ours_args, ours_kwargs), (theirs_args, theirs_kwargs) = calls
-    assert ours_args == theirs_args == (("nccl",) if device.type == "cuda" else ("gloo",))
-    assert ours_kwargs["device_id"] == theirs_kwargs["device_id"] == (device if device.type == "cuda" else None)
-    assert ours_kwargs["timeout"] == theirs_kwargs["timeout"]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    expected_device = device if device.type == "cuda" else None
+    assert calls[0] == calls[1] == mock.call(
+        backend, rank=0, world_size=1, timeout=timeout or timedelta(minutes=30), device_id=expected_device
+    )
 
 
 @pytest.mark.parametrize("strategy_type", [PaddleDPStrategy, fabric.PaddleDPStrategy])

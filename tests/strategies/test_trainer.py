@@ -245,3 +245,20 @@ def test_debug_log_shows_each_step_of_setup_and_teardown(tmp_path, caplog):
             "PaddleDPStrategy: leaving the process group alive, as \"ddp\" does",
         ],
     )
+
+
+class RecordBufferSize(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen = (trainer.strategy.comm_buffer_size, trainer.strategy.model.comm_buffer_size)
+
+
+def test_comm_buffer_size_is_the_size_in_effect_and_after_auto_the_tuned_one(tmp_path):
+    """docs/observability.md: after comm_buffer_size=auto, the strategy returns the tuned size."""
+    assert PaddleDPStrategy(comm_buffer_size=5).comm_buffer_size == 5
+    strategy, record = PaddleDPStrategy(comm_buffer_size="auto"), RecordBufferSize()
+    assert strategy.comm_buffer_size == "auto"  # nothing tuned, nothing wrapped yet
+    trainer(strategy, tmp_path, devices=1, max_epochs=1, limit_train_batches=3, callbacks=[record]).fit(Regressor())
+    chosen = strategy.tuned_comm_buffer_size
+    assert isinstance(chosen, (int, float)), "a one-bucket model settles at its first step"
+    assert record.seen == (chosen, chosen)
+    assert strategy.comm_buffer_size == chosen  # kept after the fit, as for checkpoints
