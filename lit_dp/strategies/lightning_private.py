@@ -32,6 +32,8 @@ from typing import Any
 
 import lightning
 import torch
+from lightning.fabric.strategies import ParallelStrategy as FabricParallelStrategy
+from lightning.pytorch.strategies import ParallelStrategy
 
 LOOKED_UP: list[tuple[str, str]] = []  # (module, name) of every private class or function below
 
@@ -88,7 +90,8 @@ SignalConnector = _lightnings("lightning.pytorch.trainer.connectors.signal_conne
 FitLoop = _lightnings("lightning.pytorch.loops.fit_loop", "_FitLoop")
 set_sampler_epoch = _lightnings("lightning.fabric.utilities.data", "_set_sampler_epoch")
 parse_num_batches = _lightnings("lightning.pytorch.trainer.connectors.data_connector", "_parse_num_batches")
-# What `self.log` keeps: used only by the functions below.
+# Used by the functions below only: Fabric's module wrapper, what `self.log` keeps, the observer
+# thread of the script launcher.
 _FabricModule = _lightnings("lightning.fabric.wrappers", "_FabricModule")
 _Metadata = _lightnings("lightning.pytorch.trainer.connectors.logger_connector.result", "_Metadata")
 _ResultMetric = _lightnings("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric")
@@ -100,10 +103,10 @@ SUBCLASSED: dict[type, tuple[str, ...]] = {
     # Lightning calls `_configure_launcher` and reads `_launcher`; `checkpoint_io` is a property
     # over `_checkpoint_io`; `_layer_sync` is the Trainer's `sync_batchnorm`; Fabric reads
     # `_backward_sync_control` for `no_backward_sync`.
-    importlib.import_module("lightning.pytorch.strategies").ParallelStrategy: (
+    ParallelStrategy: (
         "_configure_launcher", "_launcher", "_checkpoint_io", "_layer_sync",
     ),
-    importlib.import_module("lightning.fabric.strategies").ParallelStrategy: (
+    FabricParallelStrategy: (
         "_configure_launcher", "_launcher", "_checkpoint_io", "_backward_sync_control",
     ),
     # Its handlers, saved and restored around the run stage, and how it installs one.

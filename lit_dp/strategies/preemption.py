@@ -30,10 +30,11 @@ SIGUSR1 on to them, and exits with their status 128 + signal once they have stop
 Lightning's would die at once and leave the ranks to their parent-death signal, unsaved.
 
 A signal received after the last optimizer step of the fit changes nothing: the fit has
-completed and saved what its callbacks save. Lightning's connector is replaced through
-the Trainer's ``_signal_connector`` (the one place Lightning reads it; see ``lightning_private``), by a subclass of its own, so its
-bookkeeping is reused: handlers in place from the start of the fit's run stage to its teardown,
-the previous handlers restored afterwards, its SLURM detection and requeue.
+completed and saved what its callbacks save. Lightning's connector is replaced where the
+Trainer keeps it (the one place Lightning reads it; ``lit_dp.strategies.lightning_private``), by a
+subclass of its own, so its bookkeeping is reused: handlers in place from the start of the fit's
+run stage to its teardown, the previous handlers restored afterwards, its SLURM detection and
+requeue.
 """
 
 from __future__ import annotations
