@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lit_dp import DataParallel, fabric
 from lit_dp.gradients.unused import UnusedParametersError
+from lit_dp.strategies.lightning_private import forward_module
 from tests.helpers.distributed import launch_forking
 from tests.helpers.lightning import REGISTERED, assert_logged_in_order
 
@@ -193,3 +194,20 @@ def test_every_name_resolves_case_insensitively(name):
         assert type(strategy) is fabric.PaddleDPStrategy, spelling
         assert launcher_start_method(strategy.launcher) == start_method, spelling
         assert strategy.find_unused_parameters is find_unused, spelling
+
+
+def test_comm_buffer_size_is_the_set_up_models_and_before_setup_the_option():
+    """docs/observability.md: the strategy returns the bucket size in effect (after "auto", the tuned one)."""
+    assert fabric.PaddleDPStrategy(comm_buffer_size=5).comm_buffer_size == 5
+    run = Fabric(strategy=fabric.PaddleDPStrategy(comm_buffer_size="auto", hang_timeout=None), accelerator="cpu", devices=1)
+    run.launch()
+    assert run.strategy.comm_buffer_size == "auto"
+    model, optimizer = setup(run, Net())
+    inner = forward_module(model)  # the DataParallel inside Fabric's wrapper
+    for _ in range(3):  # a one-bucket model settles at its first step
+        run.backward(model(torch.randn(4, 6)).sum())
+        optimizer.step()
+    assert inner.autotuner.chosen_mb is not None
+    assert run.strategy.comm_buffer_size == inner.comm_buffer_size == inner.autotuner.chosen_mb
+    run.strategy.teardown()
+    assert run.strategy.comm_buffer_size == "auto"
