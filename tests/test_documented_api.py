@@ -98,7 +98,10 @@ def declared_type(owner: Any, annotation: Any) -> Any:
     """The class an annotation names, without ``None`` (a value unset until ``setup``)."""
     if isinstance(annotation, str):
         module = inspect.getmodule(owner)
-        annotation = eval(annotation, vars(module) if module is not None else {})  # noqa: S307 (our own source)
+        try:
+            annotation = eval(annotation, vars(module) if module is not None else {})  # noqa: S307 (our own source)
+        except NameError:
+            return annotation  # a name imported for type checkers only: the chain's end, as a union's
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         options = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
         if len(options) == 1:
@@ -122,14 +125,14 @@ def resolve_link(current: Any, link: str, chain: str) -> Any:
         found = None
     else:
         if isinstance(found, property):
-            hints = typing.get_type_hints(found.fget) if found.fget is not None else {}
-            return declared_type(found.fget, found.fget.__annotations__.get("return", hints.get("return")))
+            return declared_type(found.fget, found.fget.__annotations__.get("return") if found.fget else None)
         if isinstance(found, (types.FunctionType, classmethod, staticmethod)):
             return found
         if not isinstance(current, type) or inspect.isclass(found) or isinstance(found, types.ModuleType):
             return found
-    if dataclasses.is_dataclass(cls) and link in {field.name for field in dataclasses.fields(cls)}:
-        return declared_type(cls, typing.get_type_hints(cls)[link])
+    fields = {field.name: field.type for field in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    if link in fields:
+        return declared_type(cls, fields[link])
     if found is not None:
         return found  # a plain class attribute
     declared = {name: hint for klass in reversed(cls.__mro__) for name, hint in vars(klass).get("__annotations__", {}).items()}
