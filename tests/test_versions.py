@@ -1,0 +1,29 @@
+"""The versions the README says are tested are the ones CI installs: pyproject.toml's floors
+(.ci/lowest_versions installs them exactly) and the torch of .ci/run."""
+
+from __future__ import annotations
+
+import re
+import runpy
+
+from tests.helpers.documented import ROOT
+
+FLOORS = runpy.run_path(str(ROOT / ".ci" / "floors.py"))["floors"]()
+
+
+def release(version: str) -> str:
+    """``2.8`` as pip installs ``==2.8``: ``2.8.0``."""
+    parts = version.split(".")
+    return ".".join(parts + ["0"] * (3 - len(parts)))
+
+
+def test_the_readme_names_the_lowest_versions_ci_installs():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    expected = f"torch {release(FLOORS['torch'])} with Lightning {release(FLOORS['lightning'])}"
+    assert expected in readme, f"README.md should say the lowest tested versions are {expected} (pyproject.toml)"
+
+
+def test_the_readme_names_the_torch_ci_runs_both_tiers_on():
+    [pinned] = re.findall(r'"torch==([\d.]+)"', (ROOT / ".ci" / "run").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"CI runs both tiers on torch {'.'.join(pinned.split('.')[:2])}" in readme
