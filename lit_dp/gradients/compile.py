@@ -15,8 +15,6 @@ its forward, and only the graph splitting is borrowed: the reducer is lit_dp's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -27,16 +25,23 @@ class HasBucketCap(Protocol):
     bucket_bytes_cap: int
 
 
-@contextmanager
-@torch.compiler.disable(recursive=False)
-def bucket_graph_breaks(module: HasBucketCap) -> Iterator[None]:
+class bucket_graph_breaks:  # noqa: N801 - used as a context manager, like contextlib's
     """Make graphs compiled inside break every ``module.bucket_bytes_cap`` bytes of parameters.
 
-    Nested use restores the outer module, as torch DDP does.
+    Nested use restores the outer module, as torch DDP does. A class rather than a
+    ``contextlib.contextmanager`` generator: dynamo of torch 2.8 (the floor) fails on a generator it is
+    told not to trace (``torch.compiler.disable``) when it inlines contextlib's helper around it.
     """
-    outer = DistributedDataParallel._active_ddp_module
-    DistributedDataParallel._active_ddp_module = module  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        DistributedDataParallel._active_ddp_module = outer
+
+    def __init__(self, module: HasBucketCap) -> None:
+        self._module = module
+        self._outer: HasBucketCap | None = None
+
+    @torch.compiler.disable
+    def __enter__(self) -> None:
+        self._outer = DistributedDataParallel._active_ddp_module
+        DistributedDataParallel._active_ddp_module = self._module  # type: ignore[assignment]
+
+    @torch.compiler.disable
+    def __exit__(self, *exc_info: object) -> None:
+        DistributedDataParallel._active_ddp_module = self._outer  # type: ignore[assignment]
