@@ -491,7 +491,9 @@ def bf16_fused_adamw_clipped(rank, steps):
         # One process rounds the sum of both halves' bf16 weight gradients once, the ranks each half's:
         # bfloat16's tolerances (8 significant bits).
         for (name, param), ref in zip(ours.module.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(param.grad, ref.grad, rtol=1.6e-2, atol=1e-5, msg=lambda m: f"{label} {name}: {m}")
+            torch.testing.assert_close(
+                param.grad, ref.grad, rtol=1.6e-2, atol=1e-5, msg=lambda m: f"{label} {name}: {m}"
+            )
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -34,6 +34,7 @@ from tests.helpers.documented import (
     documented_commands,
     expected_pattern,
     fresh_working_directory,
+    gpu_commands,
     on_device,
     provide_shards,
     shrunk,
@@ -129,6 +130,7 @@ def test_the_docs_gpu_commands_run_on_cpu_unless_a_stated_reason_keeps_them_to_c
     assert GPU_COMMANDS, "no documented GPU command found: the rule in helpers/documented.py reads none"
     run = [c for c in GPU_COMMANDS if kind(c) == "run"]
     assert len(run) >= 5, [c.source for c in run]  # GPT-2 small, its byte twin, digits on GPUs, under torchrun
+    assert run == gpu_commands(), "scripts/gpu_checks.py would run other GPU commands than this suite"
     for command in GPU_COMMANDS:
         assert kind(command) == "run" or command.not_run_reason(), command.source
 

@@ -46,6 +46,8 @@ import numpy as np
 import torch.distributed as dist
 import yaml
 
+from lit_dp_recipes.shards import write_llmc_shard
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PROGRAMS = ("python", "torchrun", "srun", "pip", "torchft_lighthouse")
@@ -129,14 +131,18 @@ class DocumentedCommand:
             return listed
         if int(trainer_settings(self).get("num_nodes", 1)) > 1:
             return "needs several machines (trainer.num_nodes > 1)"
-        if re.search(r"\bstrategy\.backend=nccl\b", self.text):
-            return "NCCL needs CUDA GPUs (scripts/gpu_checks.py runs it on one)"
         return None
 
 
 def documented_commands(documents: list[Path] = DOCUMENTS) -> list[DocumentedCommand]:
     """Every command of ``documents``' code blocks, in order."""
     return [command for document in documents for command in _commands_of(document)]
+
+
+def gpu_commands(documents: list[Path] = DOCUMENTS) -> list[DocumentedCommand]:
+    """The documented commands that need a GPU and can run on one machine, each once, in the docs' order."""
+    unique = {command.text: command for command in reversed(documented_commands(documents))}
+    return [command for command in reversed(unique.values()) if command.needs_gpu and not command.not_run_reason()]
 
 
 def _commands_of(document: Path) -> list[DocumentedCommand]:
@@ -215,14 +221,14 @@ ON_DEVICE = {
     "autograd). On CUDA the command's own backend (inductor)",
     "elided": "a value the docs elide (key=...) is left out: the config's default applies",
     "shards": "token shards the command names that are not here (a download the docs assume) are written as small "
-    "random-token shards of the config's vocabulary (provide_shards)",
+    "random-token shards (provide_shards)",
 }
 SIZES = ("trainer.max_steps", "trainer.max_epochs", "trainer.val_check_interval", "trainer.limit_val_batches")
 ACCELERATOR = {"cpu": "cpu", "cuda": "gpu"}
 
 
 def on_device(command: DocumentedCommand, device: str, one_rank: bool = False) -> list[str]:
-    """``command`` (one that ``needs_gpu``) shortened for ``device`` ("cpu" or "cuda"), by the rules of ``ON_DEVICE``."""
+    """``command`` (one that ``needs_gpu``) shortened for ``device`` ("cpu" or "cuda"), by ``ON_DEVICE``'s rules."""
     ranks = 1 if one_rank or device == "cuda" else 2
     shrink = SHRINK[command.script or ""]
     replaced = {o.split("=", 1)[0] for o in shrink} | {"trainer.devices", "trainer.accelerator"}
@@ -238,17 +244,17 @@ def on_device(command: DocumentedCommand, device: str, one_rank: bool = False) -
     return argv + extra
 
 
-def provide_shards(argv: list[str], working_dir: Path, vocab_size: int = 50304, tokens: int = 40_000) -> list[Path]:
-    """Write a small random-token shard (nanoGPT's flat uint16) for each shard glob in ``argv`` that
-    matches no file under ``working_dir``: the data a GPU command says the user already has."""
+def provide_shards(argv: list[str], working_dir: Path, tokens: int = 40_000) -> list[Path]:
+    """Write a small random-token shard (llm.c's format; ids below 256, which every vocabulary of the
+    recipes holds) for each shard glob in ``argv`` that matches no file under ``working_dir``: the data
+    a GPU command says the user already has."""
     written = []
     for argument in argv:
         key, _, pattern = argument.partition("=")
-        if key in ("data.train_shards", "data.val_shards") and not list(working_dir.glob(pattern.strip("'\""))):
-            path = working_dir / pattern.strip("'\"").replace("**/", "").replace("*", "000000")
+        if key in ("data.train_shards", "data.val_shards") and not list(working_dir.glob(pattern)):
+            path = working_dir / pattern.replace("**/", "").replace("*", "000000")
             path.parent.mkdir(parents=True, exist_ok=True)
-            generator = np.random.default_rng(len(written))
-            generator.integers(1, vocab_size, tokens, dtype=np.uint16).tofile(path)
+            write_llmc_shard(path, np.random.default_rng(len(written)).integers(256, size=tokens, dtype=np.uint16))
             written.append(path)
     return written
 

@@ -37,7 +37,8 @@ CLIP_VALUE = 1e-3  # far below the largest gradient: clipping by value acts at e
 
 
 def gradient_norm(module: torch.nn.Module) -> float:
-    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters() if p.grad is not None])).item()
+    norms = [param.grad.norm() for param in module.parameters() if param.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item()
 
 
 class AdamWRegressor(Regressor):
@@ -137,7 +138,7 @@ def test_sharded_clipping_by_norm_with_a_plugin_that_takes_one_ranks_norm_is_ref
         pass
 
     mine = Mine("bf16-mixed", "cpu")
-    refusal = r"sharding_stage=2 with gradient_clip_val=1.0 and the precision plugin .*Mine is invalid: .*DataParallelClipping"
+    refusal = r"sharding_stage=2 with gradient_clip_val=1.0 and the precision plugin .*Mine is invalid: .*Clipping"
     with pytest.raises(ValueError, match=refusal):
         check_sharded_clipping(mine, 2, 1.0, "norm")
     check_sharded_clipping(mine, 1, 1.0, "norm")  # stage 1: every rank holds every averaged gradient
@@ -213,7 +214,8 @@ def fabric_steps(run: Fabric, fused: bool, clip: dict) -> dict[str, list]:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     untrained = net[0].weight.detach().clone()
-    model, optimizer = run.setup(net, torch.optim.AdamW(net.parameters(), lr=0.05, fused=fused or None, foreach=not fused))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.05, fused=fused or None, foreach=not fused)
+    model, optimizer = run.setup(net, optimizer)
     generator = torch.Generator().manual_seed(run.global_rank)
     norms = []
     for _ in range(3):
