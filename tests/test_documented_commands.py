@@ -112,7 +112,7 @@ def test_recipe_commands_pass_the_checks_made_before_any_process_starts(command,
 
 
 GPU_COMMANDS = [c for c in UNIQUE if c.needs_gpu]
-# What on_device may change in a GPU command's config (helpers/documented.py, ON_DEVICE): sizes,
+# What on_device may change in a GPU command's config (helpers/documented.py): sizes,
 # device and compiler. Everything else (precision, optimizer, clipping, compilation, strategy:
 # sharding, hooks, LocalSGD) must come out as the docs typed it.
 TRANSLATED = (
@@ -213,7 +213,7 @@ def test_documented_commands_run_from_a_fresh_working_directory(document, tmp_pa
     for batch in batches:
         argvs = [shrunk(c, one_rank=c is not commands[0] and c.argv[0] == "python") for c in batch]
         for command, argv in zip(batch, argvs):
-            if command.needs_gpu:  # the shards it names are the user's own (helpers/documented.py, ON_DEVICE)
+            if command.needs_gpu:  # the shards it names are the user's own (helpers/documented.py, on_device)
                 provide_shards(argv, cwd)
         if batch[0].argv[0] == "python":
             plan = [{"argv": argv, "env": dict(c.env)} for c, argv in zip(batch, argvs)]

@@ -25,6 +25,9 @@ Under ``sharding_stage=2`` such a plugin would clip by this rank's norm only, so
 
 Checkpoints keep the plugin's state under Lightning's class name (``"MixedPrecision"``: the
 scaler), so a checkpoint moves between ``"ddp"`` and ``"paddle_dp"`` with its scaler.
+
+Fabric has a strategy hook for clipping, so its strategy (``lit_dp.strategies.fabric``) clips
+there, with Fabric's own plugins, and reads ``handles_unscaling`` from here.
 """
 
 from __future__ import annotations

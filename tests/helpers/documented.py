@@ -209,26 +209,28 @@ def shrunk(command: DocumentedCommand, one_rank: bool = False) -> list[str]:
 # --- Commands that need a GPU, run where CI runs -------------------------------------------------
 
 CONF = ROOT / "conf"
-# How a GPU command runs on another device: the rule, each change with its reason. What the
-# command sets otherwise stays: precision, optimizer, compilation, sharding, hooks, LocalSGD, clipping.
-ON_DEVICE = {
-    "size": "SHRINK's tiny model and few steps replace the command's own sizes and lengths",
-    "devices": "every local GPU (devices=auto, --nproc-per-node=N) becomes 2 CPU processes (1 after a document's "
-    "first command, as for every command) or the one GPU a lent machine has",
-    "accelerator": "on CPU: trainer.accelerator=cpu, the rest of the GPU trainer's settings kept",
-    "compile": "on CPU: compile_backend=aot_eager, since inductor compiles C++ for over a minute per graph on 2 "
-    "cores; aot_eager takes the same path through dynamo (graph capture, the reducer's bucket-split graphs, AOT "
-    "autograd). On CUDA the command's own backend (inductor)",
-    "elided": "a value the docs elide (key=...) is left out: the config's default applies",
-    "shards": "token shards the command names that are not here (a download the docs assume) are written as small "
-    "random-token shards (provide_shards)",
-}
 SIZES = ("trainer.max_steps", "trainer.max_epochs", "trainer.val_check_interval", "trainer.limit_val_batches")
 ACCELERATOR = {"cpu": "cpu", "cuda": "gpu"}
 
 
 def on_device(command: DocumentedCommand, device: str, one_rank: bool = False) -> list[str]:
-    """``command`` (one that ``needs_gpu``) shortened for ``device`` ("cpu" or "cuda"), by ``ON_DEVICE``'s rules."""
+    """``command`` (one that ``needs_gpu``) shortened for ``device`` ("cpu" or "cuda"): the rule, each change
+    with its reason. What the command sets otherwise stays: precision, optimizer, compilation, sharding,
+    communication hooks, LocalSGD, clipping.
+
+    - size: ``SHRINK``'s tiny model and few steps replace the command's own sizes and lengths;
+    - devices: every local GPU (``devices=auto``, ``--nproc-per-node=N``) becomes 2 CPU processes (1
+      with ``one_rank``: after a document's first command, as for every command), or the one GPU a
+      lent machine has;
+    - accelerator: ``trainer.accelerator=cpu`` on CPU, the rest of the GPU trainer's settings kept;
+    - compilation: on CPU ``compile_backend=aot_eager`` unless the command names a backend, since
+      inductor compiles C++ for over a minute per graph on 2 cores; aot_eager takes the same path
+      through dynamo (graph capture, the reducer's bucket-split graphs, AOT autograd). On CUDA the
+      command's own backend (inductor);
+    - elided values (``key=...``) are left out: the config's default applies.
+
+    Token shards the command names but the machine lacks are ``provide_shards``' to write.
+    """
     ranks = 1 if one_rank or device == "cuda" else 2
     shrink = SHRINK[command.script or ""]
     replaced = {o.split("=", 1)[0] for o in shrink} | {"trainer.devices", "trainer.accelerator"}

@@ -2,7 +2,7 @@
 skipped without one), no host sync in a step; and its CPU twin, which CI runs (the end-to-end tier).
 
 The twin is the GPU test's configuration translated by the rule the documented GPU commands follow
-on CPU (tests/helpers/documented.py, ``ON_DEVICE``): ``trainer.accelerator=cpu``, and the
+on CPU (tests/helpers/documented.py, ``on_device``): ``trainer.accelerator=cpu``, and the
 ``aot_eager`` backend, since inductor compiles C++ for over a minute per graph on 2 cores. Until
 lit_dp's precision plugin (issue 32), this configuration crashed at its first step on both devices:
 Lightning refused to clip the fused AdamW under bf16-mixed.
