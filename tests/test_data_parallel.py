@@ -455,3 +455,54 @@ def test_join_on_a_process_group_written_in_python_is_refused_by_name():
     for enter in (model.join, lambda: Join([model])):
         with pytest.raises(ValueError, match="join\\(\\) on a process group written in Python \\(OneRankPythonGroup\\)"):
             enter()
+
+
+# --- a hand-written loop in bf16 with a fused optimizer and clipping ---
+
+
+def bf16_fused_adamw_clipped(rank, steps):
+    """lit_dp and torch DDP side by side under ``torch.autocast(bfloat16)``, fused AdamW, clip_grad_norm_."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import lit_dp
+    from tests.helpers.equivalence import assert_same_gradients, assert_same_parameters
+    from tests.helpers.models import Tied, batch, loss, reference_loss, shard
+
+    lit_dp.init_parallel_env()
+    world_size = dist.get_world_size()
+    torch.manual_seed(0)
+    base = Tied()
+    reference = copy.deepcopy(base)
+    ours, ddp = lit_dp.DataParallel(base), DistributedDataParallel(copy.deepcopy(base))
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=0.01, fused=True) for model in (ours, ddp)]
+    for step in range(steps):
+        inputs, targets = batch(step, world_size)
+        reference.load_state_dict(ours.module.state_dict())  # the one-process oracle at this step's weights
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for model in (ours, ddp):
+                loss(model, shard(inputs, rank), shard(targets, rank), rank, step).backward()
+            reference_loss(reference, step, world_size).backward()
+        norms = [torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2) for model in (ours, ddp, reference)]
+        assert norms[0] > 1e-2, f"clipping did not act: norm {norms[0]}"
+        label = f"step {step} rank {rank}"
+        assert_same_gradients(ours, ddp, f"{label} vs DDP")  # the same local bf16 gradients, averaged alike
+        torch.testing.assert_close(norms[0], norms[1])
+        # One process rounds the sum of both halves' bf16 weight gradients once, the ranks each half's:
+        # bfloat16's tolerances (8 significant bits).
+        for (name, param), ref in zip(ours.module.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(
+                param.grad, ref.grad, rtol=1.6e-2, atol=1e-5, msg=lambda m: f"{label} {name}: {m}"
+            )
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert_same_parameters(ours, ddp, f"after {steps} steps")
+    return True
+
+
+def test_a_hand_written_bf16_loop_with_fused_adamw_and_clipping_matches_ddp_and_one_process():
+    assert run_ranks(bf16_fused_adamw_clipped, 2, 3) == {0: True, 1: True}

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
 
 from lit_dp_recipes.cli import unknown_strategy_keys
 from lit_dp_recipes.config import build_strategy, register_configs, validate_trainer
@@ -27,10 +28,15 @@ from tests.helpers.documented import (
     NOT_RUN,
     ROOT,
     SHRINK,
+    SIZES,
     TRAINED,
     DocumentedCommand,
     documented_commands,
     expected_pattern,
+    fresh_working_directory,
+    gpu_commands,
+    on_device,
+    provide_shards,
     shrunk,
     split_output,
 )
@@ -105,6 +111,59 @@ def test_recipe_commands_pass_the_checks_made_before_any_process_starts(command,
             assert not command.expects_failure, f"{command.source}: {command.text} did not fail as the docs show"
 
 
+GPU_COMMANDS = [c for c in UNIQUE if c.needs_gpu]
+# What on_device may change in a GPU command's config (helpers/documented.py): sizes,
+# device and compiler. Everything else (precision, optimizer, clipping, compilation, strategy:
+# sharding, hooks, LocalSGD) must come out as the docs typed it.
+TRANSLATED = (
+    "trainer.devices",
+    "trainer.accelerator",
+    "compile_backend",
+    "data.train_shards",
+    "data.val_shards",
+    *SIZES,
+    *(override.split("=", 1)[0] for override in SHRINK["gpt"] + SHRINK["digits"]),
+)
+
+
+def test_the_docs_gpu_commands_run_on_cpu_unless_a_stated_reason_keeps_them_to_composing():
+    assert GPU_COMMANDS, "no documented GPU command found: the rule in helpers/documented.py reads none"
+    run = [c for c in GPU_COMMANDS if kind(c) == "run"]
+    assert len(run) >= 5, [c.source for c in run]  # GPT-2 small, its byte twin, digits on GPUs, under torchrun
+    assert run == gpu_commands(), "scripts/gpu_checks.py would run other GPU commands than this suite"
+    for command in GPU_COMMANDS:
+        assert kind(command) == "run" or command.not_run_reason(), command.source
+
+
+def flat(node, prefix: str = "") -> dict[str, object]:
+    """A config's keys, dotted, with interpolations as written (``${callbacks.throughput.warmup}``)."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=False)
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    return {key: value for name in node for key, value in flat(node[name], f"{prefix}{name}.").items()}
+
+
+@pytest.mark.parametrize("command", [c for c in GPU_COMMANDS if kind(c) == "run"], ids=lambda c: c.source)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_gpu_command_shortened_keeps_its_settings_but_size_device_and_compiler(command, device, tmp_path):
+    register_configs()
+    translated = DocumentedCommand(command.source, tuple(on_device(command, device)), command.env)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        typed, shortened = (
+            compose(command.script, overrides=[f"paths.output_dir={tmp_path}", *overrides_of(c)[0]])
+            for c in (command, translated)
+        )
+    build_strategy(shortened.strategy)
+    validate_trainer(shortened)
+    assert shortened.trainer.accelerator == {"cpu": "cpu", "cuda": "gpu"}[device]
+    assert shortened.trainer.devices == (2 if device == "cpu" else 1)
+    assert shortened.compile_backend == ("aot_eager" if device == "cpu" else typed.compile_backend)
+    before, after = flat(typed), flat(shortened)
+    changed = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+    assert all(key.startswith(TRANSLATED) for key in changed), changed
+
+
 @pytest.mark.parametrize("command", [c for c in UNIQUE if kind(c) == "composed" and c.module], ids=lambda c: c.source)
 def test_benchmark_commands_compose_with_their_overrides(command, tmp_path):
     name = command.module.split(".", 1)[1]
@@ -124,19 +183,6 @@ def test_lighthouse_commands_use_flags_the_lighthouse_has(command):
     assert flags, f"{command.source}: {command.text}: no flag to check"
     unknown = [flag for flag in flags if not re.search(rf"{re.escape(flag)}\b", usage)]
     assert not unknown, f"{command.source}: {command.text}: torchft_lighthouse has no {unknown}:\n{usage}"
-
-
-def fresh_working_directory(root: Path) -> Path:
-    """What a user has after cloning, for commands to read (linked), and nothing they would write."""
-    root.mkdir()
-    for name in ("recipes", "conf", "benchmarks"):
-        (root / name).symlink_to(ROOT / name)
-    (root / "docs").mkdir()  # commands may draw pictures into docs/
-    texts = root / "my_texts"
-    texts.mkdir()
-    for index, path in enumerate(sorted((ROOT / "lit_dp_recipes").glob("*.py"))[:4]):
-        (texts / f"text{index}.txt").write_bytes(path.read_bytes())  # a few KB of text each
-    return root
 
 
 def runs_of(document: str) -> list[DocumentedCommand]:
@@ -165,8 +211,12 @@ def test_documented_commands_run_from_a_fresh_working_directory(document, tmp_pa
     batches = [list(group) for _, group in itertools.groupby(commands, key=lambda c: c.argv[0] == "python")]
     failures = []
     for batch in batches:
+        argvs = [shrunk(c, one_rank=c is not commands[0] and c.argv[0] == "python") for c in batch]
+        for command, argv in zip(batch, argvs):
+            if command.needs_gpu:  # the shards it names are the user's own (helpers/documented.py, on_device)
+                provide_shards(argv, cwd)
         if batch[0].argv[0] == "python":
-            plan = [{"argv": shrunk(c, one_rank=c is not commands[0]), "env": dict(c.env)} for c in batch]
+            plan = [{"argv": argv, "env": dict(c.env)} for c, argv in zip(batch, argvs)]
             (tmp_path / "plan.json").write_text(json.dumps(plan))
             result = subprocess.run([sys.executable, "-m", "tests.helpers.documented", str(tmp_path / "plan.json")],
                                     cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -175,8 +225,8 @@ def test_documented_commands_run_from_a_fresh_working_directory(document, tmp_pa
             outputs = split_output(result.stdout, len(batch))
         else:
             outputs = []
-            for command in batch:
-                run = subprocess.run(shrunk(command), cwd=cwd, env={**env, **dict(command.env)}, stdout=subprocess.PIPE,
+            for command, argv in zip(batch, argvs):
+                run = subprocess.run(argv, cwd=cwd, env={**env, **dict(command.env)}, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, timeout=600)
                 outputs.append((run.returncode, run.stdout))
         for command, (status, output) in zip(batch, outputs):

@@ -47,6 +47,7 @@ from lit_dp.strategies.lightning_private import (
     forward_module,
     sync_ddp_if_available,
 )
+from lit_dp.strategies.precision import handles_unscaling
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +161,28 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        if not isinstance(optimizer, ShardedOptimizer):
-            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
-        self.precision.unscale_gradients(optimizer)
-        return optimizer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        self._unscale_for_clipping(optimizer)
+        if isinstance(optimizer, ShardedOptimizer):  # the norm over every rank's gradients
+            return optimizer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        parameters = self.precision.main_params(optimizer)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self._unscale_for_clipping(optimizer)
+        torch.nn.utils.clip_grad_value_(self.precision.main_params(optimizer), clip_val)
+
+    def _unscale_for_clipping(self, optimizer: Optimizer) -> None:
+        """Gradients unscaled before clipping, also an optimizer's that unscales in its step (``fused=True``).
+
+        Fabric's ``MixedPrecision`` refuses those; torch lets ``GradScaler.unscale_`` run before
+        ``step`` for them too, and the step then gets only the inf check, no scale.
+        """
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is not None and handles_unscaling(optimizer):
+            scaler.unscale_(optimizer)
+        else:
+            self.precision.unscale_gradients(optimizer)
 
     def join(
         self,

@@ -100,11 +100,12 @@ _ChildProcessObserver = _lightnings("lightning.fabric.strategies.launchers.subpr
 
 # --- Members of the Lightning classes lit_dp's classes derive from -------------------------------
 SUBCLASSED: dict[type, tuple[str, ...]] = {
-    # Lightning calls `_configure_launcher` and reads `_launcher`; `checkpoint_io` is a property
-    # over `_checkpoint_io`; `_layer_sync` is the Trainer's `sync_batchnorm`; Fabric reads
-    # `_backward_sync_control` for `no_backward_sync`.
+    # Lightning calls `_configure_launcher` and reads `_launcher`; `checkpoint_io` and
+    # `precision_plugin` are properties over `_checkpoint_io` and `_precision_plugin` (overridden
+    # as Lightning's FSDPStrategy overrides them); `_layer_sync` is the Trainer's `sync_batchnorm`;
+    # Fabric reads `_backward_sync_control` for `no_backward_sync`.
     ParallelStrategy: (
-        "_configure_launcher", "_launcher", "_checkpoint_io", "_layer_sync",
+        "_configure_launcher", "_launcher", "_checkpoint_io", "_precision_plugin", "_layer_sync",
     ),
     FabricParallelStrategy: (
         "_configure_launcher", "_launcher", "_checkpoint_io", "_backward_sync_control",

@@ -59,9 +59,9 @@ from lit_dp.strategies.lightning_private import (
 )
 from lit_dp.strategies.monitor import CommStatsMonitor
 from lit_dp.strategies.lost_ranks import LostRanks, end_started_ranks
+from lit_dp.strategies.precision import DataParallelPrecision, check_sharded_clipping, for_data_parallel
 from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher, Preemption
 from lit_dp.strategies.resume import EpochContinuation
-from lit_dp.strategies.sharded_clipping import clip_sharded_by_global_norm
 from lit_dp.strategies.uneven import UnevenInputs
 from lit_dp.strategies.watchdog import StrategyWatchdog
 
@@ -170,6 +170,19 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         return self._options.comm_buffer_size
 
     @property
+    @override
+    def precision_plugin(self) -> Precision:
+        """lit_dp's plugin for the precision asked for (``lit_dp.strategies.precision``: clipping with fused
+        optimizers and sharding), or a plugin of the user's own class as given."""
+        return self._precision_plugin if self._precision_plugin is not None else DataParallelPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Where Lightning hands the strategy the plugin it made for `precision=` (or the user's).
+        self._precision_plugin = for_data_parallel(plugin)
+
+    @property
     def tuned_comm_buffer_size(self) -> float | None:
         """With ``comm_buffer_size="auto"``: the size chosen in this run or restored from a checkpoint."""
         if self._tuned_buffer_size is not None:
@@ -224,6 +237,12 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._check_sharding_precision(self.precision_plugin)
+            check_sharded_clipping(
+                self.precision_plugin,
+                self._options.sharding.stage,
+                trainer.gradient_clip_val,
+                trainer.gradient_clip_algorithm,
+            )
         if fitting and self._layer_sync:
             log.debug("%s: sync_batchnorm: converting BatchNorm layers to SyncBatchNorm", type(self).__name__)
             self.model = self._layer_sync.apply(self.model)
@@ -248,9 +267,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def _setup_fit(self, trainer: pl.Trainer) -> None:
         """What a fit needs once the wrapped model, its optimizers and the precision plugin are set up."""
         assert isinstance(self.model, DataParallel)
-        if self._options.sharding.stage is not None:
-            log.debug("%s: gradient clipping by the norm over every rank's gradients", type(self).__name__)
-            clip_sharded_by_global_norm(self.precision_plugin)
         optimizers_to_device(self.optimizers, self.root_device)
         if self._options.comm_stats or self._options.comm_buffer_size == AUTO:
             if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):

@@ -17,7 +17,10 @@ the Python commands of a document run one after the other in one process (``run_
 through ``runpy``, as ``python`` runs a script or a module), so that its imports are paid once;
 the first command of a document runs as typed, on the ranks it asks for (Lightning starts them
 as real processes), and the others with ``trainer.devices=1`` appended unless they set it.
-The exceptions: ``python -m benchmarks.*`` is composed against its benchmark's config, not
+A command whose config asks for a GPU (``trainer=gpu``, an experiment that selects it,
+``trainer.accelerator=gpu``) runs too, translated by one rule (``on_device``): on CPU in the
+suite, on CUDA in ``scripts/gpu_checks.py``; so a GPU command added to the docs is run without a
+GPU. The exceptions: ``python -m benchmarks.*`` is composed against its benchmark's config, not
 run (a benchmark takes minutes; most have a shrunk end-to-end test of their own in
 tests/benchmarks), and ``NOT_RUN`` lists the commands that cannot run here, each with its reason;
 those of them that start a recipe or a benchmark are still composed, with the recipe's checks
@@ -39,7 +42,11 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
+import yaml
+
+from lit_dp_recipes.shards import write_llmc_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -52,10 +59,8 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"^torchft_lighthouse\b", "torchft's lighthouse, a server that runs until stopped: tests/helpers/torchft.py "
      "starts one for the fault-tolerance tests, and the documented flags are checked against its --help"),
     (r"-m pytest", "the test suite itself"),
-    (r"\btrainer=(gpu|multinode)\b", "needs CUDA GPUs"),
-    (r"\bexperiment=(gpt2_small|charlm_gpt2)\b", "GPT-2 small on CUDA GPUs"),
     (r"^srun\b|--nnodes=2", "needs SLURM or several machines"),
-    (r"\.\.\.$", "an abbreviation: the command is elided ('...')"),
+    (r"(^|\s)\.\.\.$", "an abbreviation: the command is elided ('...')"),
     (r"recipes/gpt\.py compile=true$", "inductor compiles C++ for minutes on a CPU; the next command "
      "(compile=true compile_backend=aot_eager) runs the same path"),
     (r"PADDLE_TRAINER_ID=", "two shells by hand on fixed ports 6170-6171; PaddleEnvironment's launch is "
@@ -115,13 +120,29 @@ class DocumentedCommand:
         """The transcript shows an error: ``SomeError: ...``, or the answer to a misspelled option."""
         return any(re.match(r"(\w+Error|Traceback)\b|\S+ is not an option of ", line) for line in self.expected)
 
+    @property
+    def needs_gpu(self) -> bool:
+        """A recipe whose config asks for a GPU accelerator (``trainer=gpu``, ``experiment=gpt2_small``, ...)."""
+        return self.script in TRAINED and str(trainer_settings(self).get("accelerator")) in ("gpu", "cuda")
+
     def not_run_reason(self) -> str | None:
-        return next((reason for pattern, reason in NOT_RUN if re.search(pattern, self.text)), None)
+        listed = next((reason for pattern, reason in NOT_RUN if re.search(pattern, self.text)), None)
+        if listed or self.script not in TRAINED:
+            return listed
+        if int(trainer_settings(self).get("num_nodes", 1)) > 1:
+            return "needs several machines (trainer.num_nodes > 1)"
+        return None
 
 
 def documented_commands(documents: list[Path] = DOCUMENTS) -> list[DocumentedCommand]:
     """Every command of ``documents``' code blocks, in order."""
     return [command for document in documents for command in _commands_of(document)]
+
+
+def gpu_commands(documents: list[Path] = DOCUMENTS) -> list[DocumentedCommand]:
+    """The documented commands that need a GPU and can run on one machine, each once, in the docs' order."""
+    unique = {command.text: command for command in reversed(documented_commands(documents))}
+    return [command for command in reversed(unique.values()) if command.needs_gpu and not command.not_run_reason()]
 
 
 def _commands_of(document: Path) -> list[DocumentedCommand]:
@@ -177,10 +198,120 @@ def _parse(line: str, source: str) -> list[DocumentedCommand]:
 
 def shrunk(command: DocumentedCommand, one_rank: bool = False) -> list[str]:
     """``command``'s argv as a test runs it: ``SHRINK``'s overrides for its recipe (and ``trainer.devices=1``
-    if ``one_rank``) appended where the command does not set the key."""
+    if ``one_rank``) appended where the command does not set the key; a GPU command ``on_device("cpu")``."""
+    if command.needs_gpu:
+        return on_device(command, "cpu", one_rank)
     given = {argument.split("=", 1)[0].lstrip("+~") for argument in command.argv if "=" in argument}
     extra = SHRINK.get(command.script or "", []) + ([ONE_RANK] if one_rank and command.script in TRAINED else [])
     return list(command.argv) + [o for o in extra if o.split("=", 1)[0] not in given]
+
+
+# --- Commands that need a GPU, run where CI runs -------------------------------------------------
+
+CONF = ROOT / "conf"
+SIZES = ("trainer.max_steps", "trainer.max_epochs", "trainer.val_check_interval", "trainer.limit_val_batches")
+ACCELERATOR = {"cpu": "cpu", "cuda": "gpu"}
+
+
+def on_device(command: DocumentedCommand, device: str, one_rank: bool = False) -> list[str]:
+    """``command`` (one that ``needs_gpu``) shortened for ``device`` ("cpu" or "cuda"): the rule, each change
+    with its reason. What the command sets otherwise stays: precision, optimizer, compilation, sharding,
+    communication hooks, LocalSGD, clipping.
+
+    - size: ``SHRINK``'s tiny model and few steps replace the command's own sizes and lengths;
+    - devices: every local GPU (``devices=auto``, ``--nproc-per-node=N``) becomes 2 CPU processes (1
+      with ``one_rank``: after a document's first command, as for every command), or the one GPU a
+      lent machine has;
+    - accelerator: ``trainer.accelerator=cpu`` on CPU, the rest of the GPU trainer's settings kept;
+    - compilation: on CPU ``compile_backend=aot_eager`` unless the command names a backend, since
+      inductor compiles C++ for over a minute per graph on 2 cores; aot_eager takes the same path
+      through dynamo (graph capture, the reducer's bucket-split graphs, AOT autograd). On CUDA the
+      command's own backend (inductor);
+    - elided values (``key=...``) are left out: the config's default applies.
+
+    Token shards the command names but the machine lacks are ``provide_shards``' to write.
+    """
+    ranks = 1 if one_rank or device == "cuda" else 2
+    shrink = SHRINK[command.script or ""]
+    replaced = {o.split("=", 1)[0] for o in shrink} | {"trainer.devices", "trainer.accelerator"}
+    argv = []
+    for argument in command.argv:
+        key = argument.split("=", 1)[0]
+        if argument.endswith("=...") or key in replaced or key in SIZES:
+            continue
+        argv.append(re.sub(r"^--nproc[-_]per[-_]node=\d+$", f"--nproc-per-node={ranks}", argument))
+    extra = [*shrink, f"trainer.devices={ranks}", f"trainer.accelerator={ACCELERATOR[device]}"]
+    if device == "cpu" and not any(a.startswith("compile_backend=") for a in command.argv):
+        extra.append("compile_backend=aot_eager")
+    return argv + extra
+
+
+def provide_shards(argv: list[str], working_dir: Path, tokens: int = 40_000) -> list[Path]:
+    """Write a small random-token shard (llm.c's format; ids below 256, which every vocabulary of the
+    recipes holds) for each shard glob in ``argv`` that matches no file under ``working_dir``: the data
+    a GPU command says the user already has."""
+    written = []
+    for argument in argv:
+        key, _, pattern = argument.partition("=")
+        if key in ("data.train_shards", "data.val_shards") and not list(working_dir.glob(pattern)):
+            path = working_dir / pattern.replace("**/", "").replace("*", "000000")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_llmc_shard(path, np.random.default_rng(len(written)).integers(256, size=tokens, dtype=np.uint16))
+            written.append(path)
+    return written
+
+
+def trainer_settings(command: DocumentedCommand) -> dict:
+    """The ``trainer`` node ``command``'s recipe config ends with, read from conf/ without composing (Hydra
+    takes seconds for the docs' commands): the trainer its config, experiment or ``trainer=`` chooses, then
+    its ``trainer.*`` overrides."""
+    values = dict(a.lstrip("+").split("=", 1) for a in command.argv if "=" in a and not a.startswith("-"))
+    choice = (
+        values.get("trainer")
+        or _choice(CONF / "experiment" / f"{values.get('experiment')}.yaml", "trainer")
+        or _choice(CONF / f"{command.script}.yaml", "trainer")
+    )
+    settings = _trainer_yaml(choice) if choice else {}
+    settings.update({key.split(".", 1)[1]: value for key, value in values.items() if key.startswith("trainer.")})
+    return settings
+
+
+def _choice(config: Path, group: str) -> str | None:
+    """The option of ``group`` a config's defaults list chooses (``trainer: cpu``, ``override /trainer: gpu``),
+    following the configs of its folder that it extends; the last choice wins, as in Hydra."""
+    if not config.is_file():
+        return None
+    choice = None
+    for entry in (yaml.safe_load(config.read_text()) or {}).get("defaults", []):
+        if isinstance(entry, str):
+            choice = _choice(config.parent / f"{entry}.yaml", group) or choice
+        elif isinstance(entry, dict):
+            choice = next((v for k, v in entry.items() if k.removeprefix("override ").strip("/") == group), choice)
+    return choice
+
+
+def _trainer_yaml(name: str) -> dict:
+    """conf/trainer/<name>.yaml's keys, over those of the trainer configs it extends."""
+    data = yaml.safe_load((CONF / "trainer" / f"{name}.yaml").read_text()) or {}
+    settings: dict = {}
+    for entry in data.get("defaults", []):
+        if isinstance(entry, str) and (CONF / "trainer" / f"{entry}.yaml").is_file():
+            settings.update(_trainer_yaml(entry))
+    settings.update({key: value for key, value in data.items() if key != "defaults"})
+    return settings
+
+
+def fresh_working_directory(root: Path) -> Path:
+    """What a user has after cloning, for commands to read (linked), and nothing they would write."""
+    root.mkdir()
+    for name in ("recipes", "conf", "benchmarks"):
+        (root / name).symlink_to(ROOT / name)
+    (root / "docs").mkdir()  # commands may draw pictures into docs/
+    texts = root / "my_texts"
+    texts.mkdir()
+    for index, path in enumerate(sorted((ROOT / "lit_dp_recipes").glob("*.py"))[:4]):
+        (texts / f"text{index}.txt").write_bytes(path.read_bytes())  # a few KB of text each
+    return root
 
 
 MARK = "=== documented command"
