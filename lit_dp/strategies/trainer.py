@@ -54,6 +54,7 @@ from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO, save_checkpoint
 from lit_dp.strategies.fault_tolerance import FaultTolerance, TrainerFaultTolerance
+from lit_dp.strategies.health import HealthMonitor
 from lit_dp.strategies.monitor import CommStatsMonitor
 from lit_dp.strategies.lost_ranks import LostRanks, end_started_ranks
 from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher, Preemption
@@ -242,6 +243,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
                 log.debug("%s: CommStatsMonitor added to the callbacks", type(self).__name__)
                 trainer.callbacks.append(CommStatsMonitor())
+        if self.model.step_clock is not None and not any(isinstance(c, HealthMonitor) for c in trainer.callbacks):
+            log.debug("%s: HealthMonitor added to the callbacks (batches for the step clock, straggler/*)", type(self).__name__)
+            trainer.callbacks.append(HealthMonitor())
         self._uneven.setup(trainer, self.model, sync_batchnorm=self._layer_sync is not None)
         self._preemption.setup(trainer, self.world_size, self.global_rank)  # collective under NCCL: on every rank
 
