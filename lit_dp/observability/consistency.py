@@ -74,7 +74,8 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of ``tensor``'s bytes read as the widest integers that tile them, wrapping, as a 0-d
     int64 on its device. Changing any one element changes it: the difference is a nonzero integer
     smaller than the modulus."""
-    flat = tensor.detach().reshape(-1)  # a view when contiguous
+    flat = tensor.detach()
+    flat = (flat if flat.is_contiguous() else flat.contiguous()).view(-1)  # parameters are: no copy
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     raw = flat.view(torch.uint8)

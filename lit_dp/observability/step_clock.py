@@ -190,10 +190,6 @@ class StepClock(ReducerObserver):
         mark = host if self._on_host else self._mark()
         self.current = StepMarks(step, plan.participation, host, mark)
         self.starts.append((host, step))
-        window = self._window
-        if window is not None:
-            window.steps += 1
-            window.with_batch += plan.participation is Participation.SYNC
 
     @override
     def backward_started(self, step: int) -> None:
@@ -211,15 +207,23 @@ class StepClock(ReducerObserver):
         if marks is None:
             return
         marks.reduced = self._idle_since = self._mark()
-        if not self._on_host and self._window is not None and marks.backward_end is not None:
-            self._window.exposed.append((marks.backward_end, marks.reduced))
+        window = self._window
+        if window is None:
+            return
+        window.steps += 1  # a window holds the steps that ended in it
+        window.with_batch += marks.participation is Participation.SYNC
+        if not self._on_host and marks.backward_end is not None:
+            window.exposed.append((marks.backward_end, marks.reduced))
 
     # -- windows ----------------------------------------------------------------------------------
 
     def close_window(self) -> StepTimes | None:
         """End the window running since the last call and start the next; the figures of the
         window that can be read now: the one just ended on CPU, the one before on CUDA (its
-        events completed long since). None at the first call, and on CUDA at the second."""
+        events completed long since). None at the first call, and on CUDA at the second.
+
+        Called when a step starts (after the clock heard of it), a window holds the steps from
+        the one that started at the last call to the one before this."""
         mark = self._mark()
         step = self.current.step if self.current is not None else 0
         ended, self._window = self._window, _Window(step, mark, self._waiter.waited)
