@@ -30,7 +30,7 @@ With ``consistency.action="error"`` (the default) every rank raises ``ReplicaDiv
 at that step and, as when the hang watchdog ends a job, a process still alive a grace later
 (its error swallowed, its teardown stuck) writes its stacks and exits with status 1
 (``lit_dp.observability.hang_exit.exit_after``); ``"warn"`` prints the message on the group's
-first rank and goes on.
+first rank (when the difference appears or changes, not at every check while it lasts) and goes on.
 
 What is compared when (docs/observability.md, "Have the replicas diverged?"): a rank that
 shadows the others' steps under torch's ``Join`` (it ran out of inputs, its parameters wait for
@@ -183,9 +183,10 @@ class ReplicaConsistency(ReducerObserver):
             log.debug("lit_dp replica consistency: the replicas agree at step %d", step)
             return
         if self._action == "warn":
-            self.differences.append(message)
-            if self._first_rank:
+            # Printed when the difference appears or changes, not again at every check while it lasts.
+            if self._first_rank and (not self.differences or _what(self.differences[-1]) != _what(message)):
                 print(f"[lit_dp] {message}", flush=True)
+            self.differences.append(message)
             return
         exit_after(EXIT_GRACE_SECONDS, self._rank, "the replicas diverged")
         raise ReplicaDivergenceError(f"lit_dp {message}")
@@ -266,6 +267,11 @@ def _value_checksum(value: Any, device: torch.device) -> torch.Tensor:
         (bits,) = struct.unpack("<q", struct.pack("<d", float(value)))
         return torch.tensor(bits, dtype=torch.int64, device=device)
     return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _what(message: str) -> str:
+    """What differs, without the step it was found at."""
+    return message.split(" the replicas differ: ", 1)[-1]
 
 
 def _listed(ranks: Sequence[int]) -> str:

@@ -254,6 +254,6 @@ class StragglerReport(ReducerObserver):
         worst = self.worst
         return (
             f"{head}; the largest lag: rank {worst.slowest}, {worst.lag_ms:.1f} ms per step "
-            f"({worst.lag_share:.0%} of the step, {worst.cause}) at steps {worst.first_step}-{worst.last_step}"
+            f"({worst.lag_share:.0%} of the step, {worst.cause}) in the window ending at step {worst.last_step}"
         )
 
