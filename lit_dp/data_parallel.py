@@ -690,11 +690,17 @@ class DataParallel(nn.Module, Joinable):
         if in_join_context(self):
             if plan is not None and plan.participation is Participation.SYNC and self._joins_buffers():
                 self._broadcast_buffers(self._agree_on_buffer_source(self._rings[0].rank()))
+                self._buffers_synced()
         elif self.will_sync_module_buffers():
             self._broadcast_buffers(self._buffer_source)  # the group's first rank, as on DDP, by default
-            if self._consistency is not None:  # the buffers as every rank holds them, before the forward updates them
-                self._consistency.buffers_synced(self._reducer.step + 1)
+            self._buffers_synced()
         self.require_forward_param_sync = torch.is_grad_enabled() and self._syncs_gradients()
+
+    def _buffers_synced(self) -> None:
+        """The buffers as every rank holds them now, before the forward updates them: the consistency
+        check fingerprints them, when the coming step is one it checks."""
+        if self._consistency is not None:
+            self._consistency.buffers_synced(self._reducer.step + 1)
 
     def _syncs_gradients(self) -> bool:
         """Whether a backward now synchronises: ``require_backward_grad_sync``, outside LocalSGD's local phase."""

@@ -15,9 +15,9 @@ Every rank then judges the window alike (``judge``):
 - it **lags** in that window when the lag is at least ``LAG_SHARE`` of the step *and* at least
   ``LAG_MS``: the share keeps a few milliseconds of scheduling noise on a short CPU step from
   counting, the floor keeps a sub-millisecond wobble on a tiny step from counting;
-- after ``ALARM_WINDOWS`` windows in a row in which the same rank lags, the group's first rank
-  prints a ``[lit_dp] straggler:`` line naming it, its lag and the cause. One slow window
-  (a collection pause, a checkpoint, another job's burst) never does.
+- after ``ALARM_WINDOWS`` windows in a row in which the same rank lags for the same cause, the
+  group's first rank prints a ``[lit_dp] straggler:`` line naming it, its lag and the cause. One
+  slow window (a collection pause, a checkpoint, another job's burst) never does.
 
 Only ranks that took every step of the window with a batch of their own are compared: a rank
 that ran out of data (Join's shadow, the Trainer's replay of uneven inputs) is idle, not fast.
@@ -44,12 +44,16 @@ from lit_dp.observability.step_clock import StepClock, StepTimes
 
 log = logging.getLogger(__name__)
 
-# A lag counts when it is at least this share of the step and at least LAG_MS. Healthy runs of 2
-# and 3 Gloo ranks on a loaded 2-core machine stayed under 0.10 of the step in 97% of windows and
-# under 0.2 in all; a fault worth a line costs the job a fifth of its time.
-LAG_SHARE = 0.2
-LAG_MS = 5.0
-ALARM_WINDOWS = 3  # windows in a row, the same rank lagging, before the line is printed
+# A lag counts when it is at least this share of the step and at least LAG_MS. In 165 windows of
+# 10 steps of healthy runs (2 and 3 Gloo ranks, steps of 2 to 9 ms, on this project's 2-core
+# machine while other jobs loaded it 4 to 7 times over) the largest lag was 5.6 ms and the
+# largest share 0.61 (of a 2 ms step): the share alone would raise false alarms on short steps,
+# the floor is twice the worst lag seen; a lag over both costs the job a quarter of its time.
+LAG_SHARE = 0.25
+LAG_MS = 10.0
+# Windows in a row in which the same rank lagged for the same cause before the line is printed:
+# noise lags now one rank, now the other, for either cause; a fault, always the same.
+ALARM_WINDOWS = 3
 CAUSES = ("data", "compute")
 
 
@@ -153,8 +157,8 @@ def _median(values: Sequence[float]) -> float:
 
 
 class Streak:
-    """Consecutive windows in which the same rank lagged; ``see`` says when the line is due: once
-    per streak, when it reaches ``windows`` windows."""
+    """Consecutive windows in which the same rank lagged for the same cause; ``see`` says when the
+    line is due: once per streak, when it reaches ``windows`` windows."""
 
     def __init__(self, windows: int = ALARM_WINDOWS) -> None:
         self.windows = windows
@@ -163,7 +167,8 @@ class Streak:
 
     def see(self, report: WindowReport) -> bool:
         """Count ``report``; whether the line is due now."""
-        if not report.lagging or (self.reports and self.reports[-1].slowest != report.slowest):
+        last = self.reports[-1] if self.reports else None
+        if not report.lagging or (last is not None and (last.slowest, last.cause) != (report.slowest, report.cause)):
             self.reports, self._told = [], False
         if not report.lagging:
             return False

@@ -54,7 +54,7 @@ class HealthMonitor(pl.Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = self._model(trainer)
-        if trainer.training and model is not None and model.step_clock is not None:
+        if model is not None and model.step_clock is not None:
             model.step_clock.pause()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

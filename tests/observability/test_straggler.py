@@ -62,14 +62,17 @@ def test_ranks_that_did_not_take_every_step_with_a_batch_are_not_compared():
     assert report.slowest == 2
 
 
-def test_the_line_is_due_once_the_same_rank_lagged_several_windows_in_a_row():
+def test_the_line_is_due_once_the_same_rank_lagged_for_the_same_cause_several_windows_in_a_row():
     slow_1, slow_0 = judge([0, 1], [times(), times(data=50)]), judge([0, 1], [times(data=50), times()])
+    busy_1 = judge([0, 1], [times(), times(compute=50)])
     healthy = judge([0, 1], [times(), times()])
     streak = Streak()
     seen = [streak.see(report) for report in [slow_1] * (ALARM_WINDOWS - 1) + [healthy] + [slow_1] * ALARM_WINDOWS]
     assert seen == [False] * (2 * ALARM_WINDOWS - 1) + [True]
     assert streak.see(slow_1) is False  # once per streak
     assert [streak.see(slow_0) for _ in range(ALARM_WINDOWS)] == [False] * (ALARM_WINDOWS - 1) + [True]  # another rank
+    alternating = [slow_1, busy_1] * ALARM_WINDOWS  # noise: the same rank, but now data, now compute
+    assert not any(streak.see(report) for report in alternating)
 
 
 EVERY = 4
