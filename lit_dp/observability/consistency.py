@@ -88,7 +88,7 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
 def fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """``checksum`` of each tensor, as one int64 tensor on ``device``."""
     if not tensors:
-        return torch.zeros(0, dtype=torch.int64, device=device)
+        return _zeros(0, device)
     return torch.stack([checksum(tensor).to(device) for tensor in tensors])
 
 
@@ -150,8 +150,7 @@ class ReplicaConsistency(ReducerObserver):
 
     @override
     def step_started(self, step: int, plan: StepPlan) -> None:
-        if self._exchange.pending:
-            self._read(wait=False)
+        self._read()
         if step % self._every:
             return
         self._read(wait=True)  # on CUDA, a slow copy of the last check's; none on the host
@@ -160,7 +159,7 @@ class ReplicaConsistency(ReducerObserver):
             self._settle()
         params = fingerprints([param for _, param in self._named_parameters], self._device)
         with_buffers = self._buffers is not None and self._buffers[0] == step
-        buffers = self._buffers[1] if with_buffers else torch.zeros(len(self._buffer_names), dtype=torch.int64, device=self._device)
+        buffers = self._buffers[1] if with_buffers else _zeros(len(self._buffer_names), self._device)
         self._buffers = None
         states = self._optimizer_states() if self._optimizers is not None else params[:0]
         flags = torch.tensor([int(compared), int(with_buffers)], dtype=torch.int64, device=self._device)
@@ -168,11 +167,10 @@ class ReplicaConsistency(ReducerObserver):
 
     @override
     def step_ended(self, step: int) -> None:
-        if self._exchange.pending:
-            self._read(wait=False)
+        self._read()
 
-    def _read(self, wait: bool) -> None:
-        result = self._exchange.result(wait=wait or self._device.type != "cuda")
+    def _read(self, wait: bool = False) -> None:
+        result = self._exchange.result(wait)
         if result is None:
             return
         step, rows = result
@@ -207,8 +205,11 @@ class ReplicaConsistency(ReducerObserver):
         found = compare(self._ranks, rows, names, set(buffers))
         if found is None:
             return None
-        agreed = f"they last agreed at step {self.agreed_at}" if self.agreed_at is not None else "this is the first check"
-        return f"replica consistency: at synchronised step {step} the replicas differ: {found}; {agreed} (consistency.every_n_steps={self._every})."
+        agreed = "this is the first check" if self.agreed_at is None else f"they last agreed at step {self.agreed_at}"
+        return (
+            f"replica consistency: at synchronised step {step} the replicas differ: {found}; {agreed} "
+            f"(consistency.every_n_steps={self._every})."
+        )
 
     def _optimizer_states(self) -> torch.Tensor:
         """Per parameter, one fingerprint of its state in every optimizer that steps it."""
@@ -221,7 +222,7 @@ class ReplicaConsistency(ReducerObserver):
                 for position, key in enumerate(sorted(state, key=str)):
                     total = total + (2 * position + 1) * _value_checksum(state[key], self._device)
             combined.append(total)
-        return torch.stack(combined) if combined else torch.zeros(0, dtype=torch.int64, device=self._device)
+        return torch.stack(combined) if combined else _zeros(0, self._device)
 
 
 def compare(ranks: Sequence[int], rows: Sequence[Sequence[int]], names: Sequence[str], buffers: set[int]) -> str | None:
@@ -258,6 +259,10 @@ def compare(ranks: Sequence[int], rows: Sequence[Sequence[int]], names: Sequence
 
 
 _MISSING = torch.zeros(0)  # a buffer the module no longer has: fingerprint 0
+
+
+def _zeros(count: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(count, dtype=torch.int64, device=device)
 
 
 def _value_checksum(value: Any, device: torch.device) -> torch.Tensor:

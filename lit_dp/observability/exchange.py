@@ -26,23 +26,21 @@ class Exchange:
         self._group = group
         self._waiter = waiter
         self._what = what
-        self._pending: tuple[Any, dist.Work | None, list[torch.Tensor], torch.cuda.Event | None, torch.Tensor | None] | None = None
-
-    @property
-    def pending(self) -> bool:
-        return self._pending is not None
+        # (tag, the work, its outputs) until read; on CUDA then (tag, None, [], the copy's event, the host copy)
+        self._pending: tuple[Any, dist.Work | None, list[torch.Tensor], Any, torch.Tensor | None] | None = None
 
     def start(self, values: torch.Tensor, tag: Any) -> None:
         """Start gathering every rank's ``values`` (same length everywhere); ``tag`` comes back with the result."""
         if self._pending is not None:
-            raise RuntimeError(f"lit_dp: {self._what} started before the previous one was read")
+            raise RuntimeError(f"lit_dp: {self._what} started before the last one was read")
         gathered = [torch.empty_like(values) for _ in range(self._group.size())]
         work = dist.all_gather(gathered, values, group=self._group, async_op=True)
         self._pending = (tag, work, gathered, None, None)
 
     def result(self, wait: bool = False) -> tuple[Any, torch.Tensor] | None:
-        """``(tag, rows)``, one row per rank of the group, on the host, once arrived (``wait``: now);
-        None while nothing is pending or, without ``wait``, the copy to the host is on its way."""
+        """``(tag, rows)``, one row per rank of the group, on the host, once arrived; None while
+        nothing is pending or, on CUDA, the copy to the host is on its way (``wait``: wait for it).
+        Host tensors are waited for: read after the step's buckets, they have arrived already."""
         if self._pending is None:
             return None
         tag, work, gathered, arrived, host = self._pending

@@ -71,7 +71,7 @@ class StepMarks:
 
 @dataclass(frozen=True)
 class StepTimes:
-    """One rank's time over a window of synchronised steps, in ms per step (the module docstring says what each holds)."""
+    """One rank's time over a window of synchronised steps, in ms per step (see the module docstring)."""
 
     first_step: int  # the synchronised steps the window covers: from the start of first_step ...
     last_step: int  # ... to the start of last_step + 1
@@ -93,14 +93,18 @@ class StepTimes:
         return cls(**{name: int(value) if name in _COUNTS else value for name, value in values.items()})
 
 
-FIELDS = ("first_step", "last_step", "steps", "with_batch", "data_ms", "compute_ms", "exposed_ms", "optimizer_ms", "step_ms")
+FIELDS = (
+    "first_step", "last_step", "steps", "with_batch", "data_ms", "compute_ms", "exposed_ms", "optimizer_ms", "step_ms"
+)  # fmt: skip
 _COUNTS = ("first_step", "last_step", "steps", "with_batch")
 
 
 class _Window:
     """The spans of one window, as pairs of marks, summed when the window is read."""
 
-    __slots__ = ("first_step", "last_step", "start", "end", "steps", "with_batch", "data", "optimizer", "exposed", "paused", "waited")
+    __slots__ = (
+        "first_step", "last_step", "start", "end", "steps", "with_batch", "data", "optimizer", "exposed", "paused", "waited"
+    )  # fmt: skip
 
     def __init__(self, first_step: int, start: Any, waited: float) -> None:
         self.first_step = first_step

@@ -82,7 +82,8 @@ class WindowReport:
 
     def others(self, field: str) -> float:
         """The median of ``field`` over the compared ranks but the slowest."""
-        return _median([getattr(t, field) for r, t in zip(self.ranks, self.times) if r != self.slowest and _compared(t)])
+        others = [times for rank, times in zip(self.ranks, self.times) if rank != self.slowest and _compared(times)]
+        return _median([getattr(times, field) for times in others])
 
     def as_metrics(self) -> dict[str, float]:
         """The ``straggler/*`` names the Trainer's loggers get."""
@@ -208,8 +209,7 @@ class StragglerReport(ReducerObserver):
 
     @override
     def step_started(self, step: int, plan: StepPlan) -> None:
-        if self._exchange.pending:
-            self._read(wait=False)
+        self._read()
         if step == 0 or (self._opened_at is not None and step % self._every):
             return
         times = self._clock.close_window()
@@ -221,11 +221,10 @@ class StragglerReport(ReducerObserver):
 
     @override
     def step_ended(self, step: int) -> None:
-        if self._exchange.pending:
-            self._read(wait=False)
+        self._read()
 
-    def _read(self, wait: bool) -> None:
-        result = self._exchange.result(wait=wait or self._device.type != "cuda")
+    def _read(self, wait: bool = False) -> None:
+        result = self._exchange.result(wait)
         if result is None:
             return
         _, rows = result
