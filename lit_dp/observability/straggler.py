@@ -252,7 +252,7 @@ class StragglerReport(ReducerObserver):
         """One line over every window so far (the Trainer prints it when training ends)."""
         if not self.windows:
             return "no window completed"
-        head = f"{self.lagged} of {self.windows} windows of {self._every} steps had a rank lagging"
+        head = f"{self.lagged} of {self.windows} window{'s' * (self.windows != 1)} of {self._every} steps had a rank lagging"
         if self.worst is None:
             return head
         worst = self.worst

@@ -244,7 +244,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
                 log.debug("%s: CommStatsMonitor added to the callbacks", type(self).__name__)
                 trainer.callbacks.append(CommStatsMonitor())
         if self.model.step_clock is not None and not any(isinstance(c, HealthMonitor) for c in trainer.callbacks):
-            log.debug("%s: HealthMonitor added to the callbacks (batches for the step clock, straggler/*)", type(self).__name__)
+            log.debug("%s: HealthMonitor added to the callbacks (batches, straggler/*)", type(self).__name__)
             trainer.callbacks.append(HealthMonitor())
         self._uneven.setup(trainer, self.model, sync_batchnorm=self._layer_sync is not None)
         self._preemption.setup(trainer, self.world_size, self.global_rank)  # collective under NCCL: on every rank
