@@ -52,7 +52,8 @@ class Exchange:
                 return tag, stacked
             # The current stream now waits for the all-gather; a copy queued behind it lands on
             # the host when the device gets there.
-            host = stacked.to("cpu", non_blocking=True)
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)  # so that the copy does not block
+            host.copy_(stacked, non_blocking=True)
             arrived = torch.cuda.Event()
             arrived.record()
             self._pending = tag, None, [], arrived, host

@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 LAG_SHARE = 0.25
 LAG_MS = 10.0
 # Windows in a row in which the same rank lagged for the same cause before the line is printed:
-# noise lags now one rank, now the other, for either cause; a fault, always the same.
+# noise lags now one rank, now the other, for either cause; a fault, always the same. With
+# windows of 5 steps, 2 of 177 healthy windows passed both thresholds (12.7 ms, 0.53 of a
+# 10 ms step, under a load of 5), never two in a row.
 ALARM_WINDOWS = 3
 CAUSES = ("data", "compute")
 

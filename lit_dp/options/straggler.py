@@ -7,10 +7,11 @@ from typing import Optional
 
 from lit_dp.options.declare import EVERYWHERE, count, option
 
-# Every 10 synchronised steps: the exchange is one all-gather of 6 numbers per rank, started
-# without waiting and read a step later, so its cost does not depend on the cadence; a short
-# window answers sooner (a lag is reported after 3 windows in a row) and still averages out a
-# single slow step (docs/observability.md, "Which rank is slow").
+# Every 10 synchronised steps: the exchange is one all-gather of 9 numbers per rank, started
+# without waiting and read when the step's buckets are done, so its cost hardly depends on the
+# cadence. A shorter window answers sooner (a lag is reported after 3 windows in a row) but is
+# noisier: with 5 steps, healthy windows on a loaded machine crossed the thresholds now and then
+# (docs/observability.md, "Which rank is slow").
 DEFAULT_STRAGGLER_STEPS = 10
 
 
