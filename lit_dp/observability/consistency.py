@@ -74,15 +74,32 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of ``tensor``'s bytes read as the widest integers that tile them, wrapping, as a 0-d
     int64 on its device. Changing any one element changes it: the difference is a nonzero integer
     smaller than the modulus."""
+    raw = raw_integers(tensor)
+    return _sum(raw if raw is not None else raw_integers(tensor.detach().contiguous()))
+
+
+def raw_integers(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A view of ``tensor``'s bytes as the widest integers that tile them; None when that needs a
+    copy (a tensor not contiguous). Parameters are contiguous: the view is kept between checks."""
     flat = tensor.detach()
-    flat = (flat if flat.is_contiguous() else flat.contiguous()).view(-1)  # parameters are: no copy
+    if not flat.is_contiguous():
+        return None
+    flat = flat.view(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     raw = flat.view(torch.uint8)
     for dtype, width in _WIDTHS:
         if raw.numel() % width == 0 and raw.storage_offset() % width == 0:
-            return raw.view(dtype).sum(dtype=dtype).to(torch.int64)
-    return raw.sum(dtype=torch.int64)
+            return raw.view(dtype)
+    return raw
+
+
+def _sum(raw: torch.Tensor) -> torch.Tensor:
+    """Integers summed in their own width (wrapping), as an int64; bytes in an int64."""
+    if raw.dtype == torch.uint8:
+        return raw.sum(dtype=torch.int64)
+    total = raw.sum(dtype=raw.dtype)
+    return total if raw.dtype == torch.int64 else total.to(torch.int64)
 
 
 def fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -90,6 +107,26 @@ def fingerprints(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
     if not tensors:
         return _zeros(0, device)
     return torch.stack([checksum(tensor).to(device) for tensor in tensors])
+
+
+class RawViews:
+    """The integer views of fixed tensors (the parameters), kept between checks: a check then costs
+    one sum per tensor. A view is made again when its tensor's storage changed (``param.data = ...``)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._tensors = list(tensors)
+        self._views: list[tuple[int, torch.Tensor | None]] = [(-1, None)] * len(self._tensors)
+
+    def fingerprints(self, device: torch.device) -> torch.Tensor:
+        sums = []
+        for position, tensor in enumerate(self._tensors):
+            address, view = self._views[position]
+            if address != tensor.data_ptr() or view is None:
+                view = raw_integers(tensor)
+                self._views[position] = (tensor.data_ptr(), view)
+            total = _sum(view) if view is not None else checksum(tensor)
+            sums.append(total if total.device == device else total.to(device))
+        return torch.stack(sums) if sums else _zeros(0, device)
 
 
 class ReplicaConsistency(ReducerObserver):
@@ -117,6 +154,7 @@ class ReplicaConsistency(ReducerObserver):
         settle: Callable[[], None],
     ) -> None:
         self._named_parameters = list(named_parameters)
+        self._parameters = RawViews([param for _, param in self._named_parameters])
         self._named_buffers = named_buffers
         self._buffer_names = [name for name, _ in named_buffers()]
         self._group = group
@@ -157,7 +195,7 @@ class ReplicaConsistency(ReducerObserver):
         compared = plan.participation is not Participation.SHADOW
         if compared:
             self._settle()
-        params = fingerprints([param for _, param in self._named_parameters], self._device)
+        params = self._parameters.fingerprints(self._device)
         with_buffers = self._buffers is not None and self._buffers[0] == step
         buffers = self._buffers[1] if with_buffers else _zeros(len(self._buffer_names), self._device)
         self._buffers = None

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from lit_dp.observability.consistency import checksum, compare
+from lit_dp.observability.consistency import RawViews, checksum, compare, fingerprints
 from tests.helpers.distributed import run_ranks
 from tests.helpers.jobs import run_job
 
@@ -46,6 +46,17 @@ def test_the_checksum_reads_the_tensor_not_its_storage_and_catches_the_smallest_
     assert torch.equal(checksum(column), checksum(column.clone()))
     assert torch.equal(checksum(weight[1:, 1:]), checksum(weight[1:, 1:].contiguous()))
     assert checksum(torch.zeros(0)).item() == 0
+
+
+def test_the_parameters_views_are_kept_between_checks_and_made_again_when_a_parameter_is_replaced():
+    params = [nn.Parameter(torch.randn(6, 8)), nn.Parameter(torch.randn(7)), nn.Parameter(torch.randn(5).half())]
+    views, cpu = RawViews(params), torch.device("cpu")
+    assert torch.equal(views.fingerprints(cpu), fingerprints(params, cpu))
+    with torch.no_grad():
+        params[1][3] += 1.0  # in place: the kept view sees it
+    assert torch.equal(views.fingerprints(cpu), fingerprints(params, cpu))
+    params[0].data = torch.randn(6, 8)  # another storage: a view of the old one would read stale weights
+    assert torch.equal(views.fingerprints(cpu), fingerprints(params, cpu))
 
 
 NAMES = ["parameter 'a'", "parameter 'b'", "buffer 'm'"]
