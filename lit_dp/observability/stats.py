@@ -20,9 +20,8 @@ once for every observer; the buckets' launches and completions are this observer
 Clocks (``lit_dp.observability.clocks``). On CPU, host time (``time.monotonic``); a bucket
 completes when its all-reduce's future runs its callback (Gloo runs it on its own thread the
 moment the collective finishes; it may wait for the interpreter lock while the main thread runs
-Python). On CUDA every moment
-is a ``torch.cuda.Event`` recorded on the current stream; a bucket's completion event is
-recorded in its future's callback, which runs on a stream made to wait on the communicator's
+Python). On CUDA every moment is a ``torch.cuda.Event`` recorded on the current stream; a
+bucket's completion event is recorded in its future's callback, which runs on a stream made to wait on the communicator's
 stream, so the event fires when the all-reduce does. Nothing synchronises the host: events are
 read lazily, once ``query()`` says they completed, when statistics are asked for or at the next
 step.
