@@ -166,7 +166,7 @@ class ReplicaConsistency(ReducerObserver):
         self._ranks = tuple(dist.get_process_group_ranks(group))
         self._rank = dist.get_rank()
         self._first_rank = group.rank() == 0
-        self._exchange = Exchange(group, waiter, "the replica-consistency exchange")
+        self._exchange = Exchange(group, waiter, "the replica-consistency exchange", self._checked)
         self._buffers: tuple[int, torch.Tensor] | None = None  # (step, fingerprints) taken after a broadcast
         self.checks = 0  # checks read so far
         self.agreed_at: int | None = None  # the last step at which the replicas agreed
@@ -188,10 +188,9 @@ class ReplicaConsistency(ReducerObserver):
 
     @override
     def step_started(self, step: int, plan: StepPlan) -> None:
-        self._read()
+        self._exchange.poll()
         if step % self._every:
             return
-        self._read(wait=True)  # on CUDA, a slow copy of the last check's; none on the host
         compared = plan.participation is not Participation.SHADOW
         if compared:
             self._settle()
@@ -205,15 +204,11 @@ class ReplicaConsistency(ReducerObserver):
 
     @override
     def step_ended(self, step: int) -> None:
-        self._read()
+        self._exchange.poll()
 
-    def _read(self, wait: bool = False) -> None:
-        result = self._exchange.result(wait)
-        if result is None:
-            return
-        step, rows = result
+    def _checked(self, step: int, rows: torch.Tensor) -> None:
         self.checks += 1
-        message = self._compare(step, rows.tolist())
+        message = self._difference(step, rows.tolist())
         if message is None:
             self.agreed_at = step
             log.debug("lit_dp replica consistency: the replicas agree at step %d", step)
@@ -234,7 +229,7 @@ class ReplicaConsistency(ReducerObserver):
             return f"{head}; the replicas differed at {len(self.differences)} (consistency.action='warn')"
         return f"{head}; the replicas agreed at each" if self.checks else head
 
-    def _compare(self, step: int, rows: list[list[int]]) -> str | None:
+    def _difference(self, step: int, rows: list[list[int]]) -> str | None:
         names = [f"parameter {name!r}" for name, _ in self._named_parameters]
         names += [f"buffer {name!r}" for name in self._buffer_names]
         if self._optimizers is not None:

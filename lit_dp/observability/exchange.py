@@ -10,6 +10,8 @@ arrived; on CUDA once a copy to the host, queued behind the all-gather, has land
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,36 +22,41 @@ from lit_dp.gradients.waiting import Waiter
 
 
 class Exchange:
-    """All-gathers one 1-D tensor per rank over ``group``; ``what`` names it in a hang's diagnosis."""
+    """All-gathers one 1-D tensor per rank over ``group`` and hands ``deliver(tag, rows)`` the result,
+    one row per rank, on the host; ``what`` names it in a hang's diagnosis. ``deliver`` is a method
+    of the observer that owns this exchange, held weakly: a cycle would keep the process group
+    alive after it was destroyed, and with it rank 0's rendezvous port."""
 
-    def __init__(self, group: dist.ProcessGroup, waiter: Waiter, what: str) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, waiter: Waiter, what: str, deliver: Callable[[Any, torch.Tensor], None]
+    ) -> None:
         self._group = group
         self._waiter = waiter
         self._what = what
+        self._deliver = weakref.WeakMethod(deliver)
         # (tag, the work, its outputs) until read; on CUDA then (tag, None, [], the copy's event, the host copy)
         self._pending: tuple[Any, dist.Work | None, list[torch.Tensor], Any, torch.Tensor | None] | None = None
 
     def start(self, values: torch.Tensor, tag: Any) -> None:
-        """Start gathering every rank's ``values`` (same length everywhere); ``tag`` comes back with the result."""
-        if self._pending is not None:
-            raise RuntimeError(f"lit_dp: {self._what} started before the last one was read")
+        """Start gathering every rank's ``values`` (same length everywhere); ``tag`` comes back with the
+        result. A result still on its way to the host (CUDA) is delivered first."""
+        self.poll(wait=True)
         gathered = [torch.empty_like(values) for _ in range(self._group.size())]
         work = dist.all_gather(gathered, values, group=self._group, async_op=True)
         self._pending = (tag, work, gathered, None, None)
 
-    def result(self, wait: bool = False) -> tuple[Any, torch.Tensor] | None:
-        """``(tag, rows)``, one row per rank of the group, on the host, once arrived; None while
-        nothing is pending or, on CUDA, the copy to the host is on its way (``wait``: wait for it).
-        Host tensors are waited for: read after the step's buckets, they have arrived already."""
+    def poll(self, wait: bool = False) -> None:
+        """Deliver the result if it arrived: on the host it is waited for (polled after the step's
+        buckets, it has arrived already); on CUDA, once the copy to the host landed (``wait``: now)."""
         if self._pending is None:
-            return None
+            return
         tag, work, gathered, arrived, host = self._pending
         if work is not None:
             groups.wait(self._waiter, work, self._group, self._what)
             stacked = torch.stack(gathered)
             if stacked.device.type != "cuda":
-                self._pending = None
-                return tag, stacked
+                self._hand_over(tag, stacked)
+                return
             # The current stream now waits for the all-gather; a copy queued behind it lands on
             # the host when the device gets there.
             host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)  # so that the copy does not block
@@ -61,6 +68,11 @@ class Exchange:
         if wait:
             arrived.synchronize()
         elif not arrived.query():
-            return None
+            return
+        self._hand_over(tag, host)
+
+    def _hand_over(self, tag: Any, rows: torch.Tensor) -> None:
         self._pending = None
-        return tag, host
+        deliver = self._deliver()
+        if deliver is not None:
+            deliver(tag, rows)

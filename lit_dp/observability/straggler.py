@@ -197,7 +197,7 @@ class StragglerReport(ReducerObserver):
         self._every = every_n_steps
         self._ranks = tuple(dist.get_process_group_ranks(group))
         self._first_rank = group.rank() == 0
-        self._exchange = Exchange(group, waiter, "the straggler report's exchange")
+        self._exchange = Exchange(group, waiter, "the straggler report's exchange", self._judge)
         self._opened_at: int | None = None  # the step the running window started at (None before the first)
         self.last: WindowReport | None = None
         self.windows = 0
@@ -211,28 +211,20 @@ class StragglerReport(ReducerObserver):
 
     @override
     def step_started(self, step: int, plan: StepPlan) -> None:
-        self._read()
+        self._exchange.poll()
         if step == 0 or (self._opened_at is not None and step % self._every):
             return
         times = self._clock.close_window()
         self._opened_at = step
-        if times is None:
-            return
-        self._read(wait=True)  # on CUDA, a slow copy of the last exchange; none on the host
-        self._exchange.start(torch.tensor(times.as_row(), dtype=torch.float64, device=self._device), None)
+        if times is not None:
+            self._exchange.start(torch.tensor(times.as_row(), dtype=torch.float64, device=self._device), None)
 
     @override
     def step_ended(self, step: int) -> None:
-        self._read()
+        self._exchange.poll()
 
-    def _read(self, wait: bool = False) -> None:
-        result = self._exchange.result(wait)
-        if result is None:
-            return
-        _, rows = result
-        self._record(judge(self._ranks, [StepTimes.from_row(row) for row in rows.tolist()]))
-
-    def _record(self, report: WindowReport) -> None:
+    def _judge(self, _tag: None, rows: torch.Tensor) -> None:
+        report = judge(self._ranks, [StepTimes.from_row(row) for row in rows.tolist()])
         self.last = report
         self.windows += 1
         if report.slowest is not None and (self.worst is None or report.lag_ms > self.worst.lag_ms):
