@@ -185,7 +185,8 @@ class StragglerReport(ReducerObserver):
     """Closes a window every ``every_n_steps`` synchronised steps, exchanges and judges it.
 
     ``last`` is the latest window judged; ``windows`` counts them; ``lagged`` counts the windows
-    in which some rank lagged. Subscribe it after ``clock``.
+    in which some rank lagged; ``alarms`` the streaks that raised the line (on every rank; the
+    group's first prints it). Subscribe it after ``clock``.
     """
 
     def __init__(
@@ -202,6 +203,7 @@ class StragglerReport(ReducerObserver):
         self.last: WindowReport | None = None
         self.windows = 0
         self.lagged = 0
+        self.alarms = 0
         self.worst: WindowReport | None = None  # the window with the largest lag
         self._streak = Streak()
 
@@ -231,8 +233,10 @@ class StragglerReport(ReducerObserver):
             self.worst = report
         log.debug("lit_dp straggler report: steps %d-%d: %s", report.first_step, report.last_step, report)
         self.lagged += report.lagging
-        if self._streak.see(report) and self._first_rank:
-            print(f"[lit_dp] straggler: {self.alarm()}", flush=True)
+        if self._streak.see(report):
+            self.alarms += 1
+            if self._first_rank:
+                print(f"[lit_dp] straggler: {self.alarm()}", flush=True)
 
     def alarm(self) -> str:
         """The line for the current streak: the latest window, and how long the rank has lagged."""

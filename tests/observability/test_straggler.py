@@ -108,7 +108,7 @@ def hand_written_loop(rank: int) -> dict:
         results[fault] = {
             "printed": printed.getvalue(),
             "windows": report.windows,
-            "lagged": report.lagged,
+            "alarms": report.alarms,
             "last": (report.last.slowest, report.last.cause, report.last.lagging),
             "summary": report.summary(),
         }
@@ -121,7 +121,8 @@ def test_a_slow_loader_and_a_slow_step_on_one_rank_are_named_with_their_cause_an
     for rank in (0, 1):  # every rank judges alike; only rank 0 prints
         assert results[rank]["loader"]["last"] == (1, "data", True)
         assert results[rank]["step"]["last"] == (1, "compute", True)
-    assert results[0]["none"]["lagged"] == 0 and results[0]["none"]["printed"] == ""
+    # No line without a fault (a single window over the thresholds may happen on a loaded machine).
+    assert results[0]["none"]["alarms"] == results[1]["none"]["alarms"] == 0 and results[0]["none"]["printed"] == ""
     for fault, cause in (("loader", "data"), ("step", "compute")):
         printed = results[0][fault]["printed"]
         assert re.search(

@@ -131,9 +131,10 @@ def test_the_trainer_names_the_slow_rank_and_its_cause_and_stops_on_diverged_wei
     ours = results[0]
     healthy = ours["none"]
     assert "[lit_dp] straggler: rank" not in healthy["printed"], healthy["printed"]
-    assert any(re.match(r"\[lit_dp\] straggler: 0 of \d+ windows of 4 steps had a rank lagging", line) for line in healthy["logged"]), healthy
+    summary = r"\[lit_dp\] straggler: \d+ of \d+ windows of 4 steps had a rank lagging"  # one may, not 3 in a row
+    assert any(re.match(summary, line) for line in healthy["logged"]), healthy
     assert f"[lit_dp] replica consistency: 6 checks every {EVERY} synchronised steps; the replicas agreed at each" in healthy["logged"]
-    assert {row["straggler/lagging"] for row in metrics(tmp_path, "none")} == {"0.0"}
+    assert len(metrics(tmp_path, "none")) >= ALARM_WINDOWS
     for fault, cause in (("loader", "data"), ("step", "compute")):
         printed = ours[fault]["printed"]
         assert re.search(
@@ -175,7 +176,7 @@ def fabric_loop(fabric: Fabric) -> dict:
             results[fault] = {"error": str(error)}
             continue
         report = model._forward_module.straggler
-        results[fault] = {"last": (report.last.slowest, report.last.cause), "lagged": report.lagged, "windows": report.windows}
+        results[fault] = {"last": (report.last.slowest, report.last.cause), "alarms": report.alarms, "windows": report.windows}
     return results
 
 
@@ -189,7 +190,7 @@ def fabric_faults() -> dict:
 @pytest.mark.slow
 def test_fabric_names_a_slow_loader_and_stops_on_a_flipped_bit():
     results = launch_forking(fabric_faults, timeout=240)
-    assert results["none"]["lagged"] == 0 and results["none"]["windows"] >= ALARM_WINDOWS
-    assert results["loader"]["last"] == (1, "data") and results["loader"]["lagged"] >= ALARM_WINDOWS
+    assert results["none"]["alarms"] == 0 and results["none"]["windows"] >= ALARM_WINDOWS
+    assert results["loader"]["last"] == (1, "data") and results["loader"]["alarms"] == 1
     assert "at synchronised step 12 the replicas differ: rank 1 holds other weights than rank 0" in results["flip"]["error"]
     assert "First differing: parameter '0.weight'" in results["flip"]["error"]
