@@ -2,7 +2,7 @@
 
 Every ``every_n_steps`` synchronised steps (a window) each rank reads its own ``StepTimes`` from
 the step clock (``lit_dp.observability.step_clock``: data wait, compute, exposed wait, optimizer
-step, ms per step) and the ranks exchange them in one all-gather of 7 numbers each, started
+step, ms per step) and the ranks exchange them in one all-gather of 9 numbers each, started
 without waiting and read when the step's buckets are done (``lit_dp.observability.exchange``).
 Every rank then judges the window alike (``judge``):
 
@@ -13,8 +13,9 @@ Every rank then judges the window alike (``judge``):
   time of the other ranks, and its **cause** is ``data`` or ``compute`` (the optimizer step
   included), whichever exceeds the others' median by more;
 - it **lags** in that window when the lag is at least ``LAG_SHARE`` of the step *and* at least
-  ``LAG_MS``: the share keeps a few milliseconds of scheduling noise on a short CPU step from
-  counting, the floor keeps a sub-millisecond wobble on a tiny step from counting;
+  ``LAG_MS``: the floor keeps a few milliseconds of scheduling noise from counting on a short
+  step, where they are a large share of it; the share keeps a lag that hardly slows a long step
+  from counting;
 - after ``ALARM_WINDOWS`` windows in a row in which the same rank lags for the same cause, the
   group's first rank prints a ``[lit_dp] straggler:`` line naming it, its lag and the cause. One
   slow window (a collection pause, a checkpoint, another job's burst) never does.
