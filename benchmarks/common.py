@@ -58,6 +58,12 @@ def digits_mlp() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(widths[-1], 10))
 
 
+def wide_mlp() -> nn.Module:
+    """12 x Linear(1024, 1024): 12.6M parameters (50 MB of gradients) in 24 tensors, each weight
+    4 MB (all-reduced in place by lit_dp on CPU, copied into buckets by DDP)."""
+    return nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(12)))
+
+
 def deep_mlp() -> nn.Module:
     """24 layers of 512 x 512 (1 MB of weights each, 24 MB in all): the bucket size sets how many
     all-reduces a step makes (about one per layer at 1 MB, two at 25 MB), so it matters here."""
@@ -72,6 +78,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
     "few_large": (few_large_tensors, 2048, 8),
     "many_small": (many_small_tensors, 32, 64),
     "many_small_norm": (many_small_norm, 64, 32),
+    "wide_mlp": (wide_mlp, 1024, 32),
     "digits_mlp": (digits_mlp, 64, 32),
     "deep_mlp": (deep_mlp, 512, 32),
 }

@@ -7,6 +7,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +45,10 @@ from lit_dp.job.process_group import get_rings
 from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
 from lit_dp.join import active as in_join_context
 from lit_dp.observability.autotune import BucketAutotuner, settled_step
+from lit_dp.observability.consistency import ReplicaConsistency
 from lit_dp.observability.stats import CommObserver, CommStats
+from lit_dp.observability.step_clock import StepClock
+from lit_dp.observability.straggler import StragglerReport, WindowReport
 from lit_dp.observability.watchdog import HangWatchdog
 from lit_dp.options import AUTO, DEFAULT_BUCKET_MB, MODULE, Options, resolve_comm_hook
 from lit_dp.options.comm_hooks import declared_stateless
@@ -60,7 +64,8 @@ log = logging.getLogger(__name__)
 # process group, reducer and logger the same way): the process group, the reducer and its hooks,
 # and the observers, which hold threads, files and the rendezvous store.
 _RUNTIME_STATE = (
-    "_rings", "_reducer", "_waiter", "_comm_hook", "_stats", "_trace", "_tuner", "_watchdog", "_local_sgd"
+    "_rings", "_reducer", "_waiter", "_comm_hook", "_stats", "_trace", "_tuner", "_watchdog", "_local_sgd", "_clock",
+    "_straggler", "_consistency", "_parameter_gathers",
 )  # fmt: skip
 
 
@@ -246,6 +251,11 @@ class DataParallel(nn.Module, Joinable):
         self._stats: CommObserver | None = None
         self._trace: TraceWriter | None = None
         self._watchdog: HangWatchdog | None = None
+        self._clock: StepClock | None = None
+        self._straggler: StragglerReport | None = None
+        self._consistency: ReplicaConsistency | None = None
+        # What may leave parameters in flight after an optimizer step (sharding_overlap's gathers).
+        self._parameter_gathers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._reducer: Reducer | None = None
         named = trainable_parameters(self.module, self.parameters_to_ignore) if rings else []
         if named:
@@ -304,7 +314,8 @@ class DataParallel(nn.Module, Joinable):
         broadcast_coalesced([t for _, t in named], group, 0, UNWATCHED, "the initial broadcast of the model")
 
     def _observe(self, reducer: Reducer, device: torch.device, names: list[str]) -> None:
-        """Subscribe what the options ask for to the reducer's events."""
+        """Subscribe what the options ask for to the reducer's events: the step clock first, which
+        takes the timestamps the statistics, the hang watchdog and the straggler report share."""
         options = self._options
         if options.comm_buffer_size == AUTO:
             last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", options.last_comm_buffer_size)
@@ -313,26 +324,58 @@ class DataParallel(nn.Module, Joinable):
             from lit_dp.observability.trace import TraceWriter  # on demand: `python -m lit_dp.observability.trace` must find it unimported
 
             self._trace = TraceWriter(options.trace.dir, dist.get_rank(), options.trace.steps, names)
-        if options.comm_stats or self._trace is not None:
-            self._stats = CommObserver(device, [self._trace.add] if self._trace is not None else [])
-            reducer.add_observer(self._stats)
-        # Under torchft its own timeouts discard a stuck step and drop the replica (docs/fault_tolerance.md).
-        watched = options.hang_timeout is not None and self._manager is None and reducer.group.size() > 1
-        if watched and not groups.is_registered(reducer.group):
+        group = reducer.group
+        # Under torchft its own timeouts discard a stuck step and drop the replica, and its replica
+        # groups come and go between steps (docs/fault_tolerance.md): no watchdog, no exchange of ours.
+        # The others find the ranks through torch's group bookkeeping.
+        among_ranks = self._manager is None and group.size() > 1
+        if among_ranks and not groups.is_registered(group):
             log.warning(
-                "lit_dp.DataParallel: no hang watchdog (hang_timeout=%s) for %s, a process group torch did not "
-                "register: the watchdog finds the ranks through torch's group bookkeeping.",
-                options.hang_timeout,
-                type(reducer.group).__name__,
+                "lit_dp.DataParallel: no hang watchdog, straggler report or replica-consistency check for %s, a "
+                "process group torch did not register: they find the ranks through torch's group bookkeeping.",
+                type(group).__name__,
             )
-        elif watched:
+            among_ranks = False
+        watched = options.hang_timeout is not None and among_ranks
+        straggler = options.straggler.every_n_steps if among_ranks else None
+        consistency = options.consistency.every_n_steps if among_ranks else None
+        if options.comm_stats or self._trace is not None or watched or straggler or consistency:
+            self._clock = StepClock(device, self._waiter, reducer.parameters)
+            reducer.add_observer(self._clock)
+        if options.comm_stats or self._trace is not None:
+            self._stats = CommObserver(device, self._clock, [self._trace.add] if self._trace is not None else [])
+            reducer.add_observer(self._stats)
+        if watched:
             # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).
             self._watchdog = HangWatchdog.start(
-                reducer, options.hang_timeout, directory=options.trace.dir, device=device, given=options.hang_timeout_given
+                reducer,
+                options.hang_timeout,
+                directory=options.trace.dir,
+                device=device,
+                clock=self._clock,
+                given=options.hang_timeout_given,
             )
+        if straggler:
+            self._straggler = StragglerReport(self._clock, group, self._waiter, device, straggler)
+            reducer.add_observer(self._straggler)
+        if consistency:
+            self._consistency = ReplicaConsistency(
+                list(synced_parameters(self.module, self.parameters_to_ignore)),
+                partial(synced_buffers, self.module, self.parameters_to_ignore),
+                group,
+                self._waiter,
+                device,
+                consistency,
+                options.consistency.action,
+                self._clock.optimizers if options.consistency.optimizer_state else None,
+                _weak_call(self.wait_for_parameters),
+            )
+            reducer.add_observer(self._consistency)
         log.debug(
-            "lit_dp.DataParallel: observers: comm_stats=%s trace=%s autotune=%s hang watchdog=%s",
+            "lit_dp.DataParallel: observers: comm_stats=%s trace=%s autotune=%s hang watchdog=%s straggler report "
+            "every %s steps, replica consistency every %s steps (%s)",
             self._stats is not None, self._trace is not None, self._tuner is not None, self._watchdog is not None,
+            straggler, consistency, options.consistency.action,
         )
 
     @property
@@ -464,6 +507,38 @@ class DataParallel(nn.Module, Joinable):
         return self._watchdog
 
     @property
+    def step_clock(self) -> StepClock | None:
+        """The step clock (``lit_dp.observability.step_clock``) its observers share; the Trainer
+        strategy tells it where batches start and end. None when nothing observes the steps."""
+        return self._clock
+
+    @property
+    def straggler(self) -> StragglerReport | None:
+        """The straggler report (``straggler_every_n_steps``): ``last``, ``summary()``; None when off."""
+        return self._straggler
+
+    def straggler_report(self) -> WindowReport | None:
+        """The latest window the ranks judged (``lit_dp.observability.straggler``): which rank is
+        slowest, its lag and its cause, every rank's timings; None before the first, or when off."""
+        return self._straggler.last if self._straggler is not None else None
+
+    @property
+    def consistency(self) -> ReplicaConsistency | None:
+        """The replica-consistency check (``consistency_every_n_steps``); None when off."""
+        return self._consistency
+
+    def register_parameter_gather(self, gather: Any) -> None:
+        """``gather`` (a ``lit_dp.ShardedOptimizer`` with ``sharding_overlap``) may leave updated
+        parameters in flight after its step; ``wait_for_parameters`` waits for them. Held weakly."""
+        self._parameter_gathers.add(gather)
+
+    def wait_for_parameters(self) -> None:
+        """Wait for parameter updates still in flight (``register_parameter_gather``), before every
+        weight is read outside a forward (the replica-consistency check does)."""
+        for gather in list(self._parameter_gathers):
+            gather.wait_for_parameters()
+
+    @property
     def comm_hook(self) -> CommHook | None:
         """The registered communication hook, if any."""
         return self._comm_hook
@@ -544,6 +619,8 @@ class DataParallel(nn.Module, Joinable):
             inputs, kwargs = tree_map(self._to_input_device, (inputs, kwargs))
         if self._reducer is None:
             return self.module(*inputs, **kwargs)
+        if self._clock is not None and torch.is_grad_enabled():
+            self._clock.forward_started()  # in a loop without batch hooks, the end of its wait for data
         # The forward decides whether the next backward synchronises (as in torch DDP and Paddle),
         # so `no_sync()` must wrap the forward, not only the backward. Decided before the module
         # runs: under Join the notification and the buffer broadcast come first, as on DDP.
@@ -613,9 +690,17 @@ class DataParallel(nn.Module, Joinable):
         if in_join_context(self):
             if plan is not None and plan.participation is Participation.SYNC and self._joins_buffers():
                 self._broadcast_buffers(self._agree_on_buffer_source(self._rings[0].rank()))
+                self._buffers_synced()
         elif self.will_sync_module_buffers():
             self._broadcast_buffers(self._buffer_source)  # the group's first rank, as on DDP, by default
+            self._buffers_synced()
         self.require_forward_param_sync = torch.is_grad_enabled() and self._syncs_gradients()
+
+    def _buffers_synced(self) -> None:
+        """The buffers as every rank holds them now, before the forward updates them: the consistency
+        check fingerprints them, when the coming step is one it checks."""
+        if self._consistency is not None:
+            self._consistency.buffers_synced(self._reducer.step + 1)
 
     def _syncs_gradients(self) -> bool:
         """Whether a backward now synchronises: ``require_backward_grad_sync``, outside LocalSGD's local phase."""
@@ -810,6 +895,18 @@ def fused_allreduce_gradients(
         # A flag sum of 0: no rank had a gradient, so .grad stays None.
         no_gradient = {k for k, total in enumerate(bucket.flags.tolist()) if total == 0}
         bucket.write_back(as_view=False, skipped=no_gradient)
+
+
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` without keeping its object alive (an observer of the reducer would close a cycle)."""
+    reference = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = reference()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def _default_group() -> dist.ProcessGroup | None:

@@ -100,6 +100,7 @@ class ShardedOptimizer(Optimizer):
         self._hooks = [optimizer.register_step_pre_hook(_refuse_step)]
         if self._overlap and self._gather is not None:
             self._hooks += self._wait_in_forward(model)
+            model.register_parameter_gather(self)  # read all weights (consistency checks) after its gather
         weakref.finalize(self, _remove_hooks, self._hooks)
 
     def _build_gather(self, model: DataParallel) -> ParameterGather | None:

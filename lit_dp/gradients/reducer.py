@@ -172,6 +172,11 @@ class Reducer:
         weakref.finalize(self, _remove_hooks, handles)
 
     @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters it averages, in registration order (its indices)."""
+        return list(self._params)
+
+    @property
     def buckets(self) -> list[Bucket]:
         """The bucket objects of the current layout, in launch order."""
         return list(self._layout.buckets)

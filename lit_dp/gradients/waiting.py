@@ -25,6 +25,11 @@ does until the hang watchdog (``lit_dp.observability.watchdog``) calls ``watch``
   Only the oldest record is judged: collectives on a stream complete in order, so a later one
   is late because of it, and its clock starts when the one before it completed.
 
+Once ``time_waits`` was called (by the step clock, ``lit_dp.observability.step_clock``), every wait
+also adds its length to ``waited``: the time this rank spent waiting for its peers and for
+communication, which the straggler report calls its exposed wait. The watched path reads the
+clock at the start of a wait anyway (``since``); the end is one more read.
+
 A record's deadline is fixed when it starts (the watchdog's long deadline during warm-up), and a
 wait during which a peer was seen in a known phase (``excused_since``: a checkpoint write, an
 evaluation) gets the long deadline instead. The module sits in ``gradients`` so that the
@@ -94,6 +99,9 @@ class Waiter:
         self._on_hang: Callable[[str, float], None] | None = None
         self._in_flight: deque[InFlight] = deque()
         self._lock = threading.Lock()
+        # Seconds the waiting threads spent in waits (time.monotonic), summed once ``time_waits`` was called.
+        self.waited = 0.0
+        self._timed = False
 
     def watch(
         self,
@@ -115,6 +123,10 @@ class Waiter:
         self.long_deadline = max(deadline, long_deadline or deadline)
         self.device, self.slice = device, slice_seconds
 
+    def time_waits(self) -> None:
+        """From now on every wait adds its length to ``waited`` (the step clock asks)."""
+        self._timed = True
+
     def end_warmup(self, deadline: float) -> None:
         """Warm-up is over: waits started from now on are hangs past ``deadline`` seconds."""
         self.deadline = deadline
@@ -129,7 +141,14 @@ class Waiter:
 
     def wait(self, work: dist.Work, what: str = "") -> None:
         if self.deadline is None:
-            work.wait()
+            if not self._timed:
+                work.wait()
+                return
+            since = time.monotonic()
+            try:
+                work.wait()
+            finally:
+                self.waited += time.monotonic() - since
             return
         self._raise_verdict()
         since = time.monotonic()
@@ -143,10 +162,17 @@ class Waiter:
                 self._after_wait(record, work.is_completed)
         finally:
             self.waiting = None
+            self.waited += time.monotonic() - since
 
     def wait_future(self, future: torch.futures.Future, what: str = "") -> Any:
         if self.deadline is None:
-            return future.wait()
+            if not self._timed:
+                return future.wait()
+            since = time.monotonic()
+            try:
+                return future.wait()
+            finally:
+                self.waited += time.monotonic() - since
         self._raise_verdict()
         since = time.monotonic()
         self.waiting = (what, since)
@@ -160,16 +186,21 @@ class Waiter:
             return value
         finally:
             self.waiting = None
+            self.waited += time.monotonic() - since
 
     @contextmanager
     def outside(self, what: str) -> Iterator[None]:
         """Watch a collective whose wait is not lit_dp's (the strategy's ``barrier``, torch's Join
-        loop): the watchdog's thread judges it, and on CUDA the device's completion after it."""
+        loop): the watchdog's thread judges it, and on CUDA the device's completion after it; its
+        length counts in ``waited`` (unwatched too, once waits are timed)."""
         record = self.enter(what)
+        since = record.since if record is not None else time.monotonic() if self._timed else None
         try:
             yield
         finally:
             self.leave(record)
+            if since is not None:
+                self.waited += time.monotonic() - since
 
     def enter(self, what: str) -> InFlight | None:
         """The calling thread enters a wait lit_dp cannot bound itself (``outside``, as two calls)."""

@@ -2,7 +2,9 @@
 
 A mark is taken in the training thread at each moment; ``done(mark)`` says whether it can be
 read yet (a CUDA event once the GPU reached it), ``to_host`` places it on the host clock and
-``elapsed_ms`` measures between two marks.
+``elapsed_ms`` measures between two marks. The host clock is ``time.monotonic``, the one the
+waiter (``lit_dp.gradients.waiting``) and the hang watchdog read, so that their timestamps and
+the step clock's (``lit_dp.observability.step_clock``) are one.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ def clock_for(device: torch.device) -> HostClock | CudaClock:
 
 
 class HostClock:
-    """Marks are ``time.perf_counter()`` floats."""
+    """Marks are ``time.monotonic()`` floats."""
 
     def mark(self) -> float:
-        return time.perf_counter()
+        return time.monotonic()
 
     def done(self, mark: Any) -> bool:
         return mark is not None
@@ -51,5 +53,7 @@ class CudaClock:
         return origin_host + origin.elapsed_time(mark) / 1e3
 
     def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        end.synchronize()  # only the autotuner asks, once, when it decides
+        # Asked by the autotuner once, when it decides, and by the step clock for a window that
+        # ended a window ago: the events completed long since, so this does not wait.
+        end.synchronize()
         return start.elapsed_time(end)

@@ -110,18 +110,21 @@ def raise_in_main_thread(message: str) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(_Verdict))
 
 
-def exit_after(grace: float, rank: int) -> None:
-    """In ``grace`` seconds, unless the process has ended: its stacks to stderr, then exit status 1."""
-    timer = threading.Timer(grace, _hard_exit, args=(rank, grace))
+def exit_after(grace: float, rank: int, verdict: str = "the job was declared hung") -> None:
+    """In ``grace`` seconds, unless the process has ended: its stacks to stderr, then exit status 1.
+
+    ``verdict`` says why the job ends: a hang, or replicas that diverged
+    (``lit_dp.observability.consistency``), which ends every rank the same way."""
+    timer = threading.Timer(grace, _hard_exit, args=(rank, grace, verdict))
     timer.daemon = True
-    timer.name = f"lit_dp hang watchdog: exit of rank {rank}"
+    timer.name = f"lit_dp: exit of rank {rank}"
     timer.start()
 
 
-def _hard_exit(rank: int, grace: float) -> None:
+def _hard_exit(rank: int, grace: float, verdict: str) -> None:
     try:
         print(
-            f"lit_dp hang watchdog: rank {rank} did not end within {grace:g}s of the verdict; its stacks follow, "
+            f"lit_dp: rank {rank} did not end within {grace:g}s of the verdict ({verdict}); its stacks follow, "
             "then it exits with status 1.",
             file=sys.stderr,
             flush=True,

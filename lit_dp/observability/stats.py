@@ -15,11 +15,13 @@ end-of-backward callback: the last gradient is ready) and every bucket was reduc
   the step once the last gradient was ready;
 - ``overlap``: the share of communication time hidden under backward, ``1 - exposed / time``.
 
-Clocks (``lit_dp.observability.clocks``). On CPU, host time (``time.perf_counter``); a bucket completes when its all-reduce's
-future runs its callback (Gloo runs it on its own thread the moment the collective finishes;
-it may wait for the interpreter lock while the main thread runs Python). On CUDA every moment
-is a ``torch.cuda.Event`` recorded on the current stream; a bucket's completion event is
-recorded in its future's callback, which runs on a stream made to wait on the communicator's
+The step's moments are the step clock's (``lit_dp.observability.step_clock``), which takes them
+once for every observer; the buckets' launches and completions are this observer's own.
+Clocks (``lit_dp.observability.clocks``). On CPU, host time (``time.monotonic``); a bucket
+completes when its all-reduce's future runs its callback (Gloo runs it on its own thread the
+moment the collective finishes; it may wait for the interpreter lock while the main thread runs
+Python). On CUDA every moment is a ``torch.cuda.Event`` recorded on the current stream; a
+bucket's completion event is recorded in its future's callback, which runs on a stream made to wait on the communicator's
 stream, so the event fires when the all-reduce does. Nothing synchronises the host: events are
 read lazily, once ``query()`` says they completed, when statistics are asked for or at the next
 step.
@@ -27,7 +29,6 @@ step.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from typing_extensions import override
 from lit_dp.gradients.events import BucketLaunch, ReducerObserver
 from lit_dp.gradients.plan import StepPlan
 from lit_dp.observability.clocks import CudaClock, HostClock, clock_for
+from lit_dp.observability.step_clock import StepClock, StepMarks
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class BucketSpan:
 
 @dataclass(frozen=True)
 class StepTimeline:
-    """One synchronised step's moments, in host seconds (``time.perf_counter``'s clock)."""
+    """One synchronised step's moments, in host seconds (``time.monotonic``'s clock)."""
 
     step: int
     start: float
@@ -107,17 +109,12 @@ class StepTimeline:
 
 
 class _StepRecord:
-    """The raw marks of one step; completion marks are filled in by the all-reduces' callbacks."""
+    """One step: the step clock's marks, and the buckets' (completion marks filled in by the all-reduces' callbacks)."""
 
-    __slots__ = ("step", "start_host", "start", "backward_start", "backward_end", "reduced", "buckets")
+    __slots__ = ("marks", "buckets")
 
-    def __init__(self, step: int, start: Any) -> None:
-        self.step = step
-        self.start_host = time.perf_counter()
-        self.start = start
-        self.backward_start: Any = None
-        self.backward_end: Any = None
-        self.reduced: Any = None
+    def __init__(self, marks: StepMarks) -> None:
+        self.marks = marks
         # (position, bytes, parameter indices, launch mark, one completion slot per collective)
         self.buckets: list[tuple[int, int, list[int], Any, list[Any]]] = []
 
@@ -127,13 +124,15 @@ class CommObserver(ReducerObserver):
 
     Args:
         device: the parameters' device; CUDA selects event timing.
+        clock: the step clock, subscribed before this observer, whose marks it reads.
         timeline_sinks: called with each resolved step's timeline (the trace writer's ``add``).
     """
 
     def __init__(
-        self, device: torch.device, timeline_sinks: Sequence[Callable[[StepTimeline], None]] = ()
+        self, device: torch.device, clock: StepClock, timeline_sinks: Sequence[Callable[[StepTimeline], None]] = ()
     ) -> None:
         self._clock = clock_for(device)
+        self._step_clock = clock
         self._sinks = list(timeline_sinks)
         self._current: _StepRecord | None = None
         self._pending: deque[_StepRecord] = deque()
@@ -144,14 +143,9 @@ class CommObserver(ReducerObserver):
 
     @override
     def step_started(self, step: int, plan: StepPlan) -> None:
-        mark = self._clock.mark()
         self._resolve()
-        self._current = _StepRecord(step, mark)
-
-    @override
-    def backward_started(self, step: int) -> None:
-        if self._current is not None:
-            self._current.backward_start = self._clock.mark()
+        marks = self._step_clock.current
+        self._current = _StepRecord(marks) if marks is not None and marks.step == step else None
 
     @override
     def bucket_launched(self, launch: BucketLaunch) -> None:
@@ -164,16 +158,10 @@ class CommObserver(ReducerObserver):
             future.then(_completion_callback(slots, slot, self._clock.mark))
 
     @override
-    def backward_ended(self, step: int) -> None:
-        if self._current is not None:
-            self._current.backward_end = self._clock.mark()
-
-    @override
     def step_ended(self, step: int) -> None:
         record = self._current
         if record is None:
             return
-        record.reduced = self._clock.mark()
         self._pending.append(record)
         self._current = None
         if isinstance(self._clock, HostClock):
@@ -208,7 +196,8 @@ class CommObserver(ReducerObserver):
         clock = self._clock
         while self._pending:
             record = self._pending[0]
-            marks = [record.start, record.backward_start, record.backward_end, record.reduced]
+            step = record.marks
+            marks = [step.start, step.backward_start, step.backward_end, step.reduced]
             marks += [bucket[3] for bucket in record.buckets]
             marks += [slot for bucket in record.buckets for slot in bucket[4]]
             if not all(clock.done(mark) for mark in marks):
@@ -217,8 +206,10 @@ class CommObserver(ReducerObserver):
             self._account(self._timeline(record))
 
     def _timeline(self, record: _StepRecord) -> StepTimeline:
+        step = record.marks
+
         def host(mark: Any) -> float:
-            return self._clock.to_host(mark, record.start, record.start_host)
+            return self._clock.to_host(mark, step.start, step.start_host)
 
         spans = []
         for position, nbytes, indices, launch, slots in record.buckets:
@@ -227,11 +218,11 @@ class CommObserver(ReducerObserver):
             end = max(launched, max(host(slot) for slot in slots))
             spans.append(BucketSpan(position, nbytes, tuple(indices), launched, end))
         return StepTimeline(
-            step=record.step,
-            start=record.start_host,
-            backward_start=host(record.backward_start),
-            backward_end=host(record.backward_end),
-            reduced=host(record.reduced),
+            step=step.step,
+            start=step.start_host,
+            backward_start=host(step.backward_start),
+            backward_end=host(step.backward_end),
+            reduced=host(step.reduced),
             buckets=tuple(spans),
         )
 

@@ -16,7 +16,7 @@ Each file holds, per step:
 cleanly); ``DataParallel`` imports it only when ``trace_dir`` is set.
 
 Timestamps are wall-clock microseconds (each rank's host clock, converted from
-``time.perf_counter``; on CUDA the spans' lengths come from CUDA events), so ranks on one host
+``time.monotonic``; on CUDA the spans' lengths come from CUDA events), so ranks on one host
 line up exactly and ranks on different hosts as well as their clocks agree. Merge the ranks
 into one file (and draw it as a PNG with the recipes' ``lit_dp_recipes.trace_render``)::
 
@@ -47,8 +47,8 @@ class TraceWriter:
         self._names = list(names)  # the reducer's parameter names, by index
         self._rank = rank
         self._start, self._stop = steps
-        # perf_counter is per-host and arbitrary; wall time lets ranks on different hosts line up.
-        self._wall_offset = time.time() - time.perf_counter()
+        # The monotonic clock is per-host and arbitrary; wall time lets ranks on different hosts line up.
+        self._wall_offset = time.time() - time.monotonic()
         self._events: list[dict[str, Any]] = []
         self._tracks: set[int] = set()
         self._written = False

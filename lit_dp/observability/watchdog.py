@@ -36,7 +36,6 @@ import sys
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -65,6 +64,7 @@ from lit_dp.observability.hang_report import (
     write_stacks,
 )
 from lit_dp.observability.phases import current_phase, known_phase, some_rank_busy
+from lit_dp.observability.step_clock import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,9 @@ class HangWatchdog(ReducerObserver):
     """Watches ``reducer``'s collectives (as its observer, and through its waiter) and answers alarms.
 
     Start it with ``HangWatchdog.start``; ``directory`` is where ``lit_dp_hang/`` goes (the
-    strategies point it at the run's log directory; default: the working directory).
+    strategies point it at the run's log directory; default: the working directory). It reads
+    when steps started from ``clock`` (subscribed before it), which takes those timestamps once
+    for every observer.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class HangWatchdog(ReducerObserver):
         store: dist.Store,
         directory: str | None,
         device: torch.device,
+        clock: StepClock,
         given: bool = False,
     ) -> None:
         group_seconds = group_timeout(reducer.group, device)
@@ -120,10 +123,10 @@ class HangWatchdog(ReducerObserver):
         self._grace = min(30.0, max(5.0, hang_timeout / 10))
         self._long_timeout = max(hang_timeout, LONG_DEADLINE_SHARE * group_seconds)
         self._step = -1
-        self._step_starts: deque[tuple[float, int]] = deque(maxlen=16)  # (time, step): names a bucket on NCCL
+        self._clock = clock  # its step starts name a bucket on NCCL
         self._participation: Participation | None = None  # of the step being synchronised
         self._launched = -1
-        self._launches: list[tuple[BucketLaunch, float]] = []
+        self._launches: list[BucketLaunch] = []  # of the step being synchronised
         self._untimed: InFlight | None = None  # torch's Join loop, entered and left in two calls
         self._lock = threading.Lock()
         self._answered = False
@@ -149,6 +152,7 @@ class HangWatchdog(ReducerObserver):
         directory: str | None = None,
         device: torch.device | None = None,
         *,
+        clock: StepClock,
         given: bool = False,
     ) -> HangWatchdog | None:
         """Subscribe a watchdog to ``reducer``, set its waiter's deadlines and start its thread;
@@ -157,7 +161,7 @@ class HangWatchdog(ReducerObserver):
         store = rendezvous_store()
         if store is None:
             return None
-        watchdog = cls(reducer, hang_timeout, store, directory, device or torch.device("cpu"), given)
+        watchdog = cls(reducer, hang_timeout, store, directory, device or torch.device("cpu"), clock, given)
         reducer.add_observer(watchdog)
         thread = threading.Thread(
             target=_watch, args=(weakref.ref(watchdog), watchdog._stop, watchdog._poll_seconds), daemon=True
@@ -210,12 +214,14 @@ class HangWatchdog(ReducerObserver):
     @override
     def step_started(self, step: int, plan: StepPlan) -> None:
         self._step, self._launched, self._launches = step, -1, []
-        self._step_starts.append((time.monotonic(), step))
         self._participation = plan.participation
 
     @override
     def step_ended(self, step: int) -> None:
         self._participation = None
+        # The launches' futures hold the step's gradients: kept past the step, they kept a whole
+        # step's gradients alive until the next forward, and freed them there.
+        self._launches = []
         if step == WARMUP_STEPS - 1:
             # Every rank took part in this step's collectives, after its first optimizer step.
             self._waiter.end_warmup(self._timeout)
@@ -224,7 +230,7 @@ class HangWatchdog(ReducerObserver):
     @override
     def bucket_launched(self, launch: BucketLaunch) -> None:
         self._launched = launch.position
-        self._launches.append((launch, time.monotonic()))
+        self._launches.append(launch)
 
     # -- waits the main thread cannot bound itself --------------------------------------------
 
@@ -305,12 +311,12 @@ class HangWatchdog(ReducerObserver):
         done; on NCCL, where futures are done at launch, the step the wait belonged to (the bucket
         is then named from the ranks' reports: the furthest any rank got)."""
         if self._bounded:
-            for launch, _ in self._launches:
+            for launch in self._launches:
                 if not all(future.done() for future in launch.futures):
                     where = (launch.step, launch.position)
                     return f"bucket {launch.position} of synchronised step {launch.step}", where, None
             return f"a bucket of synchronised step {self._step}", None, None
-        step = next((step for started, step in reversed(self._step_starts) if started <= since), self._step)
+        step = next((step for started, step in reversed(self._clock.starts) if started <= since), self._step)
         return f"a bucket of synchronised step {step}", None, step
 
     def _answer(self) -> None:

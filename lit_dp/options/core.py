@@ -39,10 +39,12 @@ from lit_dp.options.declare import (
     seconds,
     show_value,
 )
+from lit_dp.options.consistency import ConsistencyOptions
 from lit_dp.options.fault_tolerance import FaultToleranceOptions, check_engine, check_fault_tolerance
 from lit_dp.options.local_sgd import COMM_HOOKS_SKIPPING_COMMUNICATION, LocalSGDOptions
 from lit_dp.options.sharding import ShardingOptions
 from lit_dp.options.spelling import Spellings
+from lit_dp.options.straggler import StragglerOptions
 from lit_dp.options.trace import TraceOptions
 
 DEFAULT_BUCKET_MB = 25.0  # Paddle's comm_buffer_size (and torch DDP's bucket_cap_mb)
@@ -216,6 +218,8 @@ class Options:
     local_sgd: LocalSGDOptions = group(LocalSGDOptions)
     sharding: ShardingOptions = group(ShardingOptions)
     ft: FaultToleranceOptions = group(FaultToleranceOptions)
+    straggler: StragglerOptions = group(StragglerOptions)
+    consistency: ConsistencyOptions = group(ConsistencyOptions)
     # The options of every registered named hook, by its name (lit_dp.options.comm_hooks): spelt
     # <name>.<field> like a group's, e.g. powersgd.rank. Read only.
     hooks: dict[str, Any] = dataclasses.field(
@@ -297,6 +301,7 @@ class Options:
                 "or that hook, not both."
             )
         self._check_sharding(name, hook_name)
+        self._check_consistency(name)
         check_fault_tolerance(self, name)
 
     def _check_sharding(self, name: Callable[[str], str], hook_name: str | None) -> None:
@@ -322,6 +327,22 @@ class Options:
                 f"{name('sharding.stage')}=2 with {given} is invalid: a communication hook reduces whole buckets for "
                 f"every rank, stage 2 reduces each gradient to its owner only; expected {name('sharding.stage')}=1 "
                 "with a hook, or no hook."
+            )
+
+    def _check_consistency(self, name: Callable[[str], str]) -> None:
+        if not self.consistency.optimizer_state:
+            return
+        if self.consistency.every_n_steps is None:
+            raise ValueError(
+                f"{name('consistency.optimizer_state')}=True needs {name('consistency.every_n_steps')}: expected a "
+                f"number of steps, e.g. {name('consistency.every_n_steps')}=100."
+            )
+        if self.sharding.stage is not None:
+            raise ValueError(
+                f"{name('consistency.optimizer_state')}=True with {name('sharding.stage')}={self.sharding.stage} is "
+                "invalid: under sharding each rank holds the optimizer state of its own parameters only, so the "
+                f"states differ by design; expected {name('consistency.optimizer_state')}=False (the parameters are "
+                "still compared)."
             )
 
     def replace(self, **changes: Any) -> Options:

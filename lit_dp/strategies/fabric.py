@@ -255,8 +255,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         return self._wrapped.watchdog if self._wrapped is not None else None
 
     def _watched(self, name: str) -> AbstractContextManager:
-        watchdog = self._hang_watchdog
-        return watchdog.watching(f"strategy.{name}") if watchdog is not None else nullcontext()
+        # Through the model's waiter, watchdog or not: it also times the wait (the straggler report's exposed wait).
+        return self._wrapped.waiter.outside(f"strategy.{name}") if self._wrapped is not None else nullcontext()
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:

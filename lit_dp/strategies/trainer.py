@@ -57,6 +57,7 @@ from lit_dp.strategies.lightning_private import (
     optimizers_to_device,
     sync_ddp_if_available,
 )
+from lit_dp.strategies.health import HealthMonitor
 from lit_dp.strategies.monitor import CommStatsMonitor
 from lit_dp.strategies.lost_ranks import LostRanks, end_started_ranks
 from lit_dp.strategies.precision import DataParallelPrecision, check_sharded_clipping, for_data_parallel
@@ -272,6 +273,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             if not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
                 log.debug("%s: CommStatsMonitor added to the callbacks", type(self).__name__)
                 trainer.callbacks.append(CommStatsMonitor())
+        if self.model.step_clock is not None and not any(isinstance(c, HealthMonitor) for c in trainer.callbacks):
+            log.debug("%s: HealthMonitor added to the callbacks (batches, straggler/*)", type(self).__name__)
+            trainer.callbacks.append(HealthMonitor())
         self._uneven.setup(trainer, self.model, sync_batchnorm=self._layer_sync is not None)
         self._preemption.setup(trainer, self.world_size, self.global_rank)  # collective under NCCL: on every rank
 

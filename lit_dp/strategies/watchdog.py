@@ -6,7 +6,9 @@ directory, where the stacks go; validation and rank 0's checkpoint writes as kno
 (``lit_dp.observability.phases``: while some rank is in one, the others' waits get the long
 deadline, since they wait for it, not for a hang); and the strategy's own collectives
 (``reduce``, ``barrier``, ``broadcast``, ``all_gather``), whose waits have no deadline of
-lit_dp's, so the watchdog's thread watches them.
+lit_dp's, so the watchdog's thread watches them; the model's waiter also counts how long they
+wait, with or without a watchdog (the straggler report's exposed wait: a rank that meets a slow
+peer in ``self.log(..., sync_dist=True)`` waits there, not in the buckets).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from contextlib import contextmanager
 import lightning.pytorch as pl
 
 from lit_dp.data_parallel import DataParallel
+from lit_dp.gradients.waiting import Waiter
 from lit_dp.observability.phases import enter_phase, leave_phase
 from lit_dp.observability.watchdog import HangWatchdog
 
@@ -35,11 +38,12 @@ class StrategyWatchdog:
 
     def __init__(self) -> None:
         self._watchdog: HangWatchdog | None = None  # the wrapped model's, from setup to teardown
+        self._waiter: Waiter | None = None  # the wrapped model's, from setup to teardown
         self._validating = False  # inside the validation phase
 
     def setup(self, trainer: pl.Trainer, model: DataParallel) -> None:
-        """Take ``model``'s watchdog, its stacks pointed at the run's log directory."""
-        self._watchdog = model.watchdog
+        """Take ``model``'s watchdog, its stacks pointed at the run's log directory, and its waiter."""
+        self._watchdog, self._waiter = model.watchdog, model.waiter
         if self._watchdog is None:
             return
         self._watchdog.directory = trainer.log_dir or trainer.default_root_dir
@@ -47,6 +51,7 @@ class StrategyWatchdog:
 
     def teardown(self) -> None:
         self.validation_ended()  # a validation that raised
+        self._waiter = None
         if self._watchdog is None:
             return
         log.debug("hang watchdog: stopping its thread")
@@ -75,9 +80,10 @@ class StrategyWatchdog:
 
     @contextmanager
     def watching(self, what: str) -> Iterator[None]:
-        """Inside: a wait the watchdog's thread bounds (the main thread has no deadline of its own for it)."""
-        if self._watchdog is None:
+        """Inside: a wait the watchdog's thread bounds (the main thread has no deadline of its own
+        for it), timed by the model's waiter."""
+        if self._waiter is None:
             yield
             return
-        with self._watchdog.watching(what):
+        with self._waiter.outside(what):  # what HangWatchdog.watching does, also without a watchdog
             yield

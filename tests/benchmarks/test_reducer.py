@@ -1,4 +1,4 @@
-"""benchmarks/reducer.py: lit_dp, torch DDP and no synchronisation side by side on 2 Gloo processes."""
+"""benchmarks/reducer.py: lit_dp (with its defaults and unwatched), torch DDP and no synchronisation side by side on 2 Gloo processes."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ def test_reducer_benchmark_prints_ratios(tmp_path):
     )
     [row] = [line for line in output.splitlines() if line.startswith("| many_small |")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    no_sync, ddp, ours, ratio, ddp_per_tensor, ours_per_tensor = (float(cell) for cell in cells[3:])
-    assert 0 < no_sync and 0 < ddp and 0 < ours
+    no_sync, ddp, ours, unwatched, ratio, unwatched_ratio, watching, ddp_per_tensor, ours_per_tensor = (
+        float(cell) for cell in cells[3:]
+    )
+    assert 0 < no_sync and 0 < ddp and 0 < ours and 0 < unwatched
     assert ratio == pytest.approx(ours / ddp, abs=1e-3)
+    assert unwatched_ratio == pytest.approx(unwatched / ddp, abs=1e-3)
+    assert watching == pytest.approx(ours / unwatched, abs=1e-3)
     tensors = int(cells[1])
     rounding = 2 * 0.005e3 / tensors + 0.005  # the times are printed to 0.01 ms, the costs to 0.01 us
     assert ours_per_tensor == pytest.approx((ours - no_sync) * 1e3 / tensors, abs=rounding)

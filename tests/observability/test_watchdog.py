@@ -384,3 +384,29 @@ def test_warm_up_and_a_known_phase_get_the_long_deadline_and_a_later_hang_is_sti
     # Each model's watchdog keeps its own deadlines: the user's own faulthandler timer still fired.
     for rank in (0, 1):
         assert "warm_up_busy_then_stuck" in (tmp_path / f"user_timer_rank{rank}.txt").read_text()
+
+
+def gradient_kept_after_zero_grad(rank: int, hang_timeout: float | None) -> list[bool]:
+    """Whether a step's 4 MB gradient (all-reduced in place: its bucket's future holds it) is still
+    alive once the optimizer stepped and ``zero_grad`` dropped it."""
+    import gc
+    import weakref
+
+    lit_dp.init_parallel_env()
+    model = lit_dp.DataParallel(nn.Linear(1024, 1024), hang_timeout=hang_timeout)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = []
+    for _ in range(3):
+        model(torch.randn(4, 1024)).square().mean().backward()
+        optimizer.step()
+        gradient = weakref.ref(model.module.weight.grad)
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        kept.append(gradient() is not None)
+    return kept
+
+
+def test_the_watchdog_keeps_no_step_s_gradients_past_the_step():
+    # It kept the bucket launches, whose futures hold the gradients, until the next forward: a
+    # whole step's gradients alive through the next one, and freed (unmapped) inside its forward.
+    assert run_ranks(gradient_kept_after_zero_grad, 2, HANG_TIMEOUT * 100) == {0: [False] * 3, 1: [False] * 3}
