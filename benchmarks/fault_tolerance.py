@@ -10,7 +10,7 @@ with ``seeds[0]`` under chaos: every ``kill_every`` seconds for ``chaos_seconds`
 a random replica group that is training gets SIGKILL (among the groups killed least so far, so
 that each, group 0 included, is killed at least ``kills_per_group`` times), every
 ``pair_every``-th time a second group ``pair_gap`` seconds later; its torchrun starts it again.
-Kills stop early enough for the last victim to be back before the job ends. Each worker logs
+Kills stop ``tail_seconds`` before the job's end (at its pace), for the last victim to be back. Each worker logs
 every step (``StepLog``): wall time, pid, torchft's committed steps, the groups present, a
 hash of the parameters' bytes, and at the end of the fit the final hash.
 
@@ -67,6 +67,7 @@ class FaultToleranceBenchmarkConfig:
     pair_every: int = 3  # every pair_every-th failure takes a second group pair_gap seconds after the first
     pair_gap: float = 2.0
     kills_per_group: int = 2  # the least each group is killed (reported if the chaos was too short for it)
+    tail_seconds: float = 60.0  # no kill this close to the job's end (a victim's restart takes 5 to 20 s)
     chaos_seed: int = 0
     seeds: tuple[int, ...] = (7, 8)  # the run with failures uses the first
     compare: bool = True  # also the fault-free runs, one per seed (validation loss)
@@ -204,17 +205,26 @@ def kill(run: Run, group: int, paired: bool) -> bool:
     return True
 
 
+def seconds_left(config: FaultToleranceBenchmarkConfig, run: Run) -> float:
+    """The job's time to its last step at its recent pace (infinite before it has one)."""
+    commits = job_commits(run, config.replicas)
+    if len(commits) < 10:
+        return float("inf")
+    recent = commits[-20:]
+    return (config.steps - len(commits)) * (recent[-1] - recent[0]) / (len(recent) - 1)
+
+
 def chaos(config: FaultToleranceBenchmarkConfig, run: Run) -> None:
     """Every ``kill_every`` seconds until ``chaos_seconds``: SIGKILL a random training group among the
-    least killed; every ``pair_every``-th time a second one ``pair_gap`` seconds later. No kill once
-    the job has done 80% of its steps: the last victim must be back before the others finish."""
+    least killed; every ``pair_every``-th time a second one ``pair_gap`` seconds later. No kill within
+    ``tail_seconds`` of the job's end: the last victim must be back before the others finish (a group
+    back after the end would find no one; with ``min_replicas`` 1 it would train alone)."""
     rng = random.Random(config.chaos_seed)
     killed = {group: 0 for group in range(config.replicas)}
     failures, next_at = 0, run.started + config.kill_every
     while any(launcher.poll() is None for launcher in run.launchers):
         now = time.time()
-        done = max((s[-1]["committed_steps"] for g in killed if (s := run.steps(g))), default=0)
-        if now - run.started > config.chaos_seconds or done >= 0.8 * config.steps:
+        if now - run.started > config.chaos_seconds or seconds_left(config, run) < config.tail_seconds:
             return
         up = [group for group in killed if training_worker(run, group) is not None]
         if now >= next_at and len(up) == config.replicas:
