@@ -166,8 +166,9 @@ class _ReplicaWork(dist.Work):
 
     def _watch(self, group: Any) -> None:
         """Wait for the all-reduce in slices while a peer's connection may hang up under it: a peer
-        that died or gave up on the step closed it, and nothing will arrive on it. Aborting then
-        fails the all-reduce at once instead of at the process group's timeout."""
+        that died or gave up on the step closed it, and nothing will arrive on it. Closing this
+        group's connections then fails the all-reduce at once instead of at the process group's
+        timeout."""
         hung_up = getattr(group, "connections_hung_up", None)  # a replica_process_group's
         if hung_up is None:
             return
@@ -175,8 +176,8 @@ class _ReplicaWork(dist.Work):
         self._future.add_done_callback(lambda _: done.set())
         while not done.wait(WATCH_SECONDS):
             if hung_up() and not done.wait(HANG_UP_GRACE_SECONDS):
-                log.debug("lit_dp: a replica group's connection hung up under an all-reduce: aborting it")
-                group.abort()
+                log.debug("lit_dp: a replica group's connection hung up under an all-reduce: closing them all")
+                group.close_connections()  # the all-reduce fails now; the group is dropped once it has
                 return
 
     def get_future(self) -> torch.futures.Future:

@@ -418,7 +418,8 @@ class TorchftLog:
         for name, (propagate, level) in self._saved.items():
             logger = logging.getLogger(name)
             logger.removeHandler(self._handler)
-            logger.propagate, logger.level = propagate, level
+            logger.propagate = propagate
+            logger.setLevel(level)
         self._handler.close()
 
 
