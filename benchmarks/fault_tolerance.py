@@ -356,8 +356,8 @@ def report(config: FaultToleranceBenchmarkConfig, result: dict[str, Any]) -> str
     lines = [
         f"{config.replicas} replica groups (at least {config.min_replicas} a step), one torchrun each (CPU, gloo), "
         f"recipes/gpt.py {' '.join(config.recipe)}, trainer.max_steps={config.steps}; a failure every "
-        f"{config.kill_every:.0f} s for {config.chaos_seconds:.0f} s (every {config.pair_every}th with a second "
-        f"{config.pair_gap:.0f} s later)",
+        f"{config.kill_every:.0f} s for {config.chaos_seconds:.0f} s, one in {config.pair_every} taking a second group "
+        f"{config.pair_gap:.0f} s later",
         "",
     ]
     if "free_step" in result:
