@@ -23,10 +23,21 @@ quorum (docs/fault_tolerance.md). With ``lit_dp.DataParallel(module, manager=man
 What cannot work across replica groups that come and go is refused by name: the options by
 ``lit_dp.options.fault_tolerance`` (where every option is checked), a hook registered by hand by
 ``check_comm_hook``, a given process group or sparse gradients by ``replica_group``.
+
+No replica group may depend on another for more than the step they share: the group that
+leads a quorum hosts the store its members rendezvous on (torchft's quorum names the first
+group at the highest step, nearly always group 0), and a group that gave up on a step must not
+leave a peer waiting on it. ``replica_process_group`` is torchft's reconfigurable process group
+with what that takes (see it), and a replica's all-reduce is waited for in slices, watching its
+connections (``_ReplicaWork.wait``).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import socket
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -35,7 +46,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from lit_dp.gloo_connections import GlooConnections
 from lit_dp.options.fault_tolerance import TORCHFT, UNDER_MANAGER
+
+log = logging.getLogger(__name__)
+
+# A quorum's rendezvous: its members get the quorum from the lighthouse at the same moment and
+# meet at once, so one that has not come within this is gone (it died after asking for the
+# quorum). Without a bound the others would wait the process group's whole timeout (60 s).
+RENDEZVOUS_SECONDS = 2.0
+# How long to try to reach the store of the group that leads the quorum: a live store answers
+# in milliseconds, a dead one's port refuses at once, a lost host's never answers. torch's
+# TCPStore client would retry for the whole timeout instead.
+STORE_PROBE_SECONDS = 2.0
+# A waiting all-reduce looks at its connections this often, and gives a connection a peer
+# closed this long to deliver what it holds (a peer may finish its part of the last step and
+# exit while the last bytes it sent are still unread here) before aborting.
+WATCH_SECONDS = 0.05
+HANG_UP_GRACE_SECONDS = 0.2
 
 # torch's stateless hooks: each communicates on the process group it gets as its state.
 _GROUP_HOOKS_MODULE = default_hooks.__name__
@@ -98,7 +126,14 @@ class FaultTolerantGroup(dist.ProcessGroup):
         except Exception as error:  # noqa: BLE001 - torchft's contract: a failed collective discards the step
             manager.report_error(error)
             return _CompletedWork(_zeroed(tensors))
-        self._last = _ReplicaWork(manager, tensors, manager.wrap_future(work.get_future(), tensors))
+        future = manager.wrap_future(work.get_future(), tensors)
+        close = getattr(manager._pg, "close_connections", None)  # a replica_process_group's
+        if close is not None:
+            # The moment an all-reduce fails (on Gloo's thread, once the Manager has the error):
+            # this group will skip the step's other all-reduces, so a peer waiting on it in one
+            # must fail now, not when this group's main thread is done with its backward.
+            future.add_done_callback(lambda _: close() if manager.errored() is not None else None)
+        self._last = _ReplicaWork(manager, tensors, future)
         return self._last
 
 
@@ -116,6 +151,7 @@ class _ReplicaWork(dist.Work):
         if self._waited:
             return True
         self._waited = True
+        self._watch(self._manager._pg)
         self._future.wait()  # errors and the Manager's timeout were turned into a report to the Manager
         if self._manager.errored() is not None:
             # Possibly half-reduced: zeros leave the reducer's flags quiet, and the step is discarded.
@@ -123,9 +159,26 @@ class _ReplicaWork(dist.Work):
             # This replica skips the step's other all-reduces; a peer already inside one of them
             # would wait for it until the process group's timeout. Closing this replica's
             # connections now fails that peer at once, as a dead one does; torchft would close
-            # them only at the next quorum's reconfiguration.
+            # them only at the next quorum's reconfiguration (and on Gloo, not even then: see
+            # lit_dp.gloo_connections).
             self._manager._pg.abort()
         return True
+
+    def _watch(self, group: Any) -> None:
+        """Wait for the all-reduce in slices while a peer's connection may hang up under it: a peer
+        that died or gave up on the step closed it, and nothing will arrive on it. Closing this
+        group's connections then fails the all-reduce at once instead of at the process group's
+        timeout."""
+        hung_up = getattr(group, "connections_hung_up", None)  # a replica_process_group's
+        if hung_up is None:
+            return
+        done = threading.Event()
+        self._future.add_done_callback(lambda _: done.set())
+        while not done.wait(WATCH_SECONDS):
+            if hung_up() and not done.wait(HANG_UP_GRACE_SECONDS):
+                log.debug("lit_dp: a replica group's connection hung up under an all-reduce: closing them all")
+                group.close_connections()  # the all-reduce fails now; the group is dropped once it has
+                return
 
     def get_future(self) -> torch.futures.Future:
         return self._future
@@ -148,6 +201,105 @@ def _zeroed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for tensor in tensors:
         tensor.zero_()
     return tensors
+
+
+def replica_process_group(
+    device: torch.device | str = "cpu",
+    timeout: timedelta = timedelta(seconds=60),
+    on_quorum: Callable[[list[int]], None] | None = None,
+) -> Any:
+    """torchft's reconfigurable process group across replica groups, for a ``Manager(pg=...)``.
+
+    ``ProcessGroupGloo`` for a CPU ``device``, ``ProcessGroupBabyNCCL`` (an NCCL communicator
+    in a subprocess, which its abort kills) for a CUDA one; ``timeout`` bounds a collective.
+    ``on_quorum(groups)`` is told the replica groups of each new quorum (torchft passes their
+    ids as the group's global ranks: one process per replica group).
+
+    On Gloo, lit_dp adds what makes any replica group's failure cost the others no more than
+    any other's, whichever it is (the quorum's leader included):
+
+    - the rendezvous never waits on a dead store: the quorum's store is hosted by the group
+      that leads it, and one that no longer answers fails the reconfiguration within
+      ``STORE_PROBE_SECONDS`` (the step is discarded; the next quorum goes on without it);
+    - the rendezvous waits at most ``RENDEZVOUS_SECONDS`` for a member that asked for the
+      quorum and died before meeting the others, then fails the same way;
+    - ``abort()`` and ``close_connections()`` shut the group's connections down
+      (``lit_dp.gloo_connections``), so that every peer's pending collective fails at once, and
+      ``connections_hung_up()`` lets a waiting all-reduce see that a peer closed its end.
+    """
+    from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+
+    announce = on_quorum or (lambda groups: None)
+
+    if torch.device(device).type == "cuda":
+
+        class AnnouncedProcessGroupBabyNCCL(ProcessGroupBabyNCCL):  # type: ignore[misc, valid-type]
+            def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+                super().configure(store_addr, *args, **kwargs)
+                announce(_quorum_groups(args, kwargs))
+
+        return AnnouncedProcessGroupBabyNCCL(timeout=timeout)
+
+    class ReplicaProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__(timeout=timeout)
+            self._connections = GlooConnections({})
+
+        def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+            host, port = _store_endpoint(store_addr)
+            _probe_store(host, port)
+            # The store's own connections outlive the group: only Gloo's pairs are recorded.
+            configure = functools.partial(super().configure, store_addr, *args, **kwargs)
+            _, self._connections = GlooConnections.record(configure, skip_ports=(port,))
+            announce(_quorum_groups(args, kwargs))
+
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            # Gloo's rendezvous waits as long as the group's timeout: bounded apart (see above),
+            # then the collectives get the full timeout back.
+            self._timeout = min(timeout, timedelta(seconds=RENDEZVOUS_SECONDS))
+            try:
+                group = super()._create_pg(store, rank, world_size)
+            finally:
+                self._timeout = timeout
+            group._get_backend(torch.device("cpu")).set_timeout(timeout)
+            return group
+
+        def abort(self, errored: bool = True) -> None:
+            self.close_connections()
+            super().abort(errored)
+
+        def close_connections(self) -> None:
+            """Only the connections: safe on Gloo's own thread, where dropping the group is not."""
+            self._connections.shutdown()
+
+        def connections_hung_up(self) -> bool:
+            return self._connections.hung_up()
+
+    return ReplicaProcessGroupGloo()
+
+
+def _quorum_groups(args: tuple, kwargs: dict) -> list[int]:
+    """``global_ranks`` of torchft's ``configure(store_addr, replica_id, rank, world_size, quorum_id,
+    group_rank, group_world_size, global_ranks)``, after ``store_addr``."""
+    groups = kwargs.get("global_ranks", args[6] if len(args) > 6 else None)
+    return list(groups or [])
+
+
+def _store_endpoint(store_addr: str) -> tuple[str, int]:
+    """``host`` and ``port`` of torchft's ``host:port/prefix`` (the host possibly ``[v6]``)."""
+    address = store_addr.partition("/")[0]
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _probe_store(host: str, port: int) -> None:
+    try:
+        socket.create_connection((host, port), timeout=STORE_PROBE_SECONDS).close()
+    except OSError as error:
+        raise ConnectionError(
+            f"the quorum's store at {host}:{port} does not answer ({error}): the replica group that leads the quorum "
+            "and hosts it is gone; this step is discarded and the next quorum goes on without it"
+        ) from error
 
 
 JOIN_REFUSED = (

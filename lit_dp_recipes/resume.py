@@ -41,6 +41,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
+from lit_dp.strategies.fault_tolerance import QuorumUnreachable
 from lit_dp.strategies.preemption import Preempted
 
 AUTO = "auto"
@@ -364,7 +365,7 @@ def _task_overrides(overrides: list[str]) -> list[str]:
 
 
 def _describe(stop: BaseException) -> str:
-    if isinstance(stop, Preempted):
+    if isinstance(stop, (Preempted, QuorumUnreachable)):
         return f"{stop.reason}; exit status {stop.code}"
     # Lightning turns Ctrl-C into `sys.exit(1)` once it has shut the ranks down.
     if isinstance(stop, KeyboardInterrupt) or isinstance(stop.__context__, KeyboardInterrupt):

@@ -10,7 +10,9 @@ bitwise at its first committed step; the committed steps read each sample of an 
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -22,8 +24,15 @@ from torch import nn
 pytest.importorskip("torchft")
 
 import lit_dp  # noqa: E402
-from lit_dp.fault_tolerance import FaultTolerantGroup, check_comm_hook  # noqa: E402
+from lit_dp.fault_tolerance import (  # noqa: E402
+    RENDEZVOUS_SECONDS,
+    STORE_PROBE_SECONDS,
+    FaultTolerantGroup,
+    check_comm_hook,
+    replica_process_group,
+)
 from tests.helpers import ft_replica  # noqa: E402
+from tests.helpers.distributed import free_port  # noqa: E402
 from tests.helpers.torchft import PYTHON, read_records, replica_groups  # noqa: E402
 
 
@@ -236,3 +245,32 @@ def test_under_a_manager_each_forward_divides_by_the_replica_groups_of_its_quoru
     manager.participants = 3  # the next step's quorum
     assert model.step_plan(Participation.SYNC).divisor == 3
     assert not model.will_sync_module_buffers()  # each replica group keeps its buffers
+
+
+def test_a_quorum_led_by_a_dead_group_fails_at_once_instead_of_waiting_out_the_timeout():
+    # The quorum's store is its leader's (nearly always group 0's): a port nothing answers on is
+    # one whose group died after asking for the quorum. torch's store client would retry it for
+    # the process group's whole timeout.
+    group = replica_process_group(timeout=timedelta(seconds=60))
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"the quorum's store at 127.0.0.1:\d+ does not answer"):
+        group.configure(f"127.0.0.1:{free_port()}/torchft/3/0", "1", 0, 2, 3, 0, 1, [0, 1])
+    assert time.monotonic() - started < STORE_PROBE_SECONDS + 5
+
+
+def test_a_rendezvous_missing_a_member_fails_within_its_bound_and_the_collectives_keep_the_timeout():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    seen = []
+    group = replica_process_group(timeout=timedelta(seconds=60), on_quorum=seen.append)
+    started = time.monotonic()
+    with pytest.raises(Exception, match="wait timeout after 2000ms"):  # member 1 asked for the quorum, then died
+        group.configure(f"127.0.0.1:{store.port}/torchft/1/0", "0", 0, 2, 1, 0, 1, [0, 1])
+    assert time.monotonic() - started < RENDEZVOUS_SECONDS + 5
+    assert seen == []
+    group.configure(f"127.0.0.1:{store.port}/torchft/2/0", "0", 0, 1, 2, 0, 1, [4])  # alone: no one to wait for
+    assert seen == [[4]]
+    assert group.parent._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=60)
+    tensor = torch.ones(3)
+    group.allreduce([tensor], dist.AllreduceOptions()).wait()
+    assert not group.connections_hung_up()
+    group.abort()

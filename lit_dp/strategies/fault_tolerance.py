@@ -20,6 +20,12 @@ the Trainer, LR scheduler's and precision plugin's) state, the Trainer's loop co
 batches, optimizer steps), the data position, and torchft's own step count. What it does not:
 callbacks' state, RNG states, anything a LightningModule keeps outside its ``state_dict``.
 
+What users see: one line per change of the groups training, on every group ("replica group 0
+left at step 31; 2 train (1, 2)"), and on a group that comes back, that it recovered; torchft's
+own log lines (a failure's tracebacks among them) go to a file of the run, which the first line
+names. A group that finds no quorum ends and says why (``QuorumUnreachable``). After the last
+step the Trainer asks for one more quorum, so that every group ends with the same state.
+
 The settings come from the options (``lit_dp.options.fault_tolerance``) or from torchft's launch
 variables: ``ft_lighthouse`` (a config's ``strategy.ft.lighthouse``) or ``TORCHFT_LIGHTHOUSE``,
 ``ft_replica_group`` or ``REPLICA_GROUP_ID``. torchft is imported only here, when the option is on.
@@ -31,10 +37,13 @@ import importlib.util
 import logging
 import os
 import socket
+import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -43,7 +52,11 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
+from lit_dp.fault_tolerance import replica_process_group
+from lit_dp.job.restart import JobAttempt
+from lit_dp.lighthouse import LighthouseStatus
 from lit_dp.options import Options
 from lit_dp.replica_data import ReplicaBatches
 from lit_dp.strategies.lightning_private import batches_that_stepped, restore_batches_that_stepped
@@ -54,6 +67,11 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
 STATE_KEY = "lit_dp"  # this replica's state, as registered with the Manager
 LINE = "[lit_dp] fault tolerance"
+# Waits of ft.quorum_timeout for a quorum while other groups are alive, before a group gives up.
+QUORUM_ATTEMPTS = 3
+# torchft's Python loggers (the Manager's, its process groups', its checkpoint transport's, and
+# the three it reports quorums, commits and errors to), sent to the run's torchft log.
+TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 
 
 def require_torchft() -> None:
@@ -102,11 +120,32 @@ class Settings:
         return cls(lighthouse, replica_group, ft.min_replicas, ft.timeout, ft.quorum_timeout)
 
 
+class QuorumUnreachable(SystemExit):
+    """A replica group found no quorum to join: it ends, saying why (``reason``).
+
+    Exit status 0 when the job went on past this group's step and no other group is heard from
+    any more (it ended without this group): its launcher does not start it again. 1 otherwise
+    (others alive, or only down), after ``QUORUM_ATTEMPTS`` tries: its launcher's restarts
+    (torchrun's ``--max-restarts``) bound how often it tries again.
+    """
+
+    def __init__(self, reason: str, job_ended: bool) -> None:
+        super().__init__(0 if job_ended else 1)
+        self.reason = reason
+        self.job_ended = job_ended
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 class FaultTolerance:
     """One replica group's torchft Manager, its steps, its state and what users see of it.
 
     The strategies call ``start`` before wrapping the model, ``track`` once what must travel to a
-    recovering replica exists, then per step ``start_step`` (quorum) and ``commit``.
+    recovering replica exists, then per step ``start_step`` (quorum) and ``commit``; the Trainer
+    calls ``reconcile`` after the last step. Users see one line per change of the groups
+    training (``replica group 0 left at step 31; 2 train (1, 2)``), and torchft's own log lines
+    go to a file of the run (``torchft-group<N>.log``), which the first line names.
     """
 
     def __init__(self, options: Options) -> None:
@@ -121,27 +160,36 @@ class FaultTolerance:
         self.membership_changes = 0
         self.recovery_seconds: float | None = None  # this replica's last recovery, from its quorum's start
         self.last_committed: bool | None = None
-        self._recovered = False
+        self._recovered = False  # set by the state's load, in start_quorum
+        self._just_recovered = False  # to be said with the quorum's line
+        self._discarded: tuple[int, str] | None = None  # the step discarded last and why, until it is said
+        self._torchft_log: TorchftLog | None = None
 
-    def start(self, device: torch.device, world_size: int) -> Any:
-        """The Manager of this replica group (one process), with its own store; returns it."""
+    def start(self, device: torch.device, world_size: int, log_dir: str | os.PathLike | None = None) -> Any:
+        """The Manager of this replica group (one process), with its own store; returns it.
+        torchft's log lines go to ``log_dir`` (the current folder by default)."""
         if world_size != 1:
             raise ValueError(
                 f"fault_tolerance='torchft' runs one process per replica group: got {world_size} processes "
                 "(devices x num_nodes); expected devices=1, one job per replica group (docs/fault_tolerance.md)."
             )
         from torchft import Manager  # the optional engine: only with the option on
+        from torchft.checkpointing import HTTPTransport
 
         settings = self.settings
+        self._torchft_log = TorchftLog.open(Path(log_dir or os.getcwd()) / f"torchft-group{settings.replica_group}.log")
+        timeout = timedelta(seconds=settings.timeout)
+        transport = HTTPTransport(timeout=timeout, num_chunks=0)  # what the Manager makes by default
+        self._torchft_log.take_requests(transport)
         host = socket.gethostname()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.manager = Manager(
-            pg=_observed_process_group(device, timedelta(seconds=settings.timeout), self._record_quorum),
+            pg=replica_process_group(device, timeout, self._record_quorum),
             load_state_dict=None,
             state_dict=None,
             min_replica_size=settings.min_replicas,
             use_async_quorum=False,
-            timeout=timedelta(seconds=settings.timeout),
+            timeout=timeout,
             quorum_timeout=timedelta(seconds=settings.quorum_timeout),
             rank=0,
             world_size=1,
@@ -150,8 +198,9 @@ class FaultTolerance:
             lighthouse_addr=settings.lighthouse,
             replica_id=settings.replica_group,
             hostname=host,
+            checkpoint_transport=transport,
         )
-        log.debug("%s: replica group %s, lighthouse %s", LINE, settings.replica_group, settings.lighthouse)
+        self._say(f"replica group {settings.replica_group}, lighthouse {settings.lighthouse}; torchft's own log: {self._torchft_log.path}")
         return self.manager
 
     def track(self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> None:
@@ -170,18 +219,9 @@ class FaultTolerance:
 
     def start_step(self) -> None:
         """The step's quorum: membership, recovery if behind, then this replica's data for the step."""
-        started = time.monotonic()
         self.last_committed = None
-        self.manager.start_quorum()
-        if self._recovered:
-            self._recovered = False
-            self.recovery_seconds = time.monotonic() - started
-            print(
-                f"{LINE}, step {self.committed_steps}: replica group {self.settings.replica_group} recovered a peer's "
-                f"state in {self.recovery_seconds:.2f} s",
-                flush=True,
-            )
-        self._announce_membership()
+        self._join_quorum()
+        self._announce()
         if self.batches is not None:
             manager = self.manager
             self.batches.start_step(manager.current_step(), manager.participating_rank(), manager.num_participants())
@@ -196,12 +236,28 @@ class FaultTolerance:
             self.steps_discarded += 1
             error = self.manager.errored()
             why = (
-                f"an all-reduce failed: {str(error.original_exception).splitlines()[0][:200]}"
+                f"its communication failed: {str(error.original_exception).splitlines()[0][:200]}"
                 if error is not None
                 else f"fewer than ft_min_replicas={self.settings.min_replicas} replica groups took part"
             )
-            print(f"{LINE}, step {self.committed_steps}: step discarded ({why})", flush=True)
+            log.debug("%s, step %d: step discarded (%s)", LINE, self.committed_steps, why)
+            # Said with the next quorum, in one line with the change of groups that explains it.
+            self._discarded = (self.committed_steps, why)
         return committed
+
+    def reconcile(self) -> None:
+        """After the last step: one more quorum, in which a group that discarded a step its peers
+        committed (a peer failed after this group's all-reduces completed, or the other way
+        round) recovers from the one ahead, so that every group ends with the same state. One
+        try: groups that are gone by then are not waited for past ``ft.quorum_timeout``."""
+        started = time.monotonic()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError:
+            self._say(f"no quorum within {time.monotonic() - started:.0f} s after the last step: the groups were not reconciled")
+            return
+        self._took_quorum(started)
+        self._announce()
 
     def metrics(self) -> dict[str, float]:
         """The ``ft/*`` figures: replica groups in the last quorum, steps discarded, last recovery time."""
@@ -215,65 +271,157 @@ class FaultTolerance:
         return metrics
 
     def close(self) -> None:
+        if self._discarded is not None:  # the last step was discarded: no quorum followed to say it with
+            self._say(f"step {self._discarded[0]} discarded ({self._discarded[1]})")
+            self._discarded = None
         if self.manager is not None:
-            self.manager.shutdown(wait=False)
+            self.manager.shutdown(wait=False)  # its heartbeats stop: the lighthouse knows this group left
             self.manager = None
+        if self._torchft_log is not None:
+            self._torchft_log.close()
+            self._torchft_log = None
         self._store = None
         self.batches = None  # a next fit deals its own loader
+
+    def _join_quorum(self) -> None:
+        """``Manager.start_quorum``, tried up to ``QUORUM_ATTEMPTS`` times of ``ft.quorum_timeout``;
+        ``QuorumUnreachable`` after the last, or at once when the job has ended without this group."""
+        for attempt in range(1, QUORUM_ATTEMPTS + 1):
+            started = time.monotonic()
+            try:
+                self.manager.start_quorum()
+            except TimeoutError:
+                status = LighthouseStatus.read(self.settings.lighthouse)
+                ended = status is not None and status.ended_without(self.settings.replica_group, self.committed_steps)
+                reason = self._unreachable(status, ended, time.monotonic() - started, attempt)
+                if ended or attempt == QUORUM_ATTEMPTS:
+                    self._say(reason)
+                    raise QuorumUnreachable(reason, job_ended=ended) from None
+                self._say(f"{reason}; trying again")
+                # torchft keeps the failed quorum and would raise it again at the next start.
+                self.manager._quorum_future = None
+                continue
+            self._took_quorum(started)
+            return
+
+    def _took_quorum(self, started: float) -> None:
+        if self._recovered:  # the state was loaded in start_quorum
+            self._recovered, self._just_recovered = False, True
+            self.recovery_seconds = time.monotonic() - started
+
+    def _unreachable(self, status: LighthouseStatus | None, ended: bool, waited: float, attempt: int) -> str:
+        """Which quorum this group could not reach, the ``min_replicas`` it needed, and what the lighthouse says."""
+        settings = self.settings
+        head = (
+            f"replica group {settings.replica_group} (at step {self.committed_steps}) found no quorum of "
+            f"ft.min_replicas={settings.min_replicas} replica groups at the lighthouse {settings.lighthouse} in "
+            f"{waited:.0f} s (attempt {attempt} of {QUORUM_ATTEMPTS})"
+        )
+        if status is None:
+            return f"{head}; the lighthouse's status page could not be read"
+        previous = ", ".join(f"{group} at step {step}" for group, step in status.previous.items())
+        last = f"its last quorum: groups {previous}" if previous else "no quorum formed yet"
+        if ended:
+            silent = status.silent_for(settings.replica_group) or 0.0
+            return (
+                f"{head}: the job went on without this group and ended ({last}; no other group heard from for "
+                f"{silent:.0f} s); exiting"
+            )
+        alive = status.alive(settings.replica_group)
+        heard = f"groups {', '.join(alive)} are alive" if alive else "no other group is alive"
+        return f"{head}: {heard}; {last}; the lighthouse says: {status.next_quorum}"
 
     def _record_quorum(self, members: list[int]) -> None:
         # Called by the process group in torchft's quorum thread; read after start_quorum returns.
         self._quorum = tuple(sorted(members))
 
-    def _announce_membership(self) -> None:
+    def _announce(self) -> None:
+        """One line when the groups training change (what explains a discarded step), when this
+        group recovered, or when a step was discarded with no change to explain it."""
         members = self._quorum if self._quorum is not None else self._members
-        if members == self._members:
-            return
+        step, me = self.committed_steps, self.settings.replica_group
         left = sorted(set(self._members) - set(members))
         joined = sorted(set(members) - set(self._members))
-        if self._members:
-            self.membership_changes += 1
-        parts = [
-            f"replica group{'s' * (len(ids) > 1)} {_ids(ids)} {verb}"
-            for ids, verb in ((left, "left"), (joined, "joined"))
-            if ids
-        ]
-        print(
-            f"{LINE}, step {self.committed_steps}: {'; '.join(parts)}; {len(members)} train ({_ids(members)})",
-            flush=True,
-        )
+        parts = []
+        # At step 0 every group but the first takes the first one's state (torchft's init_sync): no news.
+        if self._just_recovered and step > 0:
+            recovered = f"replica group {me} recovered a peer's state in {self.recovery_seconds:.2f} s"
+            if not self._members:  # this process's first quorum, in a job under way
+                verb = "rejoined" if JobAttempt.from_environ().is_restart else "joined"
+                recovered, joined = f"{recovered} and {verb}", []
+            parts.append(recovered)
+        self._just_recovered = False
+        for ids, verb in ((left, "left"), (joined, "joined")):
+            if ids:
+                parts.append(f"replica group{'s' * (len(ids) > 1)} {_ids(ids)} {verb}")
+        training = f"{len(members)} train ({_ids(members)})"
+        if parts:
+            if self._members and (left or joined):
+                self.membership_changes += 1
+            self._say(f"{'; '.join(parts)} at step {step}; {training}")
+            self._discarded = None
+        elif self._discarded is not None:
+            self._say(f"step {self._discarded[0]} discarded ({self._discarded[1]}); {training}")
+            self._discarded = None
         self._members = members
+
+    def _say(self, text: str) -> None:
+        # A progress bar on the console (Lightning's is tqdm's) is cleared for the line and drawn again after.
+        with tqdm.external_write_mode(file=sys.stdout):
+            print(f"{LINE}: {text}", flush=True)
 
 
 def _ids(ids: tuple[int, ...] | list[int]) -> str:
     return ", ".join(str(i) for i in ids)
 
 
-def _observed_process_group(device: torch.device, timeout: timedelta, on_quorum: Callable[[list[int]], None]) -> Any:
-    """torchft's reconfigurable process group for ``device``, telling ``on_quorum`` the replica
-    groups of each new quorum (torchft passes their ids as ``global_ranks``: one process each)."""
-    from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
+class TorchftLog:
+    """torchft's own log lines in a file of the run, not on the console: its Python loggers' (a
+    failed all-reduce's ERROR with two tracebacks, every quorum and commit at INFO) and its
+    checkpoint server's request lines. The console has lit_dp's one line per change instead."""
 
-    base = ProcessGroupBabyNCCL if device.type == "cuda" else ProcessGroupGloo
+    def __init__(self, path: Path, handler: logging.Handler, saved: dict[str, tuple[bool, int]]) -> None:
+        self.path = path
+        self._handler = handler
+        self._saved = saved  # each logger's propagate flag and level, restored by close
 
-    class ObservedProcessGroup(base):  # type: ignore[misc, valid-type]
-        def configure(
-            self,
-            store_addr: str,
-            replica_id: str,
-            rank: int,
-            world_size: int,
-            quorum_id: int | None = None,
-            group_rank: int | None = None,
-            group_world_size: int | None = None,
-            global_ranks: list[int] | None = None,
-        ) -> None:
-            super().configure(
-                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
-            )
-            on_quorum(list(global_ranks or []))
+    @classmethod
+    def open(cls, path: Path) -> TorchftLog:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        saved = {}
+        for name in TORCHFT_LOGGERS:
+            logger = logging.getLogger(name)
+            saved[name] = (logger.propagate, logger.level)
+            logger.addHandler(handler)
+            logger.propagate = False
+            logger.setLevel(logging.INFO)
+        # torchft's checkpoint transport reads a recovering group's state from a read-only buffer,
+        # which torch warns of on every recovery; nothing writes to it.
+        warnings.filterwarnings(
+            "ignore", message="The given buffer is not writable", category=UserWarning, module="torch.distributed"
+        )
+        log.debug("%s: torchft's log lines go to %s", LINE, path)
+        return cls(path, handler, saved)
 
-    return ObservedProcessGroup(timeout=timeout)
+    def take_requests(self, transport: Any) -> None:
+        """The request lines of ``transport``'s checkpoint server (an ``http.server`` handler writes
+        them to stderr), into this log. The handler class is the transport's own."""
+        requests = logging.getLogger("torchft.checkpointing.http_transport")
+
+        def log_message(handler: Any, format: str, *args: Any) -> None:
+            requests.info("%s - %s", handler.address_string(), format % args)
+
+        transport._server.RequestHandlerClass.log_message = log_message
+
+    def close(self) -> None:
+        for name, (propagate, level) in self._saved.items():
+            logger = logging.getLogger(name)
+            logger.removeHandler(self._handler)
+            logger.propagate = propagate
+            logger.setLevel(level)
+        self._handler.close()
 
 
 def replica_batches(dataloader: object, accumulate: int, seed: int) -> ReplicaBatches:
@@ -397,11 +545,21 @@ class TrainerFaultTolerance(pl.Callback):
     ) -> None:
         batches = self.ft.batches
         stepped = trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
-        if stepped and self.ft.last_committed and batches is not None and batches.step_ends_epoch():
+        ends_epoch = stepped and self.ft.last_committed and batches is not None and batches.step_ends_epoch()
+        if ends_epoch:
             # The data's epoch is complete: end Lightning's too (as a training_step's -1 does).
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+        if stepped and _last_step(trainer, bool(ends_epoch)):
+            self.ft.reconcile()  # before the fit's last validation and checkpoint see the state
         if stepped:
             pl_module.log_dict(self.ft.metrics(), on_step=True, on_epoch=False, batch_size=1)
+
+
+def _last_step(trainer: pl.Trainer, ends_epoch: bool) -> bool:
+    """Whether the step just taken is the fit's last (``max_steps``, or the last epoch's end)."""
+    if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+        return True
+    return ends_epoch and trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
 
 
 class _Discarded(Exception):

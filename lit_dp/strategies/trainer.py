@@ -249,8 +249,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if fitting and self._fault_tolerance is not None:  # the Manager before the model it wraps
-            self._fault_tolerance.ft.start(self.root_device, self.world_size)
+        if fitting and self._fault_tolerance is not None:  # the Manager before the model it wraps; its log in the run's folder
+            self._fault_tolerance.ft.start(self.root_device, self.world_size, trainer.default_root_dir)
         if fitting:
             self.model = self._setup_model(self.model)
             self._watchdog.setup(trainer, self.model)

@@ -1,7 +1,11 @@
-"""`python -m benchmarks.fault_tolerance`, shrunk: one replica group of two killed, restarted by its
-torchrun, back with its peer's parameters bit for bit, the job never restarted as a whole."""
+"""`python -m benchmarks.fault_tolerance`, shrunk: a short chaos run of three replica groups of the
+recipe's small GPT (500 steps), each group killed at least once, one time two close together; every failure recovered bitwise,
+nothing wedged, the job ended by itself with equal parameters. The stall and discard bars are
+the full run's (on a quiet machine); here they are only reported, the machine being shared."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -11,14 +15,18 @@ from tests.helpers.recipes import run_benchmark  # noqa: E402
 
 
 @pytest.mark.slow
-def test_fault_tolerance_benchmark_kills_a_replica_group_and_takes_it_back(tmp_path):
-    # Two groups and both needed for a step: the survivor waits for the restart (no fault-free
-    # runs to compare with), so a short run spans it.
+@pytest.mark.timeout(1200)
+def test_the_chaos_benchmark_kills_every_group_and_the_job_ends_equal(tmp_path):
     output = run_benchmark(
-        "fault_tolerance", "replicas=2", "min_replicas=2", "steps=40", "kill_every=15", "compare=false",
-        "recipe=['experiment=gpt_tiny','strategy.ft.quorum_timeout=150','trainer.limit_val_batches=2']", f"hydra.run.dir={tmp_path}", timeout=300,
+        "fault_tolerance", "steps=500", "chaos_seconds=90", "kill_every=3", "pair_every=2", "kills_per_group=1",
+        "tail_seconds=40", "compare=false", f"hydra.run.dir={tmp_path}", timeout=1100,
     )  # fmt: skip
-    row = next(line for line in output.splitlines() if line.startswith("| 1 | 1 |"))
-    assert row.strip("|").split("|")[-1].strip() == "yes", output  # recovered bitwise
-    assert "job restarted as a whole: no" in output
-    assert "killed replica group 1" in output
+    rows = [line for line in output.splitlines() if re.match(r"\| \d+", line)]
+    assert rows, output
+    assert all(row.rstrip(" |").endswith("yes") for row in rows), output  # recovered bitwise at the first commit
+    assert any("(pair)" in row for row in rows), output
+    killed = re.search(r"failures per group: 0: (\d+), 1: (\d+), 2: (\d+)", output)
+    assert killed and all(int(count) >= 1 for count in killed.groups()), output
+    assert "wedged: never" in output
+    assert "the job ended by itself: yes" in output
+    assert "final parameters bitwise equal across groups: yes" in output

@@ -65,8 +65,8 @@ NOT_RUN: list[tuple[str, str]] = [
      "(compile=true compile_backend=aot_eager) runs the same path"),
     (r"PADDLE_TRAINER_ID=", "two shells by hand on fixed ports 6170-6171; PaddleEnvironment's launch is "
      "tested in tests/job and tests/strategies"),
-    (r"strategy\.fault_tolerance=torchft", "replica groups around a torchft lighthouse started by hand, each "
-     "restarted until stopped; benchmarks/fault_tolerance.py runs that setup (tests/benchmarks/test_fault_tolerance.py)"),
+    (r"strategy\.fault_tolerance=torchft", "replica groups around a torchft lighthouse, each killed in turn: "
+     "tests/test_fault_tolerance_launch.py runs the launch of docs/fault_tolerance.md as written"),
 ]
 
 # Appended to a recipe's command to make it small, unless the command sets the key itself.

@@ -1,7 +1,7 @@
 """One replica group of the Lightning fault-tolerance tests: the Trainer or Fabric with ``fault_tolerance="torchft"``.
 
     python -m tests.helpers.ft_lightning_replica OUT STEPS {trainer,fabric} [--kill GROUP:STEP] [--alone-seconds S]
-        [--accumulate N]
+        [--accumulate N] [--min-replicas N] [--quorum-timeout S]
 
 The replica group comes from ``REPLICA_GROUP_ID``, the lighthouse from ``TORCHFT_LIGHTHOUSE``
 (torchft's launch variables, which the strategy reads). Every step attempt appends one JSON line
@@ -9,7 +9,8 @@ to ``OUT/replica<group>.jsonl``: torchft's committed steps after it, whether it 
 quorum's rank, the samples each of its micro-batches read, and a hash of the parameters' bytes at
 the step's start (after the quorum, and after a recovery) and at its end. ``--kill`` and
 ``--alone-seconds`` as in ``tests.helpers.ft_replica``; ``--accumulate``: the Trainer's
-``accumulate_grad_batches``. The Trainer logs to ``OUT/replica<group>/`` (CSV) and writes its
+``accumulate_grad_batches``; ``--min-replicas`` and ``--quorum-timeout``: ``ft_min_replicas`` and
+``ft_quorum_timeout``. The Trainer logs to ``OUT/replica<group>/`` (CSV) and writes its
 final ``global_step`` to ``OUT/replica<group>.steps``.
 """
 
@@ -105,12 +106,12 @@ def _ready(trainer: pl.Trainer) -> int:
     return trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
 
-def trainer_replica(out: Path, steps: int, recorder: Recorder, group: int, accumulate: int) -> None:
+def trainer_replica(out: Path, steps: int, recorder: Recorder, group: int, accumulate: int, ft: dict) -> None:
     model = Classifier()
     trainer = pl.Trainer(
-        strategy=lit_dp.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10),
+        strategy=lit_dp.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10, **ft),
         accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1, accumulate_grad_batches=accumulate,
-        logger=CSVLogger(out, name=f"replica{group}", version=0), callbacks=[RecordingCallback(recorder)],
+        logger=CSVLogger(out, name=f"replica{group}", version=0), callbacks=[RecordingCallback(recorder)], default_root_dir=out,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(model, DataLoader(dataset(), batch_size=BATCH, shuffle=True))
@@ -118,8 +119,8 @@ def trainer_replica(out: Path, steps: int, recorder: Recorder, group: int, accum
     (out / f"replica{group}.steps").write_text(str(trainer.global_step))
 
 
-def fabric_replica(out: Path, steps: int, recorder: Recorder, group: int) -> None:
-    fabric = Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10), accelerator="cpu", devices=1)
+def fabric_replica(out: Path, steps: int, recorder: Recorder, group: int, ft: dict) -> None:
+    fabric = Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10, **ft), accelerator="cpu", devices=1)
     fabric.launch()  # one process: its process group of one rank
     net = Classifier().net
     model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
@@ -145,15 +146,18 @@ def main() -> None:
     parser.add_argument("--kill", default="-1:-1", help="GROUP:STEP")
     parser.add_argument("--alone-seconds", type=float, default=0.0)
     parser.add_argument("--accumulate", type=int, default=1, help="the Trainer's accumulate_grad_batches")
+    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--quorum-timeout", type=float, default=60.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     group = int(os.environ["REPLICA_GROUP_ID"])
     torch.manual_seed(group)  # different starts: torchft's init_sync makes them one
     recorder = Recorder(args.out, group, args.kill, args.alone_seconds)
+    ft = {"ft_min_replicas": args.min_replicas, "ft_quorum_timeout": args.quorum_timeout}
     if args.front == "trainer":
-        trainer_replica(args.out, args.steps, recorder, group, args.accumulate)
+        trainer_replica(args.out, args.steps, recorder, group, args.accumulate, ft)
     else:
-        fabric_replica(args.out, args.steps, recorder, group)
+        fabric_replica(args.out, args.steps, recorder, group, ft)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ class Replicas:
         with replica.log.open("a") as log:
             replica.process = subprocess.Popen(
                 replica.command, env={**self.environ, "REPLICA_GROUP_ID": str(group)},
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                stdout=log, stderr=subprocess.STDOUT, cwd=self.directory,  # what a run writes where it runs
             )  # fmt: skip
         replica.pids.append(replica.process.pid)
 

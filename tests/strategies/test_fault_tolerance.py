@@ -9,6 +9,7 @@ a line per membership change, the ``ft/*`` metrics in the Trainer's logger.
 from __future__ import annotations
 
 import csv
+import re
 import sys
 from pathlib import Path
 
@@ -160,3 +161,51 @@ def test_the_training_loader_becomes_replica_batches_with_its_order():
         replica_batches(DataLoader(_Stream(), batch_size=2), accumulate=1, seed=0)
     with pytest.raises(ValueError, match="expected a torch DataLoader"):
         replica_batches([1, 2], accumulate=1, seed=0)
+
+
+@pytest.mark.slow
+def test_a_group_that_comes_back_after_the_job_ended_exits_0_saying_so(tmp_path):
+    # Three groups, two needed a step: group 2 dies at step 4 and is started again only once the
+    # two others finished. It finds no quorum, reads that the job went on without it, and ends
+    # with status 0 (its launcher does not start it again) instead of timing out forever.
+    command = [PYTHON, "-m", "tests.helpers.ft_lightning_replica", str(tmp_path), str(STEPS), "trainer"]
+    command += ["--kill", "2:4", "--min-replicas", "2", "--quorum-timeout", "5"]
+    with replica_groups(command, 3, tmp_path, min_replicas=2) as replicas:
+        replicas.start_all()
+        victim = replicas.replicas[2]
+        replicas.wait_for("replica group 2 to kill itself", lambda: victim.process.poll() is not None, 180)
+        others = replicas.replicas[:2]
+        replicas.wait_for("replica groups 0 and 1 to finish", lambda: all(r.process.poll() == 0 for r in others), 240, killed=victim)
+        replicas.start(2)
+        replicas.wait_for("replica group 2 to end by itself", lambda: victim.process.poll() is not None, 120)
+        assert victim.process.returncode == 0, victim.tail()
+        said = victim.tail(60)
+    assert re.search(
+        r"\[lit_dp\] fault tolerance: replica group 2 \(at step \d+\) found no quorum of ft.min_replicas=2 replica groups "
+        r"at the lighthouse http://\S+ in \d+ s \(attempt 1 of 3\): the job went on without this group and ended "
+        r"\(its last quorum: groups 0 at step \d+, 1 at step \d+; no other group heard from for \d+ s\); exiting", said
+    ), said
+    assert "Traceback" not in said, said
+
+
+@pytest.mark.slow
+def test_a_group_left_alone_tries_a_bounded_number_of_times_then_exits_naming_the_quorum(tmp_path):
+    # Two groups, both needed a step; group 1 dies and is not started again. Group 0 is not behind
+    # anyone (the job did not go on without it): it tries 3 times, then exits 1, naming the
+    # quorum it could not reach and the min_replicas it needed, for its launcher to restart it.
+    command = [PYTHON, "-m", "tests.helpers.ft_lightning_replica", str(tmp_path), str(STEPS), "trainer"]
+    command += ["--kill", "1:4", "--min-replicas", "2", "--quorum-timeout", "3"]
+    with replica_groups(command, 2, tmp_path, min_replicas=2) as replicas:
+        replicas.start_all()
+        victim, survivor = replicas.replicas[1], replicas.replicas[0]
+        replicas.wait_for("replica group 1 to kill itself", lambda: victim.process.poll() is not None, 180)
+        replicas.wait_for(
+            "replica group 0 to give up", lambda: survivor.process.poll() is not None, 120, killed=victim
+        )
+        assert survivor.process.returncode == 1, survivor.tail()
+        said = survivor.tail(60)
+    tries = re.findall(r"replica group 0 \(at step \d+\) found no quorum of ft.min_replicas=2 replica groups at the "
+                       r"lighthouse \S+ in \d+ s \(attempt (\d) of 3\): no other group is alive; its last quorum: groups "
+                       r"0 at step \d+, 1 at step \d+; the lighthouse says: New quorum not ready, only have 1 "
+                       r"participants, need min_replicas 2", said)  # fmt: skip
+    assert tries == ["1", "2", "3"], said

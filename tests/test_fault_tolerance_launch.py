@@ -1,0 +1,181 @@
+"""docs/fault_tolerance.md's launch as a user runs it, every replica group killed in turn.
+
+The lighthouse command and the replica groups' torchrun command are read from the docs and run
+as written (only the lighthouse's port is a free one, and ``trainer.max_steps`` is appended),
+from a fresh folder: three groups of the recipe's small GPT, one CPU process each. The worker
+of group 0, then 1, then 2, then 0 again gets SIGKILL, each once the one before is back.
+Every time: the survivors go on (their workers keep one pid from start to end, and each says
+the victim left in one line, without a traceback); nothing restarts as a whole (only the
+victim's worker changes); the victim recovers live, from a peer (its own line says so). At the
+end every launcher exits 0 by itself, no worker is left, and every group's final checkpoint
+holds bitwise the same parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from tests.helpers.distributed import free_port  # noqa: E402
+from tests.helpers.documented import ROOT, DocumentedCommand, documented_commands  # noqa: E402
+
+DOC = ROOT / "docs" / "fault_tolerance.md"
+GROUPS = 3
+STEPS = 600  # a multiple of the recipe's val_check_interval: the last checkpoint is the last step's
+VICTIMS = (0, 1, 2, 0)
+COMMITTED = re.compile(r"- step (\d+)\] should_commit=True")
+
+
+def launch() -> tuple[DocumentedCommand, DocumentedCommand, dict[str, str]]:
+    """The lighthouse's command, a replica group's, and what the launch block exports."""
+    commands = documented_commands([DOC])
+    lighthouse = next(c for c in commands if c.argv[0] == "torchft_lighthouse")
+    group = next(c for c in commands if c.argv[0] == "torchrun" and dict(c.env).get("REPLICA_GROUP_ID") == "$group")
+    block = DOC.read_text().split("```bash")[2].split("```")[0]  # the launch block (the first is pip's)
+    assert lighthouse.text in " ".join(block.split()), "the lighthouse's command is not in the launch block"
+    exports = {}
+    for line in block.splitlines():
+        if line.startswith("export "):
+            exports.update(word.split("=", 1) for word in shlex.split(line, comments=True)[1:])
+    return lighthouse, group, exports
+
+
+class Group:
+    """One replica group: its torchrun, as the docs start it, and its worker processes."""
+
+    def __init__(self, number: int, command: DocumentedCommand, cwd: Path, environ: dict[str, str]) -> None:
+        self.number = number
+        argv = [argument.replace("$group", str(number)) for argument in command.argv] + [f"trainer.max_steps={STEPS}"]
+        env = {**environ, **{key: value.replace("$group", str(number)) for key, value in command.env}}
+        self.log = cwd / f"group{number}.out"
+        with self.log.open("w") as out:
+            self.launcher = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.run_dir = cwd / "outputs" / "gpt" / f"ft-group{number}"
+        self.workers: list[int] = []  # every worker its torchrun started, in order
+
+    def worker(self) -> int | None:
+        """Its torchrun's worker now (recorded), if one runs."""
+        try:
+            children = Path(f"/proc/{self.launcher.pid}/task/{self.launcher.pid}/children").read_text().split()
+        except OSError:
+            return None
+        for pid in map(int, children):
+            if pid not in self.workers:
+                self.workers.append(pid)
+        return int(children[-1]) if children else None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def committed(self) -> int:
+        """The newest step its worker committed, from torchft's log in its run folder."""
+        path = self.run_dir / f"torchft-group{self.number}.log"
+        found = COMMITTED.findall(path.read_text(errors="replace")) if path.exists() else []
+        return max(map(int, found), default=-1)
+
+    def describe(self) -> str:
+        return f"replica group {self.number} (torchrun pid {self.launcher.pid}, workers {self.workers}); its output ends:\n" + "\n".join(
+            self.output().splitlines()[-25:]
+        )
+
+
+def wait_for(what: str, predicate, groups: list[Group], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for group in groups:
+            group.worker()
+            if group.launcher.poll() is not None and group.launcher.returncode != 0:
+                raise AssertionError(f"waiting for {what}: replica group {group.number}'s torchrun exited "
+                                     f"{group.launcher.returncode}:\n{group.describe()}")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waiting for {what} for {timeout:.0f} s:\n\n" + "\n\n".join(g.describe() for g in groups))
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_documented_launch_survives_every_replica_group_killed_in_turn(tmp_path):
+    lighthouse_command, group_command, exports = launch()
+    cwd = tmp_path / "clone"
+    cwd.mkdir()
+    for name in ("recipes", "conf"):
+        (cwd / name).symlink_to(ROOT / name)
+    port = free_port()
+    documented_port = re.search(r":(\d+)$", exports["TORCHFT_LIGHTHOUSE"]).group(1)
+    environ = {
+        **os.environ, **exports, "TORCHFT_LIGHTHOUSE": exports["TORCHFT_LIGHTHOUSE"].replace(documented_port, str(port)),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }  # fmt: skip
+    argv = [argument.replace(documented_port, str(port)) for argument in lighthouse_command.argv]
+    with (tmp_path / "lighthouse.out").open("w") as out:
+        lighthouse = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+    groups: list[Group] = []
+    try:
+        groups = [Group(number, group_command, cwd, environ) for number in range(GROUPS)]
+        wait_for("every group to train", lambda: all(g.committed() >= 5 for g in groups), groups, 600)
+        for kill_number, victim in enumerate(VICTIMS, start=1):
+            group = groups[victim]
+            pid = group.worker()
+            assert pid is not None, group.describe()
+            others = [g for g in groups if g is not group]
+            survivors = {g.number: g.worker() for g in others}
+            rejoined = group.output().count(f"replica group {victim} recovered a peer's state in")
+            left = {g.number: g.output().count(f"replica group {victim} left at step") for g in groups}
+            os.kill(pid, signal.SIGKILL)
+            wait_for(f"the survivors of kill {kill_number} (replica group {victim}) to say it left",
+                     lambda: all(g.output().count(f"replica group {victim} left at step") > left[g.number] for g in others),
+                     groups, 120)  # fmt: skip
+            committed = {g.number: g.committed() for g in others}
+            wait_for(f"the survivors of kill {kill_number} (replica group {victim}) to go on",
+                     lambda: all(g.committed() > committed[g.number] + 3 for g in others), groups, 120)  # fmt: skip
+            wait_for(f"replica group {victim} to recover live after kill {kill_number}",
+                     lambda: group.output().count(f"replica group {victim} recovered a peer's state in") > rejoined,
+                     groups, 300)  # fmt: skip
+            wait_for(f"replica group {victim} to train again after kill {kill_number}",
+                     lambda: group.committed() > max(committed.values()), groups, 120)  # fmt: skip
+            kept = {g.number: g.worker() for g in others}
+            assert kept == survivors, f"kill {kill_number} (replica group {victim}): the survivors' workers {survivors} became {kept}"
+        for group in groups:
+            try:
+                group.launcher.wait(timeout=900)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"replica group {group.number}'s torchrun did not end by itself:\n{group.describe()}") from None
+            assert group.launcher.returncode == 0, group.describe()
+    finally:
+        for group in groups:
+            if group.launcher.poll() is None:
+                os.killpg(group.launcher.pid, signal.SIGKILL)
+                group.launcher.wait()
+        lighthouse.kill()  # as the docs' script stops it once the groups are done
+        lighthouse.wait()
+
+    for group in groups:
+        killed = VICTIMS.count(group.number)
+        # No whole-job restart: one new worker per kill of this group, none for the others' kills.
+        assert len(group.workers) == killed + 1, f"replica group {group.number}: workers {group.workers}\n{group.describe()}"
+        output = group.output()
+        assert len(re.findall(rf"replica group {group.number} recovered a peer's state in [\d.]+ s and rejoined", output)) == killed, (
+            group.describe()
+        )
+        assert "Traceback (most recent call last)" not in output, group.describe()
+        for victim in set(VICTIMS) - {group.number}:
+            # One line per failure on each survivor.
+            assert output.count(f"replica group {victim} left at step") == VICTIMS.count(victim), group.describe()
+        for pid in group.workers:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), (
+                f"replica group {group.number}'s worker {pid} is still running"
+            )
+    finals = [torch.load(g.run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"] for g in groups]
+    for number, state in enumerate(finals[1:], start=1):
+        for name, tensor in finals[0].items():
+            assert torch.equal(tensor, state[name]), f"replica group {number}'s final {name} differs from group 0's"
