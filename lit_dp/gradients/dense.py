@@ -75,6 +75,7 @@ class DenseBucket:
     """
 
     __slots__ = (
+        "_nbytes",
         "indices",
         "params",
         "in_place",
@@ -110,6 +111,8 @@ class DenseBucket:
     ) -> None:
         self.indices = indices
         self.params = params
+        # Read at every launch by the observers (comm_stats, the hang watchdog: on by default): summed once.
+        self._nbytes = sum(p.numel() * p.element_size() for p in params)
         self.as_view = as_view
         self.hook = hook
         self.future: torch.futures.Future | None = None
@@ -149,7 +152,7 @@ class DenseBucket:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)
+        return self._nbytes
 
     def sent_bytes(self) -> int:
         """The gradient bytes this bucket reduces (its flags not counted)."""

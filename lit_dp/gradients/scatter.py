@@ -56,6 +56,7 @@ class ScatterBucket:
     """
 
     __slots__ = (
+        "_nbytes",
         "indices",
         "params",
         "owners",
@@ -87,6 +88,8 @@ class ScatterBucket:
     ) -> None:
         self.indices = indices
         self.params = params
+        # Read at every launch by the observers (comm_stats, the hang watchdog: on by default): summed once.
+        self._nbytes = sum(p.numel() * p.element_size() for p in params)
         self.owners = list(owners)
         self.ring = ring
         self.rank = ring.rank()
@@ -112,7 +115,7 @@ class ScatterBucket:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)
+        return self._nbytes
 
     def sent_bytes(self) -> int:
         """The gradient bytes this bucket reduces (its flags not counted)."""
