@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 
 from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.preemption import Preempted
@@ -174,6 +175,25 @@ def test_run_folder_survives_restarts_and_requeues():
     assert _run_dir(slurm, "hydra.run.dir=mine") == "mine"
     with pytest.raises(Exception, match="SLURM_JOB_ID='1 2' is invalid"):
         _run_dir({"SLURM_JOB_ID": "1 2"})
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    # Sharing one would make the second run's ckpt_path=auto resume the first's checkpoints as its
+    # own (a GPT-2 small run loaded a byte-level model's: size mismatch for tokens.weight).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", HydraConfig.instance().cfg)  # restored afterwards
+    compose_config("digits", [], Path("unused"))  # registers the schemas and the resolver
+    with mock.patch.dict(os.environ, {}, clear=True), initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        configs = [compose(config_name="digits", overrides=["hydra.run.dir=${lit_dp.job_folder:stamp,runs}"],
+                           return_hydra_config=True) for _ in range(3)]
+        folders = []
+        for cfg in configs:
+            HydraConfig.instance().set_config(cfg)  # as Hydra's run_job does: a run claims its folder
+            folders.append(cfg.hydra.run.dir)
+            # Lightning resolves it again to start ranks 1..: the folder claimed, not the next free one.
+            assert HydraConfig.get().run.dir == folders[-1]
+    assert folders == ["stamp", "stamp_1", "stamp_2"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == folders
 
 
 def test_the_last_attempts_failure_names_the_checkpoint_to_resume_from(tmp_path, capsys):
