@@ -89,9 +89,18 @@ def test_a_dead_rank_is_described_by_its_exit_status():
 RUN = ["trainer.max_epochs=2", "trainer.limit_val_batches=2", "checkpoint_every_n_steps=4"]
 
 
-def _stopped_step(output: str, signal_name: str, ranks: str) -> int:
-    line = next(line for line in output.splitlines() if f"[lit_dp] {signal_name} received by {ranks}:" in line)
-    return int(line.split("every rank stopped after step ")[1].split(",")[0])
+# A signal to the launcher (rank 0) is forwarded to the rank it started: both record it, and the
+# step boundary at which the ranks agree usually sees both. When the signal lands while a rank is
+# between reading its record and the agreeing all-reduce, that boundary sees the other rank's
+# alone (seen once in CI, "received by rank 1"); every rank still stops after the same step.
+FORWARDED = ("ranks 0, 1", "rank 0", "rank 1")
+
+
+def _stopped_step(output: str, signal_name: str, ranks: str | tuple[str, ...]) -> int:
+    named = (ranks,) if isinstance(ranks, str) else ranks
+    lines = [line for line in output.splitlines() if any(f"[lit_dp] {signal_name} received by {r}:" in line for r in named)]
+    assert lines, f"no '[lit_dp] {signal_name} received by' line naming {' or '.join(named)}:\n{output[-4000:]}"
+    return int(lines[0].split("every rank stopped after step ")[1].split(",")[0])
 
 
 @pytest.mark.slow
@@ -106,7 +115,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_a_rerun_of_the_comma
     assert f"[lit_dp] run folder: {folder}" in output
     assert f"[lit_dp] checkpoints: {folder / 'checkpoints'} (every 4 optimizer steps;" in output
     assert f"[lit_dp] to resume this run: python {run.script} " in output and f"hydra.run.dir={folder}" in output
-    step = _stopped_step(output, "SIGTERM", "ranks 0, 1")  # the launcher forwards it to the rank it started
+    step = _stopped_step(output, "SIGTERM", FORWARDED)
     last = folder / "checkpoints" / "last.ckpt"
     assert f"checkpoint {last}; exiting with status 143" in output
     assert torch.load(last, weights_only=False)["global_step"] == step
@@ -126,7 +135,7 @@ def test_sigterm_to_a_spawning_launcher_reaches_the_ranks_which_save_and_exit_14
     os.kill(run.process.pid, signal.SIGTERM)
     assert run.wait(ENDS_WITHIN) == 143
     run.assert_all_gone()
-    step = _stopped_step(run.output, "SIGTERM", "ranks 0, 1")
+    step = _stopped_step(run.output, "SIGTERM", FORWARDED)
     [last] = (tmp_path / "outputs" / "digits").glob("*/checkpoints/last.ckpt")
     assert torch.load(last, weights_only=False)["global_step"] == step
 
