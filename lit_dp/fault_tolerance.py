@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # meet at once, so one that has not come within this is gone (it died after asking for the
 # quorum). Without a bound the others would wait the process group's whole timeout (60 s).
 RENDEZVOUS_SECONDS = 2.0
+# The bound needs the collectives' timeout set back after the rendezvous: Gloo's `set_timeout`,
+# from torch 2.9. On torch 2.8 the rendezvous waits the group's whole timeout, as torchft's does.
+RENDEZVOUS_BOUNDED = hasattr(getattr(dist, "ProcessGroupGloo", None), "set_timeout")
 # How long to try to reach the store of the group that leads the quorum: a live store answers
 # in milliseconds, a dead one's port refuses at once, a lost host's never answers. torch's
 # TCPStore client would retry for the whole timeout instead.
@@ -222,7 +225,8 @@ def replica_process_group(
       that leads it, and one that no longer answers fails the reconfiguration within
       ``STORE_PROBE_SECONDS`` (the step is discarded; the next quorum goes on without it);
     - the rendezvous waits at most ``RENDEZVOUS_SECONDS`` for a member that asked for the
-      quorum and died before meeting the others, then fails the same way;
+      quorum and died before meeting the others, then fails the same way (torch 2.9 and later:
+      ``RENDEZVOUS_BOUNDED``);
     - ``abort()`` and ``close_connections()`` shut the group's connections down
       (``lit_dp.gloo_connections``), so that every peer's pending collective fails at once, and
       ``connections_hung_up()`` lets a waiting all-reduce see that a peer closed its end.
@@ -256,6 +260,8 @@ def replica_process_group(
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
             # Gloo's rendezvous waits as long as the group's timeout: bounded apart (see above),
             # then the collectives get the full timeout back.
+            if not RENDEZVOUS_BOUNDED:
+                return super()._create_pg(store, rank, world_size)
             self._timeout = min(timeout, timedelta(seconds=RENDEZVOUS_SECONDS))
             try:
                 group = super()._create_pg(store, rank, world_size)
