@@ -7,6 +7,12 @@ import pytest
 from tests.helpers.recipes import run_benchmark
 
 
+def ratio_rounding(numerator: float, denominator: float) -> float:
+    """How far a ratio printed to 0.001 may be from one of two times printed to 0.01 ms (a ratio
+    of 1.558 against 1.5569 from the rounded cells was seen in CI, at 1-step times)."""
+    return numerator / denominator * (0.005 / numerator + 0.005 / denominator) + 0.0005
+
+
 def test_reducer_benchmark_prints_ratios(tmp_path):
     output = run_benchmark(
         "reducer", "steps=1", "warmup=1", "rounds=3", "models=[many_small]", "measure_memory=false",
@@ -18,9 +24,9 @@ def test_reducer_benchmark_prints_ratios(tmp_path):
         float(cell) for cell in cells[3:]
     )
     assert 0 < no_sync and 0 < ddp and 0 < ours and 0 < unwatched
-    assert ratio == pytest.approx(ours / ddp, abs=1e-3)
-    assert unwatched_ratio == pytest.approx(unwatched / ddp, abs=1e-3)
-    assert watching == pytest.approx(ours / unwatched, abs=1e-3)
+    assert ratio == pytest.approx(ours / ddp, abs=ratio_rounding(ours, ddp))
+    assert unwatched_ratio == pytest.approx(unwatched / ddp, abs=ratio_rounding(unwatched, ddp))
+    assert watching == pytest.approx(ours / unwatched, abs=ratio_rounding(ours, unwatched))
     tensors = int(cells[1])
     rounding = 2 * 0.005e3 / tensors + 0.005  # the times are printed to 0.01 ms, the costs to 0.01 us
     assert ours_per_tensor == pytest.approx((ours - no_sync) * 1e3 / tensors, abs=rounding)
