@@ -6,7 +6,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -626,12 +626,21 @@ class DataParallel(nn.Module, Joinable):
         # runs: under Join the notification and the buffer broadcast come first, as on DDP.
         plan = self.step_plan(Participation.SYNC) if torch.is_grad_enabled() and self._arms_at_forward else None
         self._forward_communication(plan)
-        with bucket_graph_breaks(self):
+        with bucket_graph_breaks(self) if self._communication_can_overlap() else nullcontext():
             outputs = self.module(*inputs, **kwargs)
         if plan is not None and plan.communicates:
             self._trained = True
             self._reducer.prepare_for_backward(plan, outputs)
         return outputs
+
+    def _communication_can_overlap(self) -> bool:
+        """Whether a backward's communication can overlap it, which graph breaks at bucket boundaries
+        buy under ``torch.compile``: not on one rank, nor in LocalSGD's local phase, where gradients
+        stay local; there a compiled model is one graph, as without lit_dp. Dynamo decides when it
+        first compiles and keeps that graph, as under torch DDP: a model compiled in LocalSGD's
+        warm-up keeps its breaks in the local phase."""
+        local_sgd = self.local_sgd
+        return not groups.trivially_alone(self._rings[0]) and not (local_sgd is not None and local_sgd.in_local_phase)
 
     def _to_input_device(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):

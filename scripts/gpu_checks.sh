@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a lent GPU machine runs, in one call of at most 6 minutes on one H100 (docs/benchmarks.md):
+# What a lent GPU machine runs, in one call of at most 8 minutes on one H100 (docs/benchmarks.md):
 # every documented GPU command shortened, `pytest -m cuda`, and the GPU benchmarks, then one table
 # (scripts/gpu_checks.py says what and how). From the repository root; logs go to $OUT (or gpu-logs/).
 #   bash scripts/gpu_checks.sh              # everything

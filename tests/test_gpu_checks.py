@@ -75,9 +75,13 @@ def test_figures_are_read_from_the_benchmarks_reports_and_a_recipes_last_line(tm
 
     tiny = ["experiment=gpt_bench_cpu", "model.n_layer=1", "model.n_embd=32", "model.n_head=2"]
     cfg = compose_config("gpt", tiny, tmp_path)
-    output = gpt_recipe_report(cfg, [Measured(1000.0, None, 0)], [Measured(980.0, None, 0)])
-    [figure] = gpu_checks.gpt_recipe_figures(output)
-    assert (figure.tokens_per_sec, figure.ratio, figure.peer) == (980.0, 0.98, "nanoGPT's bare loop")
+    output = gpt_recipe_report(
+        cfg, {"bare": [Measured(1000.0, 2.0)], "recipe": [Measured(980.0, 2.04)], "multi_rank": [Measured(970.0, 2.06)]}
+    )
+    assert gpu_checks.gpt_recipe_figures(output) == [
+        gpu_checks.Figure("recipe", 980.0, 0.98, "nanoGPT's bare loop"),
+        gpu_checks.Figure("multi_rank", 970.0, 0.97, "nanoGPT's bare loop"),
+    ]
 
     final = "[lit_dp] final comm/time_ms_mean=0.1 tokens_per_sec=9158.9746 train_loss=4.7692"
     assert gpu_checks.recipe_figures(f"noise\n{final}\n") == [gpu_checks.Figure("", 9158.9746)]

@@ -177,10 +177,10 @@ class DenseBucket:
         """
         divisor = plan.divisor
         average = self.average_op if divisor == self.size else None
+        if self.alone:
+            return  # one rank: the gradients already are the averages; the reducer checks on the host
         present = None if complete else members_present(self.indices, self.params, used)
         fill_flags(self.flags, plan.flags, present, one=float(divisor) if average is not None else 1.0)
-        if self.alone:
-            return  # one rank: the gradients already are the averages; the flags keep the checks
         op = average or dist.ReduceOp.SUM
         self.works = [self._start_in_place(k, present is None or present[k], divisor, op) for k in self.in_place]
         if self.flat:

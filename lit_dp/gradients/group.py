@@ -11,6 +11,8 @@ its works' futures; lit_dp does too, through these functions: ranks are the grou
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from lit_dp.gradients.waiting import Waiter
 
 _NO_TIMEOUT = timedelta(0)  # c10d's Work::wait default (kNoTimeout)
+_one_rank_shortcuts = True  # see as_if_many_ranks
 
 
 def written_in_python(group: dist.ProcessGroup) -> bool:
@@ -40,9 +43,24 @@ def backend_name(group: dist.ProcessGroup) -> str:
 
 
 def trivially_alone(group: dist.ProcessGroup) -> bool:
-    """One rank of torch's own: its collectives change nothing, so lit_dp skips them. A group written
-    in Python always gets them (it may do more than reduce: torchft's groups track their quorum)."""
-    return group.size() == 1 and not written_in_python(group)
+    """One rank of torch's own: its collectives change nothing, so lit_dp skips them, and no
+    communication can overlap a backward. A group written in Python always gets them (it may do
+    more than reduce: torchft's groups track their quorum)."""
+    return _one_rank_shortcuts and group.size() == 1 and not written_in_python(group)
+
+
+@contextmanager
+def as_if_many_ranks() -> Iterator[None]:
+    """Inside, a one-rank group is not ``trivially_alone``: models built and trained there take
+    the path of many ranks (every bucket's collective, the buffer broadcast, graph breaks at bucket
+    boundaries). One GPU cannot run two NCCL ranks; this is how it measures what each of many ranks
+    pays (benchmarks/gpt_recipe.py's ``multi_rank`` variant)."""
+    global _one_rank_shortcuts
+    previous, _one_rank_shortcuts = _one_rank_shortcuts, False
+    try:
+        yield
+    finally:
+        _one_rank_shortcuts = previous
 
 
 def wait(waiter: Waiter, work: dist.Work, group: dist.ProcessGroup, what: str = "") -> None:

@@ -45,12 +45,15 @@ class BucketLayout:
         view_of: per parameter, its view in a dense bucket's flat buffer (None for in-place,
             sparse and scattered members).
         limits: the byte limits it was cut with: ``(last bucket, every other bucket)``.
+        alone: every bucket skips its collectives (``trivially_alone``: one rank, no hook), so
+            their flags would never leave this rank and none are set.
     """
 
     buckets: list[Bucket]
     bucket_of: list[int]
     view_of: list[torch.Tensor | None]
     limits: tuple[int, int]
+    alone: bool = False
 
     def forward_order(self) -> list[int]:
         """The parameter order this layout was cut from (buckets are in launch order, members in forward order)."""
@@ -99,4 +102,4 @@ class BucketFactory:
                 bucket_of[index] = position
                 if isinstance(bucket, DenseBucket):
                     view_of[index] = bucket.views[slot]
-        return BucketLayout(buckets, bucket_of, view_of, limits)
+        return BucketLayout(buckets, bucket_of, view_of, limits, alone=all(bucket.alone for bucket in buckets))

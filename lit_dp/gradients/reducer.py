@@ -453,7 +453,11 @@ class Reducer:
         plan = armed.plan
         if not plan.has_backward:
             used = bytearray(b"\x01") * len(used)  # a rank without a backward misses no gradient
-        if plan.flags is FlagMeaning.USED:
+        if self._layout.alone:
+            # One rank: the flags would say what `used` says, so it is read instead, on the host:
+            # no device work, nothing to wait for (the buckets set no flags).
+            skipped = self._check_alone(plan, used)
+        elif plan.flags is FlagMeaning.USED:
             # Which parameters no rank used decides which .grad stay untouched: a host decision,
             # so the flags are read here (on CUDA the one synchronisation of such a step).
             skipped = unused_members(buckets, torch.cat([bucket.flags for bucket in buckets]).tolist())
@@ -473,6 +477,19 @@ class Reducer:
         self._armed = None
         for observer in self._observers:
             observer.step_ended(armed.step)
+
+    def _check_alone(self, plan: StepPlan, used: bytearray) -> list[set[int]]:
+        """The flags' verdict where they never leave this rank (``BucketLayout.alone``): per bucket, the
+        members without a gradient, which keep their ``.grad`` (``find_unused_parameters``), or else
+        ``UnusedParametersError`` at once if any is missing."""
+        params = self._params
+        absent = [i for i in range(len(params)) if not used[i] or params[i].grad is None] if 0 in used else []
+        if plan.flags is FlagMeaning.MISSING and absent:
+            raise UnusedParametersError(self._names, self._world_size, [(i, 1.0) for i in absent], used)
+        bucket_of, skipped = self._layout.bucket_of, [set() for _ in self._layout.buckets]
+        for index in absent:
+            skipped[bucket_of[index]].add(self._layout.buckets[bucket_of[index]].indices.index(index))
+        return skipped
 
     def _check_pending_flags(self) -> None:
         """Raise, on every rank, if some rank got no gradient for a parameter in an earlier backward.

@@ -142,10 +142,10 @@ class ScatterBucket:
         The flags' all-reduce always sums; the gradients are averaged in the collective where
         the backend can and the plan's divisor is the group's size, else divided first.
         """
+        if self.alone:
+            return  # one rank owns everything and already holds the averages; the reducer checks on the host
         present = None if complete else members_present(self.indices, self.params, used)
         fill_flags(self.flags, plan.flags, present)
-        if self.alone:
-            return  # one rank owns everything and already holds the averages
         self.works = [dist.all_reduce(self.flags, group=self.ring, async_op=True)]
         average = self.average_op if plan.divisor == len(self.numels) else None
         op = average or dist.ReduceOp.SUM

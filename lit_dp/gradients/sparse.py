@@ -22,6 +22,7 @@ class SparseBucket:
     """One parameter with a sparse gradient, with the same start/wait/write_back protocol as ``DenseBucket``."""
 
     __slots__ = ("indices", "params", "ring", "work", "gradient", "flags", "flag_work", "native", "waiter")
+    alone = False  # its collectives run on a group of one rank too: Gloo's sparse all-reduce coalesces
 
     def __init__(
         self, indices: list[int], params: list[nn.Parameter], ring: dist.ProcessGroup, waiter: Waiter = UNWATCHED

@@ -8,7 +8,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+import lit_dp.gradients.group as groups
 from lit_dp.data_parallel import DataParallel
+from lit_dp.observability.exchange import Exchange
 from lit_dp.observability.stats import CommStats
 
 
@@ -19,11 +21,29 @@ class CommStatsMonitor(pl.Callback):
     turns statistics on with one strategy option and no callback to remember. It follows
     Lightning's ``LearningRateMonitor``: on the steps the trainer writes its logs
     (``log_every_n_steps``) it logs rank 0's last-step ``comm/*`` figures, plus
-    ``comm/exposed_ms_max``, the largest exposed time over ranks (one all-reduce of one number,
+    ``comm/exposed_ms_max``, the largest exposed time over ranks (one all-gather of one number,
     on those steps only), and ``comm/tuned_buffer_mb`` once the autotuner has chosen. At each
     epoch end it logs the means so far over steps and ranks (``comm/*_mean``, also in
     ``trainer.callback_metrics``); when training ends, rank 0 prints its own.
+
+    Nothing waits for the device: the figures are the host's already (``DataParallel.comm_stats``),
+    and on CUDA the all-gather's result is read once it has reached the host, by the next log
+    step (or the end of training), when the step's figures are logged with it, under their own
+    step. On CPU they are logged at once; on one rank there is nothing to gather.
     """
+
+    def __init__(self) -> None:
+        self._exchange: Exchange | None = None
+        self._loggers: list[pl.loggers.Logger] = []  # rank 0's, which alone writes
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = trainer.strategy.model
+        reducer = model.reducer if isinstance(model, DataParallel) else None
+        self._exchange = None
+        if trainer.strategy.options.comm_stats and reducer is not None and not groups.trivially_alone(reducer.group):
+            what = "the all-gather of each rank's exposed communication time (comm/exposed_ms_max)"
+            self._exchange = Exchange(reducer.group, model.waiter, what, self._gathered)
+        self._loggers = list(trainer.loggers) if trainer.is_global_zero else []
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -31,10 +51,30 @@ class CommStatsMonitor(pl.Callback):
         # The steps on which the trainer writes its own logs; every rank decides alike.
         if trainer.global_step % trainer.log_every_n_steps != 0 and not trainer.should_stop:
             return
+        if self._exchange is not None:
+            self._exchange.poll()  # the last log step's, which has arrived by now
         metrics = self._step_metrics(trainer)
-        if metrics and trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        if not trainer.strategy.options.comm_stats:
+            self._log(metrics, trainer.global_step)
+            return
+        stats = self._model_stats(trainer)
+        exposed = stats.exposed_ms if stats is not None else -1.0  # every rank takes part, -1 where none is measured yet
+        if self._exchange is None:
+            self._log({**metrics, "comm/exposed_ms_max": exposed} if stats is not None else metrics, trainer.global_step)
+            return
+        # float64: rank 0's own value must not exceed the maximum by float32 rounding. Filled on the
+        # device, not copied from the host, which would wait for the device.
+        value = torch.full((1,), exposed, dtype=torch.float64, device=trainer.strategy.root_device)
+        self._exchange.start(value, (trainer.global_step, metrics, stats is not None))
+        self._exchange.poll()  # on the host (Gloo) the result is there once every rank has sent it
+
+    def _gathered(self, tag: tuple[int, dict[str, float], bool], rows: torch.Tensor) -> None:
+        step, metrics, measured = tag
+        self._log({**metrics, "comm/exposed_ms_max": float(rows.max())} if measured else metrics, step)
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        for logger in self._loggers if metrics else ():
+            logger.log_metrics(metrics, step=step)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         means = {f"comm/{name}_mean": value for name, value in self._means(trainer).items()}
@@ -45,6 +85,9 @@ class CommStatsMonitor(pl.Callback):
             pl_module.log_dict(means, sync_dist=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._exchange is not None:
+            self._exchange.poll(wait=True)  # the last log step's figures
+            self._exchange = None
         means = self._means(trainer)
         last = self._model_stats(trainer)
         parts = []
@@ -62,19 +105,12 @@ class CommStatsMonitor(pl.Callback):
             rank_zero_info("[lit_dp] comm: " + "; ".join(parts))
 
     def _step_metrics(self, trainer: pl.Trainer) -> dict[str, float]:
-        strategy = trainer.strategy
+        """Rank 0's figures of the last step (without the maximum over ranks) and the tuned size."""
         metrics: dict[str, float] = {}
-        if strategy.options.comm_stats:
-            stats = self._model_stats(trainer)
-            # Every rank takes part in the all-reduce, with -1 where no step is measured yet.
-            # float64: rank 0's own value must not exceed the maximum by float32 rounding.
-            value = stats.exposed_ms if stats is not None else -1.0
-            exposed = torch.tensor([value], dtype=torch.float64, device=strategy.root_device)
-            exposed_max = float(strategy.reduce(exposed, reduce_op="max").item())
-            if stats is not None:
-                metrics.update(stats.as_metrics())
-                metrics["comm/exposed_ms_max"] = exposed_max
-        tuned = strategy.tuned_comm_buffer_size
+        stats = self._model_stats(trainer) if trainer.strategy.options.comm_stats else None
+        if stats is not None:
+            metrics.update(stats.as_metrics())
+        tuned = trainer.strategy.tuned_comm_buffer_size
         if tuned is not None:
             metrics["comm/tuned_buffer_mb"] = float(tuned)
         return metrics

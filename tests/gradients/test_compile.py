@@ -7,10 +7,9 @@ splitting and autograd structure of inductor without its compile time); inductor
 
 from __future__ import annotations
 
-
-
 from tests.helpers.distributed import run_ranks
-from tests.helpers.overlap import launch_fractions_and_weights
+from tests.helpers.overlap import graphs_compiled, launch_fractions_and_weights
+
 
 def test_compiled_models_train_like_eager_and_overlap():
     variants = ["eager", "DataParallel(compile(model))", "compile(DataParallel(model))"]
@@ -21,3 +20,12 @@ def test_compiled_models_train_like_eager_and_overlap():
         # with the graph breaks switched off). Half is far from both.
         for variant, share in shares.items():
             assert share < 0.5, f"rank {rank}: {variant}: first bucket launched after {share:.0%} of backward's nodes"
+
+
+def test_a_compiled_model_is_split_at_buckets_only_where_communication_overlaps_backward():
+    results = run_ranks(graphs_compiled, 2, ["sync", "local_sgd"], timeout=280)
+    for rank, graphs in results.items():
+        # Eight 1 MB weights in 1 MB buckets: synchronous steps split the graph into about one piece
+        # per bucket; LocalSGD's local phase reduces nothing in backward, so it compiles one graph.
+        assert graphs["local_sgd"] == 1, f"rank {rank}: {graphs}"
+        assert graphs["sync"] > 4, f"rank {rank}: {graphs}"

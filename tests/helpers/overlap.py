@@ -79,3 +79,30 @@ def _backward_nodes(output: torch.Tensor) -> list:
         nodes.append(node)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return nodes
+
+
+def graphs_compiled(rank, variants, backend="aot_eager"):
+    """Per variant: the graphs the backend compiled for ``DataParallel(torch.compile(model))`` in a few
+    steps (AOT autograd's count: a graph split at bucket boundaries counts each piece). ``sync``:
+    synchronous data parallelism; ``local_sgd``: LocalSGD from the first step, whose backward
+    keeps gradients local."""
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    report = {}
+    for variant in variants:
+        torch._dynamo.reset()
+        before = torch._dynamo.utils.counters["aot_autograd"]["total"]
+        torch.manual_seed(0)
+        base = nn.Sequential(*[layer for _ in range(LAYERS) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
+        model = lit_dp.DataParallel(torch.compile(base, backend=backend), comm_buffer_size=1, last_comm_buffer_size=1)
+        averaging = lit_dp.LocalSGD(model, local_steps=2) if variant == "local_sgd" else None
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(STEPS):
+            model(torch.randn(8, WIDTH)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if averaging is not None:
+                averaging.step()
+        report[variant] = torch._dynamo.utils.counters["aot_autograd"]["total"] - before
+    return report

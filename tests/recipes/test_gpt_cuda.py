@@ -43,6 +43,10 @@ def test_compiled_bf16_recipe_steps_without_host_syncs_or_recompiles(tmp_path):
     # Pinned batches copied without blocking, the loss logged as a tensor, fused AdamW, clipping
     # on the device: nothing in a step waits for the GPU.
     assert metrics["host_syncs"] == 0
+    # Nor does any of lit_dp's code in any step, log steps included (the statistics are on in the
+    # recipe: CommStatsMonitor's maximum over ranks is read once it reached the host).
+    assert metrics["lit_dp_sync_steps"] >= 31  # 33: steps 5..39 less those before a validation
+    assert metrics["lit_dp_host_syncs"] == 0
     assert metrics["dynamo_recompiles"] == 0
     assert metrics["tokens_per_sec"] > 0
 
