@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lit_dp.gradients.group as groups
@@ -38,11 +39,12 @@ class CommStatsMonitor(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = trainer.strategy.model
-        reducer = model.reducer if isinstance(model, DataParallel) else None
         self._exchange = None
-        if trainer.strategy.options.comm_stats and reducer is not None and not groups.trivially_alone(reducer.group):
+        # Over the strategy's process group, as its other collectives (under torchft: one replica group's ranks).
+        group = dist.group.WORLD
+        if trainer.strategy.options.comm_stats and isinstance(model, DataParallel) and not groups.trivially_alone(group):
             what = "the all-gather of each rank's exposed communication time (comm/exposed_ms_max)"
-            self._exchange = Exchange(reducer.group, model.waiter, what, self._gathered)
+            self._exchange = Exchange(group, model.waiter, what, self._gathered)
         self._loggers = list(trainer.loggers) if trainer.is_global_zero else []
 
     def on_train_batch_end(
