@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,8 @@ from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notif
 from lit_dp.join import active as in_join_context
 from lit_dp.observability.autotune import BucketAutotuner, settled_step
 from lit_dp.observability.consistency import ReplicaConsistency
-from lit_dp.observability.stats import CommObserver, CommStats
+from lit_dp.observability.observers import ModelObservers
+from lit_dp.observability.stats import CommStats
 from lit_dp.observability.step_clock import StepClock
 from lit_dp.observability.straggler import StragglerReport, WindowReport
 from lit_dp.observability.watchdog import HangWatchdog
@@ -55,17 +56,13 @@ from lit_dp.options.comm_hooks import declared_stateless
 from lit_dp.options.docs import options_doc
 from lit_dp.options.fault_tolerance import UNDER_MANAGER, refuse_what_replicas_cannot_follow
 
-if TYPE_CHECKING:
-    from lit_dp.observability.trace import TraceWriter
-
 log = logging.getLogger(__name__)
 
 # What a pickled or deep-copied DataParallel leaves behind and rebuilds (torch DDP drops its
 # process group, reducer and logger the same way): the process group, the reducer and its hooks,
 # and the observers, which hold threads, files and the rendezvous store.
 _RUNTIME_STATE = (
-    "_rings", "_reducer", "_waiter", "_comm_hook", "_stats", "_trace", "_tuner", "_watchdog", "_local_sgd", "_clock",
-    "_straggler", "_consistency", "_parameter_gathers",
+    "_rings", "_reducer", "_waiter", "_comm_hook", "_observers", "_local_sgd", "_parameter_gathers",
 )  # fmt: skip
 
 
@@ -209,7 +206,7 @@ class DataParallel(nn.Module, Joinable):
         sync_buffers_at_start = options.broadcast_buffers or forward_sync_buffers is not None
         self._has_buffers = next(synced_buffers(module, self.parameters_to_ignore), None) is not None
         self._buffer_source = 0  # the group rank whose buffers forwards broadcast (buffers_from)
-        self._tuner: BucketAutotuner | None = None  # read by comm_buffer_size; _observe starts it
+        self._observers = ModelObservers()  # its autotuner is read by comm_buffer_size; _build_runtime subscribes them
         bucket_bytes = megabytes_to_bytes("comm_buffer_size", self.comm_buffer_size)
         # Read by dynamo to split compiled graphs at bucket boundaries (lit_dp.gradients.compile);
         # its splitter requires at least its own first-piece size (1 MB).
@@ -244,16 +241,10 @@ class DataParallel(nn.Module, Joinable):
         communication hook they name. ``copy``: for a deep copy or an unpickled model, which gets
         its reducer without the observers (threads, files, the store's bookkeeping)."""
         self._rings = rings
-        self._tuner = None
+        self._observers = ModelObservers()
         self._waiter = Waiter()
         self._local_sgd: weakref.ref[Any] | None = None  # the LocalSGD driving this model (use_local_sgd)
         self._comm_hook: CommHook | None = None
-        self._stats: CommObserver | None = None
-        self._trace: TraceWriter | None = None
-        self._watchdog: HangWatchdog | None = None
-        self._clock: StepClock | None = None
-        self._straggler: StragglerReport | None = None
-        self._consistency: ReplicaConsistency | None = None
         # What may leave parameters in flight after an optimizer step (sharding_overlap's gathers).
         self._parameter_gathers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._reducer: Reducer | None = None
@@ -286,7 +277,19 @@ class DataParallel(nn.Module, Joinable):
                 rebuild_buckets=self._manager is None,
             )
             if not copy:
-                self._observe(self._reducer, device, names)
+                # Under torchft its own timeouts discard a stuck step and drop the replica, and its replica
+                # groups come and go between steps (docs/fault_tolerance.md): no watchdog, no exchange of ours.
+                self._observers = ModelObservers.subscribe(
+                    self._reducer,
+                    options,
+                    device,
+                    names,
+                    self._waiter,
+                    under_manager=self._manager is not None,
+                    parameters=list(synced_parameters(self.module, self.parameters_to_ignore)),
+                    buffers=partial(synced_buffers, self.module, self.parameters_to_ignore),
+                    wait_for_parameters=_weak_call(self.wait_for_parameters),
+                )
             sizes = ", ".join(f"{nbytes / MB:.2f}" for nbytes in self._reducer.bucket_bytes)
             log.debug("lit_dp.DataParallel: %d parameters in buckets of [%s] MB", len(named), sizes)
         # Built here, in each process: PowerSGD's state belongs to the process group.
@@ -312,71 +315,6 @@ class DataParallel(nn.Module, Joinable):
             ranks = dist.get_process_group_ranks(group)
             _check_same_structure(named, group, ranks, ranks[0])
         broadcast_coalesced([t for _, t in named], group, 0, UNWATCHED, "the initial broadcast of the model")
-
-    def _observe(self, reducer: Reducer, device: torch.device, names: list[str]) -> None:
-        """Subscribe what the options ask for to the reducer's events: the step clock first, which
-        takes the timestamps the statistics, the hang watchdog and the straggler report share."""
-        options = self._options
-        if options.comm_buffer_size == AUTO:
-            last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", options.last_comm_buffer_size)
-            self._tuner = BucketAutotuner(reducer, device, last_bucket_bytes)
-        if options.trace.dir is not None:
-            from lit_dp.observability.trace import TraceWriter  # on demand: `python -m lit_dp.observability.trace` must find it unimported
-
-            self._trace = TraceWriter(options.trace.dir, dist.get_rank(), options.trace.steps, names)
-        group = reducer.group
-        # Under torchft its own timeouts discard a stuck step and drop the replica, and its replica
-        # groups come and go between steps (docs/fault_tolerance.md): no watchdog, no exchange of ours.
-        # The others find the ranks through torch's group bookkeeping.
-        among_ranks = self._manager is None and group.size() > 1
-        if among_ranks and not groups.is_registered(group):
-            log.warning(
-                "lit_dp.DataParallel: no hang watchdog, straggler report or replica-consistency check for %s, a "
-                "process group torch did not register: they find the ranks through torch's group bookkeeping.",
-                type(group).__name__,
-            )
-            among_ranks = False
-        watched = options.hang_timeout is not None and among_ranks
-        straggler = options.straggler.every_n_steps if among_ranks else None
-        consistency = options.consistency.every_n_steps if among_ranks else None
-        if options.comm_stats or self._trace is not None or watched or straggler or consistency:
-            self._clock = StepClock(device, self._waiter, reducer.parameters)
-            reducer.add_observer(self._clock)
-        if options.comm_stats or self._trace is not None:
-            self._stats = CommObserver(device, self._clock, [self._trace.add] if self._trace is not None else [])
-            reducer.add_observer(self._stats)
-        if watched:
-            # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).
-            self._watchdog = HangWatchdog.start(
-                reducer,
-                options.hang_timeout,
-                directory=options.trace.dir,
-                device=device,
-                clock=self._clock,
-                given=options.hang_timeout_given,
-            )
-        if straggler:
-            self._straggler = StragglerReport(self._clock, group, self._waiter, device, straggler)
-            reducer.add_observer(self._straggler)
-        if consistency:
-            self._consistency = ReplicaConsistency(
-                list(synced_parameters(self.module, self.parameters_to_ignore)),
-                partial(synced_buffers, self.module, self.parameters_to_ignore),
-                group,
-                self._waiter,
-                device,
-                consistency,
-                options.consistency.action,
-                self._clock.optimizers if options.consistency.optimizer_state else None,
-                _weak_call(self.wait_for_parameters),
-            )
-            reducer.add_observer(self._consistency)
-        log.debug(
-            "lit_dp.DataParallel: observers: comm_stats=%s trace=%s autotune=%s hang watchdog=%s straggler report "
-            "every %s steps, replica consistency every %s steps (%s)",
-            self._stats is not None, self._trace is not None, self._tuner is not None, self._watchdog is not None,
-            straggler, consistency, options.consistency.action,
-        )
 
     @property
     def _layers(self) -> nn.Module:
@@ -504,28 +442,28 @@ class DataParallel(nn.Module, Joinable):
     def watchdog(self) -> HangWatchdog | None:
         """The hang watchdog (``hang_timeout``); set its ``directory`` to choose where stacks go, and
         mark what this rank alone does on purpose with ``phase(name)``."""
-        return self._watchdog
+        return self._observers.watchdog
 
     @property
     def step_clock(self) -> StepClock | None:
         """The step clock (``lit_dp.observability.step_clock``) its observers share; the Trainer
         strategy tells it where batches start and end. None when nothing observes the steps."""
-        return self._clock
+        return self._observers.clock
 
     @property
     def straggler(self) -> StragglerReport | None:
         """The straggler report (``straggler_every_n_steps``): ``last``, ``summary()``; None when off."""
-        return self._straggler
+        return self._observers.straggler
 
     def straggler_report(self) -> WindowReport | None:
         """The latest window the ranks judged (``lit_dp.observability.straggler``): which rank is
         slowest, its lag and its cause, every rank's timings; None before the first, or when off."""
-        return self._straggler.last if self._straggler is not None else None
+        return self._observers.straggler.last if self._observers.straggler is not None else None
 
     @property
     def consistency(self) -> ReplicaConsistency | None:
         """The replica-consistency check (``consistency_every_n_steps``); None when off."""
-        return self._consistency
+        return self._observers.consistency
 
     def register_parameter_gather(self, gather: Any) -> None:
         """``gather`` (a ``lit_dp.ShardedOptimizer`` with ``sharding_overlap``) may leave updated
@@ -565,7 +503,7 @@ class DataParallel(nn.Module, Joinable):
                     "register_comm_hook or register_builtin_comm_hook can only be called once. lit_dp.DataParallel: "
                     f"{self._comm_hook.name} is already registered, {comm_hook.name} cannot be added."
                 )
-            if self._tuner is not None and self._tuner.chosen_mb is None:
+            if self._observers.tuner is not None and self._observers.tuner.chosen_mb is None:
                 comm_hook.check_layout_settled_by(settled_step())
             if self._reducer is not None:
                 self._reducer.register_comm_hook(comm_hook)
@@ -582,15 +520,15 @@ class DataParallel(nn.Module, Joinable):
     def comm_buffer_size(self) -> float:
         """The bucket size in effect, MB: the fixed size, or with ``"auto"`` the size chosen once
         tuning is over, and until then the default that the first steps run with."""
-        if self._tuner is not None and self._tuner.chosen_mb is not None:
-            return self._tuner.chosen_mb
+        if self._observers.tuner is not None and self._observers.tuner.chosen_mb is not None:
+            return self._observers.tuner.chosen_mb
         size = self._options.comm_buffer_size
         return DEFAULT_BUCKET_MB if size == AUTO else size
 
     @property
     def autotuner(self) -> BucketAutotuner | None:
         """The bucket-size autotuner (``comm_buffer_size="auto"``), with its sweep once decided."""
-        return self._tuner
+        return self._observers.tuner
 
     def comm_stats(self) -> CommStats | None:
         """This rank's statistics for the last synchronised step whose measurements are complete.
@@ -598,18 +536,15 @@ class DataParallel(nn.Module, Joinable):
         None before the first step or without ``comm_stats=True``/``trace_dir``. Never waits for
         the device: on CUDA the step before the last is returned while the last is in flight.
         """
-        return self._stats.last() if self._stats is not None else None
+        return self._observers.stats.last() if self._observers.stats is not None else None
 
     def comm_stats_mean(self) -> dict[str, float]:
         """Mean ``time_ms`` and ``exposed_ms`` over the steps so far (the first excluded), and their overlap."""
-        return self._stats.mean() if self._stats is not None else {}
+        return self._observers.stats.mean() if self._observers.stats is not None else {}
 
     def flush_comm_stats(self) -> None:
         """Resolve every finished step (waiting for the device) and write the trace collected so far."""
-        if self._stats is not None:
-            self._stats.flush()
-        if self._trace is not None:
-            self._trace.write()
+        self._observers.flush()
 
     # Not traced by dynamo: under `torch.compile(DataParallel(model))` the module call below is
     # compiled as its own frame, inside `bucket_graph_breaks`, and the reducer runs eagerly.
@@ -619,8 +554,8 @@ class DataParallel(nn.Module, Joinable):
             inputs, kwargs = tree_map(self._to_input_device, (inputs, kwargs))
         if self._reducer is None:
             return self.module(*inputs, **kwargs)
-        if self._clock is not None and torch.is_grad_enabled():
-            self._clock.forward_started()  # in a loop without batch hooks, the end of its wait for data
+        if self._observers.clock is not None and torch.is_grad_enabled():
+            self._observers.clock.forward_started()  # in a loop without batch hooks, the end of its wait for data
         # The forward decides whether the next backward synchronises (as in torch DDP and Paddle),
         # so `no_sync()` must wrap the forward, not only the backward. Decided before the module
         # runs: under Join the notification and the buffer broadcast come first, as on DDP.
@@ -708,8 +643,8 @@ class DataParallel(nn.Module, Joinable):
     def _buffers_synced(self) -> None:
         """The buffers as every rank holds them now, before the forward updates them: the consistency
         check fingerprints them, when the coming step is one it checks."""
-        if self._consistency is not None:
-            self._consistency.buffers_synced(self._reducer.step + 1)
+        if self._observers.consistency is not None:
+            self._observers.consistency.buffers_synced(self._reducer.step + 1)
 
     def _syncs_gradients(self) -> bool:
         """Whether a backward now synchronises: ``require_backward_grad_sync``, outside LocalSGD's local phase."""

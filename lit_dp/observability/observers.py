@@ -1,0 +1,137 @@
+"""What watches one model's reducer: the observers its options ask for, built and subscribed in one place.
+
+``DataParallel`` owns one ``ModelObservers`` and reads its members (its ``step_clock``,
+``watchdog``, ``comm_stats()``, ...); this module decides which exist. The step clock comes
+first, since it takes the timestamps the statistics, the hang watchdog, the straggler report and
+the consistency check share; observers that compare ranks need other ranks, of a group torch
+registered, outside torchft (whose own timeouts and changing replica groups take their place).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lit_dp.gradients.group as groups
+from lit_dp.gradients.buckets import megabytes_to_bytes
+from lit_dp.gradients.reducer import Reducer
+from lit_dp.gradients.waiting import Waiter
+from lit_dp.observability.autotune import BucketAutotuner
+from lit_dp.observability.consistency import ReplicaConsistency
+from lit_dp.observability.stats import CommObserver
+from lit_dp.observability.step_clock import StepClock
+from lit_dp.observability.straggler import StragglerReport
+from lit_dp.observability.watchdog import HangWatchdog
+from lit_dp.options import AUTO, Options
+
+if TYPE_CHECKING:
+    from lit_dp.observability.trace import TraceWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelObservers:
+    """The observers of one model's reducer; each None where its option leaves it off."""
+
+    tuner: BucketAutotuner | None = None
+    trace: TraceWriter | None = None
+    clock: StepClock | None = None
+    stats: CommObserver | None = None
+    watchdog: HangWatchdog | None = None
+    straggler: StragglerReport | None = None
+    consistency: ReplicaConsistency | None = None
+
+    @classmethod
+    def subscribe(
+        cls,
+        reducer: Reducer,
+        options: Options,
+        device: torch.device,
+        names: list[str],
+        waiter: Waiter,
+        *,
+        under_manager: bool,
+        parameters: list[tuple[str, nn.Parameter]],
+        buffers: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+        wait_for_parameters: Callable[[], None],
+    ) -> ModelObservers:
+        """Subscribe what ``options`` ask for to ``reducer``'s events, in the order they read each other.
+
+        ``names``: the reducer's parameters' names (the trace's); ``parameters`` and ``buffers``:
+        what the consistency check fingerprints; ``wait_for_parameters``: waits for updates still
+        in flight before it reads them.
+        """
+        observers = cls()
+        if options.comm_buffer_size == AUTO:
+            last_bucket_bytes = megabytes_to_bytes("last_comm_buffer_size", options.last_comm_buffer_size)
+            observers.tuner = BucketAutotuner(reducer, device, last_bucket_bytes)
+        if options.trace.dir is not None:
+            from lit_dp.observability.trace import TraceWriter  # on demand: `python -m lit_dp.observability.trace` must find it unimported
+
+            observers.trace = TraceWriter(options.trace.dir, dist.get_rank(), options.trace.steps, names)
+        group = reducer.group
+        among_ranks = not under_manager and group.size() > 1
+        if among_ranks and not groups.is_registered(group):
+            log.warning(
+                "lit_dp.DataParallel: no hang watchdog, straggler report or replica-consistency check for %s, a "
+                "process group torch did not register: they find the ranks through torch's group bookkeeping.",
+                type(group).__name__,
+            )
+            among_ranks = False
+        watched = options.hang_timeout is not None and among_ranks
+        straggler = options.straggler.every_n_steps if among_ranks else None
+        consistency = options.consistency.every_n_steps if among_ranks else None
+        trace = observers.trace
+        if options.comm_stats or trace is not None or watched or straggler or consistency:
+            observers.clock = clock = StepClock(device, waiter, reducer.parameters)
+            reducer.add_observer(clock)
+        if options.comm_stats or trace is not None:
+            observers.stats = CommObserver(device, observers.clock, [trace.add] if trace is not None else [])
+            reducer.add_observer(observers.stats)
+        if watched:
+            # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).
+            observers.watchdog = HangWatchdog.start(
+                reducer,
+                options.hang_timeout,
+                directory=options.trace.dir,
+                device=device,
+                clock=observers.clock,
+                given=options.hang_timeout_given,
+            )
+        if straggler:
+            observers.straggler = StragglerReport(observers.clock, group, waiter, device, straggler)
+            reducer.add_observer(observers.straggler)
+        if consistency:
+            observers.consistency = ReplicaConsistency(
+                parameters,
+                buffers,
+                group,
+                waiter,
+                device,
+                consistency,
+                options.consistency.action,
+                observers.clock.optimizers if options.consistency.optimizer_state else None,
+                wait_for_parameters,
+            )
+            reducer.add_observer(observers.consistency)
+        log.debug(
+            "lit_dp.DataParallel: observers: comm_stats=%s trace=%s autotune=%s hang watchdog=%s straggler report "
+            "every %s steps, replica consistency every %s steps (%s)",
+            observers.stats is not None, trace is not None, observers.tuner is not None, observers.watchdog is not None,
+            straggler, consistency, options.consistency.action,
+        )  # fmt: skip
+        return observers
+
+    def flush(self) -> None:
+        """Resolve every finished step of the statistics (waiting for the device) and write the trace so far."""
+        if self.stats is not None:
+            self.stats.flush()
+        if self.trace is not None:
+            self.trace.write()
