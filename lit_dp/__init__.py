@@ -36,7 +36,7 @@ from lit_dp.sharding import ShardedOptimizer
 _LIGHTNING_LAYER = {
     "PaddleDPStrategy": ("lit_dp.strategies.trainer", "PaddleDPStrategy"),
     "PaddleEnvironment": ("lit_dp.job.cluster_environment", "PaddleEnvironment"),
-    "fabric": ("lit_dp.strategies.fabric", None),
+    "fabric": ("lit_dp.fabric", None),
 }
 # Each registers its strategy families when it is imported.
 _REGISTERING_MODULES = ("lit_dp.strategies.trainer", "lit_dp.strategies.fabric")
