@@ -132,8 +132,8 @@ def test_the_fabric_strategy_is_a_class_path_too():
 @pytest.mark.parametrize(
     "strategy",
     [
-        ["--trainer.strategy=paddle_dp", "--trainer.strategy.comm_buffer_size=5"],
-        ["--trainer.strategy=lit_dp.PaddleDPStrategy", "--trainer.strategy.init_args.comm_buffer_size=5"],
+        ["--trainer.strategy=paddle_dp", "--trainer.strategy.comm_buffer_size=5", "--trainer.strategy.trace_dir=trace"],
+        ["--trainer.strategy=lit_dp.PaddleDPStrategy", "--trainer.strategy.init_args.trace_dir=trace"],
     ],
     ids=["string", "class_path"],
 )
@@ -144,5 +144,6 @@ def test_a_two_rank_fit_through_lightning_cli(strategy, tmp_path):
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
-    assert "comm_buffer_size=5.0MB" in output, output[-4000:]  # the strategy's start-up line
-    assert "[rank: 1]" in output and "`Trainer.fit` stopped: `max_steps=3` reached." in output, output[-4000:]
+    # Each rank's lit_dp.DataParallel traced its communication where the command line said.
+    assert sorted(path.name for path in (tmp_path / "trace").glob("rank*.json")) == ["rank0.json", "rank1.json"], output[-4000:]
+    assert "`Trainer.fit` stopped: `max_steps=3` reached." in output, output[-4000:]
