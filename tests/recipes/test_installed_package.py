@@ -40,7 +40,8 @@ def installed(tmp_path_factory) -> Path:
     (wheel,) = (work / "dist").glob("lit_dp-*.whl")
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(work / "venv")], check=True, timeout=300)
     python = work / "venv" / "bin" / "python"
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+    # --ignore-installed: this environment's lit_dp (an editable install, say) would otherwise satisfy it.
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
                              capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stdout + install.stderr
     return python
@@ -67,10 +68,10 @@ def test_the_wheel_runs_both_recipes_and_samples_from_any_folder(installed, tmp_
     digits = run([str(venv / "bin" / "lit-dp-digits"), *QUIET], tmp_path)
     assert final_metrics(digits)["val_acc"] >= 0.95, digits[-3000:]
 
-    # The GPT recipe by its module, with an experiment of the user's found on Hydra's search path.
+    # The GPT recipe with an experiment of the user's found on Hydra's search path, as docs/configs.md shows it.
     (tmp_path / "my_conf" / "experiment").mkdir(parents=True)
     (tmp_path / "my_conf" / "experiment" / "mine.yaml").write_text(USER_EXPERIMENT)
-    gpt = run([str(installed), "-m", "lit_dp_recipes.run.gpt", "hydra.searchpath=[file://my_conf]", "experiment=mine", *QUIET], tmp_path)
+    gpt = run([str(venv / "bin" / "lit-dp-gpt"), "hydra.searchpath=[file://my_conf]", "experiment=mine", *QUIET], tmp_path)
     assert "`Trainer.fit` stopped: `max_steps=6` reached." in gpt, gpt[-3000:]
     (checkpoint,) = (tmp_path / "outputs" / "gpt").glob("*/checkpoints/last.ckpt")
 
