@@ -3,7 +3,7 @@
 The model comes back from the checkpoint's own hyperparameters (``GPT.load_from_checkpoint``),
 so any checkpoint of the recipe works: the run's ``last.ckpt``, a ``step=<N>.ckpt``, the best
 one. Its vocabulary says how text becomes tokens: 256 is bytes; GPT-2's (50304, padded) is
-tiktoken's ``gpt2`` encoding, where tiktoken is installed, or raw token ids (``tokenizer=ids``).
+tiktoken's ``gpt2`` encoding where tiktoken is installed, else token ids (``tokenizer=ids``).
 Each sample starts from ``prompt`` and adds ``max_new_tokens``, each drawn from the ``top_k``
 most likely at ``temperature``, with the context cropped to the model's ``block_size``.
 """
@@ -11,6 +11,7 @@ most likely at ``temperature``, with the context cropped to the model's ``block_
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable
 from typing import Optional
 
@@ -35,7 +36,7 @@ class SampleConfig:
     top_k: Optional[int] = 200  # draw from the k most likely tokens only; null: from all
     seed: int = 1337
     device: str = "auto"  # auto: cuda when there is a GPU, else cpu; or any torch device
-    tokenizer: str = "auto"  # auto: bytes for a vocabulary of 256, else gpt2; ids: token ids, space-separated
+    tokenizer: str = "auto"  # auto: bytes for a vocabulary of 256, else gpt2 (ids without tiktoken); ids: token ids, space-separated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,9 @@ def codec(tokenizer: str, vocab_size: int) -> Codec:
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"tokenizer={tokenizer!r} is invalid: expected one of {', '.join(TOKENIZERS)}.")
     if tokenizer == "auto":
-        tokenizer = "bytes" if vocab_size == BYTE_VOCAB_SIZE else "gpt2"
+        tokenizer = "bytes" if vocab_size == BYTE_VOCAB_SIZE else "gpt2" if importlib.util.find_spec("tiktoken") else "ids"
+        if tokenizer == "ids":
+            print(f"[lit_dp] a vocabulary of {vocab_size} and no tiktoken installed: token ids (pip install tiktoken for text)")
     if tokenizer == "ids":
         return Codec(lambda text: [int(word) for word in text.split()], lambda ids: " ".join(map(str, ids)), [0])
     if tokenizer == "bytes":

@@ -48,13 +48,15 @@ def test_generation_adds_the_tokens_asked_for_beyond_the_models_context(byte_che
     assert len(ids) == 41 and all(0 <= i < 256 for i in ids)  # 41 > block_size 16: the context is cropped
 
 
-def test_a_gpt2_token_checkpoint_samples_token_ids_and_names_tiktoken_when_it_is_missing(tmp_path):
+def test_a_gpt2_token_checkpoint_samples_token_ids_and_names_tiktoken_when_it_is_missing(tmp_path, capsys):
     path = checkpoint(tmp_path, GPT2_PADDED_VOCAB_SIZE)
     (ids,) = sample(SampleConfig(ckpt_path=path, tokenizer="ids", prompt="50256 464", max_new_tokens=5, device="cpu"))
     assert [int(i) for i in ids.split()][:2] == [50256, 464] and len(ids.split()) == 7
     if importlib.util.find_spec("tiktoken") is None:
         with pytest.raises(ValueError, match="tokenizer=gpt2 needs tiktoken"):
-            sample(SampleConfig(ckpt_path=path, max_new_tokens=5, device="cpu"))
+            sample(SampleConfig(ckpt_path=path, tokenizer="gpt2", max_new_tokens=5, device="cpu"))
+        (auto,) = sample(SampleConfig(ckpt_path=path, max_new_tokens=5, device="cpu"))  # ids, saying why
+        assert len(auto.split()) == 6 and "no tiktoken installed: token ids" in capsys.readouterr().out
 
 
 def test_bad_settings_are_refused_naming_the_key(byte_checkpoint):
