@@ -127,6 +127,18 @@ def test_the_fabric_strategy_is_a_class_path_too():
     assert type(strategy) is fabric.PaddleDPStrategy and strategy.options.comm_buffer_size == 5.0
 
 
+def test_lit_dp_fabric_is_a_module_in_a_fresh_process():
+    # Imported before Lightning and before lit_dp itself, as a user's first line may do.
+    code = (
+        "from lit_dp.fabric import PaddleDPStrategy; import lit_dp, lit_dp.fabric, lightning.fabric as lf; "
+        "assert lit_dp.fabric.PaddleDPStrategy is PaddleDPStrategy; "
+        "assert type(lf.Fabric(strategy='paddle_dp', accelerator='cpu', devices=1).strategy) is PaddleDPStrategy"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
