@@ -53,8 +53,8 @@ from lit_dp.observability.watchdog import HangWatchdog
 from lit_dp.options import AUTO, DEFAULT_BUCKET_MB, MODULE, Options, resolve_comm_hook
 from lit_dp.options.comm_hooks import declared_stateless
 from lit_dp.options.docs import options_doc
-from lit_dp.options.signature import takes_options
 from lit_dp.options.fault_tolerance import UNDER_MANAGER, refuse_what_replicas_cannot_follow
+from lit_dp.options.signature import takes_options
 
 if TYPE_CHECKING:
     from lit_dp.observability.trace import TraceWriter

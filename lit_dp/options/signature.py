@@ -46,8 +46,9 @@ def option_parameters(scope: str, taken: frozenset[str] = frozenset()) -> list[i
     """Each option of the front door ``scope`` as a keyword-only parameter (its keyword spelling, its
     type and default), but those whose keyword is in ``taken`` (a parameter the front door has itself)."""
     types = option_types()
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
     return [
-        inspect.Parameter(declared.keyword, inspect.Parameter.KEYWORD_ONLY, default=declared.field.default, annotation=types[declared.path])
+        inspect.Parameter(declared.keyword, keyword_only, default=declared.field.default, annotation=types[declared.path])
         for declared in _taking(scope, taken)
     ]
 
