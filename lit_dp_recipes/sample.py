@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -61,7 +62,14 @@ def codec(tokenizer: str, vocab_size: int) -> Codec:
         if tokenizer == "ids":
             print(f"[lit_dp] a vocabulary of {vocab_size} and no tiktoken installed: token ids (pip install tiktoken for text)")
     if tokenizer == "ids":
-        return Codec(lambda text: [int(word) for word in text.split()], lambda ids: " ".join(map(str, ids)), [0])
+
+        def token_ids(text: str) -> list[int]:
+            words = text.split()
+            if not all(word.isdigit() and int(word) < vocab_size for word in words):
+                raise ValueError(f"prompt={text!r} is invalid with tokenizer=ids: expected token ids below {vocab_size}, space-separated.")
+            return [int(word) for word in words]
+
+        return Codec(token_ids, lambda ids: " ".join(map(str, ids)), [0])
     if tokenizer == "bytes":
         if vocab_size != BYTE_VOCAB_SIZE:
             raise ValueError(
@@ -98,6 +106,8 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: fl
 def check(config: SampleConfig) -> None:
     if config.ckpt_path == "???":
         raise ValueError("ckpt_path is required: a checkpoint of the GPT recipe, e.g. outputs/gpt/<run>/checkpoints/last.ckpt.")
+    if not Path(config.ckpt_path).is_file():
+        raise ValueError(f"ckpt_path={config.ckpt_path!r} is invalid: no such file (a run's checkpoints are in outputs/gpt/<run>/checkpoints/).")
     for name, least in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 1)):
         value = getattr(config, name)
         if value is not None and value < least:

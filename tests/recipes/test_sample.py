@@ -62,6 +62,10 @@ def test_a_gpt2_token_checkpoint_samples_token_ids_and_names_tiktoken_when_it_is
 def test_bad_settings_are_refused_naming_the_key(byte_checkpoint):
     with pytest.raises(ValueError, match="ckpt_path is required"):
         sample(SampleConfig())
+    with pytest.raises(ValueError, match="ckpt_path='nowhere.ckpt' is invalid: no such file"):
+        sample(SampleConfig(ckpt_path="nowhere.ckpt"))
+    with pytest.raises(ValueError, match="expected token ids below 256"):
+        codec("ids", 256).encode("1 300")
     with pytest.raises(ValueError, match="temperature=0.0 is invalid"):
         sample(SampleConfig(ckpt_path=byte_checkpoint, temperature=0.0))
     with pytest.raises(ValueError, match="tokenizer=bytes with a model of vocabulary 50304 is invalid"):
