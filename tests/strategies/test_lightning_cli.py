@@ -5,6 +5,7 @@ the string form (``--trainer.strategy=paddle_dp`` with options as flags or ``ini
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lit_dp import PaddleDPStrategy, fabric
 from lit_dp.options import TRAINER, declared_options
+from lit_dp.strategies import registered_names
 from lit_dp.strategies.registered_names import named_classes
 from tests.helpers.lightning import REGISTERED
 
@@ -80,11 +82,13 @@ def test_the_string_form_takes_options_as_flags_or_init_args(tmp_path):
 
 
 def test_each_registered_name_has_a_class_with_that_names_arguments():
-    classes = named_classes()
-    assert set(classes) == set(REGISTERED)
+    assert set(named_classes()) == set(REGISTERED)
     for name, (start_method, find_unused) in REGISTERED.items():
-        strategy = classes[name]()
+        strategy = getattr(registered_names, name)(comm_buffer_size=5)
         assert (strategy.options.start_method, strategy.options.find_unused_parameters) == (start_method, find_unused)
+        # Spawned ranks get the strategy pickled: its class is found again by its import path.
+        copy = pickle.loads(pickle.dumps(strategy))
+        assert type(copy) is type(strategy) and copy.options == strategy.options
 
 
 @pytest.mark.parametrize(
