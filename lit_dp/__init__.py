@@ -36,10 +36,11 @@ from lit_dp.sharding import ShardedOptimizer
 _LIGHTNING_LAYER = {
     "PaddleDPStrategy": ("lit_dp.strategies.trainer", "PaddleDPStrategy"),
     "PaddleEnvironment": ("lit_dp.job.cluster_environment", "PaddleEnvironment"),
-    "fabric": ("lit_dp.strategies.fabric", None),
+    "fabric": ("lit_dp.fabric", None),
 }
-# Each registers its strategy families when it is imported.
-_REGISTERING_MODULES = ("lit_dp.strategies.trainer", "lit_dp.strategies.fabric")
+# Each registers its strategy families when it is imported; the last gives each registered name
+# of the Trainer's a class of that name, for LightningCLI (``--trainer.strategy=paddle_dp`` with options).
+_REGISTERING_MODULES = ("lit_dp.strategies.trainer", "lit_dp.strategies.fabric", "lit_dp.strategies.registered_names")
 
 
 def __getattr__(name: str) -> Any:

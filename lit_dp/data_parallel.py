@@ -55,6 +55,7 @@ from lit_dp.options import AUTO, DEFAULT_BUCKET_MB, MODULE, Options, resolve_com
 from lit_dp.options.comm_hooks import declared_stateless
 from lit_dp.options.docs import options_doc
 from lit_dp.options.fault_tolerance import UNDER_MANAGER, refuse_what_replicas_cannot_follow
+from lit_dp.options.signature import takes_options
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class DataParallel(nn.Module, Joinable):
     this wrapper owns the ``Waiter`` through which every wait of its collectives goes.
     """
 
+    @takes_options(MODULE)
     def __init__(
         self,
         module: nn.Module,

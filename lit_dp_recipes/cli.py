@@ -1,7 +1,7 @@
-"""How a recipe script starts: ``python recipes/<name>.py overrides...``.
+"""How a recipe starts: ``python -m lit_dp_recipes.run.<name> overrides...`` (``python recipes/<name>.py`` in a clone).
 
-``recipe_main(task, config_name)`` is the ``main()`` of every script in ``recipes/``: Hydra's
-``@hydra.main`` over ``conf/<config_name>.yaml``, with what every recipe needs registered
+``recipe_main(task, config_name)`` is the ``main()`` of every recipe (``lit_dp_recipes.run``): Hydra's
+``@hydra.main`` over ``conf/<config_name>.yaml`` (packaged as ``lit_dp_recipes/conf``), with what every recipe needs registered
 first (the strategy and trainer schemas, the ``lit_dp.job_folder`` resolver of
 ``conf/hydra/default.yaml``), and one check of the command line before Hydra composes:
 a ``strategy.<key>`` override that the selected strategy does not have is answered with the
@@ -27,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_dp_recipes.config import register_configs
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# The configs, shipped in the package; in the repository this folder is a link to conf/.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 HYDRA_VERSION_BASE = "1.3"
 STRATEGY_GROUP = "strategy"
 

@@ -7,10 +7,7 @@
 Every key of recipes/gpt.py applies (conf/charlm.yaml extends conf/gpt.yaml); see docs/gpt.md.
 """
 
-from lit_dp_recipes.cli import recipe_main
-from lit_dp_recipes.train import train
-
-main = recipe_main(train, config_name="charlm")
+from lit_dp_recipes.run.charlm import main
 
 if __name__ == "__main__":
     main()

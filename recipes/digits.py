@@ -7,10 +7,7 @@
     python recipes/digits.py ckpt_path=outputs/digits/<run>/checkpoints/last.ckpt   # resume
 """
 
-from lit_dp_recipes.cli import recipe_main
-from lit_dp_recipes.train import train
-
-main = recipe_main(train, config_name="digits")
+from lit_dp_recipes.run.digits import main
 
 if __name__ == "__main__":
     main()

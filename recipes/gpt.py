@@ -11,10 +11,7 @@
 Shards: nanoGPT's flat uint16 .bin or llm.c's headed shards (docs/gpt.md).
 """
 
-from lit_dp_recipes.cli import recipe_main
-from lit_dp_recipes.train import train
-
-main = recipe_main(train, config_name="gpt")
+from lit_dp_recipes.run.gpt import main
 
 if __name__ == "__main__":
     main()

@@ -7,10 +7,7 @@
 It prints the training command for what it wrote (docs/gpt.md).
 """
 
-from lit_dp_recipes.cli import recipe_main
-from lit_dp_recipes.prepare import prepare_from_config
-
-main = recipe_main(prepare_from_config, config_name="prepare_shards")
+from lit_dp_recipes.run.prepare_shards import main
 
 if __name__ == "__main__":
     main()

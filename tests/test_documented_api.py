@@ -43,8 +43,9 @@ ROOTS = {
 }
 IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 # Not preceded by a name or a dot: ``DistributedDataParallel.x`` is torch's, and the
-# ``fabric.PaddleDPStrategy`` inside ``lit_dp.fabric.PaddleDPStrategy`` is one chain from ``lit_dp``.
-CHAIN = re.compile(rf"(?<![\w.])(?:{'|'.join(re.escape(root) for root in ROOTS)})(?:\.{IDENTIFIER})+")
+# ``fabric.PaddleDPStrategy`` inside ``lit_dp.fabric.PaddleDPStrategy`` is one chain from ``lit_dp``;
+# nor by a dash: ``--trainer.strategy.comm_buffer_size`` is a LightningCLI flag (docs/strategy.md).
+CHAIN = re.compile(rf"(?<![\w.-])(?:{'|'.join(re.escape(root) for root in ROOTS)})(?:\.{IDENTIFIER})+")
 IMPORT = re.compile(rf"^\s*from\s+(lit_dp(?:\.{IDENTIFIER})*)\s+import\s+\(?([^)#\n]+)", re.MULTILINE)
 
 # Names the docs present that are not Python attributes, with how the test checks each instead.

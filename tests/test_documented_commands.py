@@ -44,7 +44,8 @@ from tests.helpers.documented import (
 COMMANDS = documented_commands()
 UNIQUE = list({c.text: c for c in reversed(COMMANDS)}.values())[::-1]  # the first of identical commands
 BENCHMARK_CONF = ROOT / "benchmarks" / "conf"
-TOOLS = ("lit_dp.observability.trace", "lit_dp_recipes.trace_render")  # modules the docs run on a run's output
+# Modules the docs run as typed: tools run on a run's output, and LightningCLI over BoringModel (docs/strategy.md).
+TOOLS = ("lit_dp.observability.trace", "lit_dp_recipes.trace_render", "lit_dp_recipes.run.sample", "lit_dp_recipes.lightning_cli")
 
 
 def kind(command: DocumentedCommand) -> str:
@@ -73,7 +74,7 @@ def test_every_not_run_reason_still_matches_a_documented_command():
 
 def overrides_of(command: DocumentedCommand) -> list[list[str]]:
     """The overrides of each job ``command`` starts: one list, or one per element of a ``-m`` sweep."""
-    start = command.argv.index(next(a for a in command.argv if a.endswith(".py") or a.startswith("benchmarks."))) + 1
+    start = command.argv.index(next(a for a in command.argv if a.endswith(".py") or a.startswith(("benchmarks.", "lit_dp_recipes.run.")))) + 1
     # Not options: flags, arguments naming a run the test has not made (ckpt_path=outputs/digits/<run>/...),
     # and the docs' "..." for options left out.
     arguments = [a for a in command.argv[start:] if not a.startswith("-") and "<run>" not in a and a != "..."]

@@ -30,6 +30,9 @@ LIGHTNING_ALLOWED = {
     "lit_dp.job.launcher",
 }
 
+# Fronts besides lit_dp itself: lit_dp.fabric names the Fabric strategy, as lightning.fabric does.
+FRONTS = {"lit_dp.fabric"}
+
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -52,7 +55,7 @@ MODULES = {module_name(path): imports_of(path) for path in sorted(LIBRARY.rglob(
 
 def layer_of(module: str) -> int:
     parts = module.split(".")
-    if len(parts) == 1:  # lit_dp itself: the package's front, it may import every layer
+    if len(parts) == 1 or module in FRONTS:  # the package's front, it may import every layer
         return len(LAYERS)
     if len(parts) == 2 and parts[1] in LAYERS:  # a layer's package: its __init__ belongs to it
         return LAYERS.index(parts[1])

@@ -29,6 +29,19 @@ def options_doc(scope: str) -> str:
     return "\n".join(lines)
 
 
+def arguments_doc(declared: list[Declared]) -> str:
+    """An ``Args:`` section, one entry per option by its keyword spelling: the constructor's docstring,
+    which jsonargparse (LightningCLI's help) and editors read next to the generated signature."""
+    lines = ["Every option (docs/options.md) is a keyword argument, validated here once.", "", "Args:"]
+    for option in declared:
+        meta = option.field.metadata
+        path = f"``{option.path}``: " if option.keyword != option.path else ""
+        applies = f"with comm_hook={option.hook!r}: " if option.hook else ""
+        alias = f" (Lightning: ``{meta['lightning']}``)" if meta["lightning"] else ""
+        lines.append(f"    {option.keyword}: {path}{applies}{meta['help']}{alias}.")
+    return "\n".join(lines)
+
+
 def options_markdown() -> str:
     """The generated part of docs/options.md: every option, then the named hooks."""
     lines = [

@@ -35,6 +35,7 @@ from lit_dp.join import DataParallelJoin
 from lit_dp.observability.watchdog import HangWatchdog
 from lit_dp.options import FABRIC, Options
 from lit_dp.options.docs import options_doc
+from lit_dp.options.signature import takes_options
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
@@ -68,6 +69,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     _launchers = (FabricScriptLauncher, FabricMultiProcessingLauncher)
     _options_scope = FABRIC
 
+    @takes_options(FABRIC)
     def __init__(
         self,
         accelerator: Accelerator | None = None,

@@ -45,6 +45,7 @@ from lit_dp.job.process_group import barrier, broadcast_object
 from lit_dp.local_sgd import LocalSGD
 from lit_dp.options import AUTO, TRAINER, Options
 from lit_dp.options.docs import options_doc
+from lit_dp.options.signature import takes_options
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO, save_checkpoint
@@ -108,6 +109,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     _launchers = (TrainerScriptLauncher, ForwardingMultiProcessingLauncher)  # lit_dp.strategies.preemption
     _options_scope = TRAINER
 
+    @takes_options(TRAINER)
     def __init__(
         self,
         accelerator: pl.accelerators.Accelerator | None = None,

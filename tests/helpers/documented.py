@@ -104,9 +104,13 @@ class DocumentedCommand:
 
     @property
     def script(self) -> str | None:
-        """The recipe it runs (``digits`` for ``recipes/digits.py``), directly or under torchrun."""
+        """The recipe it runs (``digits`` for ``recipes/digits.py`` or ``-m lit_dp_recipes.run.digits``, the
+        installed package's form), directly or under torchrun."""
         match = next((a for a in self.argv if re.fullmatch(r"recipes/\w+\.py", a)), None)
-        return Path(match).stem if match else None
+        if match:
+            return Path(match).stem
+        module = re.fullmatch(r"lit_dp_recipes\.run\.(\w+)", self.module or "")
+        return module.group(1) if module else None
 
     @property
     def module(self) -> str | None:

@@ -132,22 +132,30 @@ def test_every_option_is_declared_with_its_help_check_and_front_doors():
 
 
 def test_front_doors_list_no_options_of_their_own():
-    # The strategies take Lightning's own arguments and the declared options; nothing is retyped.
-    for strategy, lightning_arguments in (
-        (PaddleDPStrategy, {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}),
-        (fabric.PaddleDPStrategy, {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision"}),
+    # The strategies take Lightning's own arguments and the declared options; nothing is retyped:
+    # the options' parameters are generated from the declarations (lit_dp.options.signature).
+    for strategy, scope, lightning_arguments in (
+        (PaddleDPStrategy, TRAINER, ["accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"]),
+        (fabric.PaddleDPStrategy, FABRIC, ["accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision"]),
     ):
-        parameters = set(inspect.signature(strategy.__init__).parameters) - {"self"}
-        assert parameters == lightning_arguments | {"options", "values"}, strategy
+        assert _written_parameters(strategy.__init__) == ["self", *lightning_arguments, "options", "values"], strategy
+        generated = [declared.keyword for declared in declared_options(scope)]
+        assert list(inspect.signature(strategy.__init__).parameters) == ["self", *lightning_arguments, "options", *generated, "values"]
     # DataParallel's own arguments are torch DDP's, in DDP's order (so positional calls move over),
     # plus lit_dp's name for the group, the options' doors and a torchft Manager (docs/fault_tolerance.md).
     # DDP's arguments of torch releases after the lowest one lit_dp allows are taken on that one too.
     later_ddp = {"bucket_cap_mb_list", "forward_sync_buffers", "batched_grad_copy"}
-    ours = list(inspect.signature(DataParallel.__init__).parameters)
+    ours = _written_parameters(DataParallel.__init__)
     ddp = list(inspect.signature(DistributedDataParallel.__init__).parameters)
     assert [name for name in ours if name in ddp] == ddp
     assert set(ours) - set(ddp) - later_ddp == {"group", "options", "manager", "option_values"}
     assert {d.path for d in declared_options(MODULE)} <= {d.path for d in declared_options(TRAINER)}
+
+
+def _written_parameters(init) -> list[str]:
+    """The parameters ``init``'s code names (its signature also lists the generated options)."""
+    code = init.__code__
+    return list(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + 1])
 
 
 def every_option() -> list[tuple[str, dataclasses.Field, str | None]]:

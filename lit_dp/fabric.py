@@ -1,0 +1,10 @@
+"""``lit_dp.fabric``: the Fabric front door, as ``lightning.fabric.strategies`` is Lightning's.
+
+``Fabric(strategy="paddle_dp")`` or ``Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(...))``;
+a config names it ``class_path: lit_dp.fabric.PaddleDPStrategy``. The strategy itself lives with
+the Trainer's in ``lit_dp.strategies`` (``lit_dp.strategies.fabric``), which share its base.
+"""
+
+from lit_dp.strategies.fabric import PaddleDPStrategy
+
+__all__ = ["PaddleDPStrategy"]
