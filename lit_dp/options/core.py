@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, Optional
 
 from lit_dp.options.backends import check_backend
@@ -20,6 +21,7 @@ from lit_dp.options.comm_hooks import (
     check_hook_choice,
     describe_comm_hook,
     named_hooks,
+    resolve_comm_hook,
 )
 from lit_dp.options.declare import (
     EVERYWHERE,
@@ -32,6 +34,7 @@ from lit_dp.options.declare import (
     duration,
     flag,
     group,
+    in_ddp,
     is_group,
     megabytes,
     option,
@@ -77,6 +80,30 @@ def _in_megabytes(value: Any, options: Options) -> str:
     return value if value == AUTO else f"{value}MB"
 
 
+def _bucket_cap_mb(name: str, value: Any) -> float:
+    if value == AUTO:
+        raise ValueError(
+            f"{name}={AUTO!r} is invalid under torch DDP: DDP has no automatic bucket size (its bucket_cap_mb is a "
+            f"number of MB); expected a number, e.g. {name}={DEFAULT_BUCKET_MB:g} (DDP's default), or lit_dp's "
+            "strategy (paddle_dp), which times the sizes."
+        )
+    return value
+
+
+def _process_group_backend(name: str, value: str) -> str | None:
+    return None if value == "auto" else value  # DDPStrategy's None is the same choice as our "auto"
+
+
+def _ddp_timeout(name: str, value: Any) -> timedelta | None:
+    return None if value is None else parse_timeout(name, value)
+
+
+def _comm_hook_in_ddp(name: str, value: Any, options: Options) -> dict[str, Any]:
+    """The hook lit_dp would register (named hooks built, ``comm_dtype`` wrapped), for DDP's ``register_comm_hook``."""
+    resolved = resolve_comm_hook(options)
+    return {} if resolved is None else {"ddp_comm_state": resolved[0], "ddp_comm_hook": resolved[1]}
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """lit_dp's options, validated (build with ``Options.build``); docs/options.md lists them."""
@@ -89,6 +116,8 @@ class Options:
         config=Any,
         lightning="bucket_cap_mb",
         show=_in_megabytes,
+        ddp=in_ddp("bucket_cap_mb", _bucket_cap_mb),
+        examples=(AUTO, 5.0),
     )
     last_comm_buffer_size: float = option(
         default=1.0,
@@ -104,6 +133,7 @@ class Options:
         check=flag,
         scope=EVERYWHERE,
         config=bool,
+        ddp=in_ddp("find_unused_parameters"),
     )
     gradient_as_bucket_view: bool = option(
         default=False,
@@ -111,6 +141,7 @@ class Options:
         check=flag,
         scope=EVERYWHERE,
         config=bool,
+        ddp=in_ddp("gradient_as_bucket_view"),
     )
     broadcast_buffers: bool = option(
         default=True,
@@ -119,6 +150,8 @@ class Options:
         check=flag,
         scope=EVERYWHERE,
         config=bool,
+        # Passed only when off: torch 2.9+ warns on broadcast_buffers given at all (its default is on, as ours).
+        ddp=in_ddp("broadcast_buffers", lambda name, value: None if value else False),
     )
     comm_hook: Any = option(
         default=None,
@@ -128,6 +161,8 @@ class Options:
         config=Optional[str],
         lightning="ddp_comm_hook",
         show=lambda value, options: describe_comm_hook(options),
+        ddp=_comm_hook_in_ddp,
+        examples=lambda: tuple(hook.name for hook in named_hooks()),  # those registered by the time it is asked
     )
     comm_state: Any = option(
         default=None,
@@ -136,6 +171,8 @@ class Options:
         scope=EVERYWHERE,
         lightning="ddp_comm_state",
         shown_by="comm_hook",
+        ddp="comm_hook",
+        examples=(),
     )
     comm_wrapper: Any = option(
         default=None,
@@ -144,6 +181,8 @@ class Options:
         scope=EVERYWHERE,
         lightning="ddp_comm_wrapper",
         shown_by="comm_hook",
+        ddp="comm_hook",
+        examples=(),
     )
     comm_dtype: Optional[str] = option(
         default=None,
@@ -152,6 +191,7 @@ class Options:
         scope=EVERYWHERE,
         config=Optional[str],
         shown_by="comm_hook",
+        ddp="comm_hook",
     )
     comm_stats: bool = option(
         default=False,
@@ -168,6 +208,7 @@ class Options:
         check=_hang_timeout,
         scope=EVERYWHERE,
         config=Any,
+        examples=(None, 60.0),
     )
     backend: str = option(
         default="auto",
@@ -176,6 +217,8 @@ class Options:
         scope=STRATEGIES,
         config=str,
         lightning="process_group_backend",
+        ddp=in_ddp("process_group_backend", _process_group_backend),
+        examples=("gloo",),
     )
     nrings: Optional[int] = option(
         default=None,
@@ -190,6 +233,8 @@ class Options:
         check=duration,
         scope=STRATEGIES,
         config=Optional[float],
+        ddp=in_ddp("timeout", _ddp_timeout),
+        examples=(120.0,),
     )
     start_method: str = option(
         default="popen",
@@ -197,6 +242,7 @@ class Options:
         check=choice(*START_METHODS),
         scope=STRATEGIES,
         config=str,
+        ddp=in_ddp("start_method"),
     )
     uneven_inputs: bool = option(
         default=False,

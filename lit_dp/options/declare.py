@@ -11,7 +11,15 @@ An option is a field of a frozen dataclass, declared with ``option(...)``. Its m
 - ``lightning``: Lightning ``DDPStrategy``'s name for the same option, accepted as an alias so
   that a ``DDPStrategy(...)`` call moves over by renaming the class;
 - ``show``: how the start-up line (``describe``) writes it, when not as ``name=value``;
-  ``shown_by``: the option whose text in that line already says what this one does.
+  ``shown_by``: the option whose text in that line already says what this one does;
+- ``ddp``: what torch DDP (Lightning's ``DDPStrategy``) has for it, for a side-by-side run with
+  DDP: ``in_ddp(keyword, convert)`` (``comm_buffer_size`` is ``bucket_cap_mb``), the path of the
+  option whose arguments carry it (``powersgd.rank`` goes with ``comm_hook``), or None: DDP has
+  nothing like it, and ``lit_dp.ddp_arguments.ddp_strategy_arguments`` refuses it by name rather
+  than let DDP ignore it;
+- ``examples``: values that turn its feature on, for the tests that combine every option with
+  every other (``lit_dp.options.combinations``); without it they come from ``check`` (``flag``:
+  the other boolean; ``choice``, ``count``, ``megabytes``: their ``examples``).
 
 Options of one feature form a group: a frozen dataclass of such fields, composed into
 ``Options`` with ``group(...)`` and spelt ``<group>.<field>`` (``trace.dir``); Python keyword
@@ -37,6 +45,10 @@ FRONT_DOORS = {
 }
 
 Check = Callable[[str, Any], Any]
+# In torch DDP: ``arguments(name, value, options)`` returns the keyword arguments of Lightning's
+# ``DDPStrategy`` that stand for the option (``{}`` where DDP's default does), or raises a
+# ValueError naming ``name`` for a value DDP has no counterpart for.
+DDPArguments = Callable[[str, Any, Any], dict]
 
 
 def option(
@@ -49,6 +61,8 @@ def option(
     lightning: str | None = None,
     show: Callable[[Any, Any], str] | None = None,
     shown_by: str | None = None,
+    ddp: DDPArguments | str | None = None,
+    examples: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
 ) -> Any:
     """A dataclass field declaring one option (see the module docstring for the metadata).
 
@@ -62,8 +76,23 @@ def option(
         "lightning": lightning,
         "show": show,
         "shown_by": shown_by,
+        "ddp": ddp,
+        "examples": examples,
     }
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def in_ddp(keyword: str, convert: Callable[[str, Any], Any] | None = None) -> DDPArguments:
+    """The option is DDP's ``keyword`` (Lightning ``DDPStrategy``'s argument), its value converted by
+    ``convert(name, value)``, which raises a ValueError naming the option for a value DDP cannot
+    take; a value converted to None is left to DDP's default."""
+
+    def arguments(name: str, value: Any, options: Any) -> dict:
+        value = value if convert is None else convert(name, value)
+        return {} if value is None else {keyword: value}
+
+    arguments.keyword = keyword  # type: ignore[attr-defined]
+    return arguments
 
 
 def group(options: type) -> Any:
@@ -110,11 +139,17 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
+flag.examples = (True, False)  # type: ignore[attr-defined]  # the one that is not the default
+
+
 def megabytes(name: str, value: Any) -> float:
     """A positive size in MB (fractions allowed), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}={value!r} is invalid: expected a positive number of megabytes.")
     return float(value)
+
+
+megabytes.examples = (5.0,)  # type: ignore[attr-defined]
 
 
 def count(low: int, high: int | None = None, optional: bool = False) -> Check:
@@ -129,6 +164,7 @@ def count(low: int, high: int | None = None, optional: bool = False) -> Check:
             raise ValueError(f"{name}={value!r} is invalid: expected {expected}.")
         return value
 
+    check.examples = (low + 1 if high is None or low + 1 <= high else low,)  # type: ignore[attr-defined]
     return check
 
 
@@ -167,6 +203,7 @@ def choice(*allowed: str, optional: bool = False) -> Check:
             raise ValueError(f"{name}={value!r} is invalid: expected one of {', '.join(allowed)}.")
         return value.lower()
 
+    check.examples = allowed  # type: ignore[attr-defined]
     return check
 
 
