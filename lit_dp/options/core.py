@@ -42,9 +42,13 @@ from lit_dp.options.declare import (
     seconds,
     show_value,
 )
+from lit_dp.options.consistency import RULES as CONSISTENCY_RULES
 from lit_dp.options.consistency import ConsistencyOptions
 from lit_dp.options.fault_tolerance import FaultToleranceOptions, check_engine, check_fault_tolerance
-from lit_dp.options.local_sgd import COMM_HOOKS_SKIPPING_COMMUNICATION, LocalSGDOptions
+from lit_dp.options.local_sgd import RULES as LOCAL_SGD_RULES
+from lit_dp.options.local_sgd import LocalSGDOptions
+from lit_dp.options.rules import Rule
+from lit_dp.options.sharding import RULES as SHARDING_RULES
 from lit_dp.options.sharding import ShardingOptions
 from lit_dp.options.spelling import Spellings
 from lit_dp.options.straggler import StragglerOptions
@@ -52,6 +56,9 @@ from lit_dp.options.trace import TraceOptions
 
 DEFAULT_BUCKET_MB = 25.0  # Paddle's comm_buffer_size (and torch DDP's bucket_cap_mb)
 AUTO = "auto"  # comm_buffer_size="auto": sizes timed in the first steps (lit_dp.observability.autotune)
+# From this synchronised step on, "auto" no longer changes the buckets: what a hook keeping memory
+# per bucket must wait for. lit_dp.observability.autotune.settled_step() (a test keeps them equal).
+AUTO_SETTLED_STEP = 121
 MAX_NRINGS = 8
 DEFAULT_HANG_TIMEOUT = 300.0
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -261,11 +268,11 @@ class Options:
         config=Optional[str],
     )
     trace: TraceOptions = group(TraceOptions)
-    local_sgd: LocalSGDOptions = group(LocalSGDOptions)
-    sharding: ShardingOptions = group(ShardingOptions)
+    local_sgd: LocalSGDOptions = group(LocalSGDOptions, LOCAL_SGD_RULES)
+    sharding: ShardingOptions = group(ShardingOptions, SHARDING_RULES)
     ft: FaultToleranceOptions = group(FaultToleranceOptions)
     straggler: StragglerOptions = group(StragglerOptions)
-    consistency: ConsistencyOptions = group(ConsistencyOptions)
+    consistency: ConsistencyOptions = group(ConsistencyOptions, CONSISTENCY_RULES)
     # The options of every registered named hook, by its name (lit_dp.options.comm_hooks): spelt
     # <name>.<field> like a group's, e.g. powersgd.rank. Read only.
     hooks: dict[str, Any] = dataclasses.field(
@@ -325,6 +332,8 @@ class Options:
 
     def _check_combinations(self, name: Callable[[str], str]) -> None:
         """The options that cannot go together; ``name(path)`` spells an option as the user wrote it."""
+        for rule in rules():
+            rule.check(self, name)
         check_hook_choice(self, name)
         timeout = None if self.timeout is None else parse_timeout("timeout", self.timeout).total_seconds()
         if self.hang_timeout is not None and timeout is not None and self.hang_timeout >= timeout:
@@ -333,63 +342,7 @@ class Options:
                 f"process group would time out first, without the diagnosis; expected {name('hang_timeout')} below "
                 f"{name('timeout')} (e.g. {timeout / 2:g}), 'auto' (half of it) or None."
             )
-        steps = self.local_sgd.steps
-        if steps is None and self.local_sgd.adaptive:
-            raise ValueError(
-                f"{name('local_sgd.adaptive')}=True needs {name('local_sgd.steps')}: expected the initial period, e.g. 1."
-            )
-        hook = self.comm_hook
-        hook_name = hook if hook is None or isinstance(hook, str) else getattr(getattr(hook, "func", hook), "__name__", None)
-        if steps is not None and hook_name in COMM_HOOKS_SKIPPING_COMMUNICATION:
-            raise ValueError(
-                f"{name('local_sgd.steps')}={steps!r} with {name('comm_hook')}={hook_name!r} is invalid: that hook "
-                "already skips gradient communication, so warm-up steps would not be data-parallel; expected LocalSGD "
-                "or that hook, not both."
-            )
-        self._check_sharding(name, hook_name)
-        self._check_consistency(name)
         check_fault_tolerance(self, name)
-
-    def _check_sharding(self, name: Callable[[str], str], hook_name: str | None) -> None:
-        stage = self.sharding.stage
-        if stage is None:
-            if self.sharding.overlap:
-                raise ValueError(
-                    f"{name('sharding.overlap')}=True needs {name('sharding.stage')}: expected "
-                    f"{name('sharding.stage')}=1 or 2."
-                )
-            return
-        if self.local_sgd.steps is not None:
-            raise ValueError(
-                f"{name('sharding.stage')}={stage} with {name('local_sgd.steps')}={self.local_sgd.steps} is invalid: "
-                "LocalSGD steps every rank's optimizer on its own gradients and averages whole models, while sharding "
-                "steps each parameter on one rank only; expected one of them."
-            )
-        if stage == 2 and (self.comm_hook is not None or self.comm_dtype is not None):
-            given = (
-                f"{name('comm_hook')}={hook_name!r}" if self.comm_hook is not None else f"{name('comm_dtype')}={self.comm_dtype!r}"
-            )
-            raise ValueError(
-                f"{name('sharding.stage')}=2 with {given} is invalid: a communication hook reduces whole buckets for "
-                f"every rank, stage 2 reduces each gradient to its owner only; expected {name('sharding.stage')}=1 "
-                "with a hook, or no hook."
-            )
-
-    def _check_consistency(self, name: Callable[[str], str]) -> None:
-        if not self.consistency.optimizer_state:
-            return
-        if self.consistency.every_n_steps is None:
-            raise ValueError(
-                f"{name('consistency.optimizer_state')}=True needs {name('consistency.every_n_steps')}: expected a "
-                f"number of steps, e.g. {name('consistency.every_n_steps')}=100."
-            )
-        if self.sharding.stage is not None:
-            raise ValueError(
-                f"{name('consistency.optimizer_state')}=True with {name('sharding.stage')}={self.sharding.stage} is "
-                "invalid: under sharding each rank holds the optimizer state of its own parameters only, so the "
-                f"states differ by design; expected {name('consistency.optimizer_state')}=False (the parameters are "
-                "still compared)."
-            )
 
     def replace(self, **changes: Any) -> Options:
         """A copy with ``changes`` (already valid values, e.g. a tuned bucket size)."""
@@ -424,6 +377,12 @@ class Options:
             value = self.value(declared.path)
             shown.append(f"{declared.path}={meta['show'](value, self) if meta['show'] else show_value(value)}")
         return " ".join(shown)
+
+
+def rules() -> list[Rule]:
+    """Every declared rule (``lit_dp.options.rules``): the groups', then the registered named hooks'."""
+    declared = [rule for field in dataclasses.fields(Options) if is_group(field) for rule in field.metadata["rules"]]
+    return declared + [rule for hook in named_hooks() for rule in hook.rules]
 
 
 def declared_options(scope: str | None = None) -> list[Declared]:

@@ -24,7 +24,8 @@ An option is a field of a frozen dataclass, declared with ``option(...)``. Its m
 Options of one feature form a group: a frozen dataclass of such fields, composed into
 ``Options`` with ``group(...)`` and spelt ``<group>.<field>`` (``trace.dir``); Python keyword
 arguments may also spell it ``<group>_<field>`` (``trace_dir``), derived, never declared again.
-The checks several options share live here too.
+The checks several options share live here too; which options need or exclude each other is
+declared with them as well, as rules (``lit_dp.options.rules``).
 """
 
 from __future__ import annotations
@@ -95,9 +96,10 @@ def in_ddp(keyword: str, convert: Callable[[str, Any], Any] | None = None) -> DD
     return arguments
 
 
-def group(options: type) -> Any:
-    """A field of ``Options`` holding the frozen dataclass ``options`` of one feature."""
-    return dataclasses.field(default_factory=options, metadata={"group": options})
+def group(options: type, rules: tuple = ()) -> Any:
+    """A field of ``Options`` holding the frozen dataclass ``options`` of one feature, with the
+    rules its options take part in (``lit_dp.options.rules``)."""
+    return dataclasses.field(default_factory=options, metadata={"group": options, "rules": rules})
 
 
 def is_group(field: dataclasses.Field) -> bool:
