@@ -49,6 +49,12 @@ class ConsistencyOptions:
 
 RULES = (
     requires(
+        "consistency.action",
+        "consistency.every_n_steps",
+        "expected a number of steps, e.g. {consistency.every_n_steps}=100, or no {consistency.action}",
+        set_only=True,
+    ),
+    requires(
         "consistency.optimizer_state",
         "consistency.every_n_steps",
         "expected a number of steps, e.g. {consistency.every_n_steps}=100",

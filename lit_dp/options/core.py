@@ -19,6 +19,7 @@ from lit_dp.options.comm_hooks import (
     check_comm_dtype,
     check_comm_hook,
     check_hook_choice,
+    compressions,
     describe_comm_hook,
     named_hooks,
     resolve_comm_hook,
@@ -44,7 +45,8 @@ from lit_dp.options.declare import (
 )
 from lit_dp.options.consistency import RULES as CONSISTENCY_RULES
 from lit_dp.options.consistency import ConsistencyOptions
-from lit_dp.options.fault_tolerance import FaultToleranceOptions, check_engine, check_fault_tolerance
+from lit_dp.options.fault_tolerance import RULES as FAULT_TOLERANCE_RULES
+from lit_dp.options.fault_tolerance import ENGINES, FaultToleranceOptions, check_engine, check_fault_tolerance
 from lit_dp.options.local_sgd import RULES as LOCAL_SGD_RULES
 from lit_dp.options.local_sgd import LocalSGDOptions
 from lit_dp.options.rules import Rule
@@ -52,6 +54,7 @@ from lit_dp.options.sharding import RULES as SHARDING_RULES
 from lit_dp.options.sharding import ShardingOptions
 from lit_dp.options.spelling import Spellings
 from lit_dp.options.straggler import StragglerOptions
+from lit_dp.options.trace import RULES as TRACE_RULES
 from lit_dp.options.trace import TraceOptions
 
 DEFAULT_BUCKET_MB = 25.0  # Paddle's comm_buffer_size (and torch DDP's bucket_cap_mb)
@@ -199,6 +202,7 @@ class Options:
         config=Optional[str],
         shown_by="comm_hook",
         ddp="comm_hook",
+        examples=lambda: tuple(compressions()),
     )
     comm_stats: bool = option(
         default=False,
@@ -266,11 +270,12 @@ class Options:
         check=check_engine,
         scope=STRATEGIES,
         config=Optional[str],
+        examples=ENGINES,
     )
-    trace: TraceOptions = group(TraceOptions)
+    trace: TraceOptions = group(TraceOptions, TRACE_RULES)
     local_sgd: LocalSGDOptions = group(LocalSGDOptions, LOCAL_SGD_RULES)
     sharding: ShardingOptions = group(ShardingOptions, SHARDING_RULES)
-    ft: FaultToleranceOptions = group(FaultToleranceOptions)
+    ft: FaultToleranceOptions = group(FaultToleranceOptions, FAULT_TOLERANCE_RULES)
     straggler: StragglerOptions = group(StragglerOptions)
     consistency: ConsistencyOptions = group(ConsistencyOptions, CONSISTENCY_RULES)
     # The options of every registered named hook, by its name (lit_dp.options.comm_hooks): spelt

@@ -43,6 +43,9 @@ class LocalSGDOptions:
 
 RULES = (
     requires("local_sgd.adaptive", "local_sgd.steps", "expected the initial period, e.g. 1"),
+    requires(
+        "local_sgd.warmup_steps", "local_sgd.steps", "expected the period that follows the warm-up, e.g. 4", set_only=True
+    ),
     excludes(
         "local_sgd.steps",
         "comm_hook",

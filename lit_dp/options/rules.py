@@ -63,9 +63,15 @@ class Rule:
         raise ValueError(f"{' with '.join(given[:2])}{''.join(' and ' + g for g in given[2:])} is invalid: {reason}.")
 
 
-def requires(option: str, needed: str, expected: str) -> Rule:
-    """``option``, when on, needs ``needed`` on too; ``expected`` says what to set."""
-    return Rule((option, needed), lambda o: is_on(o, option) and not is_on(o, needed), expected, needs=True)
+def requires(option: str, needed: str, expected: str, *, set_only: bool = False) -> Rule:
+    """``option``, when on (``set_only``: when given other than its default), needs ``needed`` on
+    too, without which it would be ignored; ``expected`` says what to set."""
+
+    def applies(options: Any) -> bool:
+        given = options.is_set(option) if set_only else is_on(options, option)
+        return given and not is_on(options, needed)
+
+    return Rule((option, needed), applies, expected, needs=True)
 
 
 def excludes(*options: str, reason: str, when: Callable[[Any], bool] | None = None) -> Rule:
