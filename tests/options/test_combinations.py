@@ -141,6 +141,7 @@ def _train_pairs(rank: int, combinations: list[dict], world_size: int, folder: s
                 reference_optimizer.zero_grad()
                 reference_loss(reference, step, world_size).backward()
                 reference_optimizer.step()
+            model.wait_for_parameters()  # sharding.overlap leaves the last step's gathers in flight
             ours = torch.cat([p.detach().flatten() for p in base.parameters()])
             gathered = [torch.empty_like(ours) for _ in range(world_size)]
             dist.all_gather(gathered, ours)

@@ -90,6 +90,12 @@ def test_overrides_reach_the_strategy(tmp_path):
         ("strategy.local_sgd.steps=0", r"strategy.local_sgd.steps=0 is invalid: expected an integer >= 1"),
         ("strategy.local_sgd.steps=2 strategy.local_sgd.warmup_steps=-5", "strategy.local_sgd.warmup_steps=-5 is invalid"),
         ("strategy.local_sgd.adaptive=true", "strategy.local_sgd.adaptive=True needs strategy.local_sgd.steps"),
+        # Issue 39, 3: refused in each rank's setup, after the ranks started; now where the job starts.
+        ("strategy.comm_hook=powersgd strategy.powersgd.start_iter=2 strategy.comm_buffer_size=auto",
+         r"strategy.comm_buffer_size='auto' with strategy.comm_hook='powersgd' and strategy.powersgd.start_iter=2 is "
+         r"invalid: 'auto' rebuilds the buckets until synchronised step 121, .* expected strategy.powersgd.start_iter "
+         r">= 121, or a fixed strategy.comm_buffer_size"),
+        ("strategy.trace.steps=[0,2]", r"strategy.trace.steps=\(0, 2\) needs strategy.trace.dir"),
         ("strategy.trace.steps=[3,1]", r"strategy.trace.steps=\[3, 1\] is invalid: expected two integers"),
         ("strategy.bucket_size=5", "strategy.bucket_size=5 is not an option of lit_dp.PaddleDPStrategy"),
         ("trainer.devices=100000", r"trainer.devices=100000 is too many CPU processes: this machine gives \d+ cores"),

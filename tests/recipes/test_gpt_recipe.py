@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lit_dp_recipes.gpt import GPT, lr_at
+from lit_dp_recipes.gpt import GPT, adamw, lr_at
 from lit_dp_recipes.train import train
 from tests.helpers.recipes import QUIET, compose_config, final_metrics, run_recipe
 
@@ -56,6 +56,24 @@ def test_text_to_shards_to_a_2_process_fit_where_paddle_dp_ends_with_ddps_weight
         # same float operations, so any difference would be a bug, not rounding; assert_close's
         # fp32 defaults leave room only for the order of a sum.
         torch.testing.assert_close(ours_weights[name], ddp_weights[name], msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_bf16_mixed_with_the_fused_adamw_and_clipping_trains_under_ddp_as_under_paddle_dp(tmp_path):
+    # Issue 39, 6: under strategy=ddp Lightning's plugin refused to clip the fused AdamW at step 1
+    # ("does not allow for gradient clipping because it performs unscaling of gradients internally").
+    common = [*QUIET, "experiment=gpt_tiny", "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=0.5",
+              "trainer.max_steps=4", "trainer.val_check_interval=4"]
+    runs = {}
+    for strategy in ("ddp", "paddle_dp"):
+        output = run_recipe("gpt", *common, f"strategy={strategy}", f"hydra.run.dir={tmp_path / strategy}")
+        assert "val_loss" in final_metrics(output), output[-2000:]
+        runs[strategy] = last_weights(tmp_path / strategy)
+    # What the runs used: the recipe's AdamW on CPU is the fused kernel (lit_dp_recipes.gpt.adamw).
+    assert adamw(GPT(), 1e-3, 0.1, (0.9, 0.95), torch.device("cpu")).defaults["fused"]
+    for name in runs["ddp"]:
+        # The same gradients, averaged alike, clipped by the same plugin: equal up to the order of a sum.
+        torch.testing.assert_close(runs["paddle_dp"][name], runs["ddp"][name], msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
