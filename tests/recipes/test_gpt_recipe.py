@@ -11,6 +11,7 @@ import torch
 
 from lit_dp_recipes.gpt import GPT, adamw, lr_at
 from lit_dp_recipes.train import train
+from tests.helpers.documented import gpu_commands, on_device
 from tests.helpers.recipes import QUIET, compose_config, final_metrics, run_recipe
 
 TINY_MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.block_size=32", "data.batch_size=4"]
@@ -74,6 +75,31 @@ def test_bf16_mixed_with_the_fused_adamw_and_clipping_trains_under_ddp_as_under_
     for name in runs["ddp"]:
         # The same gradients, averaged alike, clipped by the same plugin: equal up to the order of a sum.
         torch.testing.assert_close(runs["paddle_dp"][name], runs["ddp"][name], msg=lambda m: f"{name}: {m}")
+
+
+def _gpu_configurations() -> list:
+    """The documented GPU commands run by ``python``, one per recipe and experiment (their configuration)."""
+    chosen = {}
+    for command in gpu_commands():
+        if command.argv[0] != "python" or command.script == "charlm" or any(
+            a.startswith("data.train_shards=") and not a.endswith("=...") for a in command.argv
+        ):
+            # torchrun's is digits' trainer=gpu again; charlm.py is gpt.py under its earlier name
+            # (charlm_gpt2 is gpt2_small on bytes); named shards are the user's own.
+            continue
+        experiment = next((a for a in command.argv if a.startswith(("experiment=", "trainer="))), "")
+        chosen.setdefault((command.script, experiment), command)
+    return list(chosen.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", _gpu_configurations(), ids=lambda c: c.source)
+def test_the_gpu_configurations_run_on_cpu_under_ddp_too(command, tmp_path):
+    # The issue-39 peer: what the README offers to compare (bf16-mixed, compiled, the fused AdamW,
+    # clipping) trains under strategy=ddp as under paddle_dp, shortened to CPU as on_device says.
+    argv = on_device(command, "cpu")
+    output = run_recipe(command.script, *argv[2:], *QUIET, "strategy=ddp", f"hydra.run.dir={tmp_path}", timeout=600)
+    assert "[lit_dp] strategy=DDPPeer" in output and "[lit_dp] final " in output, output[-2000:]
 
 
 @pytest.mark.slow
