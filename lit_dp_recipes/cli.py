@@ -115,9 +115,9 @@ def _did_you_mean(option: str, options: set[str], strategy: str) -> str:
     declared = {d.path: d for d in declared_options(TRAINER)}
     if option in declared:  # lit_dp's, absent from this strategy: strategy=ddp, where DDP has nothing like it
         return (
-            f"strategy.{option} is a lit_dp option that strategy={strategy} does not take: torch DDP has no "
-            f"counterpart ({option}: {declared[option].field.metadata['help']}), and would run without it. Expected "
-            f"it left out with strategy={strategy}, or strategy=paddle_dp (docs/configs.md, the ddp peer)."
+            f"strategy.{option} is not an option of strategy={strategy}: torch DDP has no counterpart ({option}: "
+            f"{declared[option].field.metadata['help']}), and would run without it. Expected it left out with "
+            f"strategy={strategy}, or strategy=paddle_dp (docs/configs.md, the ddp peer)."
         )
     candidates = sorted(o for o in options if not o.startswith("_"))
     close = difflib.get_close_matches(option, candidates, n=3, cutoff=0.6)

@@ -29,10 +29,10 @@ def schemas():
          "strategy.nothing_alike is not an option of strategy=ddp: its options: backend, broadcast_buffers,"),
         # lit_dp's options that torch DDP has nothing like (issue 39: they were ignored silently).
         (["strategy=ddp", "strategy.last_comm_buffer_size=5"],
-         "strategy.last_comm_buffer_size is a lit_dp option that strategy=ddp does not take: torch DDP has no "
-         "counterpart (last_comm_buffer_size: size limit in MB"),
+         "strategy.last_comm_buffer_size is not an option of strategy=ddp: torch DDP has no counterpart "
+         "(last_comm_buffer_size: size limit in MB"),
         (["-m", "strategy=paddle_dp,ddp", "strategy.sharding.stage=1"],
-         "strategy.sharding.stage is a lit_dp option that strategy=ddp does not take"),
+         "strategy.sharding.stage is not an option of strategy=ddp: torch DDP has no counterpart"),
     ],
 )
 def test_a_misspelled_strategy_option_gets_the_close_matches(arguments, message):
