@@ -92,8 +92,7 @@ def ddp_strategy_arguments(given: Mapping[str, Any], prefix: str = "", *, nested
     for path in in_ddp:
         to_ddp = spellings.declared[path].field.metadata["ddp"]
         if callable(to_ddp):  # else the option whose arguments carry this one (comm_hook)
-            name = written.get(path, prefix + spellings.spell(path))
-            arguments.update(to_ddp(name, options.value(path), options))
+            arguments.update(to_ddp(path, options, lambda p: written.get(p, prefix + spellings.spell(p))))
     return arguments
 
 

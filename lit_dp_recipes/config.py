@@ -220,15 +220,26 @@ def build_strategy(node: DictConfig) -> Any:
 
 
 def validate_trainer(cfg: DictConfig) -> None:
-    """Check the trainer section (``TrainerConfig.__post_init__``, then ``check_cpu_devices`` and
-    ``check_fault_tolerance_processes``); raises ``ValueError`` naming the key."""
+    """Check the trainer section (``TrainerConfig.__post_init__``, then ``check_cpu_devices``,
+    ``check_fault_tolerance_processes`` and ``check_sharded_precision``); raises ``ValueError`` naming the key."""
     if OmegaConf.get_type(cfg.trainer) is TrainerConfig:
         OmegaConf.to_object(cfg.trainer)
     accelerator, devices = cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto")
     check_cpu_devices(accelerator, devices)
-    check_fault_tolerance_processes(
-        (cfg.get("strategy") or {}).get("fault_tolerance"), accelerator, devices, cfg.trainer.get("num_nodes", 1)
-    )
+    strategy = cfg.get("strategy") or {}
+    check_fault_tolerance_processes(strategy.get("fault_tolerance"), accelerator, devices, cfg.trainer.get("num_nodes", 1))
+    check_sharded_precision((strategy.get("sharding") or {}).get("stage"), cfg.trainer.get("precision"))
+
+
+def check_sharded_precision(stage: Any, precision: Any) -> None:
+    """``strategy.sharding.stage=2`` with a gradient scaler (``trainer.precision=16-mixed``) is refused
+    here, before Lightning starts the ranks (the strategy refuses it too, but only in each rank)."""
+    if stage == 2 and str(precision) in ("16-mixed", "16"):
+        raise ValueError(
+            f"trainer.precision={precision!r} with strategy.sharding.stage=2 is invalid: a gradient scaler checks for "
+            "infs in each rank's gradients, and under stage 2 each rank holds only its own, so the ranks could "
+            "disagree on skipping a step; expected trainer.precision=bf16-mixed or 32-true, or strategy.sharding.stage=1."
+        )
 
 
 def check_fault_tolerance_processes(fault_tolerance: Any, accelerator: Any, devices: Any, num_nodes: Any) -> None:

@@ -14,6 +14,9 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
+
 from lit_dp.options.backends import check_backend
 from lit_dp.options.comm_hooks import (
     check_comm_dtype,
@@ -108,10 +111,27 @@ def _ddp_timeout(name: str, value: Any) -> timedelta | None:
     return None if value is None else parse_timeout(name, value)
 
 
-def _comm_hook_in_ddp(name: str, value: Any, options: Options) -> dict[str, Any]:
+def _comm_hook_in_ddp(path: str, options: Options, name: Callable[[str], str]) -> dict[str, Any]:
     """The hook lit_dp would register (named hooks built, ``comm_dtype`` wrapped), for DDP's ``register_comm_hook``."""
+    for given in ("comm_hook", "comm_dtype"):
+        if options.value(given) == "bf16" and not ddp_takes_bf16_hooks():
+            raise ValueError(
+                f"{name(given)}='bf16' is invalid under torch DDP with this torch build: DDP registers its bf16 hooks "
+                "only where torch was built with CUDA and NCCL 2.10+ (or XPU and XCCL), and refuses them in each rank "
+                f"otherwise; expected {name(given)}='fp16' under DDP here, or lit_dp's strategy (paddle_dp), which "
+                "all-reduces in bf16 on any backend."
+            )
     resolved = resolve_comm_hook(options)
     return {} if resolved is None else {"ddp_comm_state": resolved[0], "ddp_comm_hook": resolved[1]}
+
+
+def ddp_takes_bf16_hooks() -> bool:
+    """torch DDP's own condition for its bf16 hooks (``DistributedDataParallel._check_comm_hook``): a build
+    with CUDA (or ROCm) and NCCL 2.10+, or an XPU with XCCL."""
+    cuda = torch.version.cuda is not None or torch.version.hip is not None
+    nccl = dist.is_available() and dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+    xccl = dist.is_available() and hasattr(dist, "is_xccl_available") and dist.is_xccl_available()
+    return (cuda and nccl) or (xccl and torch.xpu.is_available())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,10 +46,11 @@ FRONT_DOORS = {
 }
 
 Check = Callable[[str, Any], Any]
-# In torch DDP: ``arguments(name, value, options)`` returns the keyword arguments of Lightning's
-# ``DDPStrategy`` that stand for the option (``{}`` where DDP's default does), or raises a
-# ValueError naming ``name`` for a value DDP has no counterpart for.
-DDPArguments = Callable[[str, Any, Any], dict]
+# In torch DDP: ``arguments(path, options, name)`` returns the keyword arguments of Lightning's
+# ``DDPStrategy`` that stand for the option ``path`` of ``options`` (``{}`` where DDP's default
+# does), or raises a ValueError naming it (``name(path)``: as the user wrote it) for a value DDP
+# has no counterpart for.
+DDPArguments = Callable[[str, Any, Callable[[str], str]], dict]
 
 
 def option(
@@ -88,8 +89,9 @@ def in_ddp(keyword: str, convert: Callable[[str, Any], Any] | None = None) -> DD
     ``convert(name, value)``, which raises a ValueError naming the option for a value DDP cannot
     take; a value converted to None is left to DDP's default."""
 
-    def arguments(name: str, value: Any, options: Any) -> dict:
-        value = value if convert is None else convert(name, value)
+    def arguments(path: str, options: Any, name: Callable[[str], str]) -> dict:
+        value = options.value(path)
+        value = value if convert is None else convert(name(path), value)
         return {} if value is None else {keyword: value}
 
     arguments.keyword = keyword  # type: ignore[attr-defined]

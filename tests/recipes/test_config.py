@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from lit_dp import Options, PaddleDPStrategy
 from lit_dp.options import TRAINER, declared_options
+from lit_dp.options.core import ddp_takes_bf16_hooks
 from lit_dp_recipes.config import (
     DDPPeer,
     build_strategy,
@@ -96,6 +97,9 @@ def test_overrides_reach_the_strategy(tmp_path):
          r"invalid: 'auto' rebuilds the buckets until synchronised step 121, .* expected strategy.powersgd.start_iter "
          r">= 121, or a fixed strategy.comm_buffer_size"),
         ("strategy.trace.steps=[0,2]", r"strategy.trace.steps=\(0, 2\) needs strategy.trace.dir"),
+        # Refused in each rank's setup by the strategy; the recipe refuses it before the ranks start.
+        ("strategy.sharding.stage=2 trainer.precision=16-mixed",
+         r"trainer.precision='16-mixed' with strategy.sharding.stage=2 is invalid: a gradient scaler"),
         ("strategy.trace.steps=[3,1]", r"strategy.trace.steps=\[3, 1\] is invalid: expected two integers"),
         ("strategy.bucket_size=5", "strategy.bucket_size=5 is not an option of lit_dp.PaddleDPStrategy"),
         ("trainer.devices=100000", r"trainer.devices=100000 is too many CPU processes: this machine gives \d+ cores"),
@@ -236,7 +240,12 @@ def test_the_ddp_config_holds_the_options_whose_declaration_says_what_ddp_has_fo
 def test_a_named_hook_under_ddp_is_torchs_hook_registered_on_every_device():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    assert ddp_strategy(comm_hook="bf16")._ddp_comm_hook is default_hooks.bf16_compress_hook
+    assert ddp_strategy(comm_hook="fp16")._ddp_comm_hook is default_hooks.fp16_compress_hook
+    if ddp_takes_bf16_hooks():
+        assert ddp_strategy(comm_hook="bf16")._ddp_comm_hook is default_hooks.bf16_compress_hook
+    else:  # DDP would refuse it in each rank, after they started
+        with pytest.raises(ValueError, match=r"comm_dtype='bf16' is invalid under torch DDP with this torch build"):
+            ddp_strategy(comm_dtype="bf16")
     powersgd = ddp_strategy(comm_hook="powersgd", powersgd={"rank": 2, "start_iter": 10})
     assert powersgd._ddp_comm_hook is powerSGD_hook.powerSGD_hook
     assert (powersgd._ddp_comm_state.matrix_approximation_rank, powersgd._ddp_comm_state.start_powerSGD_iter) == (2, 10)
