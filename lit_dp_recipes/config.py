@@ -24,10 +24,8 @@ starts: DDP would run without it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch

@@ -13,12 +13,12 @@ An option is a field of a frozen dataclass, declared with ``option(...)``. Its m
 - ``show``: how the start-up line (``describe``) writes it, when not as ``name=value``;
   ``shown_by``: the option whose text in that line already says what this one does;
 - ``ddp``: what torch DDP (Lightning's ``DDPStrategy``) has for it, for a side-by-side run with
-  DDP: ``in_ddp(keyword, convert)`` (``comm_buffer_size`` is ``bucket_cap_mb``), the path of the
-  option whose arguments carry it (``powersgd.rank`` goes with ``comm_hook``), or None: DDP has
-  nothing like it, and ``lit_dp.ddp_arguments.ddp_strategy_arguments`` refuses it by name rather
+  DDP: ``in_ddp(keyword, convert)`` (``comm_buffer_size`` is ``bucket_cap_mb``), a function of
+  its own (``DDPArguments``), the path of the option whose arguments carry it (``comm_dtype`` goes
+  with ``comm_hook``; a named hook's options always do), or None: DDP has nothing like it, and ``lit_dp.ddp_arguments.ddp_strategy_arguments`` refuses it by name rather
   than let DDP ignore it;
 - ``examples``: values that turn its feature on, for the tests that combine every option with
-  every other (``lit_dp.options.combinations``); without it they come from ``check`` (``flag``:
+  every other (``tests/options/test_combinations.py``); without it they come from ``check`` (``flag``:
   the other boolean; ``choice``, ``count``, ``megabytes``: their ``examples``).
 
 Options of one feature form a group: a frozen dataclass of such fields, composed into
