@@ -31,7 +31,6 @@ from typing import Any, Optional
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_method, instantiate
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -161,13 +160,10 @@ class DDPPeer(DDPStrategy):
         self._precision_plugin = for_data_parallel(plugin)
 
     def _register_ddp_hooks(self) -> None:
-        if self._ddp_comm_hook is not None:
-            _register_ddp_comm_hook(
-                model=self.model,
-                ddp_comm_state=self._ddp_comm_state,
-                ddp_comm_hook=self._ddp_comm_hook,
-                ddp_comm_wrapper=self._ddp_comm_wrapper,
-            )
+        if self._ddp_comm_hook is not None:  # torch's own registration, as Lightning's on CUDA
+            wrapper = self._ddp_comm_wrapper
+            hook = self._ddp_comm_hook if wrapper is None else wrapper(self._ddp_comm_hook)
+            self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
 
 
 def ddp_strategy(**values: Any) -> DDPPeer:
