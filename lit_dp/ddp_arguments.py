@@ -4,10 +4,15 @@
 for DDP: these functions take DDP's arguments with DDP's meaning, raise DDP's errors (its words
 where a script or a test may match them), and refuse what lit_dp cannot do with a message that
 says what to use instead. The migration table is in docs/reducer.md.
+
+The other way round, ``ddp_strategy_arguments`` gives Lightning ``DDPStrategy``'s arguments for
+lit_dp's options, for a run side by side with DDP (the recipes' ``strategy=ddp``).
 """
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -16,7 +21,8 @@ from torch._utils import _get_device_index
 
 from lit_dp.gradients.broadcast import trainable_parameters
 from lit_dp.job.launcher import detect_launch
-from lit_dp.options import MODULE, Options
+from lit_dp.options import MODULE, TRAINER, Options, declared_options
+from lit_dp.options.spelling import Spellings
 
 
 def options_from(given: Options | None, values: dict[str, Any], **ddp: Any) -> Options:
@@ -37,6 +43,57 @@ def options_from(given: Options | None, values: dict[str, Any], **ddp: Any) -> O
     if bucket_cap_mb is not None and "last_comm_buffer_size" not in values:
         values["last_comm_buffer_size"] = bucket_cap_mb  # DDP's bucket_cap_mb bounds the last bucket too
     return Options.build(values, MODULE)
+
+
+def ddp_strategy_arguments(given: Mapping[str, Any], prefix: str = "", *, nested: bool = False) -> dict[str, Any]:
+    """Lightning ``DDPStrategy``'s keyword arguments for the lit_dp options ``given``, spelt as for
+    ``lit_dp.PaddleDPStrategy`` (``nested``: as a config spells them), for a run side by side with DDP.
+
+    Each option maps to DDP's own, as its declaration says (``ddp=``: ``comm_buffer_size`` is
+    ``bucket_cap_mb``; a named ``comm_hook`` is the torch hook it names, with its options), or is
+    refused: DDP would run without it, and a comparison would differ silently. The values are
+    checked as ``Options.build`` checks them; errors name each option as given (``prefix`` first).
+
+    Raises:
+        ValueError: naming every option given that DDP has no counterpart for, or a value DDP
+            cannot take (``comm_buffer_size="auto"``).
+    """
+    spellings = Spellings(declared_options(TRAINER), TRAINER, nested)
+    # A named hook's options go with comm_hook, as everywhere else.
+    in_ddp = [path for path, d in spellings.declared.items() if d.field.metadata["ddp"] is not None or d.hook is not None]
+    written: dict[str, str] = {}
+    refused: dict[str, str] = {}  # path -> name=value as given
+    for key, value in given.items():
+        try:
+            resolved = list(spellings.resolve(key, value, prefix))
+        except ValueError:
+            if key in spellings.groups:
+                raise  # a misspelt member of a group: Spellings names the group's options
+            close = difflib.get_close_matches(key, in_ddp, n=1)
+            hint = f" Did you mean {prefix + close[0]!r}?" if close else ""
+            raise ValueError(
+                f"{prefix}{key}={value!r} is not an option under torch DDP.{hint} Expected one of: {', '.join(in_ddp)}."
+            ) from None
+        for path, name, item in resolved:
+            written[path] = name
+            if path not in in_ddp:
+                refused[path] = f"{name}={item!r}"
+    if refused:
+        one = len(refused) == 1
+        what = "; ".join(f"{path}: {spellings.declared[path].field.metadata['help']}" for path in refused)
+        raise ValueError(
+            f"{' and '.join(refused.values())} {'has' if one else 'have'} no counterpart in torch DDP (Lightning's "
+            f"DDPStrategy), which would run without {'it' if one else 'them'} ({what}). Expected "
+            f"{'it' if one else 'them'} left out for DDP, or lit_dp's strategy (paddle_dp). DDP has counterparts for: "
+            f"{', '.join(in_ddp)}."
+        )
+    options = Options.build(given, TRAINER, prefix, nested=nested)
+    arguments: dict[str, Any] = {}
+    for path in in_ddp:
+        to_ddp = spellings.declared[path].field.metadata["ddp"]
+        if callable(to_ddp):  # else the option whose arguments carry this one (comm_hook)
+            arguments.update(to_ddp(path, options, lambda p: written.get(p, prefix + spellings.spell(p))))
+    return arguments
 
 
 def refuse_a_launched_job_without_a_group() -> None:

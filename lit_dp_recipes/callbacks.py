@@ -24,6 +24,9 @@ def describe_strategy(strategy: Strategy, world_size: int) -> str:
     if isinstance(strategy, DDPStrategy):
         cap = strategy._ddp_kwargs.get("bucket_cap_mb", 25)
         line += f" backend={strategy.process_group_backend} bucket_cap_mb={cap}MB"
+        line += "".join(f" {name}={value}" for name, value in strategy._ddp_kwargs.items() if name != "bucket_cap_mb")
+        if strategy._ddp_comm_hook is not None:
+            line += f" ddp_comm_hook={getattr(strategy._ddp_comm_hook, '__qualname__', strategy._ddp_comm_hook)}"
     return line
 
 

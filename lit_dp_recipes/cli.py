@@ -25,6 +25,7 @@ from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dp.options import TRAINER, declared_options
 from lit_dp_recipes.config import register_configs
 
 # The configs, shipped in the package; in the repository this folder is a link to conf/.
@@ -112,6 +113,13 @@ def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
 
 
 def _did_you_mean(option: str, options: set[str], strategy: str) -> str:
+    declared = {d.path: d for d in declared_options(TRAINER)}
+    if option in declared:  # lit_dp's, absent from this strategy: strategy=ddp, where DDP has nothing like it
+        return (
+            f"strategy.{option} is not an option of strategy={strategy}: torch DDP has no counterpart ({option}: "
+            f"{declared[option].field.metadata['help']}), and would run without it. Expected it left out with "
+            f"strategy={strategy}, or strategy=paddle_dp (docs/configs.md, the ddp peer)."
+        )
     candidates = sorted(o for o in options if not o.startswith("_"))
     close = difflib.get_close_matches(option, candidates, n=3, cutoff=0.6)
     hint = (

@@ -12,25 +12,33 @@ The ``paddle_dp`` schema is open at its top level, so that a key it lacks reache
 ``Options.build``, whose error names the key to use: ``strategy.trace_dir=...`` (the keyword
 spelling of ``strategy.trace.dir``), ``strategy.bucket_cap_mb`` (Lightning's name), a typo.
 ``register_configs`` generates the schemas again, with the named hooks registered by then.
+
+``strategy=ddp`` is torch DDP for side-by-side runs (``DDPPeer``): its schema holds the options
+whose declarations say what DDP has for them (``ddp=``: ``comm_buffer_size`` is
+``bucket_cap_mb``, a named ``comm_hook`` is torch's hook). It is open too, so that any other
+lit_dp option, from the command line or an ``experiment=``, reaches
+``lit_dp.ddp_arguments.ddp_strategy_arguments``, which refuses it by name before any rank
+starts: DDP would run without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_method, instantiate
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from lit_dp.ddp_arguments import ddp_strategy_arguments
 from lit_dp.options import TRAINER, Declared, Options, declared_options
+from lit_dp.strategies.precision import for_data_parallel
 from lit_dp_recipes.resume import register_resolvers
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -39,16 +47,17 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 MAX_CPU_RANKS_PER_CORE = 4
 PADDLE_DP_TARGET = "lit_dp.PaddleDPStrategy"
 DDP_TARGET = "lit_dp_recipes.config.ddp_strategy"
-# The options the recipes' torch-DDP config (strategy=ddp) shares with paddle_dp, for side-by-side runs.
-DDP_OPTIONS = (
-    "comm_buffer_size",
-    "last_comm_buffer_size",
-    "find_unused_parameters",
-    "gradient_as_bucket_view",
-    "backend",
-    "timeout",
-    "start_method",
-)
+
+
+def ddp_options() -> list[Declared]:
+    """The options of ``strategy=ddp``: those a config can express whose declaration says what DDP
+    has for them (``ddp=``); a named hook's go with ``comm_hook``."""
+    return [
+        declared
+        for declared in declared_options(TRAINER)
+        if declared.field.metadata["config"] is not None
+        and (declared.field.metadata["ddp"] is not None or declared.hook is not None)
+    ]
 
 
 def strategy_schema(name: str, target: str, options: list[Declared]) -> type:
@@ -79,9 +88,8 @@ def paddle_dp_schema() -> type:
 
 
 def ddp_schema() -> type:
-    """``strategy=ddp``'s schema: the options it shares with paddle_dp (``DDP_OPTIONS``)."""
-    shared = [declared for declared in declared_options(TRAINER) if declared.path in DDP_OPTIONS]
-    return strategy_schema("DDPStrategyConfig", DDP_TARGET, shared)
+    """``strategy=ddp``'s schema: the options DDP has a counterpart for (``ddp_options``)."""
+    return strategy_schema("DDPStrategyConfig", DDP_TARGET, ddp_options())
 
 
 @dataclass
@@ -128,27 +136,45 @@ class TrainerConfig:
             raise ValueError(f"trainer.max_epochs={self.max_epochs!r} is invalid: expected >= -1 (or null).")
 
 
-def ddp_strategy(options: Options | None = None, **values: Any) -> DDPStrategy:
-    """Lightning's ``DDPStrategy`` configured from lit_dp's option names (``DDP_OPTIONS``, validated like ours)."""
-    for name, value in values.items():
-        if name not in DDP_OPTIONS:
-            close = difflib.get_close_matches(name, DDP_OPTIONS, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"{name}={value!r} is not an option of the recipes' strategy=ddp.{hint} "
-                f"Expected one of: {', '.join(DDP_OPTIONS)}."
-            )
-    options = options if options is not None else Options.build(values, TRAINER)
-    # last_comm_buffer_size has no DDP counterpart (DDP sizes its first bucket itself): accepted
-    # so that one sweep covers both strategies.
-    return DDPStrategy(
-        bucket_cap_mb=options.comm_buffer_size,
-        find_unused_parameters=options.find_unused_parameters,
-        gradient_as_bucket_view=options.gradient_as_bucket_view,
-        process_group_backend=None if options.backend == "auto" else options.backend,
-        timeout=timedelta(seconds=options.timeout if options.timeout is not None else 1800),
-        start_method=options.start_method,
-    )
+class DDPPeer(DDPStrategy):
+    """Lightning's ``DDPStrategy``, as ``strategy=ddp`` runs it beside ``paddle_dp``: the same
+    model, optimizer, precision and clipping, the gradients reduced by torch DDP.
+
+    Two differences from Lightning's class keep what the recipes run comparable:
+
+    - the precision plugin is lit_dp's (``lit_dp.strategies.precision``), which differs from
+      Lightning's in clipping only: a fused AdamW (the GPT recipe's) can be clipped under
+      ``bf16-mixed``, where Lightning's refuses at the first step; its checkpoints keep
+      Lightning's names;
+    - the communication hook is registered on every device, as torch DDP allows; Lightning
+      registers it on CUDA only, and would run ``strategy.comm_hook=bf16`` uncompressed on CPU.
+    """
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Where Lightning hands the strategy the plugin it made for `precision=` (or the user's).
+        self._precision_plugin = for_data_parallel(plugin)
+
+    def _register_ddp_hooks(self) -> None:
+        if self._ddp_comm_hook is not None:  # torch's own registration, as Lightning's on CUDA
+            wrapper = self._ddp_comm_wrapper
+            hook = self._ddp_comm_hook if wrapper is None else wrapper(self._ddp_comm_hook)
+            self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
+
+
+def ddp_strategy(**values: Any) -> DDPPeer:
+    """``strategy=ddp``: torch DDP configured from lit_dp's option names, each mapped to DDP's own or
+    refused by name (``lit_dp.ddp_arguments.ddp_strategy_arguments``)."""
+    return ddp_peer(values)
+
+
+def ddp_peer(values: dict[str, Any], prefix: str = "", nested: bool = False) -> DDPPeer:
+    """``DDPPeer`` from lit_dp's options ``values``; errors name each option ``prefix`` + as given."""
+    return DDPPeer(**ddp_strategy_arguments(values, prefix, nested=nested))
 
 
 def register_configs() -> None:
@@ -164,7 +190,9 @@ def register_configs() -> None:
     OmegaConf.set_struct(paddle_dp, False)  # open: Options.build names a moved or misspelt key (module docstring)
     store = ConfigStore.instance()
     store.store(name="paddle_dp_schema", node=paddle_dp)
-    store.store(name="ddp_schema", node=ddp_schema())
+    ddp = OmegaConf.structured(ddp_schema())
+    OmegaConf.set_struct(ddp, False)  # open: a lit_dp option DDP lacks is refused by name (module docstring)
+    store.store(name="ddp_schema", node=ddp)
     store.store(name="trainer_schema", node=TrainerConfig)
 
 
@@ -172,27 +200,40 @@ def build_strategy(node: DictConfig) -> Any:
     """The strategy ``cfg.strategy`` describes, its options validated once, named as on the command line.
 
     A config of lit_dp's strategy or of the recipes' ``ddp`` is validated by ``Options.build``
-    (errors read ``strategy.comm_buffer_size=-1.0 is invalid: ...``) and handed over built; any
-    other strategy config is instantiated as it is.
+    (errors read ``strategy.comm_buffer_size=-1.0 is invalid: ...``), ``ddp``'s options mapped to
+    DDP's or refused (``ddp_peer``); any other strategy config is instantiated as it is.
     """
     target = node.get("_target_")
     if target not in (PADDLE_DP_TARGET, DDP_TARGET):
         return instantiate(node)
     values = OmegaConf.to_container(node, resolve=True)
     values.pop("_target_")
+    if target == DDP_TARGET:
+        return ddp_peer(values, prefix="strategy.", nested=True)
     return get_method(target)(options=Options.build(values, TRAINER, prefix="strategy.", nested=True))
 
 
 def validate_trainer(cfg: DictConfig) -> None:
-    """Check the trainer section (``TrainerConfig.__post_init__``, then ``check_cpu_devices`` and
-    ``check_fault_tolerance_processes``); raises ``ValueError`` naming the key."""
+    """Check the trainer section (``TrainerConfig.__post_init__``, then ``check_cpu_devices``,
+    ``check_fault_tolerance_processes`` and ``check_sharded_precision``); raises ``ValueError`` naming the key."""
     if OmegaConf.get_type(cfg.trainer) is TrainerConfig:
         OmegaConf.to_object(cfg.trainer)
     accelerator, devices = cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto")
     check_cpu_devices(accelerator, devices)
-    check_fault_tolerance_processes(
-        (cfg.get("strategy") or {}).get("fault_tolerance"), accelerator, devices, cfg.trainer.get("num_nodes", 1)
-    )
+    strategy = cfg.get("strategy") or {}
+    check_fault_tolerance_processes(strategy.get("fault_tolerance"), accelerator, devices, cfg.trainer.get("num_nodes", 1))
+    check_sharded_precision((strategy.get("sharding") or {}).get("stage"), cfg.trainer.get("precision"))
+
+
+def check_sharded_precision(stage: Any, precision: Any) -> None:
+    """``strategy.sharding.stage=2`` with a gradient scaler (``trainer.precision=16-mixed``) is refused
+    here, before Lightning starts the ranks (the strategy refuses it too, but only in each rank)."""
+    if stage == 2 and str(precision) in ("16-mixed", "16"):
+        raise ValueError(
+            f"trainer.precision={precision!r} with strategy.sharding.stage=2 is invalid: a gradient scaler checks for "
+            "infs in each rank's gradients, and under stage 2 each rank holds only its own, so the ranks could "
+            "disagree on skipping a step; expected trainer.precision=bf16-mixed or 32-true, or strategy.sharding.stage=1."
+        )
 
 
 def check_fault_tolerance_processes(fault_tolerance: Any, accelerator: Any, devices: Any, num_nodes: Any) -> None:

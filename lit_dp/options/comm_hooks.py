@@ -47,6 +47,8 @@ class NamedHook:
         stateless: True for a hook that keeps nothing from one step to the next and communicates
             only on the process group it is given: fault tolerance accepts it, since a replica
             group that joins later misses nothing (``lit_dp.options.fault_tolerance``).
+        rules: the combinations of options this hook cannot go with, beyond ``conflicts``
+            (``lit_dp.options.rules``), checked with every option's where the job starts.
         bucket_memory: for a hook whose state keeps memory per bucket (``GradBucket.index()``),
             ``bucket_memory(state, step)`` says why that state would keep it before synchronised
             ``step``, from which on the buckets no longer change, and what to set instead; None
@@ -62,6 +64,7 @@ class NamedHook:
     conflicts: Mapping[str, str] = dataclasses.field(default_factory=dict)
     compress_wrapper: Callable[[Hook], Hook] | None = None
     stateless: bool = False
+    rules: tuple = ()
     bucket_memory: Callable[[Any, int], str | None] | None = None
 
 

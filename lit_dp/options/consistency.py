@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from lit_dp.options.declare import EVERYWHERE, choice, count, flag, option
+from lit_dp.options.rules import excludes, requires
 
 # Every 200 synchronised steps: a check reads each parameter once (one integer sum per tensor, on
 # its device) and all-gathers 8 bytes per tensor without waiting. Measured on one CPU core, a
@@ -44,3 +45,24 @@ class ConsistencyOptions:
         scope=EVERYWHERE,
         config=bool,
     )
+
+
+RULES = (
+    requires(
+        "consistency.action",
+        "consistency.every_n_steps",
+        "expected a number of steps, e.g. {consistency.every_n_steps}=100, or no {consistency.action}",
+        set_only=True,
+    ),
+    requires(
+        "consistency.optimizer_state",
+        "consistency.every_n_steps",
+        "expected a number of steps, e.g. {consistency.every_n_steps}=100",
+    ),
+    excludes(
+        "consistency.optimizer_state",
+        "sharding.stage",
+        reason="under sharding each rank holds the optimizer state of its own parameters only, so the states differ "
+        "by design; expected {consistency.optimizer_state}=False (the parameters are still compared)",
+    ),
+)

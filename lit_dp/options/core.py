@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
 
 from lit_dp.options.backends import check_backend
 from lit_dp.options.comm_hooks import (
     check_comm_dtype,
     check_comm_hook,
     check_hook_choice,
+    compressions,
     describe_comm_hook,
     named_hooks,
+    resolve_comm_hook,
 )
 from lit_dp.options.declare import (
     EVERYWHERE,
@@ -32,6 +38,7 @@ from lit_dp.options.declare import (
     duration,
     flag,
     group,
+    in_ddp,
     is_group,
     megabytes,
     option,
@@ -39,16 +46,25 @@ from lit_dp.options.declare import (
     seconds,
     show_value,
 )
+from lit_dp.options.consistency import RULES as CONSISTENCY_RULES
 from lit_dp.options.consistency import ConsistencyOptions
-from lit_dp.options.fault_tolerance import FaultToleranceOptions, check_engine, check_fault_tolerance
-from lit_dp.options.local_sgd import COMM_HOOKS_SKIPPING_COMMUNICATION, LocalSGDOptions
+from lit_dp.options.fault_tolerance import RULES as FAULT_TOLERANCE_RULES
+from lit_dp.options.fault_tolerance import ENGINES, FaultToleranceOptions, check_engine, check_fault_tolerance
+from lit_dp.options.local_sgd import RULES as LOCAL_SGD_RULES
+from lit_dp.options.local_sgd import LocalSGDOptions
+from lit_dp.options.rules import Rule
+from lit_dp.options.sharding import RULES as SHARDING_RULES
 from lit_dp.options.sharding import ShardingOptions
 from lit_dp.options.spelling import Spellings
 from lit_dp.options.straggler import StragglerOptions
+from lit_dp.options.trace import RULES as TRACE_RULES
 from lit_dp.options.trace import TraceOptions
 
 DEFAULT_BUCKET_MB = 25.0  # Paddle's comm_buffer_size (and torch DDP's bucket_cap_mb)
 AUTO = "auto"  # comm_buffer_size="auto": sizes timed in the first steps (lit_dp.observability.autotune)
+# From this synchronised step on, "auto" no longer changes the buckets: what a hook keeping memory
+# per bucket must wait for. lit_dp.observability.autotune.settled_step() (a test keeps them equal).
+AUTO_SETTLED_STEP = 121
 MAX_NRINGS = 8
 DEFAULT_HANG_TIMEOUT = 300.0
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -77,6 +93,47 @@ def _in_megabytes(value: Any, options: Options) -> str:
     return value if value == AUTO else f"{value}MB"
 
 
+def _bucket_cap_mb(name: str, value: Any) -> float:
+    if value == AUTO:
+        raise ValueError(
+            f"{name}={AUTO!r} is invalid under torch DDP: DDP has no automatic bucket size (its bucket_cap_mb is a "
+            f"number of MB); expected a number, e.g. {name}={DEFAULT_BUCKET_MB:g} (DDP's default), or lit_dp's "
+            "strategy (paddle_dp), which times the sizes."
+        )
+    return value
+
+
+def _process_group_backend(name: str, value: str) -> str | None:
+    return None if value == "auto" else value  # DDPStrategy's None is the same choice as our "auto"
+
+
+def _ddp_timeout(name: str, value: Any) -> timedelta | None:
+    return None if value is None else parse_timeout(name, value)
+
+
+def _comm_hook_in_ddp(path: str, options: Options, name: Callable[[str], str]) -> dict[str, Any]:
+    """The hook lit_dp would register (named hooks built, ``comm_dtype`` wrapped), for DDP's ``register_comm_hook``."""
+    for given in ("comm_hook", "comm_dtype"):
+        if options.value(given) == "bf16" and not ddp_takes_bf16_hooks():
+            raise ValueError(
+                f"{name(given)}='bf16' is invalid under torch DDP with this torch build: DDP registers its bf16 hooks "
+                "only where torch was built with CUDA and NCCL 2.10+ (or XPU and XCCL), and refuses them in each rank "
+                f"otherwise; expected {name(given)}='fp16' under DDP here, or lit_dp's strategy (paddle_dp), which "
+                "all-reduces in bf16 on any backend."
+            )
+    resolved = resolve_comm_hook(options)
+    return {} if resolved is None else {"ddp_comm_state": resolved[0], "ddp_comm_hook": resolved[1]}
+
+
+def ddp_takes_bf16_hooks() -> bool:
+    """torch DDP's own condition for its bf16 hooks (``DistributedDataParallel._check_comm_hook``): a build
+    with CUDA (or ROCm) and NCCL 2.10+, or an XPU with XCCL."""
+    cuda = torch.version.cuda is not None or torch.version.hip is not None
+    nccl = dist.is_available() and dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)
+    xccl = dist.is_available() and hasattr(dist, "is_xccl_available") and dist.is_xccl_available()
+    return (cuda and nccl) or (xccl and torch.xpu.is_available())
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """lit_dp's options, validated (build with ``Options.build``); docs/options.md lists them."""
@@ -89,6 +146,8 @@ class Options:
         config=Any,
         lightning="bucket_cap_mb",
         show=_in_megabytes,
+        ddp=in_ddp("bucket_cap_mb", _bucket_cap_mb),
+        examples=(AUTO, 5.0),
     )
     last_comm_buffer_size: float = option(
         default=1.0,
@@ -104,6 +163,7 @@ class Options:
         check=flag,
         scope=EVERYWHERE,
         config=bool,
+        ddp=in_ddp("find_unused_parameters"),
     )
     gradient_as_bucket_view: bool = option(
         default=False,
@@ -111,6 +171,7 @@ class Options:
         check=flag,
         scope=EVERYWHERE,
         config=bool,
+        ddp=in_ddp("gradient_as_bucket_view"),
     )
     broadcast_buffers: bool = option(
         default=True,
@@ -119,6 +180,8 @@ class Options:
         check=flag,
         scope=EVERYWHERE,
         config=bool,
+        # Passed only when off: torch 2.9+ warns on broadcast_buffers given at all (its default is on, as ours).
+        ddp=in_ddp("broadcast_buffers", lambda name, value: None if value else False),
     )
     comm_hook: Any = option(
         default=None,
@@ -128,6 +191,8 @@ class Options:
         config=Optional[str],
         lightning="ddp_comm_hook",
         show=lambda value, options: describe_comm_hook(options),
+        ddp=_comm_hook_in_ddp,
+        examples=lambda: tuple(hook.name for hook in named_hooks()),  # those registered by the time it is asked
     )
     comm_state: Any = option(
         default=None,
@@ -136,6 +201,8 @@ class Options:
         scope=EVERYWHERE,
         lightning="ddp_comm_state",
         shown_by="comm_hook",
+        ddp="comm_hook",
+        examples=(),
     )
     comm_wrapper: Any = option(
         default=None,
@@ -144,6 +211,8 @@ class Options:
         scope=EVERYWHERE,
         lightning="ddp_comm_wrapper",
         shown_by="comm_hook",
+        ddp="comm_hook",
+        examples=(),
     )
     comm_dtype: Optional[str] = option(
         default=None,
@@ -152,6 +221,8 @@ class Options:
         scope=EVERYWHERE,
         config=Optional[str],
         shown_by="comm_hook",
+        ddp="comm_hook",
+        examples=lambda: tuple(compressions()),
     )
     comm_stats: bool = option(
         default=False,
@@ -168,6 +239,7 @@ class Options:
         check=_hang_timeout,
         scope=EVERYWHERE,
         config=Any,
+        examples=(None, 60.0),
     )
     backend: str = option(
         default="auto",
@@ -176,6 +248,8 @@ class Options:
         scope=STRATEGIES,
         config=str,
         lightning="process_group_backend",
+        ddp=in_ddp("process_group_backend", _process_group_backend),
+        examples=("gloo",),
     )
     nrings: Optional[int] = option(
         default=None,
@@ -190,6 +264,8 @@ class Options:
         check=duration,
         scope=STRATEGIES,
         config=Optional[float],
+        ddp=in_ddp("timeout", _ddp_timeout),
+        examples=(120.0,),
     )
     start_method: str = option(
         default="popen",
@@ -197,6 +273,7 @@ class Options:
         check=choice(*START_METHODS),
         scope=STRATEGIES,
         config=str,
+        ddp=in_ddp("start_method"),
     )
     uneven_inputs: bool = option(
         default=False,
@@ -213,13 +290,14 @@ class Options:
         check=check_engine,
         scope=STRATEGIES,
         config=Optional[str],
+        examples=ENGINES,
     )
-    trace: TraceOptions = group(TraceOptions)
-    local_sgd: LocalSGDOptions = group(LocalSGDOptions)
-    sharding: ShardingOptions = group(ShardingOptions)
-    ft: FaultToleranceOptions = group(FaultToleranceOptions)
+    trace: TraceOptions = group(TraceOptions, TRACE_RULES)
+    local_sgd: LocalSGDOptions = group(LocalSGDOptions, LOCAL_SGD_RULES)
+    sharding: ShardingOptions = group(ShardingOptions, SHARDING_RULES)
+    ft: FaultToleranceOptions = group(FaultToleranceOptions, FAULT_TOLERANCE_RULES)
     straggler: StragglerOptions = group(StragglerOptions)
-    consistency: ConsistencyOptions = group(ConsistencyOptions)
+    consistency: ConsistencyOptions = group(ConsistencyOptions, CONSISTENCY_RULES)
     # The options of every registered named hook, by its name (lit_dp.options.comm_hooks): spelt
     # <name>.<field> like a group's, e.g. powersgd.rank. Read only.
     hooks: dict[str, Any] = dataclasses.field(
@@ -279,6 +357,8 @@ class Options:
 
     def _check_combinations(self, name: Callable[[str], str]) -> None:
         """The options that cannot go together; ``name(path)`` spells an option as the user wrote it."""
+        for rule in rules():
+            rule.check(self, name)
         check_hook_choice(self, name)
         timeout = None if self.timeout is None else parse_timeout("timeout", self.timeout).total_seconds()
         if self.hang_timeout is not None and timeout is not None and self.hang_timeout >= timeout:
@@ -287,63 +367,7 @@ class Options:
                 f"process group would time out first, without the diagnosis; expected {name('hang_timeout')} below "
                 f"{name('timeout')} (e.g. {timeout / 2:g}), 'auto' (half of it) or None."
             )
-        steps = self.local_sgd.steps
-        if steps is None and self.local_sgd.adaptive:
-            raise ValueError(
-                f"{name('local_sgd.adaptive')}=True needs {name('local_sgd.steps')}: expected the initial period, e.g. 1."
-            )
-        hook = self.comm_hook
-        hook_name = hook if hook is None or isinstance(hook, str) else getattr(getattr(hook, "func", hook), "__name__", None)
-        if steps is not None and hook_name in COMM_HOOKS_SKIPPING_COMMUNICATION:
-            raise ValueError(
-                f"{name('local_sgd.steps')}={steps!r} with {name('comm_hook')}={hook_name!r} is invalid: that hook "
-                "already skips gradient communication, so warm-up steps would not be data-parallel; expected LocalSGD "
-                "or that hook, not both."
-            )
-        self._check_sharding(name, hook_name)
-        self._check_consistency(name)
         check_fault_tolerance(self, name)
-
-    def _check_sharding(self, name: Callable[[str], str], hook_name: str | None) -> None:
-        stage = self.sharding.stage
-        if stage is None:
-            if self.sharding.overlap:
-                raise ValueError(
-                    f"{name('sharding.overlap')}=True needs {name('sharding.stage')}: expected "
-                    f"{name('sharding.stage')}=1 or 2."
-                )
-            return
-        if self.local_sgd.steps is not None:
-            raise ValueError(
-                f"{name('sharding.stage')}={stage} with {name('local_sgd.steps')}={self.local_sgd.steps} is invalid: "
-                "LocalSGD steps every rank's optimizer on its own gradients and averages whole models, while sharding "
-                "steps each parameter on one rank only; expected one of them."
-            )
-        if stage == 2 and (self.comm_hook is not None or self.comm_dtype is not None):
-            given = (
-                f"{name('comm_hook')}={hook_name!r}" if self.comm_hook is not None else f"{name('comm_dtype')}={self.comm_dtype!r}"
-            )
-            raise ValueError(
-                f"{name('sharding.stage')}=2 with {given} is invalid: a communication hook reduces whole buckets for "
-                f"every rank, stage 2 reduces each gradient to its owner only; expected {name('sharding.stage')}=1 "
-                "with a hook, or no hook."
-            )
-
-    def _check_consistency(self, name: Callable[[str], str]) -> None:
-        if not self.consistency.optimizer_state:
-            return
-        if self.consistency.every_n_steps is None:
-            raise ValueError(
-                f"{name('consistency.optimizer_state')}=True needs {name('consistency.every_n_steps')}: expected a "
-                f"number of steps, e.g. {name('consistency.every_n_steps')}=100."
-            )
-        if self.sharding.stage is not None:
-            raise ValueError(
-                f"{name('consistency.optimizer_state')}=True with {name('sharding.stage')}={self.sharding.stage} is "
-                "invalid: under sharding each rank holds the optimizer state of its own parameters only, so the "
-                f"states differ by design; expected {name('consistency.optimizer_state')}=False (the parameters are "
-                "still compared)."
-            )
 
     def replace(self, **changes: Any) -> Options:
         """A copy with ``changes`` (already valid values, e.g. a tuned bucket size)."""
@@ -378,6 +402,12 @@ class Options:
             value = self.value(declared.path)
             shown.append(f"{declared.path}={meta['show'](value, self) if meta['show'] else show_value(value)}")
         return " ".join(shown)
+
+
+def rules() -> list[Rule]:
+    """Every declared rule (``lit_dp.options.rules``): the groups', then the registered named hooks'."""
+    declared = [rule for field in dataclasses.fields(Options) if is_group(field) for rule in field.metadata["rules"]]
+    return declared + [rule for hook in named_hooks() for rule in hook.rules]
 
 
 def declared_options(scope: str | None = None) -> list[Declared]:

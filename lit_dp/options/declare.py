@@ -11,12 +11,21 @@ An option is a field of a frozen dataclass, declared with ``option(...)``. Its m
 - ``lightning``: Lightning ``DDPStrategy``'s name for the same option, accepted as an alias so
   that a ``DDPStrategy(...)`` call moves over by renaming the class;
 - ``show``: how the start-up line (``describe``) writes it, when not as ``name=value``;
-  ``shown_by``: the option whose text in that line already says what this one does.
+  ``shown_by``: the option whose text in that line already says what this one does;
+- ``ddp``: what torch DDP (Lightning's ``DDPStrategy``) has for it, for a side-by-side run with
+  DDP: ``in_ddp(keyword, convert)`` (``comm_buffer_size`` is ``bucket_cap_mb``), a function of
+  its own (``DDPArguments``), the path of the option whose arguments carry it (``comm_dtype`` goes
+  with ``comm_hook``; a named hook's options always do), or None: DDP has nothing like it, and ``lit_dp.ddp_arguments.ddp_strategy_arguments`` refuses it by name rather
+  than let DDP ignore it;
+- ``examples``: values that turn its feature on, for the tests that combine every option with
+  every other (``tests/options/test_combinations.py``); without it they come from ``check`` (``flag``:
+  the other boolean; ``choice``, ``count``, ``megabytes``: their ``examples``).
 
 Options of one feature form a group: a frozen dataclass of such fields, composed into
 ``Options`` with ``group(...)`` and spelt ``<group>.<field>`` (``trace.dir``); Python keyword
 arguments may also spell it ``<group>_<field>`` (``trace_dir``), derived, never declared again.
-The checks several options share live here too.
+The checks several options share live here too; which options need or exclude each other is
+declared with them as well, as rules (``lit_dp.options.rules``).
 """
 
 from __future__ import annotations
@@ -37,6 +46,11 @@ FRONT_DOORS = {
 }
 
 Check = Callable[[str, Any], Any]
+# In torch DDP: ``arguments(path, options, name)`` returns the keyword arguments of Lightning's
+# ``DDPStrategy`` that stand for the option ``path`` of ``options`` (``{}`` where DDP's default
+# does), or raises a ValueError naming it (``name(path)``: as the user wrote it) for a value DDP
+# has no counterpart for.
+DDPArguments = Callable[[str, Any, Callable[[str], str]], dict]
 
 
 def option(
@@ -49,6 +63,8 @@ def option(
     lightning: str | None = None,
     show: Callable[[Any, Any], str] | None = None,
     shown_by: str | None = None,
+    ddp: DDPArguments | str | None = None,
+    examples: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
 ) -> Any:
     """A dataclass field declaring one option (see the module docstring for the metadata).
 
@@ -62,13 +78,30 @@ def option(
         "lightning": lightning,
         "show": show,
         "shown_by": shown_by,
+        "ddp": ddp,
+        "examples": examples,
     }
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def group(options: type) -> Any:
-    """A field of ``Options`` holding the frozen dataclass ``options`` of one feature."""
-    return dataclasses.field(default_factory=options, metadata={"group": options})
+def in_ddp(keyword: str, convert: Callable[[str, Any], Any] | None = None) -> DDPArguments:
+    """The option is DDP's ``keyword`` (Lightning ``DDPStrategy``'s argument), its value converted by
+    ``convert(name, value)``, which raises a ValueError naming the option for a value DDP cannot
+    take; a value converted to None is left to DDP's default."""
+
+    def arguments(path: str, options: Any, name: Callable[[str], str]) -> dict:
+        value = options.value(path)
+        value = value if convert is None else convert(name(path), value)
+        return {} if value is None else {keyword: value}
+
+    arguments.keyword = keyword  # type: ignore[attr-defined]
+    return arguments
+
+
+def group(options: type, rules: tuple = ()) -> Any:
+    """A field of ``Options`` holding the frozen dataclass ``options`` of one feature, with the
+    rules its options take part in (``lit_dp.options.rules``)."""
+    return dataclasses.field(default_factory=options, metadata={"group": options, "rules": rules})
 
 
 def is_group(field: dataclasses.Field) -> bool:
@@ -110,11 +143,17 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
+flag.examples = (True, False)  # type: ignore[attr-defined]  # the one that is not the default
+
+
 def megabytes(name: str, value: Any) -> float:
     """A positive size in MB (fractions allowed), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}={value!r} is invalid: expected a positive number of megabytes.")
     return float(value)
+
+
+megabytes.examples = (5.0,)  # type: ignore[attr-defined]
 
 
 def count(low: int, high: int | None = None, optional: bool = False) -> Check:
@@ -129,6 +168,7 @@ def count(low: int, high: int | None = None, optional: bool = False) -> Check:
             raise ValueError(f"{name}={value!r} is invalid: expected {expected}.")
         return value
 
+    check.examples = (low + 1 if high is None or low + 1 <= high else low,)  # type: ignore[attr-defined]
     return check
 
 
@@ -167,6 +207,7 @@ def choice(*allowed: str, optional: bool = False) -> Check:
             raise ValueError(f"{name}={value!r} is invalid: expected one of {', '.join(allowed)}.")
         return value.lower()
 
+    check.examples = allowed  # type: ignore[attr-defined]
     return check
 
 

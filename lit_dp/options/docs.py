@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lit_dp.options.comm_hooks import named_hooks
-from lit_dp.options.core import Declared, declared_options
+from lit_dp.options.core import Declared, _comm_hook_in_ddp, declared_options
 from lit_dp.options.declare import FABRIC, MODULE, TRAINER
 
 MARKER = "<!-- Generated from the declarations by lit_dp.options.docs: edit those, then run python -m lit_dp.options -->\n"
@@ -45,8 +45,8 @@ def arguments_doc(declared: list[Declared]) -> str:
 def options_markdown() -> str:
     """The generated part of docs/options.md: every option, then the named hooks."""
     lines = [
-        "| option | keyword | default | where | Hydra | Lightning's name | meaning |",
-        "|---|---|---|---|---|---|---|",
+        "| option | keyword | default | where | Hydra | Lightning's name | torch DDP | meaning |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row(declared) for declared in declared_options()]
     lines += [
@@ -73,7 +73,17 @@ def _row(declared: Declared) -> str:
     hydra = "yes" if meta["config"] is not None else "no"
     lightning = f"`{meta['lightning']}`" if meta["lightning"] else ""
     default = f"`{declared.field.default!r}`"
-    return f"| `{declared.path}` | {keyword} | {default} | {where} | {hydra} | {lightning} | {meta['help']} |"
+    return f"| `{declared.path}` | {keyword} | {default} | {where} | {hydra} | {lightning} | {_in_ddp(declared)} | {meta['help']} |"
+
+
+def _in_ddp(declared: Declared) -> str:
+    """What torch DDP has for the option (``lit_dp.ddp_arguments.ddp_strategy_arguments``): its argument, or refused."""
+    to_ddp = declared.field.metadata["ddp"]
+    if declared.hook is not None or to_ddp == "comm_hook" or to_ddp is _comm_hook_in_ddp:
+        return "the hook, registered"
+    if isinstance(to_ddp, str):
+        return f"with `{to_ddp}`"
+    return f"`{to_ddp.keyword}`" if to_ddp is not None else "refused"
 
 
 def rewrite(page: Path) -> None:

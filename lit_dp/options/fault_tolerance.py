@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from lit_dp.options.comm_hooks import named_hooks
 from lit_dp.options.declare import STRATEGIES, count, flat_name, option, parse_timeout
+from lit_dp.options.rules import requires
 
 TORCHFT = "torchft"
 ENGINES = (TORCHFT,)
@@ -61,6 +62,7 @@ class FaultToleranceOptions:
         check=_address,
         scope=STRATEGIES,
         config=Optional[str],
+        examples=("http://localhost:29510",),
     )
     replica_group: Optional[str] = option(
         default=None,
@@ -68,6 +70,7 @@ class FaultToleranceOptions:
         check=_replica_group,
         scope=STRATEGIES,
         config=Optional[str],
+        examples=("0",),
     )
     min_replicas: int = option(
         default=1,
@@ -83,6 +86,7 @@ class FaultToleranceOptions:
         check=_positive_seconds,
         scope=STRATEGIES,
         config=float,
+        examples=(30.0,),
     )
     quorum_timeout: float = option(
         default=60.0,
@@ -91,24 +95,29 @@ class FaultToleranceOptions:
         check=_positive_seconds,
         scope=STRATEGIES,
         config=float,
+        examples=(30.0,),
     )
 
 
+# ft.* tunes the torchft engine: without it each would be ignored.
+RULES = tuple(
+    requires(
+        f"ft.{field.name}",
+        "fault_tolerance",
+        f"expected {{fault_tolerance}}='{TORCHFT}' with it, or no {{ft.{field.name}}}",
+        set_only=True,
+    )
+    for field in dataclasses.fields(FaultToleranceOptions)
+)
+
+
 def check_fault_tolerance(options: Any, name: Callable[[str], str]) -> None:
-    """``fault_tolerance`` with the options it cannot go with, and ``ft.*`` without it.
+    """``fault_tolerance`` with the options it cannot go with (``ft.*`` without it: ``RULES``).
 
     ``options`` is an ``Options``; ``name(path)`` spells an option as the user wrote it.
     """
     if options.fault_tolerance is not None:
         refuse_what_replicas_cannot_follow(options, f"{name('fault_tolerance')}={options.fault_tolerance!r}", name)
-        return
-    for field in dataclasses.fields(FaultToleranceOptions):
-        path = f"ft.{field.name}"
-        if options.is_set(path):
-            raise ValueError(
-                f"{name(path)}={options.value(path)!r} is invalid without {name('fault_tolerance')}: expected "
-                f"{name('fault_tolerance')}='{TORCHFT}' with it, or no {name(path)}."
-            )
 
 
 def refuse_what_replicas_cannot_follow(options: Any, where: str, name: Callable[[str], str] = flat_name) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from lit_dp.options.declare import TRAINER, count, flag, option
+from lit_dp.options.rules import excludes, requires, shown
 
 ONLY_TRAINER = frozenset({TRAINER})
 # Hooks (by function or config name) that leave gradients local, which LocalSGD does itself.
@@ -38,3 +39,18 @@ class LocalSGDOptions:
         scope=ONLY_TRAINER,
         config=bool,
     )
+
+
+RULES = (
+    requires("local_sgd.adaptive", "local_sgd.steps", "expected the initial period, e.g. 1"),
+    requires(
+        "local_sgd.warmup_steps", "local_sgd.steps", "expected the period that follows the warm-up, e.g. 4", set_only=True
+    ),
+    excludes(
+        "local_sgd.steps",
+        "comm_hook",
+        when=lambda o: o.local_sgd.steps is not None and shown(o.comm_hook).strip("'") in COMM_HOOKS_SKIPPING_COMMUNICATION,
+        reason="that hook already skips gradient communication, so warm-up steps would not be data-parallel; "
+        "expected LocalSGD or that hook, not both",
+    ),
+)

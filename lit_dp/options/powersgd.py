@@ -12,7 +12,9 @@ from typing import Optional
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from lit_dp.options.comm_hooks import Hook, NamedHook, register_named_hook
+from lit_dp.options.core import AUTO, AUTO_SETTLED_STEP
 from lit_dp.options.declare import EVERYWHERE, count, option
+from lit_dp.options.rules import excludes
 
 # torch's PowerSGDState defaults, used when the options are left unset.
 DEFAULT_RANK = 1
@@ -67,6 +69,26 @@ def _bucket_memory(state: object, step: int) -> str | None:
     )
 
 
+def _compresses_while_auto_tunes(options: object) -> bool:
+    start = options.hooks["powersgd"].start_iter or DEFAULT_START_ITER  # type: ignore[attr-defined]
+    return options.comm_hook == "powersgd" and options.comm_buffer_size == AUTO and start < AUTO_SETTLED_STEP  # type: ignore[attr-defined]
+
+
+# What `_bucket_memory` finds in each rank once the hook is registered, found from the options alone
+# where the job starts: a powersgd chosen by name never gets that far.
+RULES = (
+    excludes(
+        "comm_buffer_size",
+        "comm_hook",
+        "powersgd.start_iter",
+        when=_compresses_while_auto_tunes,
+        reason=f"'auto' rebuilds the buckets until synchronised step {AUTO_SETTLED_STEP}, and "
+        "PowerSGD keeps memory per bucket (error feedback, warm start) from its first compressed step, which a later "
+        f"layout would hand a bucket of another size; expected {{powersgd.start_iter}} >= {AUTO_SETTLED_STEP}, or a "
+        "fixed {comm_buffer_size}",
+    ),
+)
+
 POWERSGD = register_named_hook(
     NamedHook(
         name="powersgd",
@@ -75,5 +97,6 @@ POWERSGD = register_named_hook(
         describe=_describe,
         options=PowerSGDOptions,
         bucket_memory=_bucket_memory,
+        rules=RULES,
     )
 )

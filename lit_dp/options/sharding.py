@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Optional
 
 from lit_dp.options.declare import EVERYWHERE, flag, option
+from lit_dp.options.rules import excludes, requires
 
 
 def check_stage(name: str, value: Any) -> int | None:
@@ -24,6 +25,7 @@ class ShardingOptions:
         check=check_stage,
         scope=EVERYWHERE,
         config=Optional[int],
+        examples=(1, 2),
     )
     overlap: bool = option(
         default=False,
@@ -32,3 +34,30 @@ class ShardingOptions:
         scope=EVERYWHERE,
         config=bool,
     )
+
+
+_STAGE_2_WITH_A_HOOK = (
+    "a communication hook reduces whole buckets for every rank, stage 2 reduces each gradient to its owner only; "
+    "expected {sharding.stage}=1 with a hook, or no hook"
+)
+RULES = (
+    requires("sharding.overlap", "sharding.stage", "expected {sharding.stage}=1 or 2"),
+    excludes(
+        "sharding.stage",
+        "local_sgd.steps",
+        reason="LocalSGD steps every rank's optimizer on its own gradients and averages whole models, while sharding "
+        "steps each parameter on one rank only; expected one of them",
+    ),
+    excludes(
+        "sharding.stage",
+        "comm_hook",
+        when=lambda o: o.sharding.stage == 2 and o.comm_hook is not None,
+        reason=_STAGE_2_WITH_A_HOOK,
+    ),
+    excludes(
+        "sharding.stage",
+        "comm_dtype",
+        when=lambda o: o.sharding.stage == 2 and o.comm_dtype is not None,
+        reason=_STAGE_2_WITH_A_HOOK,
+    ),
+)

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, List, Optional
 
 from lit_dp.options.declare import EVERYWHERE, directory, option
+from lit_dp.options.rules import requires
 
 
 def check_steps(name: str, steps: Any) -> tuple[int, int]:
@@ -32,6 +33,7 @@ class TraceOptions:
         check=directory,
         scope=EVERYWHERE,
         config=Optional[str],
+        examples=("lit_dp_trace",),
     )
     steps: tuple[int, int] = option(
         default=(1, 4),
@@ -39,4 +41,8 @@ class TraceOptions:
         check=check_steps,
         scope=EVERYWHERE,
         config=List[int],
+        examples=((0, 2),),
     )
+
+
+RULES = (requires("trace.steps", "trace.dir", "expected a folder to write the trace in, e.g. {trace.dir}=traces", set_only=True),)

@@ -110,7 +110,8 @@ def test_a_group_is_given_whole_or_by_keyword_with_the_same_result():
 
 def test_lightning_names_and_hydra_integers_arrive_as_ours():
     options = Options.build(
-        {"bucket_cap_mb": 5, "process_group_backend": "GLOO", "trace_steps": [0, 2], "model_averaging_period": 3}, TRAINER
+        {"bucket_cap_mb": 5, "process_group_backend": "GLOO", "trace_dir": "t", "trace_steps": [0, 2], "model_averaging_period": 3},
+        TRAINER,
     )
     assert (options.comm_buffer_size, options.backend, options.trace.steps) == (5.0, "gloo", (0, 2))
     assert options.local_sgd.steps == 3 and isinstance(options.comm_buffer_size, float)

@@ -14,10 +14,12 @@ from omegaconf import OmegaConf
 
 from lit_dp import Options, PaddleDPStrategy
 from lit_dp.options import TRAINER, declared_options
+from lit_dp.options.core import ddp_takes_bf16_hooks
 from lit_dp_recipes.config import (
-    DDP_OPTIONS,
+    DDPPeer,
     build_strategy,
     check_cpu_devices,
+    ddp_options,
     ddp_schema,
     ddp_strategy,
     paddle_dp_schema,
@@ -89,6 +91,15 @@ def test_overrides_reach_the_strategy(tmp_path):
         ("strategy.local_sgd.steps=0", r"strategy.local_sgd.steps=0 is invalid: expected an integer >= 1"),
         ("strategy.local_sgd.steps=2 strategy.local_sgd.warmup_steps=-5", "strategy.local_sgd.warmup_steps=-5 is invalid"),
         ("strategy.local_sgd.adaptive=true", "strategy.local_sgd.adaptive=True needs strategy.local_sgd.steps"),
+        # Issue 39, 3: refused in each rank's setup, after the ranks started; now where the job starts.
+        ("strategy.comm_hook=powersgd strategy.powersgd.start_iter=2 strategy.comm_buffer_size=auto",
+         r"strategy.comm_buffer_size='auto' with strategy.comm_hook='powersgd' and strategy.powersgd.start_iter=2 is "
+         r"invalid: 'auto' rebuilds the buckets until synchronised step 121, .* expected strategy.powersgd.start_iter "
+         r">= 121, or a fixed strategy.comm_buffer_size"),
+        ("strategy.trace.steps=[0,2]", r"strategy.trace.steps=\(0, 2\) needs strategy.trace.dir"),
+        # Refused in each rank's setup by the strategy; the recipe refuses it before the ranks start.
+        ("strategy.sharding.stage=2 trainer.precision=16-mixed",
+         r"trainer.precision='16-mixed' with strategy.sharding.stage=2 is invalid: a gradient scaler"),
         ("strategy.trace.steps=[3,1]", r"strategy.trace.steps=\[3, 1\] is invalid: expected two integers"),
         ("strategy.bucket_size=5", "strategy.bucket_size=5 is not an option of lit_dp.PaddleDPStrategy"),
         ("trainer.devices=100000", r"trainer.devices=100000 is too many CPU processes: this machine gives \d+ cores"),
@@ -161,7 +172,6 @@ def _must_not_be_called(*args, **kwargs):
         ("strategy.find_unused_parameters=maybe", "find_unused_parameters"),
         ("strategy.sharding.stage=two", "stage"),
         ("strategy.trace.dri=x", "Key 'dri' not in 'TraceConfig'"),
-        ("strategy=ddp strategy.nrings=2", "nrings"),
     ],
 )
 def test_wrong_types_and_unknown_keys_inside_a_node_fail_at_composition(override, message, tmp_path):
@@ -205,13 +215,67 @@ def test_structured_config_is_generated_from_the_one_declaration_of_options():
     assert Options.build(values, TRAINER, nested=True) == defaults
 
 
-def test_the_ddp_config_takes_the_shared_options_only():
-    assert set(vars(ddp_schema()())) == {"_target_", *DDP_OPTIONS}
-    assert ddp_strategy(comm_buffer_size=5, backend="gloo")._ddp_kwargs["bucket_cap_mb"] == 5.0
-    with pytest.raises(ValueError, match=r"nrings=2 is not an option of the recipes' strategy=ddp"):
+def test_the_ddp_config_holds_the_options_whose_declaration_says_what_ddp_has_for_them():
+    schema = OmegaConf.to_container(OmegaConf.structured(ddp_schema()))
+    for declared in ddp_options():
+        owner, _, member = declared.path.rpartition(".")
+        assert member in (schema[owner] if owner else schema), declared.path
+    # A named hook's options go with comm_hook; everything else a config can express is DDP's or refused.
+    assert {"comm_buffer_size", "comm_hook", "powersgd"} <= set(schema)
+    assert not {"last_comm_buffer_size", "comm_stats", "local_sgd", "sharding", "trace"} & set(schema)
+    strategy = ddp_strategy(comm_buffer_size=5, backend="gloo", timeout=60, find_unused_parameters=True)
+    assert isinstance(strategy, DDPPeer)
+    assert strategy._ddp_kwargs == {
+        "bucket_cap_mb": 5.0, "find_unused_parameters": True, "gradient_as_bucket_view": False
+    }
+    assert (strategy._process_group_backend, strategy._timeout.total_seconds()) == ("gloo", 60)
+    with pytest.raises(ValueError, match=r"nrings=2 has no counterpart in torch DDP"):
         ddp_strategy(nrings=2)
     with pytest.raises(ValueError, match=r"comm_buffer_size=0 is invalid"):
         ddp_strategy(comm_buffer_size=0)
+    with pytest.raises(ValueError, match=r"comm_bufer_size=5 is not an option under torch DDP. Did you mean 'comm_buffer"):
+        ddp_strategy(comm_bufer_size=5)
+
+
+def test_a_named_hook_under_ddp_is_torchs_hook_registered_on_every_device():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    assert ddp_strategy(comm_hook="fp16")._ddp_comm_hook is default_hooks.fp16_compress_hook
+    if ddp_takes_bf16_hooks():
+        assert ddp_strategy(comm_hook="bf16")._ddp_comm_hook is default_hooks.bf16_compress_hook
+    else:  # DDP would refuse it in each rank, after they started
+        with pytest.raises(ValueError, match=r"comm_dtype='bf16' is invalid under torch DDP with this torch build"):
+            ddp_strategy(comm_dtype="bf16")
+    powersgd = ddp_strategy(comm_hook="powersgd", powersgd={"rank": 2, "start_iter": 10})
+    assert powersgd._ddp_comm_hook is powerSGD_hook.powerSGD_hook
+    assert (powersgd._ddp_comm_state.matrix_approximation_rank, powersgd._ddp_comm_state.start_powerSGD_iter) == (2, 10)
+    wrapped = ddp_strategy(comm_hook="powersgd", comm_dtype="fp16")._ddp_comm_hook
+    assert wrapped.__qualname__.startswith("fp16_compress_wrapper")
+    assert ddp_strategy()._ddp_comm_hook is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # Issue 39, 1: crashed inside torch DDP after the ranks started ("invalid literal for int()").
+        (["strategy.comm_buffer_size=auto"],
+         r"strategy.comm_buffer_size='auto' is invalid under torch DDP: DDP has no automatic bucket size .* expected "
+         r"a number, e.g. strategy.comm_buffer_size=25"),
+        # Issue 39, 2: trained, the option ignored.
+        (["+strategy.last_comm_buffer_size=5"],
+         r"strategy.last_comm_buffer_size=5 has no counterpart in torch DDP \(Lightning's DDPStrategy\), which would "
+         r"run without it \(last_comm_buffer_size: size limit"),
+        (["experiment=small_buckets"], r"strategy.last_comm_buffer_size=0.05 has no counterpart in torch DDP"),
+        (["+strategy.comm_stats=true", "+strategy.sharding.stage=1"],
+         r"strategy.comm_stats=True and strategy.sharding.stage=1 have no counterpart in torch DDP"),
+        (["+strategy.nrings=2"], r"strategy.nrings=2 has no counterpart in torch DDP"),
+    ],
+)
+def test_what_ddp_cannot_take_fails_in_train_before_anything_is_built(overrides, message, tmp_path, monkeypatch):
+    cfg = compose_config("gpt", ["strategy=ddp", *overrides], tmp_path)
+    monkeypatch.setattr(pl, "Trainer", _must_not_be_called)
+    with pytest.raises(ValueError, match=message):
+        train(cfg)
 
 
 def test_slurm_launcher_config_composes(tmp_path):

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from lit_dp_recipes.gpt import GPT, lr_at
+from lit_dp_recipes.gpt import GPT, adamw, lr_at
 from lit_dp_recipes.train import train
+from tests.helpers.documented import gpu_commands, on_device
 from tests.helpers.recipes import QUIET, compose_config, final_metrics, run_recipe
 
 TINY_MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.block_size=32", "data.batch_size=4"]
@@ -56,6 +57,49 @@ def test_text_to_shards_to_a_2_process_fit_where_paddle_dp_ends_with_ddps_weight
         # same float operations, so any difference would be a bug, not rounding; assert_close's
         # fp32 defaults leave room only for the order of a sum.
         torch.testing.assert_close(ours_weights[name], ddp_weights[name], msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_bf16_mixed_with_the_fused_adamw_and_clipping_trains_under_ddp_as_under_paddle_dp(tmp_path):
+    # Issue 39, 6: under strategy=ddp Lightning's plugin refused to clip the fused AdamW at step 1
+    # ("does not allow for gradient clipping because it performs unscaling of gradients internally").
+    common = [*QUIET, "experiment=gpt_tiny", "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=0.5",
+              "trainer.max_steps=4", "trainer.val_check_interval=4"]
+    runs = {}
+    for strategy in ("ddp", "paddle_dp"):
+        output = run_recipe("gpt", *common, f"strategy={strategy}", f"hydra.run.dir={tmp_path / strategy}")
+        assert "val_loss" in final_metrics(output), output[-2000:]
+        runs[strategy] = last_weights(tmp_path / strategy)
+    # What the runs used: the recipe's AdamW on CPU is the fused kernel (lit_dp_recipes.gpt.adamw).
+    assert adamw(GPT(), 1e-3, 0.1, (0.9, 0.95), torch.device("cpu")).defaults["fused"]
+    for name in runs["ddp"]:
+        # The same gradients, averaged alike, clipped by the same plugin: equal up to the order of a sum.
+        torch.testing.assert_close(runs["paddle_dp"][name], runs["ddp"][name], msg=lambda m: f"{name}: {m}")
+
+
+def _gpu_configurations() -> list:
+    """The documented GPU commands run by ``python``, one per recipe and experiment (their configuration)."""
+    chosen = {}
+    for command in gpu_commands():
+        if command.argv[0] != "python" or command.script == "charlm" or any(
+            a.startswith("data.train_shards=") and not a.endswith("=...") for a in command.argv
+        ):
+            # torchrun's is digits' trainer=gpu again; charlm.py is gpt.py under its earlier name
+            # (charlm_gpt2 is gpt2_small on bytes); named shards are the user's own.
+            continue
+        experiment = next((a for a in command.argv if a.startswith(("experiment=", "trainer="))), "")
+        chosen.setdefault((command.script, experiment), command)
+    return list(chosen.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", _gpu_configurations(), ids=lambda c: c.source)
+def test_the_gpu_configurations_run_on_cpu_under_ddp_too(command, tmp_path):
+    # The issue-39 peer: what the README offers to compare (bf16-mixed, compiled, the fused AdamW,
+    # clipping) trains under strategy=ddp as under paddle_dp, shortened to CPU as on_device says.
+    argv = on_device(command, "cpu")
+    output = run_recipe(command.script, *argv[2:], *QUIET, "strategy=ddp", f"hydra.run.dir={tmp_path}", timeout=600)
+    assert "[lit_dp] strategy=DDPPeer" in output and "[lit_dp] final " in output, output[-2000:]
 
 
 @pytest.mark.slow

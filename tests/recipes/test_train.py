@@ -36,6 +36,16 @@ def test_digits_trains_to_95_percent_and_resumes(tmp_path):
     assert final_metrics(resumed)["val_acc"] >= 0.95
 
 
+@pytest.mark.slow
+def test_under_ddp_a_named_hook_is_torchs_registered_on_cpu_too(tmp_path):
+    # Lightning's DDPStrategy registers hooks on CUDA only: the peer would have run uncompressed.
+    output = run_recipe("digits", *QUIET, "strategy=ddp", "strategy.comm_hook=powersgd", "strategy.powersgd.start_iter=2",
+                        "strategy.comm_dtype=fp16", "trainer.max_epochs=1", "trainer.limit_train_batches=8",
+                        "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path}")
+    assert "ddp_comm_hook=fp16_compress_wrapper" in output
+    assert "val_loss" in final_metrics(output)
+
+
 def test_bad_override_fails_before_any_process_starts(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "digits.py"), "strategy.comm_buffer_size=-1", f"hydra.run.dir={tmp_path}"],

@@ -129,7 +129,7 @@ def test_what_the_strategies_cannot_follow_across_replicas_is_refused_before_any
         lit_dp.PaddleDPStrategy(fault_tolerance="torchft", local_sgd_steps=4)
     with pytest.raises(ValueError, match="uneven_inputs=True with fault_tolerance='torchft'"):
         lit_dp.PaddleDPStrategy(fault_tolerance="torchft", uneven_inputs=True)
-    with pytest.raises(ValueError, match="ft_min_replicas=2 is invalid without fault_tolerance"):
+    with pytest.raises(ValueError, match="ft_min_replicas=2 needs fault_tolerance"):
         lit_dp.fabric.PaddleDPStrategy(ft_min_replicas=2)
     assert lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft").fault_tolerance.settings.replica_group == "0"
 
