@@ -24,12 +24,14 @@ NAMES_IN_DOCS = {TRAINER: "Trainer", FABRIC: "Fabric", MODULE: "DataParallel"}
 
 def documented() -> list[tuple[str, str, str, str]]:
     """``(path, keyword, where, help)`` of each row of docs/options.md's table of options."""
-    rows = []
+    rows, columns = [], None
     for line in DOCS.read_text().splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and re.fullmatch(r"`[\w.]+`", cells[0]):
+        if cells[:2] == ["option", "keyword"]:
+            columns = {name: index for index, name in enumerate(cells)}
+        elif columns and len(cells) == len(columns) and re.fullmatch(r"`[\w.]+`", cells[0]):
             path = cells[0].strip("`")
-            rows.append((path, cells[1].strip("`") or path, cells[3], cells[6]))
+            rows.append((path, cells[columns["keyword"]].strip("`") or path, cells[columns["where"]], cells[columns["meaning"]]))
     assert len(rows) >= 30, "docs/options.md's table was not read"
     return rows
 
@@ -76,8 +78,8 @@ def test_help_shows_the_options_with_their_types_and_defaults():
 
 def test_calls_are_unchanged_only_the_options_given_are_built():
     # Lightning's names, a group whole and keyword spellings, as before the signature was generated.
-    strategy = PaddleDPStrategy(bucket_cap_mb=5, sharding={"stage": 1}, trace_steps=(0, 2))
-    assert (strategy.options.comm_buffer_size, strategy.options.sharding.stage, strategy.options.trace.steps) == (5.0, 1, (0, 2))
+    strategy = PaddleDPStrategy(bucket_cap_mb=5, sharding={"stage": 1}, straggler_every_n_steps=5)
+    assert (strategy.options.comm_buffer_size, strategy.options.sharding.stage, strategy.options.straggler.every_n_steps) == (5.0, 1, 5)
     with pytest.raises(ValueError, match=re.escape("comm_buffer_size=4 and bucket_cap_mb=5 are the same option")):
         PaddleDPStrategy(comm_buffer_size=4, bucket_cap_mb=5)
     with pytest.raises(TypeError, match="pass options= or keyword options, not both"):
@@ -95,9 +97,9 @@ def test_jsonargparse_reads_every_option_types_them_and_builds_the_strategy(stra
     parser.add_class_arguments(strategy, "strategy")
     keywords = [declared.keyword for declared in declared_options(strategy._options_scope)]
     assert {f"strategy.{keyword}" for keyword in keywords} <= set(parser.get_defaults().keys())
-    config = parser.parse_args(["--strategy.comm_buffer_size=5", "--strategy.sharding_stage=1", "--strategy.trace_steps=[0, 2]"])
+    config = parser.parse_args(["--strategy.comm_buffer_size=5", "--strategy.sharding_stage=1", "--strategy.straggler_every_n_steps=5"])
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # the name before 4.49
     built = instantiate(config).strategy
-    assert (built.options.comm_buffer_size, built.options.sharding.stage, built.options.trace.steps) == (5.0, 1, (0, 2))
+    assert (built.options.comm_buffer_size, built.options.sharding.stage, built.options.straggler.every_n_steps) == (5.0, 1, 5)
     with pytest.raises(Exception, match="find_unused_parameters"):
         parser.parse_args(["--strategy.find_unused_parameters=maybe"])

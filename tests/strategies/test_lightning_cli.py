@@ -94,7 +94,7 @@ def test_each_registered_name_has_a_class_with_that_names_arguments():
 @pytest.mark.parametrize(
     "arguments",
     [
-        ["--trainer.strategy=lit_dp.PaddleDPStrategy", "--trainer.strategy.comm_buffer_size=5", "--trainer.strategy.trace_steps=[0, 2]"],
+        ["--trainer.strategy=lit_dp.PaddleDPStrategy", "--trainer.strategy.comm_buffer_size=5", "--trainer.strategy.straggler_every_n_steps=5"],
         ["--trainer.strategy=paddle_dp_fork", "--trainer.strategy.sharding_stage=1"],
     ],
     ids=["class_path", "string"],
