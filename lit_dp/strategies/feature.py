@@ -131,8 +131,9 @@ class Feature:
     def on_train_end(self) -> None:
         """Training ended, after the callbacks' ``on_train_end`` (a last checkpoint)."""
 
-    def on_exception(self, exception: BaseException) -> None:
-        """The run failed with ``exception`` (add notes to it; end what cannot finish)."""
+    def on_exception(self, exception: BaseException, strategy: Any) -> None:
+        """The run failed with ``exception`` (add notes to it; end what cannot finish). The strategy is
+        passed in: a run may fail before any other hook, even before ``setup_environment`` ends."""
 
     def teardown(self) -> None:
         """The run is over: release what ``setup`` took (threads, groups, callbacks' references)."""
@@ -235,9 +236,9 @@ class Features(Sequence[Feature]):
         for feature in self._features:
             feature.on_train_end()
 
-    def on_exception(self, exception: BaseException) -> None:
+    def on_exception(self, exception: BaseException, strategy: Any) -> None:
         for feature in self._features:
-            feature.on_exception(exception)
+            feature.on_exception(exception, strategy)
 
     def teardown(self) -> None:
         for feature in reversed(self._features):

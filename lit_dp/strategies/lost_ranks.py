@@ -61,20 +61,17 @@ class LostRanks(Feature):
 
     def __init__(self) -> None:
         self._parent = os.getppid()
-        self._strategy: Any = None  # from setup_environment
 
     @override
     def setup_environment(self, strategy: Any) -> None:
         """The ranks are started: in the process that started them under Lightning's script
         launcher, its observer thread waits ``OBSERVER_GRACE_SECONDS`` after a death."""
-        self._strategy = strategy
         if _started_ranks(strategy.launcher):
             _defer_lightnings_observer(OBSERVER_GRACE_SECONDS)
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        strategy = self._strategy
-        if strategy is None or not isinstance(exception, Exception):  # a stop (Preempted, Ctrl-C): nothing died
+    def on_exception(self, exception: BaseException, strategy: Any) -> None:
+        if not isinstance(exception, Exception):  # a stop (Preempted, Ctrl-C): nothing died
             return
         self.note(exception, strategy.launcher, strategy.node_rank, strategy.num_processes, strategy.global_rank)
         if not isinstance(exception, CollectiveHangError):  # a hang's verdict ends every rank itself, at once
@@ -84,9 +81,6 @@ class LostRanks(Feature):
         # Pickled into a spawned rank: its parent is the process that spawned it.
         self.__dict__.update(state)
         self._parent = os.getppid()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_strategy": None}  # the strategy pickles its features, not the other way
 
     def note(self, exception: BaseException, launcher: Any, node_rank: int, num_processes: int, global_rank: int) -> None:
         """Add to ``exception`` a note per rank of this job known to have died (see the module docstring)."""

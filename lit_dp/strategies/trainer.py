@@ -305,7 +305,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             else arg
             for arg in exception.args
         )
-        self._features.on_exception(exception)
+        self._features.on_exception(exception, self)
 
     @override
     def save_checkpoint(
