@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
+from lit_dp.strategies.lightning_private import ddp_kwargs
 from lit_dp.strategies.trainer import PaddleDPStrategy
 from lit_dp_recipes.report import say
 
@@ -22,7 +23,7 @@ def describe_strategy(strategy: Strategy, world_size: int) -> str:
     devices = [str(d) for d in getattr(strategy, "parallel_devices", None) or [strategy.root_device]]
     line = f"strategy={type(strategy).__name__} world_size={world_size} devices={devices}"
     if isinstance(strategy, DDPStrategy):
-        cap = strategy._ddp_kwargs.get("bucket_cap_mb", 25)
+        cap = ddp_kwargs(strategy).get("bucket_cap_mb", 25)
         line += f" backend={strategy.process_group_backend} bucket_cap_mb={cap}MB"
         line += "".join(f" {name}={value}" for name, value in strategy._ddp_kwargs.items() if name != "bucket_cap_mb")
         if strategy._ddp_comm_hook is not None:

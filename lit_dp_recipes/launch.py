@@ -33,8 +33,9 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd, to_absolute_path
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
+
+from lit_dp.strategies.lightning_private import TrainerScriptLauncher, replace_launcher
 
 # What Lightning's script launcher exports into the launching process (_call_children_scripts).
 LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -48,13 +49,14 @@ SWEEP_KEYS = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.sweeper", "hydr
 def use_job_launcher(strategy: Strategy) -> None:
     """Start ``strategy``'s ranks with ``JobScriptLauncher`` where Lightning would re-run ``sys.argv`` under Hydra."""
     launcher = getattr(strategy, "launcher", None)
-    if type(launcher) is _SubprocessScriptLauncher and HydraConfig.initialized():
-        # Strategies keep their launcher in `_launcher` (Lightning's `_configure_launcher`); it
-        # is used when the Trainer runs, so replacing it before `fit` is enough.
-        strategy._launcher = JobScriptLauncher(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+    if type(launcher) is TrainerScriptLauncher and HydraConfig.initialized():
+        # The launcher is used when the Trainer runs, so replacing it before `fit` is enough.
+        replace_launcher(
+            strategy, JobScriptLauncher(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+        )
 
 
-class JobScriptLauncher(_SubprocessScriptLauncher):
+class JobScriptLauncher(TrainerScriptLauncher):
     """Lightning's script launcher, with each rank's command line taken from the Hydra job, not ``sys.argv``."""
 
     @override

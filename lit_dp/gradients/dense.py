@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lit_dp.gradients.group as groups
+from lit_dp.gradients.bucket import DenseGradients
 from lit_dp.gradients.buckets import MB
 from lit_dp.gradients.flags import fill_flags, members_present
 from lit_dp.gradients.hooks import CommHook
@@ -58,7 +59,7 @@ def in_place_min_bytes(device: torch.device) -> int:
     return IN_PLACE_MIN_BYTES.get(device.type, IN_PLACE_MIN_BYTES["cuda"])
 
 
-class DenseBucket:
+class DenseBucket(DenseGradients):
     """Gradients of one dtype and device, reduced together, launched as one unit.
 
     Small gradients travel in one flat buffer, [gradients | flags] (the flags of every member,
@@ -75,9 +76,6 @@ class DenseBucket:
     """
 
     __slots__ = (
-        "_nbytes",
-        "indices",
-        "params",
         "in_place",
         "flat",
         "views",
@@ -87,8 +85,6 @@ class DenseBucket:
         "buffer",
         "gradients",
         "flags",
-        "ring",
-        "works",
         "fuse_scale",
         "as_view",
         "average_op",
@@ -97,7 +93,6 @@ class DenseBucket:
         "future",
         "_launched_grads",
         "size",
-        "waiter",
     )
 
     def __init__(
@@ -109,10 +104,7 @@ class DenseBucket:
         hook: tuple[CommHook, int, int] | None = None,
         waiter: Waiter = UNWATCHED,
     ) -> None:
-        self.indices = indices
-        self.params = params
-        # Read at every launch by the observers (comm_stats, the hang watchdog: on by default): summed once.
-        self._nbytes = sum(p.numel() * p.element_size() for p in params)
+        super().__init__(indices, params, ring, waiter)
         self.as_view = as_view
         self.hook = hook
         self.future: torch.futures.Future | None = None
@@ -136,13 +128,10 @@ class DenseBucket:
         self.flat_params = [params[k] for k in self.flat]
         self.flat_views = [self.views[k] for k in self.flat]
         self.reduced: list[torch.Tensor | None] = [None] * len(params)  # what each in-place member all-reduces
-        self.ring = ring
-        self.works: list[dist.Work] = []
         flat_bytes = numel * self.gradients.element_size()
         self.fuse_scale = flat_bytes >= FUSED_SCALE_MIN_BYTES_PER_TENSOR * len(self.flat)
         self.average_op = averaging_op(ring)
         self.size = ring.size()
-        self.waiter = waiter  # the owner's policy for every wait (a deadline under the hang watchdog)
         # A group of one rank (one device under the Lightning strategies) needs no collective:
         # skipping it keeps the one-device step as cheap as the bare model's, checks included.
         # A hook still runs there, as under torch DDP, and so does a group written in Python.
@@ -150,17 +139,9 @@ class DenseBucket:
         # The flat members' gradients at launch when all were present, for the write-back.
         self._launched_grads: list[torch.Tensor] | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    def sent_bytes(self) -> int:
-        """The gradient bytes this bucket reduces (its flags not counted)."""
-        return self.nbytes
-
     def futures(self) -> list[torch.futures.Future]:
         """Futures of the collectives started last (a hook's included); none for a group of one rank."""
-        futures = [work.get_future() for work in self.works]
+        futures = super().futures()
         if self.future is not None:  # a communication hook's: its collectives are the bucket's gradients
             futures.append(self.future)
         return futures
@@ -231,10 +212,8 @@ class DenseBucket:
             self.gradients.div_(divisor)
 
     def wait(self) -> None:
-        """Wait for this bucket's collectives (on CUDA: make the current stream wait for them)."""
-        for work in self.works:
-            groups.wait(self.waiter, work, self.ring)
-        self.works = []
+        """Wait for this bucket's collectives (on CUDA: make the current stream wait for them), then the hook's."""
+        super().wait()
         if self.hook:
             comm_hook, index, _ = self.hook
             future, self.future = self.future, None

@@ -16,14 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_dp.gradients.bucket import Bucket
 from lit_dp.gradients.buckets import assign_group_by_size
 from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.scatter import ScatterBucket
 from lit_dp.gradients.sparse import SparseBucket
 from lit_dp.gradients.waiting import Waiter
-
-Bucket = DenseBucket | ScatterBucket | SparseBucket
 
 
 def launch_order(

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lit_dp.gradients.group as groups
+from lit_dp.gradients.bucket import DenseGradients
 from lit_dp.gradients.dense import averaging_op, in_place_min_bytes
 from lit_dp.gradients.flags import fill_flags, members_present
 from lit_dp.gradients.plan import StepPlan
@@ -45,7 +46,7 @@ from lit_dp.gradients.waiting import UNWATCHED, Waiter
 REDUCE_SCATTER_BACKENDS = frozenset({"nccl"})
 
 
-class ScatterBucket:
+class ScatterBucket(DenseGradients):
     """Gradients of one dtype and device, each reduced to the rank that owns it (sharding stage 2).
 
     Args:
@@ -56,11 +57,7 @@ class ScatterBucket:
     """
 
     __slots__ = (
-        "_nbytes",
-        "indices",
-        "params",
         "owners",
-        "ring",
         "rank",
         "in_place",
         "flat",
@@ -69,13 +66,11 @@ class ScatterBucket:
         "own",
         "own_views",
         "flags",
-        "works",
         "reduced",
         "buffer",
         "average_op",
         "alone",
         "reduce_scatter",
-        "waiter",
     )
 
     def __init__(
@@ -86,12 +81,8 @@ class ScatterBucket:
         owners: Sequence[int],
         waiter: Waiter = UNWATCHED,
     ) -> None:
-        self.indices = indices
-        self.params = params
-        # Read at every launch by the observers (comm_stats, the hang watchdog: on by default): summed once.
-        self._nbytes = sum(p.numel() * p.element_size() for p in params)
+        super().__init__(indices, params, ring, waiter)
         self.owners = list(owners)
-        self.ring = ring
         self.rank = ring.rank()
         world_size = ring.size()
         threshold = in_place_min_bytes(params[0].device)
@@ -105,35 +96,11 @@ class ScatterBucket:
         mine = self.segments[self.rank]
         self.own_views = dict(zip(mine, _shaped(self.own, [params[k] for k in mine])))
         self.flags = torch.zeros(len(params), dtype=dtype, device=device)
-        self.works: list[dist.Work] = []
         self.reduced: list[torch.Tensor | None] = [None] * len(params)
         self.buffer: torch.Tensor | None = None
         self.average_op = averaging_op(ring)
         self.alone = groups.trivially_alone(ring)
         self.reduce_scatter = groups.backend_name(ring) in REDUCE_SCATTER_BACKENDS
-        self.waiter = waiter  # the owner's policy for every wait (a deadline under the hang watchdog)
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    def sent_bytes(self) -> int:
-        """The gradient bytes this bucket reduces (its flags not counted)."""
-        return self.nbytes
-
-    def futures(self) -> list[torch.futures.Future]:
-        """Futures of the collectives started last; none for a group of one rank.
-
-        Gloo's ``reduce`` has no future (``Work::getFuture not implemented``): such works are left
-        out, so observers (the hang watchdog, always subscribed) see the flags' all-reduce only.
-        """
-        futures = []
-        for work in self.works:
-            try:
-                futures.append(work.get_future())
-            except RuntimeError:
-                continue
-        return futures
 
     def start(self, plan: StepPlan, used: bytearray, complete: bool = False) -> None:
         """Set the flags and start their all-reduce, then reduce every gradient to its owner.
@@ -209,12 +176,6 @@ class ScatterBucket:
         for owner, segment in enumerate(segments):
             if self.numels[owner]:
                 self.works.append(dist.reduce(segment, group_dst=owner, op=op, group=self.ring, async_op=True))
-
-    def wait(self) -> None:
-        """Wait for this bucket's collectives (on CUDA: make the current stream wait for them)."""
-        for work in self.works:
-            groups.wait(self.waiter, work, self.ring)
-        self.works = []
 
     def write_back(self, as_view: bool, skipped: Collection[int]) -> None:
         """Give the owned members their averages as ``.grad``, except at positions ``skipped``.

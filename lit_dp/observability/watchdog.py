@@ -74,6 +74,7 @@ HANG_DIRECTORY = "lit_dp_hang"
 LONG_DEADLINE_SHARE = 0.8
 WARMUP_STEPS = 2  # synchronised steps taken with the long deadline
 _NAMESPACE = "lit_dp/watchdog"  # where each process registers itself (per process, shared by its wrappers)
+JOIN_SECONDS = 5.0  # a poll in progress (a store read) ends well within it
 _STORE_ERRORS = (RuntimeError, ValueError, dist.DistError)
 # The running watch threads and their stop events, stopped at exit (``_stop_watch_threads``).
 _WATCH_THREADS: weakref.WeakKeyDictionary[threading.Thread, threading.Event] = weakref.WeakKeyDictionary()
@@ -133,6 +134,7 @@ class HangWatchdog(ReducerObserver):
         self._alarmed_at = 0.0
         self._ending = False
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None  # started by `start`
         self._waiter.watch(
             self._long_timeout,
             self.on_deadline,
@@ -163,11 +165,10 @@ class HangWatchdog(ReducerObserver):
             return None
         watchdog = cls(reducer, hang_timeout, store, directory, device or torch.device("cpu"), clock, given)
         reducer.add_observer(watchdog)
-        thread = threading.Thread(
-            target=_watch, args=(weakref.ref(watchdog), watchdog._stop, watchdog._poll_seconds), daemon=True
-        )
+        thread = _WatchThread(watchdog._stop, target=_watch, args=(weakref.ref(watchdog), watchdog._stop, watchdog._poll_seconds))
         thread.name = f"lit_dp hang watchdog (rank {watchdog._rank})"
         thread.start()
+        watchdog._thread = thread
         _WATCH_THREADS[thread] = watchdog._stop
         weakref.finalize(watchdog, watchdog._stop.set)
         log.debug(
@@ -197,8 +198,10 @@ class HangWatchdog(ReducerObserver):
         return store
 
     def close(self) -> None:
-        """Stop the thread (a verdict already reached still ends the process)."""
+        """Stop the thread and wait for it (a verdict already reached still ends the process)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=JOIN_SECONDS)
 
     # -- known phases: a rank busy on purpose ------------------------------------------------
 
@@ -461,6 +464,19 @@ def group_timeout(group: dist.ProcessGroup, device: torch.device) -> float:
         return group._get_backend(device).options._timeout.total_seconds()
     except (AttributeError, RuntimeError):
         return dist.default_pg_timeout.total_seconds()
+
+
+class _WatchThread(threading.Thread):
+    """The watch thread: a daemon with ``stop()``, the shape Lightning's test suites stop a thread
+    left running by a run that was never torn down (a Fabric script ends without a teardown)."""
+
+    def __init__(self, stop: threading.Event, **kwargs: Any) -> None:
+        super().__init__(daemon=True, **kwargs)
+        self._stop_event = stop
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=JOIN_SECONDS)
 
 
 @atexit.register

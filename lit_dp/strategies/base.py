@@ -5,7 +5,9 @@
 Lightning base classes, as Lightning's two ``DDPStrategy`` classes do; what lit_dp adds to both
 lives here once: the registered names, the options they keep (and torch DDP's own arguments,
 which Lightning's ``DDPStrategy`` passes through to ``DistributedDataParallel``), how a process
-finds its device, brings up the process group and wraps the model.
+finds its device, brings up the process group and wraps the model; the constructor, which
+builds the features (``lit_dp.strategies.registry``), and what the features answer for both
+(the tuned bucket size, fault tolerance, the strategy's own collectives, the data loaders).
 
 The process group outlives the strategy, as under Lightning's ``"ddp"``: teardown leaves it
 alive, so ``torch.distributed`` calls and ``strategy.barrier()`` work after ``fit``, and a
@@ -19,6 +21,8 @@ import atexit
 import inspect
 import logging
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -35,12 +39,17 @@ from typing_extensions import override
 from lit_dp.data_parallel import DataParallel
 from lit_dp.job.env import ParallelEnv
 from lit_dp.job.launcher import PADDLE, describe_job, detect_launcher
-from lit_dp.job.process_group import destroy_parallel_env, init_parallel_env, resolve_timeout
+from lit_dp.job.process_group import barrier, broadcast_object, destroy_parallel_env, init_parallel_env, resolve_timeout
 from lit_dp.options import Options, declared_options
 from lit_dp.options.backends import AUTO
+from lit_dp.options.signature import takes_options
 from lit_dp.options.spelling import Spellings
 from lit_dp.sharding import ShardedOptimizer
-from lit_dp.strategies.lightning_private import StrategyRegistryType
+from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
+from lit_dp.strategies.fault_tolerance import FaultTolerance, FaultToleranceFeature
+from lit_dp.strategies.lightning_private import StrategyRegistryType, WrappingCheckpointIO
+from lit_dp.strategies.registry import build_features
+from lit_dp.strategies.tuned_size import TunedBufferSize
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +68,21 @@ class DataParallelStrategyMixin:
 
     It comes before Lightning's ``ParallelStrategy`` (the Trainer's or Fabric's) in a strategy's
     bases: the Lightning overrides here are the same in both, and Lightning's two
-    ``DDPStrategy`` classes write them twice. A concrete strategy builds its ``Options``
-    (``_keep_options``), names its Lightning launchers in ``_launchers`` (script launcher,
-    multiprocessing launcher) and the front door its options are checked for in
-    ``_options_scope``.
+    ``DDPStrategy`` classes write them twice. A concrete strategy names its Lightning launchers
+    in ``_launchers`` (script launcher, multiprocessing launcher), the front door its options are
+    checked for in ``_options_scope``, the name its Lightning base gives the precision plugin in
+    ``_precision_argument``, and the model it wrapped in ``_data_parallel``.
+
+    The first five arguments are Lightning's, set by the Trainer or Fabric (the fifth is the
+    precision plugin, also taken by the base's name for it: ``precision_plugin`` under the
+    Trainer, ``precision`` under Fabric). The options are keyword arguments, or one
+    ``options=Options.build(...)`` already validated.
     """
 
     # The concrete strategy's.
     _launchers: tuple[type, type]
     _options_scope: str
+    _precision_argument: str
     # Lightning's ParallelStrategy's.
     cluster_environment: ClusterEnvironment | None
     parallel_devices: list[torch.device] | None
@@ -76,6 +91,116 @@ class DataParallelStrategyMixin:
     global_rank: int
     world_size: int
     _launcher: Any
+    _checkpoint_io: Any
+    is_global_zero: bool
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: Any = None,
+        precision: Any = None,
+        options: Options | None = None,
+        **values: Any,
+    ) -> None:
+        precision = values.pop(self._precision_argument, precision)
+        super().__init__(  # type: ignore[call-arg]
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=default_cluster_environment(cluster_environment),
+            # Kept unset unless given, as under "ddp": Lightning refuses a strategy's own next to the
+            # user's `plugins`; the default is supplied when read (`checkpoint_io`).
+            checkpoint_io=checkpoint_io,
+            **{self._precision_argument: precision},
+        )
+        self._keep_options(options, values)
+        self._atomic_checkpoint_io = AtomicCheckpointIO()
+        # What the strategy does beside wrapping, each doing nothing until the run sets it up.
+        self._features = build_features(self._options, self._options_scope)
+        self._init_front_door()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_options_scope" in cls.__dict__:  # a front door (not a registered name's class, which keeps its own)
+            cls.__init__ = _front_door_init(cls._options_scope, cls._precision_argument)  # type: ignore[method-assign]
+
+    def _init_front_door(self) -> None:
+        """The rest of the constructor, the concrete strategy's own."""
+
+    @property
+    def checkpoint_io(self) -> Any:
+        """The user's plugin as given (``plugins=[...]`` or ``checkpoint_io=``), else ``AtomicCheckpointIO``,
+        also under a wrapping plugin given without its own base (``AsyncCheckpointIO()``), where
+        Lightning puts its default."""
+        if self._checkpoint_io is None:
+            return self._atomic_checkpoint_io
+        if isinstance(self._checkpoint_io, WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = self._atomic_checkpoint_io  # sets only a base not yet given
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
+    @property
+    def _data_parallel(self) -> DataParallel | None:
+        """The model this strategy wrapped (Fabric: the one set up last), while it runs."""
+        raise NotImplementedError
+
+    @property
+    def comm_buffer_size(self) -> float | str:
+        """The bucket size in MB: the fixed size; with ``"auto"``, the tuned size once chosen or
+        kept (restored from a checkpoint, or chosen by an earlier run: ``tuned_comm_buffer_size``),
+        the default while the first steps tune (``DataParallel.comm_buffer_size``), and ``"auto"``
+        before a model is wrapped."""
+        if self.tuned_comm_buffer_size is not None:
+            return self.tuned_comm_buffer_size
+        if self._data_parallel is not None:
+            return self._data_parallel.comm_buffer_size
+        return self._options.comm_buffer_size
+
+    @property
+    def tuned_comm_buffer_size(self) -> float | None:
+        """With ``comm_buffer_size="auto"``: the size chosen in this run, or kept from an earlier one or a checkpoint."""
+        tuned = self._features.find(TunedBufferSize)
+        return tuned.size if tuned is not None else None
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance | None:
+        """With ``fault_tolerance="torchft"``: its ``committed_steps``, ``metrics()`` and ``manager``."""
+        feature = self._features.find(FaultToleranceFeature)
+        return feature.ft if feature is not None else None
+
+    @property
+    def joined(self) -> bool:
+        """This rank has no batch of its own for the current step and takes the others' collectives
+        without one (the Trainer's ``uneven_inputs``)."""
+        return self._features.joined
+
+    @contextmanager
+    def _collective(self, name: str) -> Iterator[None]:
+        """One of the strategy's own collectives, inside each feature's ``collective`` (uneven inputs
+        refuse one that cannot be matched; the hang watchdog's thread watches its wait)."""
+        with self._features.collective(name):
+            yield
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self._collective("barrier"):
+            barrier(self.root_device)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with self._collective("broadcast"):
+            return broadcast_object(obj, src)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # Under the Trainer: called after Lightning restored the loops and before the first batch is fetched.
+        return super().process_dataloader(self._features.process_dataloader(dataloader))  # type: ignore[misc]
+
+    def _wrap_for_run(self, module: Module, run: Any) -> DataParallel:
+        """``module`` in ``DataParallel`` with the arguments the features give (``Feature.wrapper_arguments``)."""
+        arguments = self._features.wrapper_arguments(run, {"options": self._options})
+        return self._wrap(module, **arguments)
 
     def _keep_options(self, options: Options | None, values: dict[str, Any]) -> None:
         """Keep ``options`` (validated where they entered, e.g. a recipe's config), or validate
@@ -245,12 +370,10 @@ class DataParallelStrategyMixin:
                 "'bf16-mixed' or '32-true', or sharding_stage=1."
             )
 
-    def _wrap(self, module: Module, options: Options, manager: Any = None) -> DataParallel:
-        """``module`` in ``DataParallel``; with a torchft ``manager``, over its replica groups."""
+    def _wrap(self, module: Module, options: Options, **features_arguments: Any) -> DataParallel:
+        """``module`` in ``DataParallel``; with a torchft ``manager`` among ``features_arguments``, over its replica groups."""
         name = type(self).__name__
-        arguments = dict(self._wrapper_arguments)
-        if manager is not None:
-            arguments["manager"] = manager
+        arguments = {**self._wrapper_arguments, **features_arguments}
         shown = "".join(f", {key}={value!r}" for key, value in arguments.items())
         log.debug("%s: wrapping %s in lit_dp.DataParallel with %s%s", name, type(module).__name__, options, shown)
         wrapped = DataParallel(module, options=options, **arguments)
@@ -261,6 +384,21 @@ class DataParallelStrategyMixin:
                 "%s: no hang watchdog (hang_timeout=%s, world size %d)", name, options.hang_timeout, self.world_size
             )
         return wrapped
+
+
+def _front_door_init(scope: str, precision_argument: str) -> Callable[..., None]:
+    """The shared constructor as one front door shows it: its Lightning base's name for the precision
+    plugin (which it takes through ``**values``) and every option of ``scope`` as a typed keyword
+    (``lit_dp.options.signature``): what ``inspect.signature``, ``help()`` and LightningCLI read."""
+
+    def __init__(self: DataParallelStrategyMixin, *args: Any, **values: Any) -> None:
+        DataParallelStrategyMixin.__init__(self, *args, **values)
+
+    shared = inspect.signature(DataParallelStrategyMixin.__init__, eval_str=True)
+    parameters = [p.replace(name=precision_argument) if p.name == "precision" else p for p in shared.parameters.values()]
+    __init__.__signature__ = shared.replace(parameters=parameters)  # type: ignore[attr-defined]
+    __init__.__doc__ = DataParallelStrategyMixin.__init__.__doc__
+    return takes_options(scope)(__init__)
 
 
 # torch DDP's constructor arguments (without ``self``). Lightning's DDPStrategy passes those it

@@ -13,16 +13,15 @@ Ranks with different numbers of batches train inside ``with fabric.strategy.join
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any
 
 import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import ReduceOp
 from torch import Tensor
 from torch.nn import Module
@@ -30,16 +29,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
-from lit_dp.job.process_group import barrier, broadcast_object
 from lit_dp.join import DataParallelJoin
-from lit_dp.observability.watchdog import HangWatchdog
-from lit_dp.options import FABRIC, Options
+from lit_dp.options import FABRIC
 from lit_dp.options.docs import options_doc
-from lit_dp.options.signature import takes_options
 from lit_dp.sharding import ShardedOptimizer
-from lit_dp.strategies.base import DataParallelStrategyMixin, default_cluster_environment, register_families
-from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
-from lit_dp.strategies.fault_tolerance import FabricFaultTolerance, FaultTolerance
+from lit_dp.strategies.base import DataParallelStrategyMixin, register_families
+from lit_dp.strategies.feature import Run
 from lit_dp.strategies.lightning_private import (
     BackwardSyncControl,
     FabricMultiProcessingLauncher,
@@ -68,88 +63,41 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     _launchers = (FabricScriptLauncher, FabricMultiProcessingLauncher)
     _options_scope = FABRIC
+    _precision_argument = "precision"
 
-    @takes_options(FABRIC)
-    def __init__(
-        self,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-        options: Options | None = None,
-        **values: Any,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=default_cluster_environment(cluster_environment),
-            # Kept unset unless given, as the Trainer's: Fabric refuses a strategy's own next to the
-            # user's `plugins`; the default is supplied when read (`checkpoint_io`).
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-        )
-        self._keep_options(options, values)
-        self._atomic_checkpoint_io = AtomicCheckpointIO()
+    @override
+    def _init_front_door(self) -> None:
         self._backward_sync_control = _PaddleDPBackwardSyncControl()
         self._wrapped: DataParallel | None = None  # the model set up last: sharded optimizers read its owners
         self._sharded: list[ShardedOptimizer] = []
-        # fault_tolerance="torchft" (lit_dp.strategies.fault_tolerance): settings checked here, the Manager at setup.
-        self._fault_tolerance = (
-            FabricFaultTolerance(FaultTolerance(self._options)) if self._options.fault_tolerance else None
-        )
+        self._running = False  # features set up since the last teardown
 
     @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """The user's plugin as given (``Fabric(plugins=[...])`` or ``checkpoint_io=``), else ``AtomicCheckpointIO``."""
-        return self._atomic_checkpoint_io if self._checkpoint_io is None else self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
-
-    @property
-    def comm_buffer_size(self) -> float | str:
-        """The bucket size in MB of the model set up last (``DataParallel.comm_buffer_size``: with
-        ``"auto"``, the default while the first steps tune, then the tuned size); the option as
-        given (a size, or ``"auto"``) before ``fabric.setup`` and after teardown."""
-        if self._wrapped is not None:
-            return self._wrapped.comm_buffer_size
-        return self._options.comm_buffer_size
-
-    @property
-    def fault_tolerance(self) -> FaultTolerance | None:
-        """With ``fault_tolerance="torchft"``: its ``committed_steps``, ``metrics()`` and ``manager``."""
-        return self._fault_tolerance.ft if self._fault_tolerance is not None else None
+    def _data_parallel(self) -> DataParallel | None:
+        return self._wrapped
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._features.setup_environment(self)
         self._init_process_group()
 
     @override
     def setup_module(self, module: Module) -> DataParallel:
         self._check_sharding_precision(self.precision)
-        if self._fault_tolerance is not None:  # the Manager before the model it wraps; the module travels
-            manager = self._fault_tolerance.manager(self.root_device, self.world_size)
-            self._fault_tolerance.modules.append(module)
-            self._wrapped = self._wrap(module, self._options, manager)
-            return self._wrapped
-        self._wrapped = self._wrap(module, self._options)
+        self._wrapped = self._wrap_for_run(module, Run(self, None))
+        if not self._running:
+            # Fabric never tears its strategy down itself: the features' teardown (the trace's last
+            # write, the watchdog thread's end) also runs at exit, unless the user's teardown came first.
+            atexit.register(_teardown_features_at_exit, weakref.ref(self))
+        self._running = True
+        self._features.setup(Run(self, self._wrapped))
         return self._wrapped
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        log.debug(
-            "%s: setting up %s%s",
-            type(self).__name__,
-            type(optimizer).__name__,
-            "; its state is sent to a recovering replica group" if self._fault_tolerance is not None else "",
-        )
-        sharded = self._shard(optimizer, self._wrapped)
-        if self._fault_tolerance is not None:
-            self._fault_tolerance.optimizers.append(sharded)
+        log.debug("%s: setting up %s", type(self).__name__, type(optimizer).__name__)
+        sharded = self._features.setup_optimizer(self._shard(optimizer, self._wrapped))
         if isinstance(sharded, ShardedOptimizer):
             self._sharded.append(sharded)
         return sharded
@@ -208,16 +156,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         return inner.join(divide_by_initial_world_size, enable, throw_on_early_termination)
 
     @override
-    def process_dataloader(self, dataloader: Any) -> Any:
-        if self._fault_tolerance is not None:  # dealt step by step to the replica groups present
-            return self._fault_tolerance.process_dataloader(dataloader)
-        return super().process_dataloader(dataloader)
-
-    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if self._fault_tolerance is not None:  # applied only if every replica group commits the step
-            return self._fault_tolerance.optimizer_step(partial(super().optimizer_step, optimizer, **kwargs))
-        return super().optimizer_step(optimizer, **kwargs)
+        step = partial(super().optimizer_step, optimizer, **kwargs)
+        return self._features.optimizer_step(lambda closure: step(), optimizer, None)  # Fabric's step takes no closure
 
     @override
     def module_to_device(self, module: Module) -> None:
@@ -228,37 +169,16 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            with self._watched("all_reduce"):
+            with self._collective("all_reduce"):
                 return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self._watched("barrier"):
-            barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        with self._watched("broadcast"):
-            return broadcast_object(obj, src)
 
     @override
     def save_checkpoint(
         self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
     ) -> None:
-        # Rank 0 writes while the others go on to a barrier: a known phase of the hang watchdog.
-        watchdog = self._hang_watchdog
-        with watchdog.phase("saving a checkpoint") if watchdog is not None and self.is_global_zero else nullcontext():
+        with self._features.saving() if self.is_global_zero else nullcontext():  # rank 0 writes, the others wait
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-
-    @property
-    def _hang_watchdog(self) -> HangWatchdog | None:
-        """The hang watchdog of the model set up last, which watches the strategy's collectives (issue 27)."""
-        return self._wrapped.watchdog if self._wrapped is not None else None
-
-    def _watched(self, name: str) -> AbstractContextManager:
-        # Through the model's waiter, watchdog or not: it also times the wait (the straggler report's exposed wait).
-        return self._wrapped.waiter.outside(f"strategy.{name}") if self._wrapped is not None else nullcontext()
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
@@ -279,16 +199,25 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         log.debug("%s: tearing down strategy", type(self).__name__)
         for optimizer in self._sharded:
             optimizer.wait_for_parameters()
+        self._teardown_features()
         self._wrapped, self._sharded = None, []
-        if self._fault_tolerance is not None:
-            self._fault_tolerance.ft.close()
         super().teardown()
         self._leave_process_group()
+
+    def _teardown_features(self) -> None:
+        if self._running:
+            self._running = False
+            self._features.teardown()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         register_families(strategy_registry, cls)
+
+
+def _teardown_features_at_exit(strategy: weakref.ref[PaddleDPStrategy]) -> None:
+    if (alive := strategy()) is not None:
+        alive._teardown_features()
 
 
 class _PaddleDPBackwardSyncControl(BackwardSyncControl):

@@ -53,12 +53,14 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 from tqdm import tqdm
+from typing_extensions import override
 
 from lit_dp.fault_tolerance import replica_process_group
 from lit_dp.job.restart import JobAttempt
 from lit_dp.lighthouse import LighthouseStatus
 from lit_dp.options import Options
 from lit_dp.replica_data import ReplicaBatches
+from lit_dp.strategies.feature import Feature, Run
 from lit_dp.strategies.lightning_private import batches_that_stepped, restore_batches_that_stepped
 
 log = logging.getLogger(__name__)
@@ -468,24 +470,63 @@ class PendingBatches:
             yield PendingBatch()
 
 
-class TrainerFaultTolerance(pl.Callback):
-    """The Trainer's glue: the data, the step gate, the loop state, and the ``ft/*`` metrics."""
+class FaultToleranceFeature(Feature):
+    """What both strategies' fault tolerance shares: the replica group's ``FaultTolerance`` (``ft``),
+    built when the option is on, closed at teardown."""
 
     def __init__(self, fault_tolerance: FaultTolerance) -> None:
         self.ft = fault_tolerance
+
+    @classmethod
+    @override
+    def build(cls, options: Options) -> FaultToleranceFeature | None:
+        # The settings are checked here, as the strategy is built; the Manager starts with the run.
+        return cls(FaultTolerance(options)) if options.fault_tolerance else None
+
+    @override
+    def teardown(self) -> None:
+        self.ft.close()
+
+
+class TrainerFaultTolerance(FaultToleranceFeature):
+    """The Trainer's glue: the data, the step gate, the loop state, and the ``ft/*`` metrics."""
+
+    key = "fault_tolerance"
+
+    def __init__(self, fault_tolerance: FaultTolerance) -> None:
+        super().__init__(fault_tolerance)
+        self._trainer: pl.Trainer | None = None  # from setup
         self._restored: dict[str, Any] | None = None  # from a checkpoint, until the Manager and the data exist
 
-    def attach(self, trainer: pl.Trainer) -> None:
-        """After the optimizers exist: what travels to a recovering replica; this callback."""
+    @override
+    def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The Manager, started before the model it wraps; its log in the run's folder."""
+        assert run.trainer is not None
+        self.ft.start(run.strategy.root_device, run.strategy.world_size, run.trainer.default_root_dir)
+        return {**arguments, "manager": self.ft.manager}
+
+    @override
+    def setup(self, run: Run) -> None:
+        """After the optimizers exist: what travels to a recovering replica; the callback."""
+        self._trainer = trainer = run.trainer
+        if trainer is None or not run.fitting:
+            return
         self.ft.track(
             lambda: _trainer_state(trainer, self.ft.batches),
             lambda state: _load_trainer_state(trainer, self.ft.batches, state),
         )
         if self._restored is not None:
             self.ft.manager.load_state_dict(self._restored["manager"])
-        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, TrainerFaultTolerance)] + [self]
+        trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, _FaultToleranceCallback)]
+        trainer.callbacks.append(_FaultToleranceCallback(self.ft))
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self._trainer = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (a whole-job restart resumes from it): torchft's step count, the data position."""
         batches = self.ft.batches
         return {
@@ -493,10 +534,16 @@ class TrainerFaultTolerance(pl.Callback):
             "data": batches.state_dict() if batches is not None else None,
         }
 
-    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+    @override
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
         self._restored = state
 
-    def process_dataloader(self, dataloader: object, trainer: pl.Trainer) -> PendingBatches:
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """The training loader, dealt step by step to the replica groups present."""
+        trainer = self._trainer
+        if trainer is None or not trainer.training:
+            return dataloader
         if isinstance(trainer.val_check_interval, float) and trainer.val_check_interval != 1.0:
             raise ValueError(
                 f"fault_tolerance='torchft' with trainer.val_check_interval={trainer.val_check_interval} is invalid: the "
@@ -517,8 +564,11 @@ class TrainerFaultTolerance(pl.Callback):
             self.ft.batches.load_state_dict(restored)
         return PendingBatches()
 
-    def batch(self, batch: Any, trainer: pl.Trainer) -> Any:
-        if not isinstance(batch, PendingBatch):
+    @override
+    def batch_to_device(self, batch: Any) -> Any:
+        """The step's quorum, then its data."""
+        trainer = self._trainer
+        if trainer is None or not isinstance(batch, PendingBatch):
             return batch
         assert self.ft.batches is not None
         if trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
@@ -526,8 +576,9 @@ class TrainerFaultTolerance(pl.Callback):
         # What Lightning did to the placeholder, done to the batch: the precision plugin's conversion.
         return trainer.precision_plugin.convert_input(self.ft.batches.next_batch())
 
-    def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any]) -> Any:
-        """``step(closure)`` (the strategy's optimizer step), applied only if the step commits."""
+    @override
+    def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
+        """``step(closure)`` (the strategy's optimizer step), applied only if every replica group commits it."""
 
         def commit_or_discard() -> Any:
             result = closure()  # forward and backward: the all-reduces ran
@@ -539,6 +590,13 @@ class TrainerFaultTolerance(pl.Callback):
             return step(commit_or_discard)
         except _Discarded:
             return None
+
+
+class _FaultToleranceCallback(pl.Callback):
+    """The epoch's end when the data's ends, the reconciling quorum after the last step, the ``ft/*`` metrics."""
+
+    def __init__(self, fault_tolerance: FaultTolerance) -> None:
+        self.ft = fault_tolerance
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -611,23 +669,36 @@ def _load_trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None, sta
         batches.load_state_dict(state["data"])
 
 
-class FabricFaultTolerance:
+class FabricFaultTolerance(FaultToleranceFeature):
     """Fabric's glue: a step starts when the training loader yields its batch (the quorum, then the
     data) and is applied by ``optimizer.step()`` only if it commits. One optimizer step per batch."""
 
     def __init__(self, fault_tolerance: FaultTolerance) -> None:
-        self.ft = fault_tolerance
+        super().__init__(fault_tolerance)
         self.modules: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
 
-    def manager(self, device: torch.device, world_size: int) -> Any:
+    @override
+    def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
         """The Manager, started with the first module set up; what a recovering replica receives."""
         if self.ft.manager is None:
-            self.ft.start(device, world_size)
+            self.ft.start(run.strategy.root_device, run.strategy.world_size)
             self.ft.track(self._state, self._load)
-        return self.ft.manager
+        return {**arguments, "manager": self.ft.manager}
 
-    def process_dataloader(self, dataloader: object) -> StepBatches:
+    @override
+    def setup(self, run: Run) -> None:
+        if run.model is not None:  # the module travels (without the wrapper)
+            self.modules.append(run.model.module)
+
+    @override
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        log.debug("%s: %s's state is sent to a recovering replica group", LINE, type(optimizer).__name__)
+        self.optimizers.append(optimizer)
+        return optimizer
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> StepBatches:
         if self.ft.batches is not None:
             raise ValueError(
                 "fault_tolerance='torchft' deals the training loader step by step, so fabric.setup_dataloaders takes it "
@@ -637,8 +708,14 @@ class FabricFaultTolerance:
         self.ft.batches = replica_batches(dataloader, 1, int(os.environ.get("PL_GLOBAL_SEED", 0)))
         return StepBatches(self.ft)
 
-    def optimizer_step(self, step: Callable[[], Any]) -> Any:
-        return step() if self.ft.commit() else None
+    @override
+    def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
+        return step(closure) if self.ft.commit() else None
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self.modules, self.optimizers = [], []
 
     def _state(self) -> dict[str, Any]:
         batches = self.ft.batches

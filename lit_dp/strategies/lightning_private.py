@@ -5,9 +5,11 @@ own launchers, take over its signal handling at a step boundary, restore a loop 
 metric to what a rank logged, find the module inside Fabric's wrapper. Those touches of its
 private names live in this module, so that a Lightning release that moves one breaks here, at
 import or at the accessor's first use, with an error naming the installed Lightning and the
-name, instead of somewhere in a fit. ``tests/strategies/test_lightning_private.py`` checks each
-against the installed Lightning, and checks that no other module of lit_dp imports or reads a
-private Lightning name.
+name, instead of somewhere in a fit. The recipes (``lit_dp_recipes``) reach Lightning's private
+names through here too: their launcher under Hydra, and ``DDPStrategy``'s arguments for the
+``ddp`` peer's line. ``tests/strategies/test_lightning_private.py`` checks each against the
+installed Lightning, and checks that no other module of lit_dp or of the recipes imports or
+reads a private Lightning name.
 
 Three kinds of use:
 
@@ -33,6 +35,7 @@ from typing import Any
 import lightning
 import torch
 from lightning.fabric.strategies import ParallelStrategy as FabricParallelStrategy
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import ParallelStrategy
 
 LOOKED_UP: list[tuple[str, str]] = []  # (module, name) of every private class or function below
@@ -112,6 +115,11 @@ SUBCLASSED: dict[type, tuple[str, ...]] = {
     ),
     # Its handlers, saved and restored around the run stage, and how it installs one.
     SignalConnector: ("_original_handlers", "_get_current_signal_handlers", "_register_signal"),
+    # The recipes' launcher under Hydra (lit_dp_recipes.launch) starts the ranks with its own
+    # command line: the launcher's check and its child-starting method, overridden.
+    TrainerScriptLauncher: ("_call_children_scripts", "_check_can_spawn_children"),
+    # The recipes' progress bar (lit_dp_recipes.callbacks) refreshes on optimizer steps.
+    TQDMProgressBar: ("_should_update",),
 }
 # DDPStrategy's private names that code written against "ddp" reads (Lightning's own tests among
 # it), which lit_dp's strategies define with the same meaning.
@@ -127,6 +135,16 @@ def attached_trainer(module: Any) -> Any:
 def forward_module(module: Any) -> Any:
     """The module inside Fabric's wrapper (what the strategy's ``setup_module`` returned); ``module`` itself otherwise."""
     return _read(module, "_forward_module") if isinstance(module, _FabricModule) else module
+
+
+def replace_launcher(strategy: Any, launcher: Any) -> None:
+    """A strategy's launcher (``_launcher``, set by ``_configure_launcher``), replaced before the run uses it."""
+    _replace(strategy, "_launcher", launcher)
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The ``DistributedDataParallel`` arguments a Lightning ``DDPStrategy`` was given (``bucket_cap_mb``, ...)."""
+    return _read(strategy, "_ddp_kwargs")
 
 
 def signal_connector(trainer: Any) -> Any:

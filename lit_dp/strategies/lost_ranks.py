@@ -29,6 +29,10 @@ import subprocess
 import time
 from typing import Any
 
+from typing_extensions import override
+
+from lit_dp.gradients.waiting import CollectiveHangError
+from lit_dp.strategies.feature import Feature
 from lit_dp.strategies.lightning_private import (
     child_process_observers,
     observed_processes,
@@ -51,17 +55,27 @@ OBSERVER_GRACE_SECONDS = 30.0
 STARTED_RANKS_GRACE_SECONDS = 15.0
 
 
-class LostRanks:
-    """Held by ``PaddleDPStrategy``; ``note(exception, ...)`` is called from its ``on_exception``."""
+class LostRanks(Feature):
+    """A feature of the Trainer's strategy (``lit_dp.strategies.feature``): a failed fit's error
+    names the ranks that died (``note``), and a failed rank 0 ends the ranks it started."""
 
     def __init__(self) -> None:
         self._parent = os.getppid()
 
-    def watch(self, launcher: Any) -> None:
-        """Called once the ranks are started: in the process that started them under Lightning's
-        script launcher, its observer thread waits ``OBSERVER_GRACE_SECONDS`` after a death."""
-        if _started_ranks(launcher):
+    @override
+    def setup_environment(self, strategy: Any) -> None:
+        """The ranks are started: in the process that started them under Lightning's script
+        launcher, its observer thread waits ``OBSERVER_GRACE_SECONDS`` after a death."""
+        if _started_ranks(strategy.launcher):
             _defer_lightnings_observer(OBSERVER_GRACE_SECONDS)
+
+    @override
+    def on_exception(self, exception: BaseException, strategy: Any) -> None:
+        if not isinstance(exception, Exception):  # a stop (Preempted, Ctrl-C): nothing died
+            return
+        self.note(exception, strategy.launcher, strategy.node_rank, strategy.num_processes, strategy.global_rank)
+        if not isinstance(exception, CollectiveHangError):  # a hang's verdict ends every rank itself, at once
+            end_started_ranks(exception, strategy.launcher, strategy.node_rank, strategy.num_processes)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Pickled into a spawned rank: its parent is the process that spawned it.

@@ -55,6 +55,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lit_dp.strategies.feature import Feature, Run
 from lit_dp.strategies.lightning_private import (
     SignalConnector,
     TrainerMultiProcessingLauncher,
@@ -93,11 +94,11 @@ class Preempted(SystemExit):
         return self.reason
 
 
-class Preemption:
-    """What ``PaddleDPStrategy`` holds for signals while fitting (see the module docstring).
+class Preemption(Feature):
+    """Signals while fitting, a feature of the Trainer's strategy (see the module docstring).
 
-    The strategy calls ``setup(trainer, ...)`` when it sets up a fit and ``teardown()`` when it
-    tears down; the rest happens in Lightning's signal connector and in a callback this adds.
+    ``setup`` takes over a fit's signals and ``teardown`` ends that; the rest happens in
+    Lightning's signal connector and in a callback this adds.
     """
 
     def __init__(self) -> None:
@@ -112,8 +113,14 @@ class Preemption:
         """The stop signal this rank received during the current fit, if any."""
         return self._received
 
-    def setup(self, trainer: pl.Trainer, world_size: int, rank: int) -> None:
-        """Take over the fit's signal handling and add the step-boundary callback (every rank, collectively)."""
+    @override
+    def setup(self, run: Run) -> None:
+        """Take over the fit's signal handling and add the step-boundary callback (every rank,
+        collectively under NCCL)."""
+        trainer = run.trainer
+        if trainer is None or not run.fitting:
+            return
+        world_size, rank = run.strategy.world_size, run.strategy.global_rank
         self._received = None
         self._world_size, self._rank = world_size, rank
         self._last_step = trainer.global_step
@@ -126,6 +133,7 @@ class Preemption:
         trainer.callbacks.append(_StopAtStepBoundary(self))
         log.debug("lit_dp preemption: SIGTERM and SIGUSR1 stop the fit at the next optimizer step all ranks agree on")
 
+    @override
     def teardown(self) -> None:
         self._received = None
         self._group = None  # destroyed with the others when the strategy ends the process group

@@ -8,10 +8,10 @@ iterator of the resumed epoch is created before ``set_epoch`` is called for it, 
 
 ``EpochContinuation`` fixes both for a map-style loader batched by a ``BatchSampler`` (what
 Lightning's ``DistributedSampler`` injection produces): it sets the sampler's epoch, and skips,
-at the index level (no sample is loaded), what the checkpoint had trained. ``PaddleDPStrategy``
-holds one and calls it from ``process_dataloader``, the one hook Lightning runs after restoring
-the loops and before the first batch is fetched; it also keeps the loader's layout (world size,
-batch size) in the strategy's checkpoint entry, and Lightning's warning is filtered for the fit
+at the index level (no sample is loaded), what the checkpoint had trained. It is a feature of
+the Trainer's strategy (``lit_dp.strategies.feature``) acting in ``process_dataloader``, the one
+hook Lightning runs after restoring the loops and before the first batch is fetched; it also
+keeps the loader's layout (world size, batch size) in the strategy's checkpoint entry (``loader``), and Lightning's warning is filtered for the fit
 whose loader it continued (only that message, only for that fit). Loaders it cannot continue
 (an ``IterableDataset``, a custom batch sampler, ``batch_size=None``) keep Lightning's own
 behaviour and its warning.
@@ -38,7 +38,9 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
+from typing_extensions import override
 
+from lit_dp.strategies.feature import Feature, Run
 from lit_dp.strategies.lightning_private import FitLoop, parse_num_batches, set_sampler_epoch
 
 # The start of the warning Lightning's `_TrainingEpochLoop.reset` gives for a mid-epoch resume of
@@ -66,35 +68,52 @@ class _ContinuedSampler(Sampler):
             self.sampler.set_epoch(epoch)
 
 
-class EpochContinuation:
+class EpochContinuation(Feature):
     """A resumed fit's training loader, continued where the checkpoint stopped (see the module docstring).
 
-    ``process`` (from the strategy's ``process_dataloader``), ``state_dict`` / ``load_state_dict``
-    (the loader's layout, in the strategy's checkpoint entry), ``teardown`` (the fit's end).
+    Its checkpoint entry, ``loader``, is the training loader's layout.
     """
 
+    key = "loader"
+
     def __init__(self) -> None:
+        self._run: Run | None = None  # from setup
         self._layout: dict[str, Any] | None = None  # this fit's training loader, for checkpoints
         self._saved_layout: dict[str, Any] | None = None  # from the checkpoint being resumed
         self._filter: tuple | None = None  # our entry in `warnings.filters`, while fitting
 
+    @override
     def state_dict(self) -> dict[str, Any] | None:
         """The training loader's layout (``world_size``, ``batch_size``), once known."""
         return self._layout
 
-    def load_state_dict(self, layout: dict[str, Any] | None) -> None:
+    @override
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """The layout of the checkpoint's run (None: unknown, an older checkpoint; assumed unchanged)."""
-        self._saved_layout = layout
+        self._saved_layout = state
 
+    @override
+    def setup(self, run: Run) -> None:
+        self._run = run
+
+    @override
     def teardown(self) -> None:
         # Removing an "ignore" entry needs no cache reset: an ignored warning leaves no registry entry.
         if self._filter is not None and self._filter in warnings.filters:
             warnings.filters.remove(self._filter)
         self._filter = None
         self._saved_layout = None
+        self._run = None
 
-    def process(self, dataloader: object, fit_loop: FitLoop, world_size: int) -> object:
-        """Point ``dataloader`` at the restored epoch, past the samples already trained in it (in place)."""
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """The training loader: pointed at the restored epoch, past the samples already trained in it (in place)."""
+        trainer = self._run.trainer if self._run is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        return self._continue(dataloader, trainer.fit_loop, self._run.strategy.world_size)
+
+    def _continue(self, dataloader: object, fit_loop: FitLoop, world_size: int) -> object:
         if not isinstance(dataloader, DataLoader):
             return dataloader
         batch_sampler = dataloader.batch_sampler

@@ -32,8 +32,8 @@ has run out:
 Without the option, training loaders of known, different lengths are an error at the start of
 ``fit`` (``check_equal_lengths``), instead of a hang at the first batch a rank does not have.
 
-``UnevenInputs`` is what the strategy holds and calls from its hooks; ``BatchExchange`` is the
-ranks' per-batch exchange that the wrapped loaders run and the metrics callback reads.
+``UnevenInputs`` is the Trainer strategy's feature (``lit_dp.strategies.feature``); ``BatchExchange``
+is the ranks' per-batch exchange that the wrapped loaders run and the metrics callback reads.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
+from lit_dp.options import Options
+from lit_dp.strategies.feature import Feature, Run
 from lit_dp.strategies.lightning_private import (
     add_synced_metric,
     logged_results,
@@ -80,24 +82,16 @@ class BatchPlan:
     ranks_out: tuple[int, ...]
 
 
-class UnevenInputs:
-    """Uneven inputs as ``PaddleDPStrategy`` sees them: it holds one and calls it from its hooks.
+class UnevenInputs(Feature):
+    """Uneven inputs as the Trainer's strategy sees them: a feature (``lit_dp.strategies.feature``).
 
     Off (nothing wrapped, nothing replayed) until ``setup`` turns it on for a fit with
     ``uneven_inputs=True`` on more than one rank; off, ``process_dataloader`` still refuses
-    training loaders of known, different lengths. The strategy's hooks call, by name:
-
-    - ``setup`` and ``teardown`` (the strategy's, while fitting);
-    - ``process_dataloader`` (each loader, before its first batch is fetched);
-    - ``batch_to_device`` (each batch, just before its step);
-    - ``replaying`` (``training_step``, ``validation_step``, ``backward``, ``optimizer_step``: this
-      rank has no batch of its own, so it skips the user's step and takes the synchronisation
-      without a backward);
-    - ``user_step`` (around the user's ``training_step`` and ``validation_step``);
-    - ``remember_output`` and ``replayed_output`` (``training_step``: what a replayed step
-      returns, learnt from the real ones);
-    - ``check_collective`` (the strategy's own collectives);
-    - ``validation_end`` (``on_validation_end``).
+    training loaders of known, different lengths. On, ``process_dataloader`` wraps the loaders,
+    ``batch_to_device`` takes each batch's plan, ``joined`` says this rank replays the step (the
+    strategy's ``backward`` then takes the synchronisation without a backward), ``training_step``
+    and ``validation_step`` skip the user's on a replayed batch and check the collectives of a
+    real one (``collective``).
 
     Args:
         enabled: the ``uneven_inputs`` option.
@@ -105,6 +99,8 @@ class UnevenInputs:
 
     def __init__(self, enabled: bool) -> None:
         self._enabled = enabled
+        self._trainer: pl.Trainer | None = None  # from setup
+        self._device = torch.device("cpu")  # this rank's, from setup
         self._exchange: BatchExchange | None = None  # on: from setup to teardown
         self._current: BatchPlan | None = None  # the batch being taken
         self._model: DataParallel | None = None  # on: from setup to teardown
@@ -114,16 +110,28 @@ class UnevenInputs:
         self._in_user_step: str | None = None
         self._outputs = ReplayedOutputs()
 
-    def setup(self, trainer: pl.Trainer, model: DataParallel, sync_batchnorm: bool) -> None:
-        """Turn on for this fit (``model`` is the wrapped module), or refuse what cannot work with it."""
+    @classmethod
+    @override
+    def build(cls, options: Options) -> UnevenInputs:
+        return cls(enabled=options.uneven_inputs)
+
+    @override
+    def setup(self, run: Run) -> None:
+        """Turn on for this fit (``run.model`` is the wrapped module), or refuse what cannot work with it."""
+        self._trainer = trainer = run.trainer
+        self._device = run.strategy.root_device
+        model = run.model
+        if trainer is None or model is None or not run.fitting:
+            return
         if not self._enabled or model.reducer is None or trainer.world_size < 2:
             reason = "uneven_inputs=False" if not self._enabled else f"world size {trainer.world_size}"
             log.debug("uneven inputs: off (%s)", reason)
             return
-        if sync_batchnorm:
+        if any(isinstance(module, torch.nn.SyncBatchNorm) for module in model.modules()):
             raise ValueError(
-                "uneven_inputs=True with Trainer(sync_batchnorm=True) is invalid: SyncBatchNorm all-reduces inside "
-                "the forward, which a rank that has run out of batches does not run; expected one of them."
+                "uneven_inputs=True with Trainer(sync_batchnorm=True) (or SyncBatchNorm layers) is invalid: "
+                "SyncBatchNorm all-reduces inside the forward, which a rank that has run out of batches does not "
+                "run; expected one of them."
             )
         if not trainer.lightning_module.automatic_optimization:
             raise ValueError(
@@ -147,7 +155,9 @@ class UnevenInputs:
             where,
         )
 
+    @override
     def teardown(self) -> None:
+        self._trainer = None
         if self._exchange is None:
             return
         log.debug("uneven inputs: releasing the exchange's group")
@@ -156,10 +166,12 @@ class UnevenInputs:
         self._exchange = self._model = None
         self._current = None
 
-    def process_dataloader(self, trainer: pl.Trainer, dataloader: object) -> object:
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
         """Training: with different lengths on the ranks, an error now (or, when on, a loader that
         replays until every rank is out); validation, when on: the same."""
-        if trainer.state.fn != TrainerFn.FITTING or trainer.world_size < 2 or not dist.is_initialized():
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.world_size < 2 or not dist.is_initialized():
             return dataloader
         training = trainer.state.stage == RunningStage.TRAINING
         if not training and self._exchange is None:
@@ -174,10 +186,12 @@ class UnevenInputs:
         wrapper_type = SizedUnevenLoader if known is not None else UnevenLoader
         return wrapper_type(dataloader, self._exchange, kind, known)
 
-    def batch_to_device(self, trainer: pl.Trainer) -> None:
+    @override
+    def batch_to_device(self, batch: Any) -> Any:
         """A batch is about to be taken: it is the next one its stage's loader yielded."""
-        if self._exchange is None:
-            return
+        if self._exchange is None or self._trainer is None:
+            return batch
+        trainer = self._trainer
         # This batch's forward broadcasts the buffers of the freshest rank (every rank names the same:
         # the plans are agreed); then, in training, the ranks with a batch now are the freshest.
         self._model.buffers_from(self._freshest)
@@ -188,6 +202,7 @@ class UnevenInputs:
                 self._freshest = present[0]
         elif trainer.validating or trainer.sanity_checking:
             self._current = self._exchange.next_plan("val")
+        return batch
 
     def settle_buffers(self) -> None:
         """After an epoch's last training step, every rank takes the freshest rank's buffers, as
@@ -199,21 +214,34 @@ class UnevenInputs:
             self._model.replay_forward()  # the buffer broadcast a forward takes, from the freshest rank
 
     @property
-    def replaying(self) -> bool:
+    @override
+    def joined(self) -> bool:
         """This rank has no batch of its own for the current step (it takes the step with the others)."""
         return self._current is not None and self._current.replay
 
-    def remember_output(self, output: Any) -> None:
-        """A real ``training_step``'s output, whose structure a replayed step's copies (when on)."""
+    @override
+    def training_step(self, step: Callable[[], Any]) -> Any:
+        if self.joined:
+            # No batch of this rank's: an output shaped like the others' (zeros), which Lightning
+            # backpropagates through the strategy's `backward`, where the step's collectives are taken.
+            return self._outputs.replayed(self._device)
+        with self._user_step("training_step"):
+            output = step()
         if self._exchange is not None:
-            self._outputs.remember(output)
+            self._outputs.remember(output)  # the structure a replayed step's output copies
+        return output
 
-    def replayed_output(self, device: torch.device) -> Any:
-        """What ``training_step`` returns on a replayed batch (``ReplayedOutputs``)."""
-        return self._outputs.replayed(device)
+    @override
+    def validation_step(self, step: Callable[[], Any]) -> Any:
+        if self.joined:
+            assert self._model is not None
+            self._model.replay_forward()  # the buffer broadcast the forwards of the ranks with a batch take
+            return None
+        with self._user_step("validation_step"):
+            return step()
 
     @contextmanager
-    def user_step(self, name: str) -> Iterator[None]:
+    def _user_step(self, name: str) -> Iterator[None]:
         """The user's ``training_step``/``validation_step`` runs inside: its collectives are checked."""
         self._in_user_step = name
         try:
@@ -221,18 +249,21 @@ class UnevenInputs:
         finally:
             self._in_user_step = None
 
-    def check_collective(self, collective: str) -> None:
+    @contextmanager
+    @override
+    def collective(self, name: str) -> Iterator[None]:
         """Raise if the user's step issues a collective that a rank without a batch cannot match."""
         plan = self._current
-        if self._in_user_step is None or plan is None or not plan.ranks_out:
-            return
-        raise RuntimeError(
-            f"lit_dp (uneven_inputs=True): {self._in_user_step} called strategy.{collective} while rank(s) "
-            f"{list(plan.ranks_out)} have run out of batches and do not run {self._in_user_step}: the collective "
-            f"could never be matched. Instead, {REMEDY}."
-        )
+        if self._in_user_step is not None and plan is not None and plan.ranks_out:
+            raise RuntimeError(
+                f"lit_dp (uneven_inputs=True): {self._in_user_step} called strategy.{name} while rank(s) "
+                f"{list(plan.ranks_out)} have run out of batches and do not run {self._in_user_step}: the collective "
+                f"could never be matched. Instead, {REMEDY}."
+            )
+        yield
 
-    def validation_end(self) -> None:
+    @override
+    def on_validation_end(self) -> None:
         if self._exchange is not None:
             self._exchange.reset("val")
 

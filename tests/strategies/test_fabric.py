@@ -197,7 +197,8 @@ def test_every_name_resolves_case_insensitively(name):
 
 
 def test_comm_buffer_size_is_the_set_up_models_and_before_setup_the_option():
-    """docs/observability.md: the strategy returns the bucket size in effect (after "auto", the tuned one)."""
+    """docs/observability.md: the strategy returns the bucket size in effect (after "auto", the tuned
+    one, kept after teardown and used by the next model set up, as under the Trainer)."""
     assert fabric.PaddleDPStrategy(comm_buffer_size=5).comm_buffer_size == 5
     run = Fabric(strategy=fabric.PaddleDPStrategy(comm_buffer_size="auto", hang_timeout=None), accelerator="cpu", devices=1)
     run.launch()
@@ -209,5 +210,9 @@ def test_comm_buffer_size_is_the_set_up_models_and_before_setup_the_option():
         optimizer.step()
     assert inner.autotuner.chosen_mb is not None
     assert run.strategy.comm_buffer_size == inner.comm_buffer_size == inner.autotuner.chosen_mb
+    chosen = inner.autotuner.chosen_mb
     run.strategy.teardown()
-    assert run.strategy.comm_buffer_size == "auto"
+    assert run.strategy.comm_buffer_size == run.strategy.tuned_comm_buffer_size == chosen
+    again = forward_module(setup(run, Net())[0])
+    assert again.autotuner is None and again.comm_buffer_size == chosen  # no step spent tuning again
+    run.strategy.teardown()

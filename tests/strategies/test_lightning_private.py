@@ -31,6 +31,7 @@ from lit_dp import PaddleDPStrategy, fabric
 from lit_dp.strategies import lightning_private as private
 
 LIBRARY = Path(__file__).resolve().parents[2] / "lit_dp"
+RECIPES = LIBRARY.parent / "lit_dp_recipes"
 HOME = LIBRARY / "strategies" / "lightning_private.py"
 LIGHTNING_PACKAGES = ("lightning", "lightning_utilities", "pytorch_lightning", "lightning_fabric")
 
@@ -249,8 +250,9 @@ def uses_of_private_lightning_names(path: Path) -> list[str]:
     return found
 
 
-def test_no_other_module_of_lit_dp_uses_a_private_lightning_name():
-    paths = [path for path in sorted(LIBRARY.rglob("*.py")) if path != HOME]
+@pytest.mark.parametrize("package", [LIBRARY, RECIPES], ids=lambda package: package.name)
+def test_no_other_module_of_lit_dp_or_the_recipes_uses_a_private_lightning_name(package):
+    paths = [path for path in sorted(package.rglob("*.py")) if path != HOME]
     found = [use for path in paths for use in uses_of_private_lightning_names(path)]
     assert not found, (
         f"private Lightning names (Lightning {lightning.__version__}) used outside "

@@ -1,0 +1,68 @@
+"""``comm_buffer_size="auto"``: the tuned bucket size, kept, as a feature of both strategies.
+
+The model's autotuner (``DataParallel.autotuner``) chooses the size in the first steps. This
+feature is its one owner above the model: it reads the size chosen, keeps it when the run ends
+(a later fit or ``fabric.setup`` in the process starts with it), stores it in the Trainer's
+checkpoints (``tuned_comm_buffer_size``) and takes it back from one being resumed. A size kept
+or restored replaces "auto" when the next model is wrapped: no step is spent tuning again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lit_dp.data_parallel import DataParallel
+from lit_dp.options import AUTO, Options
+from lit_dp.strategies.feature import Feature, Run
+
+
+class TunedBufferSize(Feature):
+    """The size chosen by the autotuner, or restored (``size``); built with ``comm_buffer_size="auto"``."""
+
+    key = "tuned_comm_buffer_size"
+
+    def __init__(self) -> None:
+        self._kept: float | None = None  # restored from a checkpoint, or chosen by a finished run
+        self._model: DataParallel | None = None  # the model set up last, from setup to teardown
+
+    @classmethod
+    @override
+    def build(cls, options: Options) -> TunedBufferSize | None:
+        return cls() if options.comm_buffer_size == AUTO else None
+
+    @property
+    def size(self) -> float | None:
+        """The size in MB kept or restored, else the one the running model's autotuner chose; None before."""
+        if self._kept is not None:
+            return self._kept
+        tuner = self._model.autotuner if self._model is not None else None
+        return tuner.chosen_mb if tuner is not None else None
+
+    @override
+    def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
+        if self._kept is None:
+            return arguments
+        rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {self._kept:g} MB, tuned before (checkpoint or earlier fit)")
+        return {**arguments, "options": arguments["options"].replace(comm_buffer_size=self._kept)}
+
+    @override
+    def setup(self, run: Run) -> None:
+        if run.model is not None:
+            self._model = run.model
+
+    @override
+    def teardown(self) -> None:
+        self._kept = self.size
+        self._model = None
+
+    @override
+    def state_dict(self) -> float | None:
+        return self.size
+
+    @override
+    def load_state_dict(self, state: float | None) -> None:
+        if state is not None:
+            self._kept = state

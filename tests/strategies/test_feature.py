@@ -1,0 +1,182 @@
+"""The strategies' feature protocol (``lit_dp.strategies.feature``) and its registry's order.
+
+The calling rules are tested on recording features; the worked example of docs/architecture.md
+("Adding a feature") is run as written, registered with one line, through a Trainer fit that is
+resumed and through a Fabric loop.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lit_dp
+from lit_dp.options import FABRIC, TRAINER, Options
+from lit_dp.strategies import registry
+from lit_dp.strategies.fault_tolerance import FabricFaultTolerance, TrainerFaultTolerance
+from lit_dp.strategies.feature import Feature, Features
+from lit_dp.strategies.monitoring import Monitors
+from lit_dp.strategies.resume import EpochContinuation
+from lit_dp.strategies.uneven import UnevenInputs
+
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+
+class _Recording(Feature):
+    def __init__(self, name: str, calls: list, key: str | None = None, state=None) -> None:
+        self.name, self.calls, self._state = name, calls, state
+        self.key = key  # type: ignore[misc]
+        self.loaded = "never"
+
+    def process_dataloader(self, dataloader):
+        self.calls.append(self.name)
+        return dataloader + [self.name]
+
+    def optimizer_step(self, step, optimizer, closure):
+        self.calls.append(f"{self.name} before")
+        output = step(closure)
+        self.calls.append(f"{self.name} after")
+        return output
+
+    @contextmanager
+    def collective(self, name):
+        self.calls.append(f"{self.name} enters {name}")
+        yield
+
+    def teardown(self):
+        self.calls.append(f"{self.name} teardown")
+
+    def state_dict(self):
+        return self._state
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_values_pass_down_the_list_calls_nest_first_outermost_and_teardown_goes_up():
+    calls: list = []
+    features = Features([_Recording("a", calls), _Recording("b", calls)])
+    assert features.process_dataloader([]) == ["a", "b"]
+    calls.clear()
+    assert features.optimizer_step(lambda closure: calls.append(f"step {closure}") or "out", None, "c") == "out"
+    assert calls == ["a before", "b before", "step c", "b after", "a after"]
+    calls.clear()
+    with features.collective("barrier"):
+        calls.append("the collective")
+    assert calls == ["a enters barrier", "b enters barrier", "the collective"]
+    calls.clear()
+    features.teardown()
+    assert calls == ["b teardown", "a teardown"]
+
+
+def test_each_feature_keeps_its_own_checkpoint_entry():
+    calls: list = []
+    kept, empty, keyless = (
+        _Recording("kept", calls, key="kept", state={"n": 1}),
+        _Recording("empty", calls, key="empty", state=None),
+        _Recording("keyless", calls, state={"n": 2}),
+    )
+    features = Features([kept, empty, keyless])
+    assert features.state_dict() == {"kept": {"n": 1}}  # nothing written for no state or no key
+    features.load_state_dict({"kept": {"n": 3}})
+    assert (kept.loaded, empty.loaded, keyless.loaded) == ({"n": 3}, None, "never")
+
+
+def test_a_feature_does_nothing_by_default():
+    feature, marker = Feature(), object()
+    assert feature.process_dataloader(marker) is marker and feature.batch_to_device(marker) is marker
+    assert feature.setup_optimizer(marker) is marker
+    assert feature.optimizer_step(lambda closure: closure, None, marker) is marker
+    assert feature.training_step(lambda: marker) is marker and feature.validation_step(lambda: marker) is marker
+    assert feature.wrapper_arguments(None, {"options": marker}) == {"options": marker}
+    assert feature.state_dict() is None and not feature.joined and feature.key is None
+
+
+def test_the_registry_order_is_the_contract():
+    order = [feature for feature, _ in registry.FEATURES]
+    assert order.index(TrainerFaultTolerance) < order.index(EpochContinuation) < order.index(UnevenInputs)
+    assert order.index(FabricFaultTolerance) < order.index(UnevenInputs)
+    assert order[-1] is Monitors
+    trainer = registry.build_features(Options.build({"uneven_inputs": True}, TRAINER), TRAINER)
+    assert not any(isinstance(feature, TrainerFaultTolerance) for feature in trainer), "built while off"
+    fabric = registry.build_features(Options.build({}, FABRIC), FABRIC)
+    assert not any(isinstance(feature, (UnevenInputs, EpochContinuation)) for feature in fabric), "not Fabric's"
+
+
+# The worked example of docs/architecture.md, as written there.
+def _documented_example() -> type[Feature]:
+    text = ARCHITECTURE.read_text()
+    section = text[text.index("### Adding a feature: a worked example") :]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    namespace: dict = {}
+    exec(compile(blocks[0], f"{ARCHITECTURE}:worked example", "exec"), namespace)  # noqa: S102 - the docs' code
+    namespace["BOTH"] = registry.BOTH
+    registry_line = blocks[1].strip().rstrip(",")
+    feature, doors = eval(registry_line, namespace)  # noqa: S307 - the docs' registry line
+    assert (feature, doors) == (namespace["StepCount"], registry.BOTH)
+    return feature
+
+
+@pytest.fixture
+def step_count(monkeypatch):
+    feature = _documented_example()
+    features = registry.FEATURES
+    monkeypatch.setattr(registry, "FEATURES", (*features[:-1], (feature, registry.BOTH), features[-1]))
+    return feature
+
+
+class _Regression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(6, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader() -> DataLoader:
+    x = torch.randn(32, 6, generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=4)  # 8 batches
+
+
+def _fit(root: Path, max_epochs: int, ckpt_path: str | None = None) -> pl.Trainer:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy="paddle_dp", max_epochs=max_epochs, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=0)],
+    )  # fmt: skip
+    trainer.fit(_Regression(), train_dataloaders=_loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_the_worked_example_runs_through_the_trainer_and_is_resumed(tmp_path, step_count):
+    trainer = _fit(tmp_path, max_epochs=1)
+    assert trainer.strategy._features.find(step_count).steps == 8
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["lit_dp"]["step_count"] == 8
+    resumed = _fit(tmp_path / "again", max_epochs=2, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.strategy._features.find(step_count).steps == 16  # counted on from the checkpoint's 8
+
+
+def test_the_worked_example_runs_through_fabric(step_count):
+    run = Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(hang_timeout=None), accelerator="cpu", devices=1)
+    run.launch()
+    net = nn.Linear(6, 1)
+    model, optimizer = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for _ in range(3):
+        run.backward(model(torch.randn(4, 6)).sum())
+        optimizer.step()
+    assert run.strategy._features.find(step_count).steps == 3
+    run.strategy.teardown()
