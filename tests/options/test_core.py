@@ -16,6 +16,7 @@ from lit_dp import DataParallel, Options, PaddleDPStrategy, fabric
 from lit_dp.options import FABRIC, MODULE, TRAINER, ShardingOptions, TraceOptions, declared_options
 from lit_dp.options.core import DEFAULT_HANG_TIMEOUT
 from lit_dp.options.docs import MARKER, options_markdown
+from lit_dp.strategies.base import DataParallelStrategyMixin
 
 EXPECTED_SIZE = "expected a positive number of megabytes or 'auto'"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "options.md"
@@ -134,12 +135,14 @@ def test_every_option_is_declared_with_its_help_check_and_front_doors():
 
 def test_front_doors_list_no_options_of_their_own():
     # The strategies take Lightning's own arguments and the declared options; nothing is retyped:
-    # the options' parameters are generated from the declarations (lit_dp.options.signature).
+    # one constructor is written for both, and each shows the options of its front door, generated
+    # from the declarations (lit_dp.options.signature), and its Lightning base's name for the precision.
+    lightning = ["accelerator", "parallel_devices", "cluster_environment", "checkpoint_io"]
+    assert _written_parameters(DataParallelStrategyMixin.__init__) == ["self", *lightning, "precision", "options", "values"]
     for strategy, scope, lightning_arguments in (
-        (PaddleDPStrategy, TRAINER, ["accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"]),
-        (fabric.PaddleDPStrategy, FABRIC, ["accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision"]),
+        (PaddleDPStrategy, TRAINER, [*lightning, "precision_plugin"]),
+        (fabric.PaddleDPStrategy, FABRIC, [*lightning, "precision"]),
     ):
-        assert _written_parameters(strategy.__init__) == ["self", *lightning_arguments, "options", "values"], strategy
         generated = [declared.keyword for declared in declared_options(scope)]
         assert list(inspect.signature(strategy.__init__).parameters) == ["self", *lightning_arguments, "options", *generated, "values"]
     # DataParallel's own arguments are torch DDP's, in DDP's order (so positional calls move over),
