@@ -167,3 +167,133 @@ def bitwise_average_case(rank: int) -> bool:
 @pytest.mark.slow
 def test_outer_average_is_the_unchanged_average_bit_for_bit():
     assert run_ranks(bitwise_average_case, 2, timeout=120) == {0: True, 1: True}
+
+
+def lightning_outer_cases(rank: int, tmp_path: str) -> list:
+    """The Trainer strategy with ``local_sgd_outer="nesterov"``: the simulation's weights, and a resume from
+    a mid-period checkpoint (rank 0's model and optimizer, the outer state of every rank) on schedule."""
+
+    def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(net.parameters(), lr=0.1)]
+
+    def check(module: Regressor, expected: list[nn.Module], label: str) -> None:
+        for (name, ours), theirs in zip(module.net.named_parameters(), expected[rank].parameters()):
+            torch.testing.assert_close(ours, theirs, msg=lambda m: f"{label} rank {rank}: {name}: {m}")
+
+    net = Regressor().net
+    # 4 steps per epoch, W=1, K=3: averages after steps 4, 7, 10, ...; the checkpoint after step 8 is mid-period.
+    options = dict(local_sgd_steps=3, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_outer_lr=OUTER[0],
+                   local_sgd_outer_momentum=OUTER[1])  # fmt: skip
+    module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
+    steps = lightning_steps(4)
+    check(module, simulate(net, net_optimizer, steps, 3, 1, loss_fn=regression_loss, outer=OUTER), "uninterrupted")
+    checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
+    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
+    saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]["outer"]
+    assert saved["momentum"][0] is not None, "the outer momentum was not checkpointed"
+    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
+    expected = simulate(net, net_optimizer, steps, 3, 1, reset_after=8, loss_fn=regression_loss, outer=OUTER)
+    check(module, expected, "resumed")
+    return resumed
+
+
+@pytest.mark.slow
+def test_lightning_strategy_runs_the_outer_optimizer_and_resumes_mid_period(tmp_path):
+    results = run_ranks(lightning_outer_cases, 2, str(tmp_path), timeout=240)
+    assert results[0] == results[1] and results[0][-1] == (16, 16)
+
+
+def fabric_outer(fabric: Fabric) -> list[list[float]]:
+    """``lit_dp.LocalSGD(outer="nesterov")`` in a Fabric loop, on the model Fabric set up."""
+    import lit_dp
+
+    net = Net()
+    model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
+    local_sgd = lit_dp.LocalSGD(model._forward_module, 3, 2, outer="nesterov", outer_lr=OUTER[0], outer_momentum=OUTER[1])
+    for _, micro_batches in random_steps(10, 2, seed=2):
+        fabric.backward(mse(model, micro_batches[fabric.global_rank][0]))
+        optimizer.step()
+        optimizer.zero_grad()
+        local_sgd.step()
+    local_sgd.finish()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+@pytest.mark.slow
+def test_fabric_loop_runs_the_outer_optimizer():
+    from tests.helpers.distributed import launch_forking
+
+    ours = launch_forking(_fork_fabric)
+    optimizer = OPTIMIZERS["adam"]
+    expected = simulate(Net(), optimizer, random_steps(10, 2, seed=2), 3, 2, outer=OUTER)[0]
+    for got, want in zip(ours, expected.parameters()):
+        torch.testing.assert_close(torch.tensor(got), want.detach().flatten())
+
+
+def _fork_fabric() -> list[list[float]]:
+    return Fabric(strategy="paddle_dp_fork", accelerator="cpu", devices=2).launch(fabric_outer)
+
+
+@pytest.mark.slow
+def test_recipe_runs_diloco_from_hydra_and_prints_its_traffic(tmp_path):
+    from tests.helpers.recipes import QUIET, run_recipe
+
+    output = run_recipe(
+        "gpt", *QUIET, "experiment=gpt_tiny", "strategy.local_sgd.steps=4", "strategy.local_sgd.outer=nesterov",
+        "strategy.local_sgd.sync_dtype=bf16", "strategy.comm_stats=true", "strategy.consistency.every_n_steps=4",
+        f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    # 10 steps: averages after 4 and 8 before the callbacks' end of training (the final one follows).
+    summary = re.search(r"LocalSGD outer=nesterov: 2 averages of ([\d.]+) MB.*?([\d.]+) of data parallelism's", output)
+    assert summary is not None, output[-3000:]
+    assert float(summary.group(2)) < 1 / 4 * 0.6, "bf16 deltas every 4 steps: about 1/8 of data parallelism's bytes"
+    assert "after LocalSGD averages" in output, output[-3000:]
+
+
+def test_hydra_options_reach_the_strategy(tmp_path):
+    overrides = ["strategy.local_sgd.steps=16", "strategy.local_sgd.outer=nesterov", "strategy.local_sgd.sync_dtype=bf16"]
+    options = build_strategy(compose_config("gpt", overrides, tmp_path).strategy).options
+    assert options.local_sgd == LocalSGDOptions(
+        steps=16, outer="nesterov", outer_lr=DEFAULT_OUTER_LR, outer_momentum=DEFAULT_OUTER_MOMENTUM, sync_dtype="bf16"
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(local_sgd_outer="nesterov"), "local_sgd_outer='nesterov' needs local_sgd_steps"),
+        (dict(local_sgd_sync_dtype="bf16"), "local_sgd_sync_dtype='bf16' needs local_sgd_steps"),
+        (dict(local_sgd_steps=4, local_sgd_outer="adam"), "local_sgd_outer='adam' is invalid: expected one of average, nesterov"),
+        (dict(local_sgd_steps=4, local_sgd_outer_lr=0), "local_sgd_outer_lr=0 is invalid: expected a positive number"),
+        (dict(local_sgd_steps=4, local_sgd_outer_momentum=1), "local_sgd_outer_momentum=1 is invalid"),
+        (dict(local_sgd_steps=4, local_sgd_sync_dtype="fp8"), "local_sgd_sync_dtype='fp8' is invalid"),
+        (dict(local_sgd_steps=4, comm_buffer_size="auto"), "comm_buffer_size='auto' with local_sgd_steps=4 and local_sgd_warmup_steps=0"),
+        (dict(local_sgd_steps=4, local_sgd_outer="nesterov", sharding_stage=2), "sharding_stage=2 with local_sgd_steps=4"),
+        (dict(local_sgd_steps=4, local_sgd_outer="nesterov", fault_tolerance="torchft"), "local_sgd_steps"),
+    ],
+)
+def test_strategy_refuses_what_does_not_combine_by_name(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PaddleDPStrategy(**options)
+
+
+def test_auto_buffer_size_with_a_warm_up_long_enough_to_tune():
+    from lit_dp.observability.autotune import settled_step
+
+    assert AUTOTUNE_STEPS == settled_step()
+    options = Options.build(dict(local_sgd_steps=4, local_sgd_warmup_steps=AUTOTUNE_STEPS, comm_buffer_size="auto"), "trainer")
+    assert options.comm_buffer_size == "auto"
+
+
+def test_library_rejects_bad_outer_arguments_by_name():
+    import lit_dp
+
+    for kwargs, message in (
+        (dict(outer="adam"), "outer='adam' is invalid"),
+        (dict(outer_lr=-1.0), "outer_lr=-1.0 is invalid"),
+        (dict(outer_momentum=1.5), "outer_momentum=1.5 is invalid"),
+        (dict(sync_dtype=torch.float16), "sync_dtype=torch.float16 is invalid"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            lit_dp.LocalSGD(nn.Linear(2, 2), 4, **kwargs)

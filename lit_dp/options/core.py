@@ -41,7 +41,7 @@ from lit_dp.options.declare import (
 )
 from lit_dp.options.consistency import ConsistencyOptions
 from lit_dp.options.fault_tolerance import FaultToleranceOptions, check_engine, check_fault_tolerance
-from lit_dp.options.local_sgd import COMM_HOOKS_SKIPPING_COMMUNICATION, LocalSGDOptions
+from lit_dp.options.local_sgd import COMM_HOOKS_SKIPPING_COMMUNICATION, LocalSGDOptions, check_local_sgd
 from lit_dp.options.sharding import ShardingOptions
 from lit_dp.options.spelling import Spellings
 from lit_dp.options.straggler import StragglerOptions
@@ -292,6 +292,7 @@ class Options:
             raise ValueError(
                 f"{name('local_sgd.adaptive')}=True needs {name('local_sgd.steps')}: expected the initial period, e.g. 1."
             )
+        check_local_sgd(self, name)
         hook = self.comm_hook
         hook_name = hook if hook is None or isinstance(hook, str) else getattr(getattr(hook, "func", hook), "__name__", None)
         if steps is not None and hook_name in COMM_HOOKS_SKIPPING_COMMUNICATION:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Optional
 
 from lit_dp.options.declare import TRAINER, choice, count, flag, option
@@ -89,3 +90,26 @@ class LocalSGDOptions:
         scope=ONLY_TRAINER,
         config=Optional[str],
     )
+
+
+def check_local_sgd(options: Any, name: Callable[[str], str]) -> None:
+    """LocalSGD's own combinations (``Options._check_combinations``): the outer settings need a period, and
+    ``comm_buffer_size="auto"`` needs a warm-up long enough to tune in (the local phase has no gradient traffic)."""
+    local_sgd = options.local_sgd
+    if local_sgd.steps is None:
+        changed = [f.name for f in dataclasses.fields(local_sgd) if f.name in _NEED_STEPS and getattr(local_sgd, f.name) != f.default]
+        if changed:
+            given = ", ".join(f"{name('local_sgd.' + key)}={getattr(local_sgd, key)!r}" for key in changed)
+            raise ValueError(f"{given} needs {name('local_sgd.steps')}: expected the period K, e.g. 16.")
+        return
+    if options.comm_buffer_size == "auto" and local_sgd.warmup_steps < AUTOTUNE_STEPS:
+        raise ValueError(
+            f"{name('comm_buffer_size')}='auto' with {name('local_sgd.steps')}={local_sgd.steps} and "
+            f"{name('local_sgd.warmup_steps')}={local_sgd.warmup_steps} is invalid: the bucket size is tuned by timing "
+            f"{AUTOTUNE_STEPS} data-parallel steps, and LocalSGD's local phase all-reduces no gradients; expected a fixed "
+            f"{name('comm_buffer_size')} (e.g. 25), or {name('local_sgd.warmup_steps')} >= {AUTOTUNE_STEPS}."
+        )
+
+
+# The options that mean nothing without a period.
+_NEED_STEPS = ("outer", "outer_lr", "outer_momentum", "sync_dtype")

@@ -58,6 +58,9 @@ class CommStatsMonitor(pl.Callback):
         tuned = trainer.strategy.tuned_comm_buffer_size
         if tuned is not None:
             parts.append(f"comm_buffer_size=auto -> {tuned:g} MB")
+        local_sgd = trainer.strategy.local_sgd
+        if local_sgd is not None and trainer.strategy.options.comm_stats and local_sgd.describe_traffic():
+            parts.append(local_sgd.describe_traffic())  # the averages before the fit's final one
         if parts:
             rank_zero_info("[lit_dp] comm: " + "; ".join(parts))
 
@@ -74,6 +77,9 @@ class CommStatsMonitor(pl.Callback):
             if stats is not None:
                 metrics.update(stats.as_metrics())
                 metrics["comm/exposed_ms_max"] = exposed_max
+            sync = strategy.local_sgd.sync_stats() if strategy.local_sgd is not None else None
+            if sync is not None:
+                metrics.update(sync.as_metrics())
         tuned = strategy.tuned_comm_buffer_size
         if tuned is not None:
             metrics["comm/tuned_buffer_mb"] = float(tuned)

@@ -333,7 +333,11 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             options.local_sgd.steps,
             options.local_sgd.warmup_steps,
             adaptive=options.local_sgd.adaptive,
-            comm_buffer_size=self.model.comm_buffer_size,
+            comm_buffer_size=None,  # the model's when the local phase starts: with "auto", the tuned size
+            outer=options.local_sgd.outer,
+            outer_lr=options.local_sgd.outer_lr,
+            outer_momentum=options.local_sgd.outer_momentum,
+            sync_dtype=options.local_sgd.sync_dtype,
         )
         log.debug("%s: LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD)", type(self).__name__)
         if self._local_sgd_resumed is not None:
