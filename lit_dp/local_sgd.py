@@ -93,7 +93,8 @@ def _sync_dtype(value: Any) -> torch.dtype | None:
         return value
     if isinstance(value, str) and value in _WIRE_DTYPES:
         return _WIRE_DTYPES[value]
-    raise ValueError(f"sync_dtype={value!r} is invalid: expected None, torch.bfloat16 or one of {', '.join(map(repr, SYNC_DTYPES))}.")
+    names = ", ".join(map(repr, SYNC_DTYPES))
+    raise ValueError(f"sync_dtype={value!r} is invalid: expected None, torch.bfloat16 or one of {names}.")
 
 
 class LocalSGD:
@@ -342,8 +343,8 @@ class LocalSGD:
             if bucket.snapshot is None:
                 continue
             momentum = self._outer_optimizer.state.get(bucket.snapshot, {}).get("momentum_buffer")
-            pieces = zip(bucket.snapshot.split(bucket.numels), momentum.split(bucket.numels) if momentum is not None else [None] * len(bucket.numels))
-            for tensor, (snapshot, buffer) in zip(bucket.tensors, pieces):
+            buffers = momentum.split(bucket.numels) if momentum is not None else [None] * len(bucket.numels)
+            for tensor, snapshot, buffer in zip(bucket.tensors, bucket.snapshot.split(bucket.numels), buffers):
                 index = self._param_index[id(tensor)]
                 snapshots[index] = snapshot.detach().cpu().clone()
                 momenta[index] = buffer.cpu().clone() if buffer is not None else None

@@ -266,7 +266,8 @@ class ReplicaConsistency(ReducerObserver):
         if found is None:
             return None
         agreed = "this is the first check" if self.agreed_at is None else f"they last agreed at step {self.agreed_at}"
-        where = f"after the LocalSGD average at optimizer step {step}" if isinstance(step, _AfterAverage) else f"at synchronised step {step}"
+        averaged = isinstance(step, _AfterAverage)
+        where = f"after the LocalSGD average at optimizer step {step}" if averaged else f"at synchronised step {step}"
         return (
             f"replica consistency: {where} the replicas differ: {found}; {agreed} "
             f"(consistency.every_n_steps={self._every})."
