@@ -44,7 +44,7 @@ class SweepConfig:
     world_size: int = 2
     steps: int = 300
     local_steps: tuple[int, ...] = (16, 64)
-    outer: tuple[tuple[float, float], ...] = ((0.7, 0.5), (0.9, 0.5), (0.7, 0.6), (0.9, 0.6), (0.7, 0.9))  # (lr, momentum)
+    outer: tuple[tuple[float, float], ...] = ((0.7, 0.5), (0.8, 0.5), (0.9, 0.5), (0.7, 0.6), (0.9, 0.6), (0.7, 0.9))
     batch_size: int = 32
     block_size: int = 64
     val_batches: int = 20
