@@ -184,13 +184,16 @@ class LocalSGD:
         device = self._params[0].device if self._params else torch.device("cpu")
         self._recorder = SyncRecorder(device)
         self._local_steps_taken = 0  # by this object (not a resumed run's earlier steps): the traffic's denominator
-        self._after_sync: list[Callable[[int], None]] = []  # the replica-consistency check, when on
+        self._after_sync: list[Callable[[int, bool], None]] = []  # the replica-consistency check, when on
         if self._data_parallel is not None:
             # The model synchronises gradients during warm-up only, and under Join a rank that ran
             # out shadows this object's collectives too (lit_dp.join).
             self._data_parallel.use_local_sgd(self)
-            if self._data_parallel.consistency is not None:  # the replicas are equal right after each average
-                self.add_sync_hook(self._data_parallel.consistency.check_after_average)
+            consistency = self._data_parallel.consistency
+            if consistency is not None:  # the replicas are equal right after an average: compare them there
+                # Counted in averages, which a rank shadowing the others under Join takes too (its step count lags).
+                every = max(1, math.ceil(consistency.every_n_steps / local_steps))
+                self.add_sync_hook(lambda step, shadow: consistency.check_after_average(step, shadow, every))
         self._snapshot_when_local()
 
     @property
@@ -246,7 +249,7 @@ class LocalSGD:
         if agree_first:
             self._loss_0, self._lr_0 = self._agreed_loss_and_lr(None, None, counts=False)
         if average:
-            self._average()
+            self._average(shadow=True)
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(None, None, counts=False))
 
@@ -265,9 +268,10 @@ class LocalSGD:
         if self._step > max(self._last_average, self._warmup_steps):
             self._average()
 
-    def _average(self) -> None:
+    def _average(self, shadow: bool = False) -> None:
         """Replace every rank's parameters and buffers by their mean over the ranks, or by the
-        snapshot stepped by the outer optimizer with the mean delta."""
+        snapshot stepped by the outer optimizer with the mean delta. ``shadow``: this rank joined
+        (``lit_dp.join``); its model waits for the final broadcast and is not compared."""
         self._last_average = self._step
         if self._world_size < 2:
             return
@@ -286,10 +290,11 @@ class LocalSGD:
                     bucket.take_snapshot()
         self._recorder.record(self._step, sum(bucket.wire_bytes for bucket in self._buckets), began, launched)
         for hook in self._after_sync:
-            hook(self._step)
+            hook(self._step, shadow)
 
-    def add_sync_hook(self, hook: Callable[[int], None]) -> None:
-        """Call ``hook(step)`` on every rank after each average, when every rank holds the same model."""
+    def add_sync_hook(self, hook: Callable[[int, bool], None]) -> None:
+        """Call ``hook(step, shadow)`` on every rank after each average, when every rank that is not
+        shadowing the others' steps under Join (``shadow``) holds the same model."""
         self._after_sync.append(hook)
 
     def sync_stats(self) -> SyncStats | None:

@@ -124,6 +124,7 @@ def outer_cases(rank: int, tmp_path: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_outer_optimizer_matches_the_simulation_and_resumes_exactly(tmp_path):
     results = run_ranks(outer_cases, 2, str(tmp_path), timeout=240, FLAGS_nccl_nrings="2")
     for rank, report in results.items():
@@ -199,6 +200,7 @@ def lightning_outer_cases(rank: int, tmp_path: str) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_lightning_strategy_runs_the_outer_optimizer_and_resumes_mid_period(tmp_path):
     results = run_ranks(lightning_outer_cases, 2, str(tmp_path), timeout=240)
     assert results[0] == results[1] and results[0][-1] == (16, 16)
@@ -236,6 +238,7 @@ def _fork_fabric() -> list[list[float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_recipe_runs_diloco_from_hydra_and_prints_its_traffic(tmp_path):
     from tests.helpers.recipes import QUIET, run_recipe
 

@@ -38,9 +38,9 @@ the final broadcast) takes part in the exchange without being compared; sharding
 are compared once their owners' updates landed (``settle``: with ``sharding.overlap`` the gather
 still in flight is waited for first), never its optimizer state; LocalSGD's local phase has no
 synchronised step, so nothing is compared between averages: instead ``lit_dp.LocalSGD`` calls
-``check_after_average`` right after an average, when the replicas must be equal again, at the
-first average at least ``every_n_steps`` optimizer steps after the last such check (parameters
-and buffers; optimizer state is per rank under LocalSGD and left out); under torchft the check is off.
+``check_after_average`` right after its averages, when the replicas must be equal again, every
+``ceil(every_n_steps / K)``-th average from the first (K its initial period; parameters and
+buffers; optimizer state is per rank under LocalSGD and left out); under torchft the check is off.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class ReplicaConsistency(ReducerObserver):
         self._buffers: tuple[int, torch.Tensor] | None = None  # (step, fingerprints) taken after a broadcast
         self.checks = 0  # checks read so far
         self.average_checks = 0  # of which after LocalSGD averages
-        self._last_average_check: int | None = None
+        self._averages_seen = 0  # LocalSGD's averages, every rank counting alike (check_after_average)
         self.agreed_at: int | None = None  # the last step at which the replicas agreed
         self.differences: list[str] = []  # with action "warn", every message so far
 
@@ -215,18 +215,19 @@ class ReplicaConsistency(ReducerObserver):
     def step_ended(self, step: int) -> None:
         self._exchange.poll()
 
-    def check_after_average(self, step: int) -> None:
-        """``lit_dp.LocalSGD``'s hook after the average at optimizer step ``step``, on every rank: compare
-        parameters and buffers if ``every_n_steps`` optimizer steps passed since the last such check.
-        Read at once (one small all-gather per period at most): no synchronised step follows to read it."""
-        if self._last_average_check is not None and step - self._last_average_check < self._every:
+    def check_after_average(self, step: int, shadow: bool = False, every_averages: int = 1) -> None:
+        """``lit_dp.LocalSGD``'s hook after its average at optimizer step ``step``, on every rank: compare
+        parameters and buffers at every ``every_averages``-th average from the first; a rank that
+        shadows the others under Join (``shadow``) takes part without being compared. Read at once
+        (one small all-gather per period at most): no synchronised step follows to read it."""
+        self._averages_seen += 1
+        if (self._averages_seen - 1) % every_averages:
             return
-        self._last_average_check = step
         params = self._parameters.fingerprints(self._device)
         current = dict(self._named_buffers())
         buffers = fingerprints([current.get(name, _MISSING) for name in self._buffer_names], self._device)
         states = _zeros(len(self._named_parameters) if self._optimizers is not None else 0, self._device)
-        flags = torch.tensor([1, int(bool(self._buffer_names))], dtype=torch.int64, device=self._device)
+        flags = torch.tensor([int(not shadow), int(bool(self._buffer_names))], dtype=torch.int64, device=self._device)
         self._exchange.start(torch.cat([flags, params, buffers, states]), _AfterAverage(step))
         self._exchange.poll(wait=True)
 
