@@ -36,11 +36,20 @@ SGD", 2019): at each average the next period becomes
 where ``loss_0`` and ``lr_0`` are the mean training loss and the learning rate at the first
 step and ``loss``/``lr`` those at the average. Loss and learning rate are averaged over the
 ranks by one all-reduce before the rule is applied, so every rank computes the same period.
+
+Outer optimizer (``outer="nesterov"``, DiLoCo: Douillard et al., "DiLoCo: Distributed Low-Communication
+Training of Language Models", 2023): the mean delta ``mean(s - p)`` is a pseudo-gradient, and
+``torch.optim.SGD(nesterov=True, lr=outer_lr, momentum=outer_momentum)`` steps the snapshot ``s``
+with it (as torchft's DiLoCo does); every rank then takes the new snapshot as its parameters.
+``outer_lr=1, outer_momentum=0`` is averaging; ``outer="average"`` is exactly the averaging above.
+``sync_dtype=torch.bfloat16``: the deltas travel in bf16 (half the bytes), are summed in bf16
+by the backend and turned back into the parameters' dtype before they are applied.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,18 +62,39 @@ from lit_dp.gradients.broadcast import ddp_ignored, synced_buffers, synced_param
 from lit_dp.gradients.buckets import assign_group_by_size, megabytes_to_bytes
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
+from lit_dp.observability.stats import SyncRecorder, SyncStats
 from lit_dp.options import DEFAULT_BUCKET_MB
+from lit_dp.options.declare import choice
+from lit_dp.options.local_sgd import (
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    OUTERS,
+    SYNC_DTYPES,
+    check_outer_lr,
+    check_outer_momentum,
+)
 
 # Paddle's AdaptiveLocalSGDOptimizer bounds the period to [1, 16].
 ADAPTIVE_MIN_LOCAL_STEPS = 1
 ADAPTIVE_MAX_LOCAL_STEPS = 16
 
 _DELTA, _MEAN, _FROM_FIRST_RANK = "delta", "mean", "from_first_rank"
+_WIRE_DTYPES = dict(zip(SYNC_DTYPES, (torch.bfloat16,)))
 
 
 def _check_count(option: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{option}={value!r} is invalid: expected an integer >= {low}.")
+
+
+def _sync_dtype(value: Any) -> torch.dtype | None:
+    """None, ``torch.bfloat16`` or its name in ``SYNC_DTYPES`` ("bf16")."""
+    if value is None or value in _WIRE_DTYPES.values():
+        return value
+    if isinstance(value, str) and value in _WIRE_DTYPES:
+        return _WIRE_DTYPES[value]
+    names = ", ".join(map(repr, SYNC_DTYPES))
+    raise ValueError(f"sync_dtype={value!r} is invalid: expected None, torch.bfloat16 or one of {names}.")
 
 
 class LocalSGD:
@@ -78,7 +108,12 @@ class LocalSGD:
         warmup_steps: W, ordinary data-parallel optimizer steps before the local phase.
         adaptive: recompute the period at each average from the loss and learning rate.
         min_local_steps, max_local_steps: bounds of the adaptive period.
-        comm_buffer_size: bucket size limit of the averaging all-reduce, MB.
+        comm_buffer_size: bucket size limit of the averaging all-reduce, MB; None: the
+            ``DataParallel``'s own when the local phase starts (with ``"auto"`` the tuned size),
+            else ``DEFAULT_BUCKET_MB``.
+        outer: ``"average"`` (the mean of the models) or ``"nesterov"`` (DiLoCo's outer optimizer).
+        outer_lr, outer_momentum: the outer SGD's learning rate and Nesterov momentum.
+        sync_dtype: the dtype the deltas travel in (``"bf16"`` or ``torch.bfloat16``); None: the parameters'.
         group: the process group; defaults to the ``DataParallel``'s (``module.rings``), or for
             another module to the rings of ``init_parallel_env``.
     """
@@ -91,10 +126,18 @@ class LocalSGD:
         adaptive: bool = False,
         min_local_steps: int = ADAPTIVE_MIN_LOCAL_STEPS,
         max_local_steps: int = ADAPTIVE_MAX_LOCAL_STEPS,
-        comm_buffer_size: float = DEFAULT_BUCKET_MB,
+        comm_buffer_size: float | None = DEFAULT_BUCKET_MB,
         group: dist.ProcessGroup | None = None,
+        outer: str = "average",
+        outer_lr: float = DEFAULT_OUTER_LR,
+        outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
+        sync_dtype: torch.dtype | str | None = None,
     ) -> None:
         _check_count("local_steps", local_steps, 1)
+        choice(*OUTERS)("outer", outer)
+        outer_lr = check_outer_lr("outer_lr", outer_lr)
+        outer_momentum = check_outer_momentum("outer_momentum", outer_momentum)
+        self._sync_dtype = _sync_dtype(sync_dtype)
         _check_count("warmup_steps", warmup_steps, 0)
         _check_count("min_local_steps", min_local_steps, 1)
         if not min_local_steps <= max_local_steps:
@@ -119,22 +162,38 @@ class LocalSGD:
             self._rings = module.rings if isinstance(module, DataParallel) else get_rings()
         self._world_size = dist.get_world_size(self._rings[0]) if self._rings else 1
         self._first_rank = dist.get_process_group_ranks(self._rings[0])[0] if self._rings else 0
-        self._bucket_bytes = megabytes_to_bytes("comm_buffer_size", comm_buffer_size)
+        if comm_buffer_size is not None:
+            megabytes_to_bytes("comm_buffer_size", comm_buffer_size)  # checked now, read when the buckets are built
+        self._comm_buffer_size = comm_buffer_size
+        self._outer = outer
+        self._outer_settings = {"lr": outer_lr, "momentum": outer_momentum}
+        self._outer_optimizer: torch.optim.SGD | None = None  # over the snapshots, with the buckets
+        self._outer_resumed: dict[str, Any] | None = None  # a checkpoint's tensors, until the buckets exist
         inner = module.module if isinstance(module, DataParallel) else module
         # What the model keeps equal across ranks: DDP's ignore list, read when the model was wrapped.
         ignore = module.parameters_to_ignore if isinstance(module, DataParallel) else ddp_ignored(inner)
         self._params = [p for _, p in synced_parameters(inner, ignore) if p.requires_grad]
         self._buffers = [buffer for _, buffer in synced_buffers(inner, ignore)]
+        self._param_index = {id(p): index for index, p in enumerate(self._params)}
         self._buckets: list[_Bucket] | None = None  # built when the local phase starts
         self._step = 0
         self._last_average = warmup_steps
         self._local_steps = local_steps
         self._loss_0: float | None = None
         self._lr_0: float | None = None
+        device = self._params[0].device if self._params else torch.device("cpu")
+        self._recorder = SyncRecorder(device)
+        self._local_steps_taken = 0  # by this object (not a resumed run's earlier steps): the traffic's denominator
+        self._after_sync: list[Callable[[int, bool], None]] = []  # the replica-consistency check, when on
         if self._data_parallel is not None:
             # The model synchronises gradients during warm-up only, and under Join a rank that ran
             # out shadows this object's collectives too (lit_dp.join).
             self._data_parallel.use_local_sgd(self)
+            consistency = self._data_parallel.consistency
+            if consistency is not None:  # the replicas are equal right after an average: compare them there
+                # Counted in averages, which a rank shadowing the others under Join takes too (its step count lags).
+                every = max(1, math.ceil(consistency.every_n_steps / local_steps))
+                self.add_sync_hook(lambda step, shadow: consistency.check_after_average(step, shadow, every))
         self._snapshot_when_local()
 
     @property
@@ -153,6 +212,11 @@ class LocalSGD:
         return self._last_average
 
     @property
+    def outer(self) -> str:
+        """``"average"`` or ``"nesterov"``."""
+        return self._outer
+
+    @property
     def in_local_phase(self) -> bool:
         """Whether warm-up is over: gradients stay local, models are averaged periodically."""
         return self._step >= self._warmup_steps
@@ -165,6 +229,7 @@ class LocalSGD:
         inputs): its loss does not count in the adaptive period's mean.
         """
         self._step += 1
+        self._local_steps_taken += self._step > self._warmup_steps
         agree_first = self._adaptive and self._loss_0 is None
         average = self._step > self._warmup_steps and self._step - self._last_average == self._local_steps
         if (agree_first or average) and self._data_parallel is not None:
@@ -184,7 +249,7 @@ class LocalSGD:
         if agree_first:
             self._loss_0, self._lr_0 = self._agreed_loss_and_lr(None, None, counts=False)
         if average:
-            self._average()
+            self._average(shadow=True)
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(None, None, counts=False))
 
@@ -203,31 +268,96 @@ class LocalSGD:
         if self._step > max(self._last_average, self._warmup_steps):
             self._average()
 
-    def _average(self) -> None:
-        """Replace every rank's parameters and buffers by their mean over the ranks."""
+    def _average(self, shadow: bool = False) -> None:
+        """Replace every rank's parameters and buffers by their mean over the ranks, or by the
+        snapshot stepped by the outer optimizer with the mean delta. ``shadow``: this rank joined
+        (``lit_dp.join``); its model waits for the final broadcast and is not compared."""
         self._last_average = self._step
         if self._world_size < 2:
             return
         if self._buckets is None:
             self._buckets = self._build_buckets()
+        began = self._recorder.mark()
         with torch.no_grad():
             for bucket in self._buckets:
                 bucket.start(self._first_rank)
+            launched = self._recorder.mark()
             for bucket in self._buckets:
-                bucket.finish(self._world_size, self._waiter)
+                bucket.finish(self._world_size, self._waiter, outer=self._outer_optimizer is not None)
+            if self._outer_optimizer is not None:
+                self._outer_optimizer.step()  # the snapshots, with the mean deltas as gradients
+                for bucket in self._buckets:
+                    bucket.take_snapshot()
+        self._recorder.record(self._step, sum(bucket.wire_bytes for bucket in self._buckets), began, launched)
+        for hook in self._after_sync:
+            hook(self._step, shadow)
+
+    def add_sync_hook(self, hook: Callable[[int, bool], None]) -> None:
+        """Call ``hook(step, shadow)`` on every rank after each average, when every rank that is not
+        shadowing the others' steps under Join (``shadow``) holds the same model."""
+        self._after_sync.append(hook)
+
+    def sync_stats(self) -> SyncStats | None:
+        """The last average's bytes (this rank's payload) and times; None before the first (no wait)."""
+        return self._recorder.last()
+
+    def traffic(self) -> dict[str, float]:
+        """This object's averages so far, their mean bytes, time and exposed time (ms), and bytes per local
+        step it took against data parallelism's (the trainable parameters' bytes, which its reducer
+        all-reduces every step); {} before the first average."""
+        dp_bytes = float(sum(p.numel() * p.element_size() for p in self._params))
+        summary = self._recorder.summary(self._local_steps_taken)
+        if summary:
+            summary["dp_bytes_per_step"] = dp_bytes
+            summary["vs_dp"] = summary["bytes_per_step"] / dp_bytes if dp_bytes else 0.0
+        return summary
+
+    def describe_traffic(self) -> str:
+        """One line over the averages so far (the Trainer prints it with ``comm_stats``), or "" before any."""
+        t = self.traffic()
+        if not t:
+            return ""
+        return (
+            f"LocalSGD outer={self._outer}: {t['syncs']:.0f} averages of {t['bytes_per_sync'] / 2**20:.3f} MB, "
+            f"time {t['time_ms']:.3f} ms, exposed {t['exposed_ms']:.3f} ms each (rank 0); "
+            f"{t['bytes_per_step'] / 2**20:.4f} MB per local step, {t['vs_dp']:.4f} of data parallelism's "
+            f"{t['dp_bytes_per_step'] / 2**20:.3f} MB"
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's state (no tensors): save it with a checkpoint so a resumed run averages at the same steps."""
-        return {
+        """The schedule's state: save it with a checkpoint so a resumed run averages at the same steps.
+        With ``outer="nesterov"`` also the outer optimizer's: the snapshot (the parameters of the last
+        average) and its momentum, one CPU tensor per parameter, the same on every rank."""
+        state: dict[str, Any] = {
             "step": self._step,
             "last_average": self._last_average,
             "local_steps": self._local_steps,
             "loss_0": self._loss_0,
             "lr_0": self._lr_0,
         }
+        if self._outer == "nesterov":
+            state["outer"] = self._outer_state()
+        return state
+
+    def _outer_state(self) -> dict[str, Any] | None:
+        if self._outer_optimizer is None:
+            return self._outer_resumed  # a resumed state not yet taken up: handed on unchanged
+        snapshots: list[torch.Tensor | None] = [None] * len(self._params)
+        momenta: list[torch.Tensor | None] = [None] * len(self._params)
+        for bucket in self._buckets or []:
+            if bucket.snapshot is None:
+                continue
+            momentum = self._outer_optimizer.state.get(bucket.snapshot, {}).get("momentum_buffer")
+            buffers = momentum.split(bucket.numels) if momentum is not None else [None] * len(bucket.numels)
+            for tensor, snapshot, buffer in zip(bucket.tensors, bucket.snapshot.split(bucket.numels), buffers):
+                index = self._param_index[id(tensor)]
+                snapshots[index] = snapshot.detach().cpu().clone()
+                momenta[index] = buffer.cpu().clone() if buffer is not None else None
+        return {"snapshot": snapshots, "momentum": momenta}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the schedule and snapshot the parameters as they are now (equal on every rank after a resume).
+        """Restore the schedule and snapshot the parameters as they are now (equal on every rank after a
+        resume); with ``outer="nesterov"`` the saved snapshot and momentum instead, if the state has them.
 
         A fixed period is this object's own ``local_steps``, so a run may resume with another K;
         an adaptive period continues from the saved one.
@@ -237,6 +367,8 @@ class LocalSGD:
         self._local_steps = int(state["local_steps"]) if self._adaptive else self._initial_local_steps
         self._loss_0 = state.get("loss_0")
         self._lr_0 = state.get("lr_0")
+        if self._outer == "nesterov":
+            self._outer_resumed = state.get("outer")
         self._buckets = None
         self._snapshot_when_local()
 
@@ -246,16 +378,46 @@ class LocalSGD:
             self._buckets = self._build_buckets()
 
     def _build_buckets(self) -> list[_Bucket]:
+        """The buckets, their snapshots taken now (or restored), and the outer optimizer over them."""
         float_buffers = [b for b in self._buffers if b.is_floating_point()]
         other_buffers = [b for b in self._buffers if not b.is_floating_point()]
+        size = self._comm_buffer_size
+        if size is None:  # the model's, tuned by now when "auto" (the warm-up must cover the tuning)
+            size = self._data_parallel.comm_buffer_size if self._data_parallel is not None else DEFAULT_BUCKET_MB
+        bucket_bytes = megabytes_to_bytes("comm_buffer_size", size)
         buckets = []
         for kind, tensors in ((_DELTA, self._params), (_MEAN, float_buffers), (_FROM_FIRST_RANK, other_buffers)):
             if not tensors:
                 continue
-            for indices in assign_group_by_size(tensors, [False] * len(tensors), [self._bucket_bytes]):
+            for indices in assign_group_by_size(tensors, [False] * len(tensors), [bucket_bytes]):
                 ring = self._rings[len(buckets) % len(self._rings)]
-                buckets.append(_Bucket(kind, [tensors[i] for i in indices], ring))
+                buckets.append(_Bucket(kind, [tensors[i] for i in indices], ring, self._sync_dtype))
+        self._outer_optimizer = None
+        snapshots = [b.snapshot for b in buckets if b.snapshot is not None]
+        if self._outer == "nesterov" and snapshots:
+            self._outer_optimizer = torch.optim.SGD(snapshots, nesterov=True, **self._outer_settings)
+            if self._outer_resumed is not None:
+                self._restore_outer(buckets, self._outer_resumed)
+                self._outer_resumed = None
         return buckets
+
+    def _restore_outer(self, buckets: list[_Bucket], state: dict[str, Any]) -> None:
+        """A checkpoint's snapshot and momentum (per parameter) into the buckets' flat tensors."""
+        assert self._outer_optimizer is not None
+        if len(state["snapshot"]) != len(self._params):
+            raise ValueError(
+                f"the LocalSGD outer state holds {len(state['snapshot'])} parameters, the model "
+                f"{len(self._params)}: expected a checkpoint of this model."
+            )
+        for bucket in buckets:
+            if bucket.snapshot is None:
+                continue
+            indices = [self._param_index[id(t)] for t in bucket.tensors]
+            bucket.snapshot.copy_(torch.cat([state["snapshot"][i].reshape(-1) for i in indices]))
+            momenta = [state["momentum"][i] for i in indices]
+            if all(m is not None for m in momenta):
+                buffer = torch.cat([m.reshape(-1) for m in momenta]).to(bucket.snapshot.device)
+                self._outer_optimizer.state[bucket.snapshot]["momentum_buffer"] = buffer
 
     @property
     def _waiter(self) -> Waiter:
@@ -293,15 +455,23 @@ class LocalSGD:
 
 
 class _Bucket:
-    """Tensors of one dtype and device averaged (or broadcast) as one flat buffer."""
+    """Tensors of one dtype and device averaged (or broadcast) as one flat buffer.
 
-    def __init__(self, kind: str, tensors: list[torch.Tensor], ring: dist.ProcessGroup) -> None:
+    ``wire``: the dtype the deltas travel in, when not the tensors' own (``sync_dtype``).
+    """
+
+    def __init__(
+        self, kind: str, tensors: list[torch.Tensor], ring: dist.ProcessGroup, wire: torch.dtype | None = None
+    ) -> None:
         self.kind = kind
         self.tensors = tensors
         self.ring = ring
         self.numels = [t.numel() for t in tensors]
         self.flat = torch.empty(sum(self.numels), dtype=tensors[0].dtype, device=tensors[0].device)
         self.snapshot = self._gather().clone() if kind == _DELTA else None
+        converted = kind == _DELTA and wire is not None and wire != self.flat.dtype
+        self.sent = torch.empty_like(self.flat, dtype=wire) if converted else self.flat
+        self.wire_bytes = self.sent.numel() * self.sent.element_size()
         self.work: dist.Work | None = None
 
     def _gather(self) -> torch.Tensor:
@@ -315,18 +485,35 @@ class _Bucket:
             return
         if self.snapshot is not None:
             torch.sub(self.snapshot, flat, out=flat)  # the delta: snapshot - parameters
-        self.work = dist.all_reduce(flat, group=self.ring, async_op=True)
+        if self.sent is not flat:
+            self.sent.copy_(flat)
+        self.work = dist.all_reduce(self.sent, group=self.ring, async_op=True)
 
-    def finish(self, world_size: int, waiter: Waiter) -> None:
+    def finish(self, world_size: int, waiter: Waiter, outer: bool = False) -> None:
+        """Apply the result; ``outer``: only hand the mean delta to the snapshot as its gradient
+        (the outer optimizer steps every bucket's snapshot, then ``take_snapshot``)."""
         assert self.work is not None, "finish() before start()"
         waiter.wait(self.work, "the LocalSGD average")
         self.work = None
         result = self.flat
+        if self.sent is not result:
+            result.copy_(self.sent)
+        if self.snapshot is not None and outer:
+            self.snapshot.grad = result.div_(world_size)  # the pseudo-gradient
+            return
         if self.snapshot is not None:
             # snapshot - mean(delta): the mean of the ranks' parameters, and the next snapshot.
             # One pass: scaling inside the subtraction (alpha) instead of dividing first.
             result = self.snapshot.sub_(result, alpha=1.0 / world_size)
         elif self.kind == _MEAN:
             result.div_(world_size)
+        self._scatter(result)
+
+    def take_snapshot(self) -> None:
+        """Every rank's parameters become the snapshot the outer optimizer just stepped."""
+        if self.snapshot is not None:
+            self._scatter(self.snapshot)
+
+    def _scatter(self, result: torch.Tensor) -> None:
         pieces = result.split(self.numels)
         torch._foreach_copy_([t.detach() for t in self.tensors], [p.view_as(t) for p, t in zip(pieces, self.tensors)])

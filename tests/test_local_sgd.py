@@ -69,6 +69,8 @@ def simulate(
     adaptive: bool = False,
     reset_after: int | None = None,
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor] = mse,
+    outer: tuple[float, float] | None = None,
+    wire: torch.dtype | None = None,
 ) -> list[nn.Module]:
     """The rule on one process: ``steps[i] = (optimizer index, [rank][micro-batch])``; returns each rank's model.
 
@@ -77,11 +79,23 @@ def simulate(
 
     ``reset_after=n``: after step n every rank takes rank 0's model and optimizer state, as a
     run resumed from a checkpoint written by rank 0 after step n does.
+
+    ``outer=(lr, momentum)``: DiLoCo (``outer="nesterov"``) instead of the mean; ``wire``: the deltas
+    are summed in that dtype (``sync_dtype``).
     """
     world_size = len(steps[0][1])
     models = [copy.deepcopy(model) for _ in range(world_size)]
     optimizers = [make_optimizers(m) for m in models]
     last_average, period, first = warmup_steps, local_steps, None
+    synced_by_outer = outer is not None or wire is not None
+    outer_state = OuterState(models[0], outer, wire) if warmup_steps == 0 and synced_by_outer else None
+
+    def average(models: list[nn.Module]) -> None:
+        if outer_state is None:
+            average_models(models)
+        else:
+            outer_state.sync(models)
+
     for number, (which, micro_batches) in enumerate(steps, start=1):
         if 1 < number <= warmup_steps + 1:
             # DataParallel's broadcast_buffers (as DDP's): a forward after a synchronised step
@@ -106,6 +120,8 @@ def simulate(
         for rank_optimizers in optimizers:
             rank_optimizers[which].step()
             rank_optimizers[which].zero_grad(set_to_none=True)
+        if number == warmup_steps and synced_by_outer:
+            outer_state = OuterState(models[0], outer, wire)  # the local phase starts: every rank holds these
         if number > warmup_steps and number - last_average == period:
             average(models)
             last_average = number
@@ -121,8 +137,38 @@ def simulate(
     return models
 
 
+class OuterState:
+    """The snapshot of the last sync and the outer momentum, per parameter; ``outer=None``: averaging."""
+
+    def __init__(self, model: nn.Module, outer: tuple[float, float] | None, wire: torch.dtype | None) -> None:
+        self.outer, self.wire = outer, wire
+        self.snapshot = {name: p.detach().clone() for name, p in model.named_parameters()}
+        self.momentum: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def sync(self, models: list[nn.Module]) -> None:
+        average_models(models)  # buffers as averaging treats them; the parameters are replaced below
+        for name, snapshot in self.snapshot.items():
+            params = [dict(m.named_parameters())[name] for m in models]
+            deltas = [snapshot - p for p in params]
+            if self.wire is not None:
+                deltas = [d.to(self.wire) for d in deltas]
+            total = deltas[0]
+            for d in deltas[1:]:
+                total = total + d
+            mean = total.to(snapshot.dtype) / len(models)
+            if self.outer is None:
+                snapshot -= mean
+            else:  # torch.optim.SGD(nesterov=True): the buffer starts at the first gradient
+                lr, mu = self.outer
+                buffer = self.momentum[name] = self.momentum[name] * mu + mean if name in self.momentum else mean.clone()
+                snapshot -= lr * (mean + mu * buffer)
+            for p in params:
+                p.copy_(snapshot)
+
+
 @torch.no_grad()
-def average(models: list[nn.Module]) -> None:
+def average_models(models: list[nn.Module]) -> None:
     """Parameters and float buffers: the mean; other buffers: rank 0's."""
     states = [m.state_dict() for m in models]
     for name, value in states[0].items():

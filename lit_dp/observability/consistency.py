@@ -37,7 +37,10 @@ shadows the others' steps under torch's ``Join`` (it ran out of inputs, its para
 the final broadcast) takes part in the exchange without being compared; sharding's parameters
 are compared once their owners' updates landed (``settle``: with ``sharding.overlap`` the gather
 still in flight is waited for first), never its optimizer state; LocalSGD's local phase has no
-synchronised step, so nothing is compared between averages; under torchft the check is off.
+synchronised step, so nothing is compared between averages: instead ``lit_dp.LocalSGD`` calls
+``check_after_average`` right after its averages, when the replicas must be equal again, every
+``ceil(every_n_steps / K)``-th average from the first (K its initial period; parameters and
+buffers; optimizer state is per rank under LocalSGD and left out); under torchft the check is off.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ log = logging.getLogger(__name__)
 # How long a rank that raised ReplicaDivergenceError may take to end before it exits hard.
 EXIT_GRACE_SECONDS = 60.0
 _WIDTHS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
+
+
+class _AfterAverage(int):
+    """The tag of a check after a LocalSGD average: its optimizer step, told apart from a synchronised step's."""
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -169,6 +176,8 @@ class ReplicaConsistency(ReducerObserver):
         self._exchange = Exchange(group, waiter, "the replica-consistency exchange", self._checked)
         self._buffers: tuple[int, torch.Tensor] | None = None  # (step, fingerprints) taken after a broadcast
         self.checks = 0  # checks read so far
+        self.average_checks = 0  # of which after LocalSGD averages
+        self._averages_seen = 0  # LocalSGD's averages, every rank counting alike (check_after_average)
         self.agreed_at: int | None = None  # the last step at which the replicas agreed
         self.differences: list[str] = []  # with action "warn", every message so far
 
@@ -206,11 +215,28 @@ class ReplicaConsistency(ReducerObserver):
     def step_ended(self, step: int) -> None:
         self._exchange.poll()
 
-    def _checked(self, step: int, rows: torch.Tensor) -> None:
+    def check_after_average(self, step: int, shadow: bool = False, every_averages: int = 1) -> None:
+        """``lit_dp.LocalSGD``'s hook after its average at optimizer step ``step``, on every rank: compare
+        parameters and buffers at every ``every_averages``-th average from the first; a rank that
+        shadows the others under Join (``shadow``) takes part without being compared. Read at once
+        (one small all-gather per period at most): no synchronised step follows to read it."""
+        self._averages_seen += 1
+        if (self._averages_seen - 1) % every_averages:
+            return
+        params = self._parameters.fingerprints(self._device)
+        current = dict(self._named_buffers())
+        buffers = fingerprints([current.get(name, _MISSING) for name in self._buffer_names], self._device)
+        states = _zeros(len(self._named_parameters) if self._optimizers is not None else 0, self._device)
+        flags = torch.tensor([int(not shadow), int(bool(self._buffer_names))], dtype=torch.int64, device=self._device)
+        self._exchange.start(torch.cat([flags, params, buffers, states]), _AfterAverage(step))
+        self._exchange.poll(wait=True)
+
+    def _checked(self, step: Any, rows: torch.Tensor) -> None:
         self.checks += 1
+        self.average_checks += isinstance(step, _AfterAverage)
         message = self._difference(step, rows.tolist())
         if message is None:
-            self.agreed_at = step
+            self.agreed_at = int(step)
             log.debug("lit_dp replica consistency: the replicas agree at step %d", step)
             return
         if self._action == "warn":
@@ -225,11 +251,13 @@ class ReplicaConsistency(ReducerObserver):
     def summary(self) -> str:
         """One line over the checks so far (the Trainer prints it when training ends)."""
         head = f"{self.checks} check{'s' * (self.checks != 1)} every {self._every} synchronised steps"
+        if self.average_checks:
+            head += f" ({self.average_checks} after LocalSGD averages)"
         if self.differences:
             return f"{head}; the replicas differed at {len(self.differences)} (consistency.action='warn')"
         return f"{head}; the replicas agreed at each" if self.checks else head
 
-    def _difference(self, step: int, rows: list[list[int]]) -> str | None:
+    def _difference(self, step: Any, rows: list[list[int]]) -> str | None:
         names = [f"parameter {name!r}" for name, _ in self._named_parameters]
         names += [f"buffer {name!r}" for name in self._buffer_names]
         if self._optimizers is not None:
@@ -239,8 +267,10 @@ class ReplicaConsistency(ReducerObserver):
         if found is None:
             return None
         agreed = "this is the first check" if self.agreed_at is None else f"they last agreed at step {self.agreed_at}"
+        averaged = isinstance(step, _AfterAverage)
+        where = f"after the LocalSGD average at optimizer step {step}" if averaged else f"at synchronised step {step}"
         return (
-            f"replica consistency: at synchronised step {step} the replicas differ: {found}; {agreed} "
+            f"replica consistency: {where} the replicas differ: {found}; {agreed} "
             f"(consistency.every_n_steps={self._every})."
         )
 

@@ -245,3 +245,73 @@ def _completion_callback(
         slots[slot] = mark()
 
     return on_complete
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One LocalSGD average on one rank: its step, the bytes this rank all-reduced (the payload, as
+    ``CommStats.bytes``), its time from the first launch to the parameters replaced, and the part of
+    it spent waiting for the collectives once all were launched (``exposed_ms``: nothing overlaps an
+    average, so it is most of ``time_ms``; the rest is gathering the deltas and applying the result)."""
+
+    step: int
+    bytes: int
+    time_ms: float
+    exposed_ms: float
+
+    def as_metrics(self) -> dict[str, float]:
+        """The ``local_sgd/*`` names the Lightning strategy logs."""
+        return {
+            "local_sgd/sync_bytes": float(self.bytes),
+            "local_sgd/sync_time_ms": self.time_ms,
+            "local_sgd/sync_exposed_ms": self.exposed_ms,
+        }
+
+
+class SyncRecorder:
+    """``lit_dp.LocalSGD``'s averages: three marks each (start, all launched, done), resolved when read
+    (on CUDA once the events completed, without a host synchronisation)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._clock = clock_for(device)
+        self._pending: deque[tuple[int, int, Any, Any, Any]] = deque()
+        self._last: SyncStats | None = None
+        self._totals = [0, 0, 0.0, 0.0]  # averages, bytes, time_ms, exposed_ms
+
+    def mark(self) -> Any:
+        return self._clock.mark()
+
+    def record(self, step: int, nbytes: int, began: Any, launched: Any) -> None:
+        """The average after optimizer step ``step`` ended now."""
+        self._pending.append((step, nbytes, began, launched, self._clock.mark()))
+        self._resolve()
+
+    def last(self) -> SyncStats | None:
+        self._resolve()
+        return self._last
+
+    def summary(self, steps: int) -> dict[str, float]:
+        """Over the resolved averages: their count, mean bytes, time and exposed time, and the bytes per
+        step over ``steps`` steps; {} before the first."""
+        self._resolve()
+        count, nbytes, time_ms, exposed_ms = self._totals
+        if not count:
+            return {}
+        return {
+            "syncs": float(count),
+            "bytes_per_sync": nbytes / count,
+            "time_ms": time_ms / count,
+            "exposed_ms": exposed_ms / count,
+            "bytes_per_step": nbytes / steps if steps else 0.0,
+        }
+
+    def _resolve(self) -> None:
+        clock = self._clock
+        while self._pending and clock.done(self._pending[0][-1]):
+            step, nbytes, began, launched, ended = self._pending.popleft()
+            self._last = SyncStats(step, nbytes, clock.elapsed_ms(began, ended), clock.elapsed_ms(launched, ended))
+            totals = self._totals
+            totals[0] += 1
+            totals[1] += nbytes
+            totals[2] += self._last.time_ms
+            totals[3] += self._last.exposed_ms

@@ -3,19 +3,44 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import math
+from collections.abc import Callable
+from typing import Any, Optional
 
-from lit_dp.options.declare import TRAINER, count, flag, option
+from lit_dp.options.declare import TRAINER, choice, count, flag, option
 from lit_dp.options.rules import excludes, requires, shown
 
 ONLY_TRAINER = frozenset({TRAINER})
+OUTERS = ("average", "nesterov")
+# The dtypes the averaged deltas may travel in (``local_sgd.sync_dtype``), by name.
+SYNC_DTYPES = ("bf16",)
+# DiLoCo's outer SGD, chosen by measurement on the GPT recipe (docs/local_sgd.md, "Choosing the
+# outer settings"): the setting tried that beat averaging at both K=16 and K=64; not the paper's
+# lr 0.7 / momentum 0.9, which trained worse than averaging at K=16.
+DEFAULT_OUTER_LR = 0.8
+DEFAULT_OUTER_MOMENTUM = 0.5
+# Synchronised steps comm_buffer_size="auto" needs before its choice is final: the tuning schedule's
+# length, lit_dp.observability.autotune.settled_step() (a test keeps them equal; options import no observer).
+AUTOTUNE_STEPS = 121
+
+
+def check_outer_lr(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name}={value!r} is invalid: expected a positive number.")
+    return float(value)
+
+
+def check_outer_momentum(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: expected a number in [0, 1).")
+    return float(value)
 # Hooks (by function or config name) that leave gradients local, which LocalSGD does itself.
 COMM_HOOKS_SKIPPING_COMMUNICATION = ("post_localSGD_hook", "noop_hook")
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalSGDOptions:
-    """LocalSGD's period and warm-up (off while ``steps`` is None); the Trainer strategy runs it."""
+    """LocalSGD's period, warm-up and outer optimizer (off while ``steps`` is None); the Trainer strategy runs it."""
 
     steps: Optional[int] = option(
         default=None,
@@ -39,6 +64,37 @@ class LocalSGDOptions:
         scope=ONLY_TRAINER,
         config=bool,
     )
+    outer: str = option(
+        default="average",
+        help="average: the mean of the models; nesterov: DiLoCo's outer SGD on the mean change since the last sync",
+        check=choice(*OUTERS),
+        scope=ONLY_TRAINER,
+        config=str,
+    )
+    outer_lr: float = option(
+        default=DEFAULT_OUTER_LR,
+        help="outer=nesterov: the outer learning rate (chosen by a sweep, docs/local_sgd.md)",
+        check=check_outer_lr,
+        scope=ONLY_TRAINER,
+        config=float,
+        examples=(0.7,),
+    )
+    outer_momentum: float = option(
+        default=DEFAULT_OUTER_MOMENTUM,
+        help="outer=nesterov: the outer Nesterov momentum (chosen by a sweep, docs/local_sgd.md)",
+        check=check_outer_momentum,
+        scope=ONLY_TRAINER,
+        config=float,
+        examples=(0.9,),
+    )
+    sync_dtype: Optional[str] = option(
+        default=None,
+        help="bf16: send the averaged change in bf16 (half the bytes); None: in the parameters' dtype",
+        check=choice(*SYNC_DTYPES, optional=True),
+        scope=ONLY_TRAINER,
+        config=Optional[str],
+    )
+
 
 
 RULES = (
@@ -52,5 +108,18 @@ RULES = (
         when=lambda o: o.local_sgd.steps is not None and shown(o.comm_hook).strip("'") in COMM_HOOKS_SKIPPING_COMMUNICATION,
         reason="that hook already skips gradient communication, so warm-up steps would not be data-parallel; "
         "expected LocalSGD or that hook, not both",
+    ),
+    *(
+        requires(f"local_sgd.{name}", "local_sgd.steps", "expected the period K, e.g. 16", set_only=True)
+        for name in ("outer", "outer_lr", "outer_momentum", "sync_dtype")
+    ),
+    excludes(
+        "comm_buffer_size",
+        "local_sgd.steps",
+        "local_sgd.warmup_steps",
+        when=lambda o: o.comm_buffer_size == "auto" and o.local_sgd.steps is not None and o.local_sgd.warmup_steps < AUTOTUNE_STEPS,
+        reason=f"the bucket size is tuned by timing {AUTOTUNE_STEPS} data-parallel steps, and LocalSGD's local phase "
+        "all-reduces no gradients; expected a fixed {comm_buffer_size} (e.g. 25), or {local_sgd.warmup_steps} >= "
+        f"{AUTOTUNE_STEPS}",
     ),
 )

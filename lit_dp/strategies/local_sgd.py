@@ -55,7 +55,11 @@ class LocalSGDSchedule(Feature):
             options.steps,
             options.warmup_steps,
             adaptive=options.adaptive,
-            comm_buffer_size=run.model.comm_buffer_size,
+            comm_buffer_size=None,  # the model's when the local phase starts: with "auto", the tuned size
+            outer=options.outer,
+            outer_lr=options.outer_lr,
+            outer_momentum=options.outer_momentum,
+            sync_dtype=options.sync_dtype,
         )
         log.debug("LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD)")
         if self._resumed is not None:

@@ -103,6 +103,9 @@ class CommStatsMonitor(pl.Callback):
         tuned = trainer.strategy.tuned_comm_buffer_size
         if tuned is not None:
             parts.append(f"comm_buffer_size=auto -> {tuned:g} MB")
+        local_sgd = trainer.strategy.local_sgd
+        if local_sgd is not None and trainer.strategy.options.comm_stats and local_sgd.describe_traffic():
+            parts.append(local_sgd.describe_traffic())  # the averages before the fit's final one
         if parts:
             rank_zero_info("[lit_dp] comm: " + "; ".join(parts))
 
@@ -112,6 +115,10 @@ class CommStatsMonitor(pl.Callback):
         stats = self._model_stats(trainer) if trainer.strategy.options.comm_stats else None
         if stats is not None:
             metrics.update(stats.as_metrics())
+        local_sgd = trainer.strategy.local_sgd
+        sync = local_sgd.sync_stats() if local_sgd is not None and trainer.strategy.options.comm_stats else None
+        if sync is not None:  # LocalSGD's last average: its bytes and time
+            metrics.update(sync.as_metrics())
         tuned = trainer.strategy.tuned_comm_buffer_size
         if tuned is not None:
             metrics["comm/tuned_buffer_mb"] = float(tuned)

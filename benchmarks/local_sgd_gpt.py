@@ -1,0 +1,113 @@
+"""Data parallelism, LocalSGD averaging and DiLoCo on the GPT recipe at one number of tokens.
+
+    python -m benchmarks.local_sgd_gpt
+    python -m benchmarks.local_sgd_gpt devices=3
+    python -m benchmarks.local_sgd_gpt local_steps=[16] max_steps=160 bf16=false
+
+Each mode is one run of ``recipes/gpt.py`` as a user types it (its default small GPT on the
+stdlib bytes, ``devices`` CPU processes, the same seed, batch and schedule), in a folder of its
+own, with ``strategy.comm_stats=true``:
+
+- ``data parallel``: the recipe as it is;
+- ``average K``: ``strategy.local_sgd.steps=K`` (LocalSGD as before, ``outer=average``);
+- ``nesterov K``: also ``strategy.local_sgd.outer=nesterov`` with its defaults (DiLoCo);
+- ``nesterov+bf16 K``: also ``strategy.local_sgd.sync_dtype=bf16`` (with ``bf16=true``).
+
+``max_steps`` is a multiple of every K, and the recipe validates once, at the end
+(``trainer.val_check_interval=max_steps``): after the last optimizer step's average, so every
+mode's validation loss is that of one synchronised model. Read from the recipe's output: the
+validation loss and tokens/s of its ``[lit_dp] final`` line, the bytes per step of its
+``[lit_dp] comm:`` line (data parallelism: the gradient bytes all-reduced per step; LocalSGD:
+the bytes of its averages per local step, from rank 0's ``LocalSGD.traffic``). Wall time: the
+whole command, start-up and validation included.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import benchmark_main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class LocalSGDGPTConfig:
+    """What to run (the recipe's own defaults for everything else)."""
+
+    devices: int = 2
+    max_steps: int = 320  # a multiple of every K: the last step averages, then the one validation runs
+    local_steps: tuple[int, ...] = (16, 64)
+    bf16: bool = True  # also DiLoCo with the deltas sent in bf16
+    extra: tuple[str, ...] = ()  # more recipe overrides for every mode, e.g. experiment=gpt_tiny
+
+
+def _modes(config: LocalSGDGPTConfig) -> list[tuple[str, list[str]]]:
+    modes: list[tuple[str, list[str]]] = [("data parallel", [])]
+    for k in config.local_steps:
+        if config.max_steps % k:
+            raise ValueError(f"max_steps={config.max_steps} is invalid with local_steps K={k}: expected a multiple of every K.")
+        period = [f"strategy.local_sgd.steps={k}"]
+        modes.append((f"average K={k}", period))
+        modes.append((f"nesterov K={k}", [*period, "strategy.local_sgd.outer=nesterov"]))
+        if config.bf16:
+            modes.append((f"nesterov+bf16 K={k}", [*period, "strategy.local_sgd.outer=nesterov", "strategy.local_sgd.sync_dtype=bf16"]))
+    return modes
+
+
+def run_mode(overrides: list[str], config: LocalSGDGPTConfig, folder: str) -> dict[str, float]:
+    command = [
+        sys.executable, str(ROOT / "recipes" / "gpt.py"), f"trainer.devices={config.devices}",
+        f"trainer.max_steps={config.max_steps}", f"trainer.val_check_interval={config.max_steps}",
+        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "strategy.comm_stats=true",
+        f"hydra.run.dir={folder}", *config.extra, *overrides,
+    ]  # fmt: skip
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    began = time.monotonic()
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
+    wall = time.monotonic() - began
+    output = result.stdout + result.stderr
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{output[-4000:]}")
+    final = next(line for line in output.splitlines() if line.startswith("[lit_dp] final "))
+    metrics = {key: float(value) for key, value in re.findall(r"(\w+)=([-\d.]+)", final)}
+    comm = next(line for line in output.splitlines() if line.startswith("[lit_dp] comm: "))
+    local = re.search(r"([\d.]+) MB per local step", comm)
+    data_parallel = re.search(r"([\d.]+) MB in \d+ buckets? per step", comm)
+    sent = local if local is not None else data_parallel
+    assert sent is not None, comm
+    return {"val_loss": metrics["val_loss"], "tokens_per_sec": metrics["tokens_per_sec"], "mb_per_step": float(sent.group(1)), "wall_s": wall}
+
+
+def run(config: LocalSGDGPTConfig) -> dict[str, dict[str, float]]:
+    with tempfile.TemporaryDirectory() as folder:
+        return {name: run_mode(overrides, config, f"{folder}/{index}") for index, (name, overrides) in enumerate(_modes(config))}
+
+
+def report(results: dict[str, dict[str, float]], config: LocalSGDGPTConfig) -> str:
+    baseline = results["data parallel"]
+    lines = [
+        f"| mode ({config.devices} CPU ranks, {config.max_steps} steps) | val loss | MB sent per step | vs DP | wall (s) "
+        "| tokens/s | vs DP |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in results.items():
+        lines.append(
+            f"| {name} | {row['val_loss']:.4f} | {row['mb_per_step']:.4f} | {row['mb_per_step'] / baseline['mb_per_step']:.4f} "
+            f"| {row['wall_s']:.0f} | {row['tokens_per_sec']:.0f} | {row['tokens_per_sec'] / baseline['tokens_per_sec']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+main = benchmark_main("local_sgd_gpt", LocalSGDGPTConfig, lambda config: report(run(config), config))
+
+
+if __name__ == "__main__":
+    main()

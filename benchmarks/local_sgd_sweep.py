@@ -1,0 +1,158 @@
+"""DiLoCo's outer learning rate and momentum, swept in one process: where ``local_sgd.outer_*``'s defaults come from.
+
+    python -m benchmarks.local_sgd_sweep
+    python -m benchmarks.local_sgd_sweep local_steps=[16] outer='[[0.8,0.5]]' steps=100
+
+A simulation, not the library: ``world_size`` workers in one process, each with its own copy of
+the GPT recipe's default small GPT (``conf/model/gpt.yaml``: 2 x 128) and its own AdamW with the
+recipe's schedule (warm-up, cosine over ``steps``) and clipping, each on its own
+``DistributedSampler`` shard of the recipe's stdlib bytes, ``batch_size`` x ``block_size``
+tokens per worker and step. Modes:
+
+- ``dp``: data parallelism, every worker steps on the mean gradient;
+- ``average K``: every K steps the workers' parameters are replaced by their mean (LocalSGD);
+- ``nesterov K lr m``: every K steps the mean change since the last sync is the pseudo-gradient
+  of an outer SGD with Nesterov momentum ``m`` and learning rate ``lr`` (DiLoCo), applied to the
+  parameters of the last sync, which every worker then takes.
+
+Reported: the validation loss of the final (synchronised) model on the recipe's validation
+batches (``val_batches`` per worker, as ``trainer.limit_val_batches``). Deterministic: the same
+command prints the same table. Runs one mode after another on one thread per process; pass
+``modes_from``/``modes_to`` to split the list over processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from benchmarks.common import benchmark_main
+from lit_dp_recipes.gpt import GPT, adamw, lr_at
+from lit_dp_recipes.token_data import TokenWindows, stdlib_text
+
+
+@dataclass
+class SweepConfig:
+    """What to sweep (defaults: the GPT recipe's, ``conf/gpt.yaml``)."""
+
+    world_size: int = 2
+    steps: int = 300
+    local_steps: tuple[int, ...] = (16, 64)
+    outer: tuple[tuple[float, float], ...] = ((0.7, 0.5), (0.8, 0.5), (0.9, 0.5), (0.7, 0.6), (0.9, 0.6), (0.7, 0.9))
+    batch_size: int = 32
+    block_size: int = 64
+    val_batches: int = 20
+    seed: int = 7
+    threads: int = 1
+    modes_from: int = 0  # run modes[modes_from:modes_to] of the list (dp, then per K: average, nesterov...)
+    modes_to: int | None = None
+
+
+def _modes(config: SweepConfig) -> list[tuple]:
+    modes: list[tuple] = [("dp",)]
+    for k in config.local_steps:
+        modes.append(("average", k))
+        modes += [("nesterov", k, lr, momentum) for lr, momentum in config.outer]
+    return modes[config.modes_from : config.modes_to]
+
+
+def _loaders(config: SweepConfig) -> tuple[list[DataLoader], list[DataLoader]]:
+    data = np.frombuffer(stdlib_text(1_000_000), dtype=np.uint8)
+    split = int(len(data) * 0.9)
+    train, val = TokenWindows([data[:split]], config.block_size), TokenWindows([data[split:]], config.block_size)
+
+    def loader(windows: TokenWindows, rank: int, shuffle: bool) -> DataLoader:
+        sampler = DistributedSampler(windows, config.world_size, rank, shuffle=shuffle, seed=config.seed, drop_last=True)
+        return DataLoader(windows, batch_size=config.batch_size, sampler=sampler, drop_last=True)
+
+    ranks = range(config.world_size)
+    return [loader(train, r, True) for r in ranks], [loader(val, r, False) for r in ranks]
+
+
+def _batches(loader: DataLoader):
+    for epoch in itertools.count():
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+
+
+def train(mode: tuple, config: SweepConfig) -> float:
+    """One mode; returns the final model's validation loss."""
+    torch.manual_seed(config.seed)
+    base = GPT(block_size=config.block_size, n_layer=2, n_head=4, n_embd=128, vocab_size=256, warmup_steps=30)
+    workers = [copy.deepcopy(base) for _ in range(config.world_size)]
+    optimizers = [adamw(w, 3e-3, 0.1, (0.9, 0.95), torch.device("cpu")) for w in workers]
+    train_loaders, val_loaders = _loaders(config)
+    streams = [_batches(loader) for loader in train_loaders]
+    snapshot = [p.detach().clone() for p in base.parameters()]
+    momentum = [torch.zeros_like(p) for p in snapshot]
+    for step in range(1, config.steps + 1):
+        lr = lr_at(step - 1, 3e-3, 3e-4, 30, config.steps)
+        for worker, optimizer, stream in zip(workers, optimizers, streams):
+            inputs, targets = next(stream)
+            worker(inputs, targets).backward()
+        if mode[0] == "dp":
+            for params in zip(*(w.parameters() for w in workers)):
+                mean = torch.stack([p.grad for p in params]).mean(dim=0)
+                for p in params:
+                    p.grad.copy_(mean)
+        for worker, optimizer in zip(workers, optimizers):
+            torch.nn.utils.clip_grad_norm_(worker.parameters(), 1.0)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if mode[0] != "dp" and (step % mode[1] == 0 or step == config.steps):
+            _sync(mode, workers, snapshot, momentum)
+    return _validate(workers[0], val_loaders, config.val_batches)
+
+
+@torch.no_grad()
+def _sync(mode: tuple, workers: list[GPT], snapshot: list[torch.Tensor], momentum: list[torch.Tensor]) -> None:
+    for index, params in enumerate(zip(*(w.parameters() for w in workers))):
+        pseudo_gradient = torch.stack([snapshot[index] - p for p in params]).mean(dim=0)
+        if mode[0] == "average":
+            snapshot[index] -= pseudo_gradient
+        else:  # torch.optim.SGD(nesterov=True, dampening=0): the buffer starts at the first gradient
+            _, _, lr, mu = mode
+            buffer = momentum[index].mul_(mu).add_(pseudo_gradient)
+            snapshot[index] -= lr * (pseudo_gradient + mu * buffer)
+        for p in params:
+            p.copy_(snapshot[index])
+
+
+@torch.no_grad()
+def _validate(model: GPT, loaders: list[DataLoader], batches: int) -> float:
+    losses = [model(*batch).item() for loader in loaders for batch in itertools.islice(loader, batches)]
+    return float(np.mean(losses))
+
+
+def _name(mode: tuple) -> str:
+    if mode[0] == "dp":
+        return "data parallel"
+    if mode[0] == "average":
+        return f"averaging K={mode[1]}"
+    return f"nesterov K={mode[1]} lr={mode[2]:g} momentum={mode[3]:g}"
+
+
+def run_and_report(config: SweepConfig) -> str:
+    torch.set_num_threads(config.threads)
+    lines = [f"| mode | val loss after {config.steps} steps |", "|---|---|"]
+    for mode in _modes(config):
+        loss = train(mode, config)
+        lines.append(f"| {_name(mode)} | {loss:.4f} |")
+        print(lines[-1], flush=True)
+    assert all(math.isfinite(float(line.split("|")[2])) for line in lines[2:])
+    return "\n".join(lines)
+
+
+main = benchmark_main("local_sgd_sweep", SweepConfig, run_and_report)
+
+
+if __name__ == "__main__":
+    main()
