@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
-from lit_dp.strategies.lightning_private import ddp_kwargs
+from lit_dp.strategies.lightning_private import ddp_comm_hook, ddp_kwargs
 from lit_dp.strategies.trainer import PaddleDPStrategy
 from lit_dp_recipes.report import say
 
@@ -25,9 +25,10 @@ def describe_strategy(strategy: Strategy, world_size: int) -> str:
     if isinstance(strategy, DDPStrategy):
         cap = ddp_kwargs(strategy).get("bucket_cap_mb", 25)
         line += f" backend={strategy.process_group_backend} bucket_cap_mb={cap}MB"
-        line += "".join(f" {name}={value}" for name, value in strategy._ddp_kwargs.items() if name != "bucket_cap_mb")
-        if strategy._ddp_comm_hook is not None:
-            line += f" ddp_comm_hook={getattr(strategy._ddp_comm_hook, '__qualname__', strategy._ddp_comm_hook)}"
+        line += "".join(f" {name}={value}" for name, value in ddp_kwargs(strategy).items() if name != "bucket_cap_mb")
+        hook = ddp_comm_hook(strategy)
+        if hook is not None:
+            line += f" ddp_comm_hook={getattr(hook, '__qualname__', hook)}"
     return line
 
 

@@ -36,7 +36,7 @@ import lightning
 import torch
 from lightning.fabric.strategies import ParallelStrategy as FabricParallelStrategy
 from lightning.pytorch.callbacks import TQDMProgressBar
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 
 LOOKED_UP: list[tuple[str, str]] = []  # (module, name) of every private class or function below
 
@@ -120,6 +120,9 @@ SUBCLASSED: dict[type, tuple[str, ...]] = {
     TrainerScriptLauncher: ("_call_children_scripts", "_check_can_spawn_children"),
     # The recipes' progress bar (lit_dp_recipes.callbacks) refreshes on optimizer steps.
     TQDMProgressBar: ("_should_update",),
+    # The recipes' torch DDP peer (lit_dp_recipes.config.DDPPeer) registers the communication hook
+    # Lightning was given on every device (Lightning does on CUDA only).
+    DDPStrategy: ("_register_ddp_hooks", "_ddp_comm_hook", "_ddp_comm_wrapper", "_ddp_comm_state"),
 }
 # DDPStrategy's private names that code written against "ddp" reads (Lightning's own tests among
 # it), which lit_dp's strategies define with the same meaning.
@@ -145,6 +148,11 @@ def replace_launcher(strategy: Any, launcher: Any) -> None:
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:
     """The ``DistributedDataParallel`` arguments a Lightning ``DDPStrategy`` was given (``bucket_cap_mb``, ...)."""
     return _read(strategy, "_ddp_kwargs")
+
+
+def ddp_comm_hook(strategy: Any) -> Any:
+    """The communication hook a Lightning ``DDPStrategy`` was given (``ddp_comm_hook``), or None."""
+    return _read(strategy, "_ddp_comm_hook")
 
 
 def signal_connector(trainer: Any) -> Any:

@@ -7,6 +7,8 @@ splitting and autograd structure of inductor without its compile time); inductor
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers.distributed import run_ranks
 from tests.helpers.overlap import graphs_compiled, launch_fractions_and_weights
 
@@ -22,6 +24,7 @@ def test_compiled_models_train_like_eager_and_overlap():
             assert share < 0.5, f"rank {rank}: {variant}: first bucket launched after {share:.0%} of backward's nodes"
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_split_at_buckets_only_where_communication_overlaps_backward():
     results = run_ranks(graphs_compiled, 2, ["sync", "local_sgd"], timeout=280)
     for rank, graphs in results.items():

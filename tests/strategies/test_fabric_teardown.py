@@ -19,6 +19,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "fabric_run.py"
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["teardown", "exit"])
 def test_a_fabric_run_writes_its_trace_and_leaves_no_lit_dp_thread(tmp_path, ending):
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

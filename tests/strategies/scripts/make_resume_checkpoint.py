@@ -60,10 +60,12 @@ class _StopAfter(pl.Callback):
             raise _Stop
 
 
-def tiny_fit(root: Path, callbacks: list, ckpt_path: str | None = None) -> tuple[pl.Trainer, TinyRegression]:
+def tiny_fit(
+    root: Path, callbacks: list, ckpt_path: str | None = None, warmup_steps: int = 3
+) -> tuple[pl.Trainer, TinyRegression]:
     pl.seed_everything(3, workers=True)
     model = TinyRegression()
-    strategy = lit_dp.PaddleDPStrategy(comm_buffer_size="auto", local_sgd_steps=2, local_sgd_warmup_steps=3)
+    strategy = lit_dp.PaddleDPStrategy(comm_buffer_size="auto", local_sgd_steps=2, local_sgd_warmup_steps=warmup_steps)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=bool(callbacks), callbacks=callbacks, default_root_dir=root,
