@@ -156,10 +156,10 @@ class DenseBucket(DenseGradients):
         plan's divisor is the group's size, or under ``lit_dp.join`` the ranks still in, which an
         averaging all-reduce cannot divide by (it is summed then).
         """
-        divisor = plan.divisor
-        average = self.average_op if divisor == self.size else None
         if self.alone:
             return  # one rank: the gradients already are the averages; the reducer checks on the host
+        divisor = plan.divisor
+        average = self.average_op if divisor == self.size else None
         present = None if complete else members_present(self.indices, self.params, used)
         fill_flags(self.flags, plan.flags, present, one=float(divisor) if average is not None else 1.0)
         op = average or dist.ReduceOp.SUM
