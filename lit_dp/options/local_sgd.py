@@ -34,6 +34,8 @@ def check_outer_momentum(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(f"{name}={value!r} is invalid: expected a number in [0, 1).")
     return float(value)
+
+
 # Hooks (by function or config name) that leave gradients local, which LocalSGD does itself.
 COMM_HOOKS_SKIPPING_COMMUNICATION = ("post_localSGD_hook", "noop_hook")
 
