@@ -10,6 +10,7 @@ of those ranks. Tolerances: ``assert_close``'s defaults; the sums are only reord
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -90,6 +91,7 @@ def equivalence_cases(rank: int, world_size: int) -> list[str]:
     return checked
 
 
+@pytest.mark.slow
 def test_uneven_inputs_match_one_process_running_the_same_schedule():
     results = run_ranks(equivalence_cases, 3, 3, timeout=120)
     assert all(len(cases) == 7 for cases in results.values())

@@ -228,6 +228,7 @@ def sharding_cases(rank: int, path: str, save: bool) -> dict:
     return {"cases": results, "refusals": refusals(rank) if save else []}
 
 
+@pytest.mark.slow
 def test_sharded_training_equals_unsharded_and_one_process_and_resumes_on_another_world_size(tmp_path):
     path = str(tmp_path / "sharded.pt")
     refusal_messages = []

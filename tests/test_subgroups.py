@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -146,5 +147,6 @@ def two_groups_at_once(rank: int) -> None:
         phase(rank, index, group)
 
 
+@pytest.mark.slow
 def test_two_disjoint_groups_train_two_models_at_once():
     run_ranks(two_groups_at_once, 4, timeout=420)

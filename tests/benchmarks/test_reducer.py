@@ -13,6 +13,7 @@ def ratio_rounding(numerator: float, denominator: float) -> float:
     return numerator / denominator * (0.005 / numerator + 0.005 / denominator) + 0.0005
 
 
+@pytest.mark.slow
 def test_reducer_benchmark_prints_ratios(tmp_path):
     output = run_benchmark(
         "reducer", "steps=1", "warmup=1", "rounds=3", "models=[many_small]", "measure_memory=false",

@@ -13,6 +13,7 @@ from tests.helpers.distributed import run_ranks
 from tests.helpers.overlap import graphs_compiled, launch_fractions_and_weights
 
 
+@pytest.mark.slow
 def test_compiled_models_train_like_eager_and_overlap():
     variants = ["eager", "DataParallel(compile(model))", "compile(DataParallel(model))"]
     results = run_ranks(launch_fractions_and_weights, 2, variants, timeout=280)

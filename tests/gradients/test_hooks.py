@@ -204,6 +204,7 @@ def test_torch_hooks_on_two_ranks(two_ranks):
             assert iterations == STEPS, f"{case}: PowerSGD counted {iterations} iterations"
 
 
+@pytest.mark.slow
 def test_torch_hooks_on_three_ranks():
     cases = [TWO_RANK_CASES[i] for i in (0, 7)]
     results = run_ranks(hook_cases, 3, cases, timeout=240)

@@ -14,6 +14,7 @@ import copy
 from contextlib import nullcontext
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -118,6 +119,7 @@ def scatter_cases(rank: int) -> dict:
     return {"layouts": len(layouts), "chosen": model.comm_buffer_size, "bytes": stats.bytes, "expected": gradient_bytes}
 
 
+@pytest.mark.slow
 def test_stage_two_keeps_only_owned_averages_on_two_and_three_ranks():
     run_ranks(scatter_cases, 3, timeout=120)
     for result in run_ranks(scatter_cases, 2, timeout=120).values():

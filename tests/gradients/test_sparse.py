@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.helpers.distributed import run_ranks
@@ -22,5 +23,6 @@ def sparse_allgather_matches_allreduce(rank):
     torch.testing.assert_close(gathered.to_dense(), reduced.to_dense())
 
 
+@pytest.mark.slow
 def test_sparse_allgather_path_equals_gloo_sparse_allreduce():
     run_ranks(sparse_allgather_matches_allreduce, 3)

@@ -26,6 +26,7 @@ def rank_one_raises(rank):
     return rank
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_and_killed():
     started = time.monotonic()
     with pytest.raises(AssertionError, match=r"rank\(s\) \[1\] did not finish within 10s"):

@@ -51,6 +51,7 @@ def test_missing_rank_is_named_within_the_timeout():
         assert "within 3s" in trace
 
 
+@pytest.mark.slow
 def test_missing_rank_zero_means_no_rendezvous_host():
     failures = run_ranks(init_and_report, 2, ranks=[1], expect_failure=True, timeout=60, PADDLE_PG_TIMEOUT="3000")
     assert "rank 1 could not reach the rendezvous store at 127.0.0.1:" in failures[1]
@@ -173,6 +174,7 @@ def allreduce_after_a_late_rank_zero(rank):
     return tensor.item()
 
 
+@pytest.mark.slow
 def test_restarted_workers_build_the_process_group_on_the_agents_store():
     """Two attempts of a 2-rank job on one agent store, as under torchrun: before the attempt
     prefix, rank 1 of attempt 1 read rank 0's Gloo address from attempt 0 and failed with
@@ -215,6 +217,7 @@ def train_one_step_under_the_launcher(rank):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_torchruns_and_slurms_variables_bring_up_one_world_never_lone_ranks(launcher):
     results = run_ranks(train_one_step_under_the_launcher, 2, timeout=120, launcher=launcher)

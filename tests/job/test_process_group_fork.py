@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
@@ -61,5 +62,6 @@ def fork_ranks_after_using_gloo() -> str:
     return Fabric(strategy=strategy, accelerator="cpu", devices=2).launch(train)
 
 
+@pytest.mark.slow
 def test_fork_ranks_with_a_comm_hook_after_the_parent_used_gloo():
     assert launch_forking(fork_ranks_after_using_gloo, timeout=TIMEOUT) == "trained"

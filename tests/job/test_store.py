@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from lit_dp.job.store import _describe_members
@@ -66,6 +67,7 @@ def train_two_groups_at_once(rank):
     return counted
 
 
+@pytest.mark.slow
 def test_two_disjoint_groups_train_two_models_at_once_with_their_own_store_counters():
     """Each group's gradients equal one process's on its own batch; each group counts its own
     watchdogs and Join contexts (one of each per member), so both number theirs 0."""

@@ -269,6 +269,7 @@ def sleep_or_hold_the_gil(rank: int, directory: str) -> None:
         loss.backward()
 
 
+@pytest.mark.slow
 def test_a_sleeping_and_a_silent_rank_are_named_and_every_process_of_the_job_ends(tmp_path):
     ends = run_job(sleep_or_hold_the_gil, 3, tmp_path, str(tmp_path), timeout=150, TORCH_FR_BUFFER_SIZE="200")
     waiting, sleeper, silent = ends[0], ends[1], ends[2]
@@ -307,6 +308,7 @@ def leave_early_then_sleep(rank: int, directory: str) -> None:
             model(torch.randn(4, 6)).sum().backward()
 
 
+@pytest.mark.slow
 def test_a_wait_in_torchs_join_loop_is_watched_by_the_thread_and_both_ranks_end(tmp_path):
     ends = run_job(leave_early_then_sleep, 2, tmp_path, str(tmp_path), timeout=90)
     summary = (tmp_path / HANG_DIRECTORY / "summary_rank0.txt").read_text()
@@ -342,6 +344,7 @@ def stuck_on_the_device_path(rank: int, directory: str) -> None:
         loss.backward()
 
 
+@pytest.mark.slow
 def test_on_an_nccl_group_the_watchdogs_thread_declares_the_hang_and_both_ranks_end(tmp_path):
     ends = run_job(stuck_on_the_device_path, 2, tmp_path, str(tmp_path), timeout=90)
     summary = (tmp_path / HANG_DIRECTORY / "summary_rank0.txt").read_text()
@@ -374,6 +377,7 @@ def warm_up_busy_then_stuck(rank: int, directory: str) -> None:
             model(torch.randn(4, 6)).sum().backward()
 
 
+@pytest.mark.slow
 def test_warm_up_and_a_known_phase_get_the_long_deadline_and_a_later_hang_is_still_caught(tmp_path):
     ends = run_job(warm_up_busy_then_stuck, 2, tmp_path, str(tmp_path), timeout=120, PADDLE_PG_TIMEOUT="60000")
     message = ends[0].payload

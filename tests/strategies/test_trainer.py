@@ -70,6 +70,7 @@ LIGHTNING_SENTENCE = (
 )
 
 
+@pytest.mark.slow
 def test_unused_parameter_error_names_the_strategy_option(tmp_path):
     with pytest.raises(Exception) as error:
         trainer("paddle_dp_spawn", tmp_path, max_epochs=1).fit(Regressor(unused=True))
@@ -80,6 +81,7 @@ def test_unused_parameter_error_names_the_strategy_option(tmp_path):
     assert "PaddleDPStrategy(find_unused_parameters=True)" in message
 
 
+@pytest.mark.slow
 def test_one_rank_failing_fails_the_job_quickly_with_its_error(tmp_path):
     started = time.monotonic()
     with pytest.raises(Exception, match="deliberate failure on rank 1"):
@@ -87,6 +89,7 @@ def test_one_rank_failing_fails_the_job_quickly_with_its_error(tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_one_rank_dying_fails_the_job_quickly(tmp_path):
     started = time.monotonic()
     with pytest.raises(Exception, match="process 1 terminated with exit code 7"):
