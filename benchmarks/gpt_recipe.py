@@ -49,6 +49,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -121,6 +122,8 @@ class Measured:
     ms_per_step: float
     mfu: float | None = None
     recompiles: int | None = None  # None: nothing compiled
+    fast_ms: float | None = None  # the fastest tenth of the steps' wall time (StepTimes; rank 0)
+    median_step_ms: float | None = None
     host_cpu_ms: float | None = None  # the host's CPU time per step (rank 0)
     gpu_busy_ms: float | None = None  # CUDA: per profiled step
     gpu_idle_ms: float | None = None
@@ -208,6 +211,32 @@ class _Meter:
             self._since = None
 
 
+class StepTimes:
+    """Each training step's wall time, from one step's start to the next's, after the warm-up; a
+    step that spans a validation is left out. On a shared machine whole seconds run slower, the
+    steps in them too: the fastest tenth of the steps (``fast_ms``, their 10th percentile) is the
+    figure that repeats, where the mean over the run swings with the machine."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self._since: float | None = None
+
+    def step_started(self) -> None:
+        now = time.perf_counter()
+        if self._since is not None:
+            self.ms.append((now - self._since) * 1e3)
+        self._since = now
+
+    def pause(self) -> None:
+        self._since = None
+
+    def figures(self) -> dict[str, float]:
+        if len(self.ms) < 10:
+            return {}
+        deciles = statistics.quantiles(self.ms, n=10)
+        return {"fast_ms": deciles[0], "median_step_ms": statistics.median(self.ms)}
+
+
 class _GpuWindow:
     """torch's profiler over some steps: the GPU's busy time (its activities' union), idle time and activities per step."""
 
@@ -245,6 +274,15 @@ class _GpuWindow:
         return {"gpu_busy_ms": busy_ms, "gpu_idle_ms": max(0.0, wall_ms / steps - busy_ms), "gpu_activities": len(spans) / steps}
 
 
+def pin_to_one_core(local_rank: int) -> None:
+    """Every thread of this process (Gloo's included) on core ``local_rank``: ranks left to the
+    scheduler share cores unevenly from one run to the next, which swung two-rank runs by 1.6x."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = {cores[local_rank % len(cores)]}
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread), core)
+
+
 class StepProfile(pl.Callback):
     """The recipe's host CPU time per step after the warm-up (validations left out) and, on CUDA,
     the GPU's busy and idle time and its activities per step over ``profile_steps`` steps after
@@ -254,14 +292,21 @@ class StepProfile(pl.Callback):
     def __init__(self, warmup: int, profile_steps: int) -> None:
         self.warmup, self.profile_steps = warmup, profile_steps
         self._steps = 0
+        self._times = StepTimes()
         self._cpu = 0.0
         self._cpu_since: float | None = None
         self._gpu: _GpuWindow | None = None
         self._gpu_figures: dict[str, float] = {}
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.world_size > 1 and trainer.strategy.root_device.type == "cpu":
+            pin_to_one_core(trainer.local_rank)
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._steps >= self.warmup and self._cpu_since is None:
-            self._cpu_since = time.process_time()
+        if self._steps >= self.warmup:
+            self._times.step_started()
+            if self._cpu_since is None:
+                self._cpu_since = time.process_time()
         if self._steps == self.warmup and trainer.strategy.root_device.type == "cuda" and self.profile_steps:
             self._gpu = _GpuWindow(trainer.strategy.root_device)
             self._gpu.start()
@@ -273,6 +318,7 @@ class StepProfile(pl.Callback):
             self._gpu = None
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._times.pause()
         if self._cpu_since is not None:
             self._cpu += time.process_time() - self._cpu_since
             self._cpu_since = None
@@ -281,7 +327,8 @@ class StepProfile(pl.Callback):
         self.on_validation_start(trainer, pl_module)
         measured = self._steps - self.warmup
         if measured > 0:
-            pl_module.log_dict({"host_cpu_ms": self._cpu * 1e3 / measured, **self._gpu_figures}, rank_zero_only=True)
+            figures = {"host_cpu_ms": self._cpu * 1e3 / measured, **self._times.figures(), **self._gpu_figures}
+            pl_module.log_dict(figures, rank_zero_only=True)
 
 
 class BareLoop:
@@ -353,12 +400,15 @@ def run_bare(cfg: DictConfig, train_path: str, val_path: str) -> Measured:
     gpu = _GpuWindow(device) if device.type == "cuda" and cfg.profile_steps else None
     gpu_figures: dict[str, float] = {}
     meter = _Meter(device)
+    times = StepTimes()
     cpu_seconds, cpu_since = 0.0, None
     loop.evaluate(2)  # Lightning's sanity check: 2 validation batches before training
     for step in range(cfg.trainer.max_steps):
         before = dynamo_graphs_compiled()
-        if step >= warmup and cpu_since is None:
-            cpu_since = time.process_time()
+        if step >= warmup:
+            times.step_started()
+            if cpu_since is None:
+                cpu_since = time.process_time()
         if gpu is not None and step == warmup:
             gpu.start()
         loop.step(step)
@@ -372,6 +422,7 @@ def run_bare(cfg: DictConfig, train_path: str, val_path: str) -> Measured:
             loop.recompiles += dynamo_graphs_compiled() - before
         if done % val_every == 0:
             meter.stop()
+            times.pause()
             if cpu_since is not None:
                 cpu_seconds, cpu_since = cpu_seconds + time.process_time() - cpu_since, None
             loop.evaluate(val_batches)
@@ -387,7 +438,8 @@ def run_bare(cfg: DictConfig, train_path: str, val_path: str) -> Measured:
         ms_per_step(cfg, tokens_per_sec),
         loop.model.flops_per_token(loop.block) * tokens_per_sec / peak if peak else None,
         loop.recompiles if loop.compiles else None,
-        cpu_seconds * 1e3 / (cfg.trainer.max_steps - warmup),
+        host_cpu_ms=cpu_seconds * 1e3 / (cfg.trainer.max_steps - warmup),
+        **times.figures(),
         **gpu_figures,
     )
 
@@ -410,7 +462,8 @@ def run_recipe(cfg: DictConfig, variant: Variant) -> Measured:
     with variant.context():
         metrics = train(cfg)
     recompiles = metrics.get("dynamo_recompiles")  # logged by the recipe only when it compiles
-    figures = {name: metrics.get(name) for name in ("host_cpu_ms", "gpu_busy_ms", "gpu_idle_ms", "gpu_activities")}
+    logged = ("host_cpu_ms", "fast_ms", "median_step_ms", "gpu_busy_ms", "gpu_idle_ms", "gpu_activities")
+    figures = {name: metrics.get(name) for name in logged}
     tokens_per_sec = metrics["tokens_per_sec"]
     return Measured(
         tokens_per_sec, ms_per_step(cfg, tokens_per_sec), metrics.get("mfu"), None if recompiles is None else int(recompiles), **figures
@@ -456,22 +509,33 @@ def report(cfg: DictConfig, results: dict[str, list[Measured]]) -> str:
         f"(warm-up {cfg.callbacks.throughput.warmup}), validation every {cfg.trainer.val_check_interval}; {name}; "
         f"torch {torch.__version__}; {rounds} round(s), medians",
         "",
-        "| variant | what | ms/step | tokens/s | / first | MFU | host CPU ms/step | GPU busy ms/step | GPU idle ms/step "
-        "| GPU kernels/step | recompiles after warm-up |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | what | ms/step | tokens/s | / first | fastest tenth ms/step | its time / first's | MFU "
+        "| host CPU ms/step | GPU busy ms/step | GPU idle ms/step | GPU kernels/step | recompiles after warm-up |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     first_rate = statistics.median(m.tokens_per_sec for m in next(iter(results.values())))
 
-    def median(runs: list[Measured], field: str, spec: str) -> str:
+    def median_of(runs: list[Measured], field: str) -> float | None:
         values = [getattr(m, field) for m in runs if getattr(m, field) is not None]
-        return format(statistics.median(values), spec) if values else "n/a"
+        return statistics.median(values) if values else None
+
+    def median(runs: list[Measured], field: str, spec: str) -> str:
+        value = median_of(runs, field)
+        return "n/a" if value is None else format(value, spec)
+
+    first_fast = median_of(next(iter(results.values())), "fast_ms")
+
+    def fast_ratio(runs: list[Measured]) -> str:
+        fast = median_of(runs, "fast_ms")
+        return "n/a" if fast is None or not first_fast else f"{fast / first_fast:.3f}"
 
     for variant, runs in results.items():
         rate = statistics.median(m.tokens_per_sec for m in runs)
         recompiles = [m.recompiles for m in runs if m.recompiles is not None]
         lines.append(
             f"| {variant} | {VARIANTS[variant].description} | {median(runs, 'ms_per_step', '.2f')} | {rate:,.0f} | "
-            f"{rate / first_rate:.3f} | {median(runs, 'mfu', '.3f')} | {median(runs, 'host_cpu_ms', '.2f')} | "
+            f"{rate / first_rate:.3f} | {median(runs, 'fast_ms', '.2f')} | {fast_ratio(runs)} | "
+            f"{median(runs, 'mfu', '.3f')} | {median(runs, 'host_cpu_ms', '.2f')} | "
             f"{median(runs, 'gpu_busy_ms', '.2f')} | {median(runs, 'gpu_idle_ms', '.2f')} | "
             f"{median(runs, 'gpu_activities', '.0f')} | {max(recompiles) if recompiles else 'n/a'} |"
         )
@@ -480,6 +544,9 @@ def report(cfg: DictConfig, results: dict[str, list[Measured]]) -> str:
         for variant in others:
             ratios = ", ".join(f"{r.tokens_per_sec / f.tokens_per_sec:.3f}" for f, r in zip(results[first], results[variant]))
             lines.append(f"\n{variant} / {first} per round: {ratios}")
+            fast = [f"{r.fast_ms / f.fast_ms:.3f}" for f, r in zip(results[first], results[variant]) if r.fast_ms and f.fast_ms]
+            if fast:
+                lines.append(f"{variant}'s fastest-tenth step time / {first}'s per round: {', '.join(fast)}")
     return "\n".join(lines)
 
 

@@ -164,6 +164,22 @@ def replace_signal_connector(trainer: Any, connector: Any) -> None:
     _replace(trainer, "_signal_connector", connector)
 
 
+def skip_sigterm_broadcast(epoch_loop: Any) -> None:
+    """Before every training batch Lightning's loop broadcasts rank 0's SIGTERM flag: a blocking
+    collective, and on CUDA a host synchronisation, on every step. Its signal connector sets that
+    flag; lit_dp's preemption replaces the connector during a fit and never sets it, so the
+    broadcast could only carry zeros: this loop skips it until ``restore_sigterm_broadcast``."""
+    _replace(epoch_loop, "_broadcast_sigterm_tensor", _nothing)
+
+
+def restore_sigterm_broadcast(epoch_loop: Any) -> None:
+    vars(epoch_loop).pop("_broadcast_sigterm_tensor", None)
+
+
+def _nothing() -> None:
+    return None
+
+
 def slurm_requeue(trainer: Any, signum: int) -> str:
     """Lightning's own SLURM handling of ``signum``: ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, then
     ``scontrol requeue``. Returns the checkpoint's path."""

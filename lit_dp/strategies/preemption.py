@@ -9,12 +9,15 @@ names). What ``PaddleDPStrategy`` does during ``trainer.fit``:
    handler broadcasts a flag from inside the handler, at whatever point the rank was, and the
    other ranks, who did not get the signal, never join that broadcast: a signal to one worker
    stalled the job until the hang watchdog or the group's timeout.
-2. At each optimizer-step boundary (``on_train_batch_end`` after a step) the ranks agree: one
-   all-reduce of ``world_size`` integers on the host, each rank's slot holding the signal it
-   got (0: none). Every rank sees the same vector after the same step, so all stop there; no
-   timing assumption is involved. Its cost is one small blocking collective per optimizer step
-   (Gloo: the default group when it is Gloo, a Gloo group of its own under NCCL), of the order
-   of Lightning's own per-batch broadcast of its SIGTERM flag.
+2. At each optimizer-step boundary (``on_train_batch_end`` after a step) each rank starts an
+   all-reduce of ``world_size`` integers on the host, its slot holding the signal it got (0:
+   none), and reads the one it started at the boundary before, which has long completed: no
+   rank waits for it. Every rank reads the same vector at the same boundary, so all stop there,
+   one step after the exchange began (on one rank, at once); no timing assumption is involved.
+   Its cost is one small collective per optimizer step that overlaps the next step (Gloo: the
+   default group when it is Gloo, a Gloo group of its own under NCCL). Lightning's own per-batch
+   broadcast of its SIGTERM flag, blocking (and on CUDA a host synchronisation), is skipped
+   during the fit: its flag is never set here.
 3. At the agreed boundary every rank takes part in saving a checkpoint: Lightning's SLURM
    requeue (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, then ``scontrol requeue``, Lightning's
    own handler called at the boundary instead of inside the signal) when the signal is SLURM's
@@ -61,7 +64,9 @@ from lit_dp.strategies.lightning_private import (
     TrainerMultiProcessingLauncher,
     cluster_environment,
     replace_signal_connector,
+    restore_sigterm_broadcast,
     signal_connector,
+    skip_sigterm_broadcast,
     slurm_requeue,
 )
 
@@ -107,6 +112,8 @@ class Preemption(Feature):
         self._world_size = 1
         self._rank = 0
         self._last_step: int | None = None
+        self._exchange: tuple[Any, torch.Tensor] | None = None  # started at the last boundary: (work, signals)
+        self._epoch_loop: Any = None
 
     @property
     def received(self) -> int | None:
@@ -124,8 +131,11 @@ class Preemption(Feature):
         self._received = None
         self._world_size, self._rank = world_size, rank
         self._last_step = trainer.global_step
+        self._exchange = None
         if not isinstance(signal_connector(trainer), _PreemptionSignals):
             replace_signal_connector(trainer, _PreemptionSignals(trainer, self))
+        self._epoch_loop = trainer.fit_loop.epoch_loop
+        skip_sigterm_broadcast(self._epoch_loop)
         # The agreement is a host-side exchange: under NCCL on a Gloo group of its own.
         if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")
@@ -136,9 +146,15 @@ class Preemption(Feature):
     @override
     def teardown(self) -> None:
         self._received = None
+        self._exchange = None  # a fit that raised may leave one unfinished: the group's end ends it
         self._group = None  # destroyed with the others when the strategy ends the process group
+        if self._epoch_loop is not None:
+            restore_sigterm_broadcast(self._epoch_loop)
+            self._epoch_loop = None
 
     def at_train_end(self) -> None:
+        if self._exchange is not None:
+            self._agreed()  # every rank started it at the last boundary; nothing stops after the last step
         if self._received is not None:
             log.info(
                 "lit_dp: %s arrived on rank %d after the fit's last optimizer step: the fit completed",
@@ -156,8 +172,9 @@ class Preemption(Feature):
         if trainer.global_step == self._last_step:
             return  # an accumulation micro-batch: no step taken, no boundary
         self._last_step = trainer.global_step
-        signals = self._agree()
+        signals = self._agreed()
         if not any(signals):
+            self._start_exchange()
             return
         ranks = [rank for rank, signum in enumerate(signals) if signum]
         signum = signals[ranks[0]]
@@ -177,14 +194,26 @@ class Preemption(Feature):
         self._received = None
         raise stop
 
-    def _agree(self) -> list[int]:
-        """Every rank's received signal (0: none), the same list on every rank."""
-        mine = self._received or 0
-        if self._world_size == 1 or not dist.is_initialized():
-            return [mine]
+    def _alone(self) -> bool:
+        return self._world_size == 1 or not dist.is_initialized()
+
+    def _start_exchange(self) -> None:
+        """Send this rank's received signal (0: none) to every rank, without waiting."""
+        if self._alone():
+            return
         signals = torch.zeros(self._world_size, dtype=torch.int32)
-        signals[self._rank] = mine
-        dist.all_reduce(signals, group=self._group)
+        signals[self._rank] = self._received or 0
+        self._exchange = (dist.all_reduce(signals, group=self._group, async_op=True), signals)
+
+    def _agreed(self) -> list[int]:
+        """Every rank's signal as of the exchange started at the last boundary, the same list on
+        every rank (zeros before the first); on one rank, its signal now."""
+        if self._alone():
+            return [self._received or 0]
+        if self._exchange is None:
+            return [0] * self._world_size
+        (work, signals), self._exchange = self._exchange, None
+        work.wait()
         return signals.tolist()
 
 

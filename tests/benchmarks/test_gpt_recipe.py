@@ -73,10 +73,14 @@ def test_at_two_devices_each_variant_runs_as_a_command_of_its_own(tmp_path):
 
 def test_the_report_names_each_variant_and_divides_by_the_first(tmp_path):
     cfg = compose_config("gpt", ["experiment=gpt_bench_cpu", "model.n_layer=1", "trainer.devices=1"], tmp_path)
-    text = report(cfg, {"bare": [Measured(1000.0, 2.0, host_cpu_ms=1.5)], "recipe": [Measured(980.0, 2.1, recompiles=0)]})
+    bare = [Measured(1000.0, 2.0, host_cpu_ms=1.5, fast_ms=1.6), Measured(900.0, 2.2, fast_ms=1.8)]
+    recipe = [Measured(980.0, 2.1, recompiles=0, fast_ms=1.7), Measured(880.0, 2.3, recompiles=0, fast_ms=1.9)]
+    text = report(cfg, {"bare": bare, "recipe": recipe})
     rows = table(text)
-    assert rows["recipe"][:4] == ["recipe (Lightning, paddle_dp)", "2.10", "980", "0.980"]
-    assert rows["bare"][5] == "1.50" and rows["recipe"][5] == "n/a" and rows["recipe"][-1] == "0"
+    assert rows["recipe"][:6] == ["recipe (Lightning, paddle_dp)", "2.20", "930", "0.979", "1.80", "1.059"]
+    assert rows["bare"][7] == "1.50" and rows["recipe"][7] == "n/a" and rows["recipe"][-1] == "0"
+    assert "recipe / bare per round: 0.980, 0.978" in text
+    assert "recipe's fastest-tenth step time / bare's per round: 1.062, 1.056" in text
 
 
 @pytest.mark.parametrize(

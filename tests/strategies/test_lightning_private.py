@@ -104,6 +104,16 @@ def test_the_signal_connector_is_read_and_replaced_where_the_trainer_keeps_it(tm
     assert private.signal_connector(trainer) is replacement
 
 
+def test_the_sigterm_broadcast_is_skipped_on_one_loop_and_comes_back(tmp_path):
+    epoch_loop = tiny_trainer(tmp_path).fit_loop.epoch_loop
+    private.skip_sigterm_broadcast(epoch_loop)
+    with mock.patch("torch.distributed.broadcast") as broadcast:
+        epoch_loop._broadcast_sigterm_tensor()
+    broadcast.assert_not_called()
+    private.restore_sigterm_broadcast(epoch_loop)
+    assert epoch_loop._broadcast_sigterm_tensor.__func__ is type(epoch_loop)._broadcast_sigterm_tensor
+
+
 def test_slurm_requeue_is_lightnings_handler_with_its_checkpoint_path(tmp_path):
     trainer = tiny_trainer(tmp_path)
     with mock.patch.object(private.SignalConnector, "_slurm_sigusr_handler_fn") as handler:
