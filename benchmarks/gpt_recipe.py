@@ -3,8 +3,8 @@
     python -m benchmarks.gpt_recipe                                  # CPU, one process: the recipe's small GPT
     python -m benchmarks.gpt_recipe experiment=gpt2_small trainer.max_steps=300 trainer.val_check_interval=150
     python -m benchmarks.gpt_recipe rounds=5                         # alternate 5 times, report medians
-    python -m benchmarks.gpt_recipe experiment=gpt_host_time variants=[bare,recipe,ddp]  # lit_dp's host time
-    python -m benchmarks.gpt_recipe experiment=gpt_host_time trainer.devices=2 variants=[recipe,ddp]
+    python -m benchmarks.gpt_recipe experiment=gpt_host_time variants=[ddp,recipe,bare]  # lit_dp's host time
+    python -m benchmarks.gpt_recipe experiment=gpt_host_time trainer.devices=2 variants=[ddp,recipe]
 
 The config (``benchmarks/conf/gpt_recipe.yaml``) is the recipe's own, ``conf/gpt.yaml``: every
 key of ``recipes/gpt.py`` applies, with ``experiment=gpt_bench_cpu`` unless another is named.
@@ -34,6 +34,10 @@ step and MFU, the host's CPU time per step (``time.process_time``: the work of t
 loaded machine does not inflate as it does the wall clock) and, on CUDA, over ``profile_steps``
 steps after the warm-up, the GPU's busy time (kernels and copies, overlaps counted once), its idle
 time and its activities (kernels, copies) per step, from torch's profiler (``StepProfile``).
+Each step's wall time is kept too (``StepTimes``), and the fastest tenth of the steps is
+reported with its ratio to the first variant's: on a shared machine whole seconds run slower,
+and the mean over a run swings with them where that figure repeats. At several CPU devices each
+rank is pinned to a core of its own (``pin_to_one_core``), every variant alike.
 The checkpoint callbacks are left out (the bare loop saves nothing) and so is the progress bar;
 everything else runs as ``recipes/gpt.py`` runs it. With ``rounds=N`` the variants alternate N
 times and medians are reported.
@@ -231,9 +235,9 @@ class StepTimes:
         self._since = None
 
     def figures(self) -> dict[str, float]:
-        if len(self.ms) < 10:
+        if len(self.ms) < 2:
             return {}
-        deciles = statistics.quantiles(self.ms, n=10)
+        deciles = statistics.quantiles(self.ms, n=10, method="inclusive")
         return {"fast_ms": deciles[0], "median_step_ms": statistics.median(self.ms)}
 
 

@@ -46,11 +46,12 @@ def test_benchmark_reports_every_variant_its_ratio_and_no_recompiles(tmp_path):
     assert list(rows)[1:] == ["bare", "recipe", "no_clip", "unwatched", "multi_rank", "multi_rank_no_breaks"]
     bare_rate = float(rows["bare"][2].replace(",", ""))
     for name in list(rows)[1:]:
-        what, ms, rate, ratio, mfu, host_ms, busy, idle, kernels, recompiles = rows[name]
+        what, ms, rate, ratio, fast_ms, fast_ratio, mfu, host_ms, busy, idle, kernels, recompiles = rows[name]
         rate = float(rate.replace(",", ""))
         assert rate > 0 and float(ms) == pytest.approx(4 * 16 / rate * 1e3, rel=0.01)
         assert float(ratio) == pytest.approx(rate / bare_rate, abs=1e-3 + 1 / bare_rate)  # rates are printed rounded
-        assert float(host_ms) > 0
+        assert float(host_ms) > 0 and float(fast_ms) > 0
+        assert float(fast_ratio) == pytest.approx(float(fast_ms) / float(rows["bare"][4]), abs=0.01)
         assert mfu == busy == idle == kernels == "n/a"  # no peak known for a CPU, no profiler off CUDA
         assert recompiles == "0"  # validation at steps 3 and 6, inside the measured steps: nothing recompiled
     assert "GPT 1 x 32" in report_text and "batch 4 x 16" in report_text
