@@ -127,7 +127,6 @@ class Measured:
     mfu: float | None = None
     recompiles: int | None = None  # None: nothing compiled
     fast_ms: float | None = None  # the fastest tenth of the steps' wall time (StepTimes; rank 0)
-    median_step_ms: float | None = None
     host_cpu_ms: float | None = None  # the host's CPU time per step (rank 0)
     gpu_busy_ms: float | None = None  # CUDA: per profiled step
     gpu_idle_ms: float | None = None
@@ -238,7 +237,7 @@ class StepTimes:
         if len(self.ms) < 2:
             return {}
         deciles = statistics.quantiles(self.ms, n=10, method="inclusive")
-        return {"fast_ms": deciles[0], "median_step_ms": statistics.median(self.ms)}
+        return {"fast_ms": deciles[0]}
 
 
 class _GpuWindow:
@@ -466,7 +465,7 @@ def run_recipe(cfg: DictConfig, variant: Variant) -> Measured:
     with variant.context():
         metrics = train(cfg)
     recompiles = metrics.get("dynamo_recompiles")  # logged by the recipe only when it compiles
-    logged = ("host_cpu_ms", "fast_ms", "median_step_ms", "gpu_busy_ms", "gpu_idle_ms", "gpu_activities")
+    logged = ("host_cpu_ms", "fast_ms", "gpu_busy_ms", "gpu_idle_ms", "gpu_activities")
     figures = {name: metrics.get(name) for name in logged}
     tokens_per_sec = metrics["tokens_per_sec"]
     return Measured(
