@@ -66,12 +66,20 @@ class HealthMonitor(pl.Callback):
         model = self._model(trainer)
         if model is None:
             return
-        if model.straggler is not None:
-            rank_zero_info(f"[lit_dp] straggler: {model.straggler.summary()}")
-        if model.consistency is not None:
-            rank_zero_info(f"[lit_dp] replica consistency: {model.consistency.summary()}")
+        for summary in health_summaries(model):
+            rank_zero_info(summary)
 
     @staticmethod
     def _model(trainer: pl.Trainer) -> DataParallel | None:
         model = trainer.strategy.model
         return model if isinstance(model, DataParallel) else None
+
+
+def health_summaries(model: DataParallel) -> list[str]:
+    """The lines a run ends with: the straggler report's and the consistency check's, where they are on."""
+    lines = []
+    if model.straggler is not None:
+        lines.append(f"[lit_dp] straggler: {model.straggler.summary()}")
+    if model.consistency is not None:
+        lines.append(f"[lit_dp] replica consistency: {model.consistency.summary()}")
+    return lines

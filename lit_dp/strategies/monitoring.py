@@ -3,19 +3,22 @@
 Under the Trainer it installs ``CommStatsMonitor`` (``comm_stats=True`` or
 ``comm_buffer_size="auto"``) and ``HealthMonitor`` (when the model has a step clock) in the
 callbacks, once each. Under both doors, teardown resolves the last steps' statistics and writes
-the Chrome trace collected so far (``trace_steps`` of a run shorter than its window).
+the Chrome trace collected so far (``trace_steps`` of a run shorter than its window). Under
+Fabric it also says, on rank 0, what ``HealthMonitor`` says when a fit's training ends: the
+straggler report's and the consistency check's summaries, one ``[lit_dp]`` line each.
 """
 
 from __future__ import annotations
 
 import logging
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.options import AUTO, Options
 from lit_dp.strategies.feature import Feature, Run
-from lit_dp.strategies.health import HealthMonitor
+from lit_dp.strategies.health import HealthMonitor, health_summaries
 from lit_dp.strategies.monitor import CommStatsMonitor
 
 log = logging.getLogger(__name__)
@@ -27,6 +30,7 @@ class Monitors(Feature):
     def __init__(self, comm_stats: bool) -> None:
         self._comm_stats = comm_stats  # CommStatsMonitor wanted
         self._models: list[DataParallel] = []  # set up since the last teardown (Fabric: one or more)
+        self._in_loops: list[DataParallel] = []  # those trained by a loop of the user's: no Trainer ends them
 
     @classmethod
     @override
@@ -42,6 +46,8 @@ class Monitors(Feature):
             self._models.append(model)
         trainer = run.trainer
         if trainer is None:
+            if model not in self._in_loops:
+                self._in_loops.append(model)
             return
         if self._comm_stats and not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
             log.debug("CommStatsMonitor added to the callbacks")
@@ -54,4 +60,8 @@ class Monitors(Feature):
     def teardown(self) -> None:
         for model in self._models:
             model.flush_comm_stats()  # the trace of a run shorter than trace_steps
-        self._models = []
+        for model in self._in_loops:
+            for summary in health_summaries(model):
+                rank_zero_info(summary)
+        self._models, self._in_loops = [], []
+

@@ -1,4 +1,5 @@
-"""A Fabric run ends as a Trainer fit does: its trace written, its hang watchdog's thread stopped.
+"""A Fabric run ends as a Trainer fit does: its trace written, its hang watchdog's thread stopped,
+the straggler report's and the consistency check's summaries said.
 
 Fabric never tears its strategy down itself: the strategy's features end at
 ``fabric.strategy.teardown()`` or, without it, when the process exits. Real processes under
@@ -9,6 +10,7 @@ so only the end of the run writes the trace.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +35,7 @@ def test_a_fabric_run_writes_its_trace_and_leaves_no_lit_dp_thread(tmp_path, end
     assert done.returncode == 0, output
     assert f"rank 0: {ending} ok" in output and f"rank 1: {ending} ok" in output, output
     assert sorted(path.name for path in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"], output
+    # The lines a Trainer's fit ends with, said once, by rank 0, as the run ends.
+    assert len(re.findall(r"^\[lit_dp\] straggler: \d+ of \d+ windows? of 2 steps had a rank lagging", output, re.M)) == 1, output
+    consistency = r"^\[lit_dp\] replica consistency: 2 checks every 2 synchronised steps; the replicas agreed at each$"
+    assert len(re.findall(consistency, output, re.M)) == 1, output

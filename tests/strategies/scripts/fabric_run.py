@@ -25,7 +25,9 @@ def lit_dp_threads() -> list[threading.Thread]:
 
 
 def main(trace_dir: str, ending: str) -> None:
-    strategy = PaddleDPStrategy(trace_dir=trace_dir, trace_steps=[1, 10], hang_timeout=60)
+    strategy = PaddleDPStrategy(
+        trace_dir=trace_dir, trace_steps=[1, 10], hang_timeout=60, straggler_every_n_steps=2, consistency_every_n_steps=2
+    )
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
     fabric.launch()
     torch.manual_seed(0)
