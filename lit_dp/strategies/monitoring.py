@@ -30,7 +30,7 @@ class Monitors(Feature):
     def __init__(self, comm_stats: bool) -> None:
         self._comm_stats = comm_stats  # CommStatsMonitor wanted
         self._models: list[DataParallel] = []  # set up since the last teardown (Fabric: one or more)
-        self._in_loops: list[DataParallel] = []  # those trained by a loop of the user's: no Trainer ends them
+        self._no_trainer = False  # a loop of the user's (Fabric) trains them: no HealthMonitor ends the run
 
     @classmethod
     @override
@@ -45,9 +45,8 @@ class Monitors(Feature):
         if model not in self._models:
             self._models.append(model)
         trainer = run.trainer
+        self._no_trainer = trainer is None
         if trainer is None:
-            if model not in self._in_loops:
-                self._in_loops.append(model)
             return
         if self._comm_stats and not any(isinstance(callback, CommStatsMonitor) for callback in trainer.callbacks):
             log.debug("CommStatsMonitor added to the callbacks")
@@ -60,8 +59,7 @@ class Monitors(Feature):
     def teardown(self) -> None:
         for model in self._models:
             model.flush_comm_stats()  # the trace of a run shorter than trace_steps
-        for model in self._in_loops:
-            for summary in health_summaries(model):
-                rank_zero_info(summary)
-        self._models, self._in_loops = [], []
-
+            if self._no_trainer:
+                for summary in health_summaries(model):
+                    rank_zero_info(summary)
+        self._models = []
