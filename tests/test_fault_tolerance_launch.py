@@ -6,7 +6,9 @@ from a fresh folder: three groups of the recipe's small GPT, one CPU process eac
 of group 0, then 1, then 2, then 0 again gets SIGKILL, each once the one before is back.
 Every time: the survivors go on (their workers keep one pid from start to end, and each says
 the victim left in one line, without a traceback); nothing restarts as a whole (only the
-victim's worker changes); the victim recovers live, from a peer (its own line says so). At the
+victim's worker changes); the victim recovers live, from a peer (its own line says so). A living
+group that misses a quorum's join timeout on a loaded machine is also left out and said to leave;
+it then catches up from a peer, and says so: the survivors' lines are counted against both. At the
 end every launcher exits 0 by itself, no worker is left, and every group's final checkpoint
 holds bitwise the same parameters.
 """
@@ -34,6 +36,14 @@ GROUPS = 3
 STEPS = 600  # a multiple of the recipe's val_check_interval: the last checkpoint is the last step's
 VICTIMS = (0, 1, 2, 0)
 COMMITTED = re.compile(r"- step (\d+)\] should_commit=True")
+LEFT = re.compile(r"replica groups? ([\d, ]+) left")
+# A living group that was left out of a quorum recovers without rejoining (a new worker's line ends "and rejoined").
+CAUGHT_UP = r"replica group {} recovered a peer's state in [\d.]+ s(?! and)"
+
+
+def said_left(output: str, victim: int) -> int:
+    """How many of a group's lines say that ``victim`` left (alone or with others, before or after news of others)."""
+    return sum(str(victim) in ids.split(", ") for ids in LEFT.findall(output))
 
 
 def launch() -> tuple[DocumentedCommand, DocumentedCommand, dict[str, str]]:
@@ -130,10 +140,10 @@ def test_the_documented_launch_survives_every_replica_group_killed_in_turn(tmp_p
             others = [g for g in groups if g is not group]
             survivors = {g.number: g.worker() for g in others}
             rejoined = group.output().count(f"replica group {victim} recovered a peer's state in")
-            left = {g.number: g.output().count(f"replica group {victim} left at step") for g in groups}
+            left = {g.number: said_left(g.output(), victim) for g in groups}
             os.kill(pid, signal.SIGKILL)
             wait_for(f"the survivors of kill {kill_number} (replica group {victim}) to say it left",
-                     lambda: all(g.output().count(f"replica group {victim} left at step") > left[g.number] for g in others),
+                     lambda: all(said_left(g.output(), victim) > left[g.number] for g in others),
                      groups, 120)  # fmt: skip
             committed = {g.number: g.committed() for g in others}
             wait_for(f"the survivors of kill {kill_number} (replica group {victim}) to go on",
@@ -159,6 +169,7 @@ def test_the_documented_launch_survives_every_replica_group_killed_in_turn(tmp_p
         lighthouse.kill()  # as the docs' script stops it once the groups are done
         lighthouse.wait()
 
+    outputs = {group.number: group.output() for group in groups}
     for group in groups:
         killed = VICTIMS.count(group.number)
         # No whole-job restart: one new worker per kill of this group, none for the others' kills.
@@ -169,8 +180,11 @@ def test_the_documented_launch_survives_every_replica_group_killed_in_turn(tmp_p
         )
         assert "Traceback (most recent call last)" not in output, group.describe()
         for victim in set(VICTIMS) - {group.number}:
-            # One line per failure on each survivor.
-            assert output.count(f"replica group {victim} left at step") == VICTIMS.count(victim), group.describe()
+            # One line per failure on each survivor, and at most one more per time the victim, alive, was left out.
+            caught_up = len(re.findall(CAUGHT_UP.format(victim), outputs[victim]))
+            assert VICTIMS.count(victim) <= said_left(output, victim) <= VICTIMS.count(victim) + caught_up, (
+                f"replica group {victim} caught up {caught_up} times\n{group.describe()}"
+            )
         for pid in group.workers:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), (
                 f"replica group {group.number}'s worker {pid} is still running"
