@@ -29,7 +29,7 @@ from lit_dp.job.env import ParallelEnv
 from lit_dp.job.process_group import destroy_parallel_env, get_rings, init_parallel_env
 from lit_dp.local_sgd import LocalSGD
 from lit_dp.options import Options
-from lit_dp.replica_data import ReplicaBatches
+from lit_dp.fault_tolerance.replica_data import ReplicaBatches
 from lit_dp.sharding import ShardedOptimizer
 
 # Public names of the Lightning layer, loaded on first use (PEP 562).

@@ -24,7 +24,7 @@ from lit_dp.ddp_arguments import (
     refuse_a_launched_job_without_a_group,
     refuse_what_cannot_work,
 )
-from lit_dp.fault_tolerance import JOIN_REFUSED, check_comm_hook, replica_group
+from lit_dp.fault_tolerance.replica_group import JOIN_REFUSED, check_comm_hook, replica_group
 from lit_dp.gradients.broadcast import (
     _check_same_structure,
     ddp_ignored,

@@ -1,7 +1,8 @@
 """The dependency rules of docs/architecture.md, checked on the source: what each layer may import.
 
 Layers, each importing only from itself and the ones before it:
-options -> job -> gradients -> observability -> the top-level modules (DataParallel, ...) -> strategies.
+options -> job -> gradients -> observability -> the top-level modules (DataParallel, ..., and the
+package of live recovery, lit_dp.fault_tolerance) -> strategies.
 The library never imports the recipes' or benchmarks' dependencies; only the Lightning layer
 (and the job layer's cluster environment and launcher detection, which reads SLURM, LSF and
 MPI jobs through Lightning's environments) imports Lightning; torchft, an optional engine, only
@@ -59,7 +60,8 @@ def layer_of(module: str) -> int:
         return len(LAYERS)
     if len(parts) == 2 and parts[1] in LAYERS:  # a layer's package: its __init__ belongs to it
         return LAYERS.index(parts[1])
-    return LAYERS.index(parts[1]) if len(parts) > 2 else LAYERS.index("")
+    # A concept's own package at the top (lit_dp.fault_tolerance) is of the top-level modules' layer.
+    return LAYERS.index(parts[1]) if len(parts) > 2 and parts[1] in LAYERS else LAYERS.index("")
 
 
 def internal(imported: str) -> str | None:

@@ -46,7 +46,8 @@ from lit_dp.options.signature import takes_options
 from lit_dp.options.spelling import Spellings
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
-from lit_dp.strategies.fault_tolerance import FaultTolerance, FaultToleranceFeature
+from lit_dp.fault_tolerance.manager import FaultTolerance
+from lit_dp.strategies.fault_tolerance import FaultToleranceFeature
 from lit_dp.strategies.lightning_private import StrategyRegistryType, WrappingCheckpointIO
 from lit_dp.strategies.registry import build_features
 from lit_dp.strategies.tuned_size import TunedBufferSize

@@ -21,7 +21,8 @@ pytest.importorskip("torchft")
 
 import lit_dp  # noqa: E402
 from lit_dp.options import TRAINER, Options  # noqa: E402
-from lit_dp.strategies.fault_tolerance import FaultTolerance, Settings, replica_batches  # noqa: E402
+from lit_dp.fault_tolerance.manager import FaultTolerance, Settings  # noqa: E402
+from lit_dp.strategies.fault_tolerance import replica_batches  # noqa: E402
 from tests.helpers.ft_lightning_replica import dataset  # noqa: E402
 from tests.helpers.ft_replica import BATCH  # noqa: E402
 from tests.helpers.torchft import PYTHON, read_records, replica_groups  # noqa: E402
@@ -64,7 +65,7 @@ def check(records: dict[int, list[dict]], logs: dict[int, str]) -> None:
     assert "replica group 1 left" in logs[0] and "replica group 1 joined" in logs[0]
     assert "replica group 1 recovered a peer's state" in logs[1]
     # Each sample once, in the data stream's order, over the committed steps: micro-batch j of the
-    # replica of quorum rank r reads the step's (j * replicas + r)-th batch (lit_dp.replica_data).
+    # replica of quorum rank r reads the step's (j * replicas + r)-th batch (lit_dp.fault_tolerance.replica_data).
     read = []
     for step in range(1, committed + 1):
         takers = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from lit_dp.lighthouse import LighthouseStatus, group_of
+from lit_dp.fault_tolerance.lighthouse import LighthouseStatus, group_of
 
 
 def page(previous: list[tuple[str, int]], heartbeats: list[tuple[str, float, bool]], status: str) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from lit_dp.replica_data import ReplicaBatches
+from lit_dp.fault_tolerance.replica_data import ReplicaBatches
 
 SIZE, BATCH = 40, 3
 

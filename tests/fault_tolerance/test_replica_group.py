@@ -24,7 +24,7 @@ from torch import nn
 pytest.importorskip("torchft")
 
 import lit_dp  # noqa: E402
-from lit_dp.fault_tolerance import (  # noqa: E402
+from lit_dp.fault_tolerance.replica_group import (  # noqa: E402
     RENDEZVOUS_BOUNDED,
     RENDEZVOUS_SECONDS,
     STORE_PROBE_SECONDS,

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lit_dp.gloo_connections import GlooConnections
+from lit_dp.fault_tolerance.gloo_connections import GlooConnections
 from tests.helpers.distributed import free_port, run_ranks
 
 TIMEOUT = 30.0  # the group's: a rank left waiting would wait this long
@@ -69,7 +69,7 @@ def test_a_shut_down_group_fails_its_peers_pending_all_reduce_at_once():
 
 
 def test_without_proc_nothing_is_recorded(monkeypatch):
-    monkeypatch.setattr("lit_dp.gloo_connections._FD_DIR", "/nonexistent")
+    monkeypatch.setattr("lit_dp.fault_tolerance.gloo_connections._FD_DIR", "/nonexistent")
     built, connections = GlooConnections.record(lambda: "built")
     assert built == "built" and connections.sockets == {}
     assert not connections.hung_up()

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lit_dp.gloo_connections import GlooConnections
+from lit_dp.fault_tolerance.gloo_connections import GlooConnections
 from lit_dp.options.fault_tolerance import TORCHFT, UNDER_MANAGER
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class _ReplicaWork(dist.Work):
             # would wait for it until the process group's timeout. Closing this replica's
             # connections now fails that peer at once, as a dead one does; torchft would close
             # them only at the next quorum's reconfiguration (and on Gloo, not even then: see
-            # lit_dp.gloo_connections).
+            # lit_dp.fault_tolerance.gloo_connections).
             self._manager._pg.abort()
         return True
 
@@ -228,7 +228,7 @@ def replica_process_group(
       quorum and died before meeting the others, then fails the same way (torch 2.9 and later:
       ``RENDEZVOUS_BOUNDED``);
     - ``abort()`` and ``close_connections()`` shut the group's connections down
-      (``lit_dp.gloo_connections``), so that every peer's pending collective fails at once, and
+      (``lit_dp.fault_tolerance.gloo_connections``), so that every peer's pending collective fails at once, and
       ``connections_hung_up()`` lets a waiting all-reduce see that a peer closed its end.
     """
     from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo

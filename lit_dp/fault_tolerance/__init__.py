@@ -1,0 +1,24 @@
+"""Live recovery with torchft (``fault_tolerance="torchft"``, ``pip install "lit_dp[ft]"``): the engine.
+
+A job split into replica groups keeps training while groups fail and come back
+(docs/fault_tolerance.md). Its pieces, each in one module of this package:
+
+- ``replica_group``: ``DataParallel(manager=...)``'s buckets all-reduced across the replica
+  groups of each step's quorum (``FaultTolerantGroup``), and ``replica_process_group``: torchft's
+  process group with what it takes for no failure to make a survivor wait;
+- ``gloo_connections``: the abort Gloo lacks (a group's TCP connections shut down, a peer's
+  hang-up seen);
+- ``manager``: a replica group's torchft ``Manager``, its quorum and commit per step, the lines
+  users see, torchft's log in a file, a group that finds no quorum ending (``QuorumUnreachable``);
+- ``lighthouse``: the lighthouse's status page, read by a group that finds no quorum;
+- ``replica_data``: ``ReplicaBatches``, the data dealt step by step to the groups present.
+
+As for every feature, its options are declared with the others (``lit_dp.options.fault_tolerance``)
+and its Lightning side is a strategy feature (``lit_dp.strategies.fault_tolerance``: the Trainer's
+and Fabric's steps, data and loop counters). torchft is imported only inside the functions that
+start it.
+"""
+
+from lit_dp.fault_tolerance.replica_group import FaultTolerantGroup, replica_process_group
+
+__all__ = ["FaultTolerantGroup", "replica_process_group"]

@@ -1,0 +1,399 @@
+"""A replica group's torchft ``Manager``: its quorum and commit per step, its state, what users see.
+
+``FaultTolerance`` is the engine of ``fault_tolerance="torchft"`` that both front doors drive
+(their features are in ``lit_dp.strategies.fault_tolerance``): ``start`` builds the Manager
+(torchft is imported there, only when the option is on), each step begins with a quorum and
+ends with ``Manager.should_commit``, a recovering replica loads a peer's state between steps,
+and users see one line per change of the groups training while torchft's own log lines go to a
+file of the run (``TorchftLog``). A group that finds no quorum ends, saying why
+(``QuorumUnreachable``). The settings come from the options (``lit_dp.options.fault_tolerance``)
+or from torchft's launch variables: ``ft_lighthouse`` (a config's ``strategy.ft.lighthouse``)
+or ``TORCHFT_LIGHTHOUSE``, ``ft_replica_group`` or ``REPLICA_GROUP_ID``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from lit_dp.fault_tolerance.lighthouse import LighthouseStatus
+from lit_dp.fault_tolerance.replica_data import ReplicaBatches
+from lit_dp.fault_tolerance.replica_group import replica_process_group
+from lit_dp.job.restart import JobAttempt
+from lit_dp.options import Options
+
+log = logging.getLogger(__name__)
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
+STATE_KEY = "lit_dp"  # this replica's state, as registered with the Manager
+LINE = "[lit_dp] fault tolerance"
+# Waits of ft.quorum_timeout for a quorum while other groups are alive, before a group gives up.
+QUORUM_ATTEMPTS = 3
+# torchft's Python loggers (the Manager's, its process groups', its checkpoint transport's, and
+# the three it reports quorums, commits and errors to), sent to the run's torchft log.
+TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+
+
+def require_torchft() -> None:
+    """An ``ImportError`` saying how to install torchft when it is missing. The strategies call it as
+    they are built, so a launcher's ranks never start only to fail at the import, each with a bare
+    ``ModuleNotFoundError``; it finds the package without importing it (that waits for ``start``)."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ImportError(
+            "fault_tolerance='torchft' needs torchft, which is not installed here: pip install \"lit_dp[ft]\" "
+            "(docs/fault_tolerance.md)."
+        )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a replica group needs to join the others, resolved from the options and torchft's variables."""
+
+    lighthouse: str
+    replica_group: str
+    min_replicas: int
+    timeout: float
+    quorum_timeout: float
+
+    @classmethod
+    def resolve(cls, options: Options, environ: os._Environ | dict[str, str] = os.environ) -> Settings:
+        ft = options.ft
+        lighthouse = ft.lighthouse or environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ValueError(
+                f"fault_tolerance='torchft' needs the lighthouse's address: expected ft_lighthouse='http://HOST:29510' "
+                f"(strategy.ft.lighthouse in a config) or {LIGHTHOUSE_ENV} in the environment (start one with: "
+                "torchft_lighthouse --min_replicas 1)."
+            )
+        replica_group = ft.replica_group or environ.get(REPLICA_GROUP_ENV)
+        if not replica_group:
+            raise ValueError(
+                f"fault_tolerance='torchft' needs this replica group's id: expected ft_replica_group (e.g. 0, distinct "
+                f"per replica group and kept across its restarts; strategy.ft.replica_group in a config) or "
+                f"{REPLICA_GROUP_ENV} in the environment."
+            )
+        if not replica_group.isdigit():  # the option's value was checked with the options; this is the variable's
+            raise ValueError(
+                f"{REPLICA_GROUP_ENV}={replica_group!r} is invalid: expected a number, e.g. 0 (torchft numbers the "
+                "replica groups by it: distinct per group, kept across the group's restarts)."
+            )
+        return cls(lighthouse, replica_group, ft.min_replicas, ft.timeout, ft.quorum_timeout)
+
+
+class QuorumUnreachable(SystemExit):
+    """A replica group found no quorum to join: it ends, saying why (``reason``).
+
+    Exit status 0 when the job went on past this group's step and no other group is heard from
+    any more (it ended without this group): its launcher does not start it again. 1 otherwise
+    (others alive, or only down), after ``QUORUM_ATTEMPTS`` tries: its launcher's restarts
+    (torchrun's ``--max-restarts``) bound how often it tries again.
+    """
+
+    def __init__(self, reason: str, job_ended: bool) -> None:
+        super().__init__(0 if job_ended else 1)
+        self.reason = reason
+        self.job_ended = job_ended
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+class FaultTolerance:
+    """One replica group's torchft Manager, its steps, its state and what users see of it.
+
+    The strategies call ``start`` before wrapping the model, ``track`` once what must travel to a
+    recovering replica exists, then per step ``start_step`` (quorum) and ``commit``; the Trainer
+    calls ``reconcile`` after the last step. Users see one line per change of the groups
+    training (``replica group 0 left at step 31; 2 train (1, 2)``), and torchft's own log lines
+    go to a file of the run (``torchft-group<N>.log``), which the first line names.
+    """
+
+    def __init__(self, options: Options) -> None:
+        require_torchft()
+        self.settings = Settings.resolve(options)
+        self.manager: Any = None
+        self.batches: ReplicaBatches | None = None
+        self._store: dist.TCPStore | None = None
+        self._members: tuple[int, ...] = ()  # the replica groups of the last quorum
+        self._quorum: tuple[int, ...] | None = None  # set by the process group at each reconfiguration
+        self.steps_discarded = 0
+        self.membership_changes = 0
+        self.recovery_seconds: float | None = None  # this replica's last recovery, from its quorum's start
+        self.last_committed: bool | None = None
+        self._recovered = False  # set by the state's load, in start_quorum
+        self._just_recovered = False  # to be said with the quorum's line
+        self._discarded: tuple[int, str] | None = None  # the step discarded last and why, until it is said
+        self._torchft_log: TorchftLog | None = None
+
+    def start(self, device: torch.device, world_size: int, log_dir: str | os.PathLike | None = None) -> Any:
+        """The Manager of this replica group (one process), with its own store; returns it.
+        torchft's log lines go to ``log_dir`` (the current folder by default)."""
+        if world_size != 1:
+            raise ValueError(
+                f"fault_tolerance='torchft' runs one process per replica group: got {world_size} processes "
+                "(devices x num_nodes); expected devices=1, one job per replica group (docs/fault_tolerance.md)."
+            )
+        from torchft import Manager  # the optional engine: only with the option on
+        from torchft.checkpointing import HTTPTransport
+
+        settings = self.settings
+        self._torchft_log = TorchftLog.open(Path(log_dir or os.getcwd()) / f"torchft-group{settings.replica_group}.log")
+        timeout = timedelta(seconds=settings.timeout)
+        transport = HTTPTransport(timeout=timeout, num_chunks=0)  # what the Manager makes by default
+        self._torchft_log.take_requests(transport)
+        host = socket.gethostname()
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=replica_process_group(device, timeout, self._record_quorum),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=settings.min_replicas,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=self._store.port,
+            lighthouse_addr=settings.lighthouse,
+            replica_id=settings.replica_group,
+            hostname=host,
+            checkpoint_transport=transport,
+        )
+        self._say(f"replica group {settings.replica_group}, lighthouse {settings.lighthouse}; torchft's own log: {self._torchft_log.path}")
+        return self.manager
+
+    def track(self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> None:
+        """What a recovering replica receives (``save``) and how it takes it in (``load``)."""
+
+        def load_and_time(state: dict[str, Any]) -> None:
+            load(state)
+            self._recovered = True
+
+        self.manager.register_state_dict_fn(STATE_KEY, load_and_time, save)
+
+    @property
+    def committed_steps(self) -> int:
+        """Steps committed by the replica groups (torchft's count, the same on every participant)."""
+        return self.manager.current_step()
+
+    def start_step(self) -> None:
+        """The step's quorum: membership, recovery if behind, then this replica's data for the step."""
+        self.last_committed = None
+        self._join_quorum()
+        self._announce()
+        if self.batches is not None:
+            manager = self.manager
+            self.batches.start_step(manager.current_step(), manager.participating_rank(), manager.num_participants())
+
+    def commit(self) -> bool:
+        """torchft's vote: True when this replica group may apply the step. Groups that disagree (a
+        peer failed after one's all-reduces completed) are reconciled at the next quorum: the one
+        behind recovers from the one ahead."""
+        committed = self.manager.should_commit()
+        self.last_committed = committed
+        if not committed:
+            self.steps_discarded += 1
+            error = self.manager.errored()
+            why = (
+                f"its communication failed: {str(error.original_exception).splitlines()[0][:200]}"
+                if error is not None
+                else f"fewer than ft_min_replicas={self.settings.min_replicas} replica groups took part"
+            )
+            log.debug("%s, step %d: step discarded (%s)", LINE, self.committed_steps, why)
+            # Said with the next quorum, in one line with the change of groups that explains it.
+            self._discarded = (self.committed_steps, why)
+        return committed
+
+    def reconcile(self) -> None:
+        """After the last step: one more quorum, in which a group that discarded a step its peers
+        committed (a peer failed after this group's all-reduces completed, or the other way
+        round) recovers from the one ahead, so that every group ends with the same state. One
+        try: groups that are gone by then are not waited for past ``ft.quorum_timeout``."""
+        started = time.monotonic()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError:
+            self._say(f"no quorum within {time.monotonic() - started:.0f} s after the last step: the groups were not reconciled")
+            return
+        self._took_quorum(started)
+        self._announce()
+
+    def metrics(self) -> dict[str, float]:
+        """The ``ft/*`` figures: replica groups in the last quorum, steps discarded, last recovery time."""
+        metrics = {
+            "ft/replicas": float(len(self._members)),
+            "ft/steps_discarded": float(self.steps_discarded),
+            "ft/membership_changes": float(self.membership_changes),
+        }
+        if self.recovery_seconds is not None:
+            metrics["ft/recovery_s"] = self.recovery_seconds
+        return metrics
+
+    def close(self) -> None:
+        if self._discarded is not None:  # the last step was discarded: no quorum followed to say it with
+            self._say(f"step {self._discarded[0]} discarded ({self._discarded[1]})")
+            self._discarded = None
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)  # its heartbeats stop: the lighthouse knows this group left
+            self.manager = None
+        if self._torchft_log is not None:
+            self._torchft_log.close()
+            self._torchft_log = None
+        self._store = None
+        self.batches = None  # a next fit deals its own loader
+
+    def _join_quorum(self) -> None:
+        """``Manager.start_quorum``, tried up to ``QUORUM_ATTEMPTS`` times of ``ft.quorum_timeout``;
+        ``QuorumUnreachable`` after the last, or at once when the job has ended without this group."""
+        for attempt in range(1, QUORUM_ATTEMPTS + 1):
+            started = time.monotonic()
+            try:
+                self.manager.start_quorum()
+            except TimeoutError:
+                status = LighthouseStatus.read(self.settings.lighthouse)
+                ended = status is not None and status.ended_without(self.settings.replica_group, self.committed_steps)
+                reason = self._unreachable(status, ended, time.monotonic() - started, attempt)
+                if ended or attempt == QUORUM_ATTEMPTS:
+                    self._say(reason)
+                    raise QuorumUnreachable(reason, job_ended=ended) from None
+                self._say(f"{reason}; trying again")
+                # torchft keeps the failed quorum and would raise it again at the next start.
+                self.manager._quorum_future = None
+                continue
+            self._took_quorum(started)
+            return
+
+    def _took_quorum(self, started: float) -> None:
+        if self._recovered:  # the state was loaded in start_quorum
+            self._recovered, self._just_recovered = False, True
+            self.recovery_seconds = time.monotonic() - started
+
+    def _unreachable(self, status: LighthouseStatus | None, ended: bool, waited: float, attempt: int) -> str:
+        """Which quorum this group could not reach, the ``min_replicas`` it needed, and what the lighthouse says."""
+        settings = self.settings
+        head = (
+            f"replica group {settings.replica_group} (at step {self.committed_steps}) found no quorum of "
+            f"ft.min_replicas={settings.min_replicas} replica groups at the lighthouse {settings.lighthouse} in "
+            f"{waited:.0f} s (attempt {attempt} of {QUORUM_ATTEMPTS})"
+        )
+        if status is None:
+            return f"{head}; the lighthouse's status page could not be read"
+        previous = ", ".join(f"{group} at step {step}" for group, step in status.previous.items())
+        last = f"its last quorum: groups {previous}" if previous else "no quorum formed yet"
+        if ended:
+            silent = status.silent_for(settings.replica_group) or 0.0
+            return (
+                f"{head}: the job went on without this group and ended ({last}; no other group heard from for "
+                f"{silent:.0f} s); exiting"
+            )
+        alive = status.alive(settings.replica_group)
+        heard = f"groups {', '.join(alive)} are alive" if alive else "no other group is alive"
+        return f"{head}: {heard}; {last}; the lighthouse says: {status.next_quorum}"
+
+    def _record_quorum(self, members: list[int]) -> None:
+        # Called by the process group in torchft's quorum thread; read after start_quorum returns.
+        self._quorum = tuple(sorted(members))
+
+    def _announce(self) -> None:
+        """One line when the groups training change (what explains a discarded step), when this
+        group recovered, or when a step was discarded with no change to explain it."""
+        members = self._quorum if self._quorum is not None else self._members
+        step, me = self.committed_steps, self.settings.replica_group
+        left = sorted(set(self._members) - set(members))
+        joined = sorted(set(members) - set(self._members))
+        parts = []
+        # At step 0 every group but the first takes the first one's state (torchft's init_sync): no news.
+        if self._just_recovered and step > 0:
+            recovered = f"replica group {me} recovered a peer's state in {self.recovery_seconds:.2f} s"
+            if not self._members:  # this process's first quorum, in a job under way
+                verb = "rejoined" if JobAttempt.from_environ().is_restart else "joined"
+                recovered, joined = f"{recovered} and {verb}", []
+            parts.append(recovered)
+        self._just_recovered = False
+        for ids, verb in ((left, "left"), (joined, "joined")):
+            if ids:
+                parts.append(f"replica group{'s' * (len(ids) > 1)} {_ids(ids)} {verb}")
+        training = f"{len(members)} train ({_ids(members)})"
+        if parts:
+            if self._members and (left or joined):
+                self.membership_changes += 1
+            self._say(f"{'; '.join(parts)} at step {step}; {training}")
+            self._discarded = None
+        elif self._discarded is not None:
+            self._say(f"step {self._discarded[0]} discarded ({self._discarded[1]}); {training}")
+            self._discarded = None
+        self._members = members
+
+    def _say(self, text: str) -> None:
+        # A progress bar on the console (Lightning's is tqdm's) is cleared for the line and drawn again after.
+        with tqdm.external_write_mode(file=sys.stdout):
+            print(f"{LINE}: {text}", flush=True)
+
+
+def _ids(ids: tuple[int, ...] | list[int]) -> str:
+    return ", ".join(str(i) for i in ids)
+
+
+class TorchftLog:
+    """torchft's own log lines in a file of the run, not on the console: its Python loggers' (a
+    failed all-reduce's ERROR with two tracebacks, every quorum and commit at INFO) and its
+    checkpoint server's request lines. The console has lit_dp's one line per change instead."""
+
+    def __init__(self, path: Path, handler: logging.Handler, saved: dict[str, tuple[bool, int]]) -> None:
+        self.path = path
+        self._handler = handler
+        self._saved = saved  # each logger's propagate flag and level, restored by close
+
+    @classmethod
+    def open(cls, path: Path) -> TorchftLog:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        saved = {}
+        for name in TORCHFT_LOGGERS:
+            logger = logging.getLogger(name)
+            saved[name] = (logger.propagate, logger.level)
+            logger.addHandler(handler)
+            logger.propagate = False
+            logger.setLevel(logging.INFO)
+        # torchft's checkpoint transport reads a recovering group's state from a read-only buffer,
+        # which torch warns of on every recovery; nothing writes to it.
+        warnings.filterwarnings(
+            "ignore", message="The given buffer is not writable", category=UserWarning, module="torch.distributed"
+        )
+        log.debug("%s: torchft's log lines go to %s", LINE, path)
+        return cls(path, handler, saved)
+
+    def take_requests(self, transport: Any) -> None:
+        """The request lines of ``transport``'s checkpoint server (an ``http.server`` handler writes
+        them to stderr), into this log. The handler class is the transport's own."""
+        requests = logging.getLogger("torchft.checkpointing.http_transport")
+
+        def log_message(handler: Any, format: str, *args: Any) -> None:
+            requests.info("%s - %s", handler.address_string(), format % args)
+
+        transport._server.RequestHandlerClass.log_message = log_message
+
+    def close(self) -> None:
+        for name, (propagate, level) in self._saved.items():
+            logger = logging.getLogger(name)
+            logger.removeHandler(self._handler)
+            logger.propagate = propagate
+            logger.setLevel(level)
+        self._handler.close()
