@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
-from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
+from lit_dp.join import DataParallelJoin, DataParallelJoinHook, DrivingLocalSGD, JoinState, notify
 from lit_dp.join import active as in_join_context
 from lit_dp.observability.autotune import BucketAutotuner, settled_step
 from lit_dp.observability.consistency import ReplicaConsistency
@@ -65,6 +65,13 @@ log = logging.getLogger(__name__)
 _RUNTIME_STATE = (
     "_rings", "_reducer", "_waiter", "_comm_hook", "_observers", "_local_sgd", "_parameter_gathers",
 )  # fmt: skip
+
+
+class ParameterGatherer(Protocol):
+    """What may leave updated parameters in flight after an optimizer step (``lit_dp.ShardedOptimizer``
+    with ``sharding_overlap``), as the model sees it: declared here, since the optimizer imports the model."""
+
+    def wait_for_parameters(self) -> None: ...
 
 
 class DataParallel(nn.Module, Joinable):
@@ -245,10 +252,10 @@ class DataParallel(nn.Module, Joinable):
         self._rings = rings
         self._observers = ModelObservers()
         self._waiter = Waiter()
-        self._local_sgd: weakref.ref[Any] | None = None  # the LocalSGD driving this model (use_local_sgd)
+        self._local_sgd: weakref.ref[DrivingLocalSGD] | None = None  # the LocalSGD driving this model (use_local_sgd)
         self._comm_hook: CommHook | None = None
         # What may leave parameters in flight after an optimizer step (sharding_overlap's gathers).
-        self._parameter_gathers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._parameter_gathers: weakref.WeakSet[ParameterGatherer] = weakref.WeakSet()
         self._reducer: Reducer | None = None
         named = trainable_parameters(self.module, self.parameters_to_ignore) if rings else []
         if named:
@@ -424,11 +431,11 @@ class DataParallel(nn.Module, Joinable):
         return self._waiter
 
     @property
-    def local_sgd(self) -> Any:
+    def local_sgd(self) -> DrivingLocalSGD | None:
         """The ``lit_dp.LocalSGD`` driving this model (``use_local_sgd``), if any."""
         return self._local_sgd() if self._local_sgd is not None else None
 
-    def use_local_sgd(self, local_sgd: Any) -> None:
+    def use_local_sgd(self, local_sgd: DrivingLocalSGD) -> None:
         """From now on ``local_sgd`` decides the phases: gradients are synchronised during its warm-up
         only, and under Join a rank that ran out shadows its collectives too (``lit_dp.LocalSGD`` calls
         this; held weakly, since the averager holds this model)."""
@@ -467,7 +474,7 @@ class DataParallel(nn.Module, Joinable):
         """The replica-consistency check (``consistency_every_n_steps``); None when off."""
         return self._observers.consistency
 
-    def register_parameter_gather(self, gather: Any) -> None:
+    def register_parameter_gather(self, gather: ParameterGatherer) -> None:
         """``gather`` (a ``lit_dp.ShardedOptimizer`` with ``sharding_overlap``) may leave updated
         parameters in flight after its step; ``wait_for_parameters`` waits for them. Held weakly."""
         self._parameter_gathers.add(gather)

@@ -42,22 +42,21 @@ Limits, as in torch: collectives the join cannot see (``SyncBatchNorm``, the use
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook
+from torch import nn
+from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
 from lit_dp.gradients.broadcast import synced_buffers, synced_parameters
 from lit_dp.gradients.coalesced import broadcast_coalesced
-from lit_dp.gradients.plan import Participation
+from lit_dp.gradients.plan import Participation, StepPlan
+from lit_dp.gradients.reducer import Reducer
+from lit_dp.gradients.waiting import Waiter
 from lit_dp.job.store import group_store_prefix, rendezvous_store
-
-# The model is a ``lit_dp.DataParallel``, which imports this module, so it is typed ``Any`` here
-# rather than imported (no import circle).
-DataParallel = Any
+from lit_dp.observability.watchdog import HangWatchdog
 
 # The plan's slots: this step synchronises gradients / agrees LocalSGD's first loss / averages.
 _GRADIENTS, _AGREE_FIRST_LOSS, _AVERAGE = range(3)
@@ -65,24 +64,80 @@ _WHO_RAN_OUT_SECONDS = 30.0
 _POLL_SECONDS = 0.02
 
 
-@dataclass
 class JoinState:
-    """What a ``DataParallel`` keeps for ``Join``: set by its hook and its notifications, read by them."""
+    """What one ``DataParallel`` knows of the Join context it is in, changed only by its own methods:
+    the context's hook enters it, each notification and shadowed step counts one."""
 
-    divide_by_initial_world_size: bool = True
-    steps: int = 0  # notifications sent by this rank, i.e. steps it took inside the context
-    shadowed: int = 0  # steps shadowed after joining
-    context: int = 0  # which Join context of the job this is, the same on every rank (store keys)
-    pending: Any = None  # the last LocalSGD step plan this rank sent
+    def __init__(self) -> None:
+        self.divide_by_initial_world_size = True
+        self.steps = 0  # notifications sent by this rank, i.e. steps it took inside the context
+        self.shadowed = 0  # steps shadowed after joining
+        self.context = 0  # which Join context of the job this is, the same on every rank (store keys)
+        self._pending: Any = None  # the last LocalSGD step plan this rank sent
+
+    def enter(self, divide_by_initial_world_size: bool, context: int | None) -> None:
+        """A new context begins: its divisor, and its number when the rendezvous store counts contexts."""
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+        self.steps = self.shadowed = 0
+        if context is not None:
+            self.context = context
+
+    def count_step(self, pending_plan: Any = None) -> None:
+        """One step notified; ``pending_plan``: its LocalSGD plan's all-reduce, never read here (the
+        joined ranks read it) but kept until the next step, as torch keeps its works."""
+        self.steps += 1
+        self._pending = pending_plan
+
+    def count_shadowed(self) -> None:
+        self.shadowed += 1
 
 
-def active(model: DataParallel) -> bool:
+class DrivingLocalSGD(Protocol):
+    """What the model and Join ask of the ``lit_dp.LocalSGD`` that drives a model (it tells the model
+    with ``DataParallel.use_local_sgd``). Declared here, since ``lit_dp.local_sgd`` imports the model."""
+
+    @property
+    def in_local_phase(self) -> bool: ...
+    def shadow_step(self, agree_first: bool, average: bool) -> None: ...
+    def adopt_schedule_of(self, src: int) -> None: ...
+
+
+class JoinableModel(Protocol):
+    """What Join reads of the ``lit_dp.DataParallel`` it serves. Declared here, since that class
+    imports this module: the model satisfies it, and these are all the ways Join reaches into it."""
+
+    _join_config: _JoinConfig  # torch's Join sets it on each of its joinables
+    module: nn.Module
+    parameters_to_ignore: set[str]
+    join_state: JoinState
+
+    @property
+    def reducer(self) -> Reducer | None: ...
+    @property
+    def sharding_stage(self) -> int | None: ...
+    @property
+    def broadcast_buffers(self) -> bool: ...
+    @property
+    def waiter(self) -> Waiter: ...
+    @property
+    def watchdog(self) -> HangWatchdog | None: ...
+    @property
+    def local_sgd(self) -> DrivingLocalSGD | None: ...
+    @property
+    def join_device(self) -> torch.device: ...
+    @property
+    def join_process_group(self) -> dist.ProcessGroup: ...
+    def step_plan(self, participation: Participation) -> StepPlan: ...
+    def shadow_buffer_broadcast(self) -> None: ...
+
+
+def active(model: JoinableModel) -> bool:
     """Whether ``model`` is inside an enabled Join context, as the joinable that communicates."""
     config = model._join_config
     return config.enable and config.is_first_joinable
 
 
-def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None) -> int:
+def notify(model: JoinableModel, local_sgd_plan: tuple[bool, bool] | None = None) -> int:
     """Tell the Join context this rank is still in, before one step's collectives; returns the step's divisor.
 
     ``local_sgd_plan`` (agree on the first loss, average): the step is LocalSGD's; otherwise it
@@ -106,14 +161,14 @@ def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None)
         if ran_out.item():
             waiter.wait(count_work, "Join's count of the ranks still in")
             raise RuntimeError(_early_termination_message(model, int(still_in.item())))
-    state.steps += 1
+    pending_plan = None
     if model.local_sgd is not None:
         plan = torch.zeros(3, device=device)
         plan[_GRADIENTS] = float(local_sgd_plan is None)
         if local_sgd_plan is not None:
             plan[_AGREE_FIRST_LOSS], plan[_AVERAGE] = (float(flag) for flag in local_sgd_plan)
-        # Never read here (the joined ranks read it); kept until the next step, as torch keeps its works.
-        state.pending = dist.all_reduce(plan, group=group, async_op=True)
+        pending_plan = dist.all_reduce(plan, group=group, async_op=True)
+    state.count_step(pending_plan)
     if state.divide_by_initial_world_size:
         return dist.get_world_size(group)
     # The ranks still in, from the count just exchanged (torch DDP waits for it too).
@@ -124,7 +179,7 @@ def notify(model: DataParallel, local_sgd_plan: tuple[bool, bool] | None = None)
 class DataParallelJoinHook(JoinHook):
     """``DataParallel``'s join hook: shadow the others' steps, then adopt the authoritative model."""
 
-    def __init__(self, model: DataParallel, divide_by_initial_world_size: bool = True) -> None:
+    def __init__(self, model: JoinableModel, divide_by_initial_world_size: bool = True) -> None:
         if model.reducer is None:
             raise ValueError(
                 "Join needs a DataParallel that synchronises gradients: this one has no reducer "
@@ -137,22 +192,21 @@ class DataParallelJoinHook(JoinHook):
                 "issue. Under the Trainer, uneven_inputs=True works with sharding (every rank keeps stepping)."
             )
         self._model = model
-        state = model.join_state
-        state.divide_by_initial_world_size = divide_by_initial_world_size
-        state.steps = state.shadowed = 0
+        context = None
         store = rendezvous_store()
         if store is not None:
             # Every rank enters each Join context once: the n-th of the job gets the same number everywhere.
             group = model.join_process_group
             contexts = f"{group_store_prefix('join', group)}/contexts"
-            state.context = (store.add(contexts, 1) - 1) // dist.get_world_size(group)
+            context = (store.add(contexts, 1) - 1) // dist.get_world_size(group)
+        model.join_state.enter(divide_by_initial_world_size, context)
 
     def main_hook(self) -> None:
         """Issue the collectives of one step of the ranks still in."""
-        model, state = self._model, self._model.join_state
+        model = self._model
         reducer, local_sgd = model.reducer, model.local_sgd
         assert reducer is not None
-        state.shadowed += 1
+        model.join_state.count_shadowed()
         watchdog = model.watchdog
         if watchdog is not None:
             watchdog.untimed_wait_ended()
@@ -198,7 +252,7 @@ class DataParallelJoin(Join):
     """torch's ``Join`` for one ``DataParallel``, whose early-termination error on the rank that
     ran out names its step (torch's names the rank only)."""
 
-    def __init__(self, model: DataParallel, **kwargs: Any) -> None:
+    def __init__(self, model: JoinableModel, **kwargs: Any) -> None:
         super().__init__([model], **kwargs)
         self._model = model
 
@@ -225,7 +279,7 @@ class DataParallelJoin(Join):
                 watchdog.untimed_wait_ended()
 
 
-def _early_termination_message(model: DataParallel, still_in: int) -> str:
+def _early_termination_message(model: JoinableModel, still_in: int) -> str:
     """Which ranks ran out, found through the rendezvous store: the ranks still in sign in and
     the missing ones are those that left (the count tells how many sign-ins to wait for)."""
     state = model.join_state
