@@ -42,7 +42,7 @@ from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
-from lit_dp.join import DataParallelJoin, DataParallelJoinHook, DrivingLocalSGD, JoinState, notify
+from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
 from lit_dp.join import active as in_join_context
 from lit_dp.observability.autotune import BucketAutotuner, settled_step
 from lit_dp.observability.consistency import ReplicaConsistency
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 # process group, reducer and logger the same way): the process group, the reducer and its hooks,
 # and the observers, which hold threads, files and the rendezvous store.
 _RUNTIME_STATE = (
-    "_rings", "_reducer", "_waiter", "_comm_hook", "_observers", "_local_sgd", "_parameter_gathers",
+    "_rings", "_reducer", "_waiter", "_comm_hook", "_observers", "_gradients_local", "_parameter_gathers",
 )  # fmt: skip
 
 
@@ -252,7 +252,7 @@ class DataParallel(nn.Module, Joinable):
         self._rings = rings
         self._observers = ModelObservers()
         self._waiter = Waiter()
-        self._local_sgd: weakref.ref[DrivingLocalSGD] | None = None  # the LocalSGD driving this model (use_local_sgd)
+        self._gradients_local = False  # LocalSGD's local phase (keep_gradients_local)
         self._comm_hook: CommHook | None = None
         # What may leave parameters in flight after an optimizer step (sharding_overlap's gathers).
         self._parameter_gathers: weakref.WeakSet[ParameterGatherer] = weakref.WeakSet()
@@ -430,16 +430,10 @@ class DataParallel(nn.Module, Joinable):
         the reducer's, a hook's, and those of the LocalSGD, Join and uneven inputs driving it."""
         return self._waiter
 
-    @property
-    def local_sgd(self) -> DrivingLocalSGD | None:
-        """The ``lit_dp.LocalSGD`` driving this model (``use_local_sgd``), if any."""
-        return self._local_sgd() if self._local_sgd is not None else None
-
-    def use_local_sgd(self, local_sgd: DrivingLocalSGD) -> None:
-        """From now on ``local_sgd`` decides the phases: gradients are synchronised during its warm-up
-        only, and under Join a rank that ran out shadows its collectives too (``lit_dp.LocalSGD`` calls
-        this; held weakly, since the averager holds this model)."""
-        self._local_sgd = weakref.ref(local_sgd)
+    def keep_gradients_local(self, local: bool) -> None:
+        """Whether backwards keep their gradients local from now on, as inside ``no_sync`` but until
+        told otherwise: ``lit_dp.LocalSGD`` says so as its schedule moves (local after its warm-up)."""
+        self._gradients_local = local
 
     def arm_at_backward(self) -> None:
         """Let ``prepare_for_backward`` alone decide each step: forwards no longer do (the Trainer
@@ -583,8 +577,7 @@ class DataParallel(nn.Module, Joinable):
         stay local; there a compiled model is one graph, as without lit_dp. Dynamo decides when it
         first compiles and keeps that graph, as under torch DDP: a model compiled in LocalSGD's
         warm-up keeps its breaks in the local phase."""
-        local_sgd = self.local_sgd
-        return not groups.trivially_alone(self._rings[0]) and not (local_sgd is not None and local_sgd.in_local_phase)
+        return not groups.trivially_alone(self._rings[0]) and not self._gradients_local
 
     def _to_input_device(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -657,8 +650,7 @@ class DataParallel(nn.Module, Joinable):
 
     def _syncs_gradients(self) -> bool:
         """Whether a backward now synchronises: ``require_backward_grad_sync``, outside LocalSGD's local phase."""
-        local_sgd = self.local_sgd
-        return self.require_backward_grad_sync and not (local_sgd is not None and local_sgd.in_local_phase)
+        return self.require_backward_grad_sync and not self._gradients_local
 
     def buffers_from(self, group_rank: int) -> None:
         """Which rank of the group the following forwards broadcast buffers from (``broadcast_buffers``):

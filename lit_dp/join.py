@@ -42,6 +42,7 @@ Limits, as in torch: collectives the join cannot see (``SyncBatchNorm``, the use
 from __future__ import annotations
 
 import time
+import weakref
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -74,6 +75,21 @@ class JoinState:
         self.shadowed = 0  # steps shadowed after joining
         self.context = 0  # which Join context of the job this is, the same on every rank (store keys)
         self._pending: Any = None  # the last LocalSGD step plan this rank sent
+        self._local_sgd: weakref.ref[DrivingLocalSGD] | None = None  # driven_by
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled or copied model is in no context and driven by no LocalSGD (neither travels).
+        return {**self.__dict__, "_pending": None, "_local_sgd": None}
+
+    def driven_by(self, local_sgd: DrivingLocalSGD) -> None:
+        """``local_sgd`` (a ``lit_dp.LocalSGD``) drives the model: under Join, a rank that ran out
+        shadows its collectives too, and adopts its schedule at the end. Held weakly (it holds the model)."""
+        self._local_sgd = weakref.ref(local_sgd)
+
+    @property
+    def local_sgd(self) -> DrivingLocalSGD | None:
+        """The LocalSGD whose collectives the model's Join steps carry (``driven_by``), if any."""
+        return self._local_sgd() if self._local_sgd is not None else None
 
     def enter(self, divide_by_initial_world_size: bool, context: int | None) -> None:
         """A new context begins: its divisor, and its number when the rendezvous store counts contexts."""
@@ -93,11 +109,9 @@ class JoinState:
 
 
 class DrivingLocalSGD(Protocol):
-    """What the model and Join ask of the ``lit_dp.LocalSGD`` that drives a model (it tells the model
-    with ``DataParallel.use_local_sgd``). Declared here, since ``lit_dp.local_sgd`` imports the model."""
+    """What Join asks of the ``lit_dp.LocalSGD`` that drives a model (``JoinState.driven_by``).
+    Declared here, since ``lit_dp.local_sgd`` imports this module."""
 
-    @property
-    def in_local_phase(self) -> bool: ...
     def shadow_step(self, agree_first: bool, average: bool) -> None: ...
     def adopt_schedule_of(self, src: int) -> None: ...
 
@@ -121,8 +135,6 @@ class JoinableModel(Protocol):
     def waiter(self) -> Waiter: ...
     @property
     def watchdog(self) -> HangWatchdog | None: ...
-    @property
-    def local_sgd(self) -> DrivingLocalSGD | None: ...
     @property
     def join_device(self) -> torch.device: ...
     @property
@@ -162,7 +174,7 @@ def notify(model: JoinableModel, local_sgd_plan: tuple[bool, bool] | None = None
             waiter.wait(count_work, "Join's count of the ranks still in")
             raise RuntimeError(_early_termination_message(model, int(still_in.item())))
     pending_plan = None
-    if model.local_sgd is not None:
+    if model.join_state.local_sgd is not None:
         plan = torch.zeros(3, device=device)
         plan[_GRADIENTS] = float(local_sgd_plan is None)
         if local_sgd_plan is not None:
@@ -204,7 +216,7 @@ class DataParallelJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Issue the collectives of one step of the ranks still in."""
         model = self._model
-        reducer, local_sgd = model.reducer, model.local_sgd
+        reducer, local_sgd = model.reducer, model.join_state.local_sgd
         assert reducer is not None
         model.join_state.count_shadowed()
         watchdog = model.watchdog
@@ -244,8 +256,8 @@ class DataParallelJoinHook(JoinHook):
         if model.broadcast_buffers:
             tensors += [buffer for _, buffer in synced_buffers(model.module, ignore)]
         broadcast_coalesced(tensors, group, authoritative, model.waiter, "Join's final broadcast of the model")
-        if model.local_sgd is not None:
-            model.local_sgd.adopt_schedule_of(dist.get_global_rank(group, authoritative))
+        if model.join_state.local_sgd is not None:
+            model.join_state.local_sgd.adopt_schedule_of(dist.get_global_rank(group, authoritative))
 
 
 class DataParallelJoin(Join):

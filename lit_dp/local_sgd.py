@@ -186,15 +186,14 @@ class LocalSGD:
         self._local_steps_taken = 0  # by this object (not a resumed run's earlier steps): the traffic's denominator
         self._after_sync: list[Callable[[int, bool], None]] = []  # the replica-consistency check, when on
         if self._data_parallel is not None:
-            # The model synchronises gradients during warm-up only, and under Join a rank that ran
-            # out shadows this object's collectives too (lit_dp.join).
-            self._data_parallel.use_local_sgd(self)
+            # Under Join a rank that ran out shadows this object's collectives too (lit_dp.join).
+            self._data_parallel.join_state.driven_by(self)
             consistency = self._data_parallel.consistency
             if consistency is not None:  # the replicas are equal right after an average: compare them there
                 # Counted in averages, which a rank shadowing the others under Join takes too (its step count lags).
                 every = max(1, math.ceil(consistency.every_n_steps / local_steps))
                 self.add_sync_hook(lambda step, shadow: consistency.check_after_average(step, shadow, every))
-        self._snapshot_when_local()
+        self._follow_phase()
 
     @property
     def step_count(self) -> int:
@@ -240,7 +239,7 @@ class LocalSGD:
             self._average()
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(loss, lr, counts=not joined))
-        self._snapshot_when_local()
+        self._follow_phase()
         return average
 
     def shadow_step(self, agree_first: bool, average: bool) -> None:
@@ -370,9 +369,13 @@ class LocalSGD:
         if self._outer == "nesterov":
             self._outer_resumed = state.get("outer")
         self._buckets = None
-        self._snapshot_when_local()
+        self._follow_phase()
 
-    def _snapshot_when_local(self) -> None:
+    def _follow_phase(self) -> None:
+        """After the schedule moved: the model synchronises gradients during warm-up only (it is told,
+        and keeps that itself), and the snapshot is taken as the local phase starts."""
+        if self._data_parallel is not None:
+            self._data_parallel.keep_gradients_local(self.in_local_phase)
         if self.in_local_phase and self._buckets is None and self._world_size > 1:
             # The snapshot must be taken while every rank holds the same parameters: now.
             self._buckets = self._build_buckets()
