@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from lit_dp.gradients.broadcast import (
 )
 from lit_dp.gradients.buckets import MB, assign_group_by_size, assign_owners, megabytes_to_bytes
 from lit_dp.gradients.coalesced import broadcast_coalesced
+from lit_dp.gradients.gather import ParameterGatherer
 from lit_dp.gradients.compile import bucket_graph_breaks
 from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.hooks import CommHook
@@ -67,11 +68,7 @@ _RUNTIME_STATE = (
 )  # fmt: skip
 
 
-class ParameterGatherer(Protocol):
-    """What may leave updated parameters in flight after an optimizer step (``lit_dp.ShardedOptimizer``
-    with ``sharding_overlap``), as the model sees it: declared here, since the optimizer imports the model."""
-
-    def wait_for_parameters(self) -> None: ...
+_MOVED_TO_JOIN_STATE = "{} is deprecated: a LocalSGD tells its model its phase (keep_gradients_local); use model.join_state.local_sgd."
 
 
 class DataParallel(nn.Module, Joinable):
@@ -434,6 +431,18 @@ class DataParallel(nn.Module, Joinable):
         """Whether backwards keep their gradients local from now on, as inside ``no_sync`` but until
         told otherwise: ``lit_dp.LocalSGD`` says so as its schedule moves (local after its warm-up)."""
         self._gradients_local = local
+
+    @property
+    def local_sgd(self) -> Any:
+        """Deprecated: ``model.join_state.local_sgd`` (the model itself no longer reads its LocalSGD)."""
+        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.local_sgd"), DeprecationWarning, stacklevel=2)
+        return self.join_state.local_sgd
+
+    def use_local_sgd(self, local_sgd: Any) -> None:
+        """Deprecated: a ``lit_dp.LocalSGD`` tells its model itself (``join_state.driven_by``, ``keep_gradients_local``)."""
+        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.use_local_sgd"), DeprecationWarning, stacklevel=2)
+        self.join_state.driven_by(local_sgd)
+        self.keep_gradients_local(local_sgd.in_local_phase)
 
     def arm_at_backward(self) -> None:
         """Let ``prepare_for_backward`` alone decide each step: forwards no longer do (the Trainer

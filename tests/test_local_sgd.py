@@ -437,3 +437,26 @@ def test_library_rejects_bad_arguments_by_name():
     ):
         with pytest.raises(ValueError, match=message):
             lit_dp.LocalSGD(nn.Linear(2, 2), **kwargs)
+
+
+def test_the_model_is_told_its_phase_and_the_old_names_warn_and_still_work():
+    """LocalSGD tells its model the phase as its schedule moves (the model reads nothing of it);
+    ``DataParallel.local_sgd`` and ``use_local_sgd``, documented before, are deprecated, naming
+    their replacements."""
+    import lit_dp
+    from tests.helpers.groups import one_rank_group
+
+    one_rank_group()
+    model = lit_dp.DataParallel(nn.Linear(4, 2))
+    averager = lit_dp.LocalSGD(model, local_steps=2, warmup_steps=1)
+    assert model._syncs_gradients()  # warm-up: gradients synchronised
+    averager.step()
+    assert not model._syncs_gradients()  # the local phase: kept local, as the model was told
+    averager.load_state_dict({"step": 0, "last_average": 1, "local_steps": 2})
+    assert model._syncs_gradients()  # a schedule loaded back into its warm-up: synchronised again
+    with pytest.warns(DeprecationWarning, match=r"DataParallel.local_sgd is deprecated.*join_state.local_sgd"):
+        assert model.local_sgd is averager
+    other = lit_dp.DataParallel(nn.Linear(4, 2))
+    with pytest.warns(DeprecationWarning, match=r"DataParallel.use_local_sgd is deprecated.*keep_gradients_local"):
+        other.use_local_sgd(averager)
+    assert other.join_state.local_sgd is averager

@@ -18,6 +18,7 @@ is faster than its all-gather (docs/benchmarks.md, "Thresholds of the gradient p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,13 @@ from torch import nn
 
 from lit_dp.gradients.buckets import assign_group_by_size
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
+
+
+class ParameterGatherer(Protocol):
+    """What may leave updated parameters in flight after an optimizer step (``lit_dp.ShardedOptimizer``
+    with ``sharding_overlap``, which owns a ``ParameterGather``), as ``DataParallel`` waits for it."""
+
+    def wait_for_parameters(self) -> None: ...
 
 
 class ParameterGather:
