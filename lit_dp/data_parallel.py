@@ -35,9 +35,9 @@ from lit_dp.gradients.broadcast import (
 )
 from lit_dp.gradients.buckets import MB, assign_group_by_size, assign_owners, megabytes_to_bytes
 from lit_dp.gradients.coalesced import broadcast_coalesced
-from lit_dp.gradients.gather import ParameterGatherer
 from lit_dp.gradients.compile import bucket_graph_breaks
 from lit_dp.gradients.dense import DenseBucket
+from lit_dp.gradients.gather import ParameterGatherer
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
@@ -68,7 +68,9 @@ _RUNTIME_STATE = (
 )  # fmt: skip
 
 
-_MOVED_TO_JOIN_STATE = "{} is deprecated: a LocalSGD tells its model its phase (keep_gradients_local); use model.join_state.local_sgd."
+_MOVED_TO_JOIN_STATE = (
+    "{} is deprecated: a LocalSGD tells its model its phase (keep_gradients_local); use model.join_state.local_sgd."
+)
 
 
 class DataParallel(nn.Module, Joinable):

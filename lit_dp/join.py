@@ -174,7 +174,7 @@ def notify(model: JoinableModel, local_sgd_plan: tuple[bool, bool] | None = None
             waiter.wait(count_work, "Join's count of the ranks still in")
             raise RuntimeError(_early_termination_message(model, int(still_in.item())))
     pending_plan = None
-    if model.join_state.local_sgd is not None:
+    if state.local_sgd is not None:
         plan = torch.zeros(3, device=device)
         plan[_GRADIENTS] = float(local_sgd_plan is None)
         if local_sgd_plan is not None:
