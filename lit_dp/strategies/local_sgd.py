@@ -60,6 +60,7 @@ class LocalSGDSchedule(Feature):
             outer_lr=options.outer_lr,
             outer_momentum=options.outer_momentum,
             sync_dtype=options.sync_dtype,
+            fragments=options.fragments,
         )
         log.debug("LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD)")
         if self._resumed is not None:
