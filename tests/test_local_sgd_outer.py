@@ -35,6 +35,7 @@ from tests.test_local_sgd import (
 )
 
 OUTER = (0.8, 0.5)
+OUTER_DEFAULTS = (DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM)
 
 
 def _train(model, optimizer, local_sgd, steps, rank, first=0, last=None) -> int:
@@ -168,8 +169,9 @@ def fragment_cases(rank: int, tmp_path: str) -> dict:
         model = lit_dp.DataParallel(Net(), comm_buffer_size=comm_mb, last_comm_buffer_size=comm_mb)
         (optimizer,) = OPTIMIZERS[name](model)
         local_sgd = lit_dp.LocalSGD(
-            model, k, w, comm_buffer_size=comm_mb, outer=outer, outer_lr=OUTER[0], outer_momentum=OUTER[1], fragments=fragments
-        )
+            model, k, w, comm_buffer_size=comm_mb, outer=outer, outer_lr=OUTER[0], outer_momentum=OUTER[1],
+            fragments=fragments,
+        )  # fmt: skip
         syncs = []
         for number, (_, micro_batches) in enumerate(steps, start=1):
             mse(model, micro_batches[rank][0]).backward()
@@ -212,7 +214,8 @@ def fragment_cases(rank: int, tmp_path: str) -> dict:
     model, optimizer, local_sgd = build()
     _train(model, optimizer, local_sgd, steps, rank, last=11)
     path = f"{tmp_path}/rank{rank}.pt"
-    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "local_sgd": local_sgd.state_dict()}, path)
+    saved = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "local_sgd": local_sgd.state_dict()}
+    torch.save(saved, path)
     report["saved"] = {key: value for key, value in local_sgd.state_dict().items() if key != "outer"}
     model, optimizer, local_sgd = build()
     saved = torch.load(path, weights_only=True)
@@ -313,6 +316,47 @@ def test_lightning_strategy_runs_the_outer_optimizer_and_resumes_mid_period(tmp_
     assert results[0] == results[1] and results[0][-1] == (16, 16)
 
 
+def lightning_fragment_cases(rank: int, tmp_path: str) -> list:
+    """The Trainer strategy with ``local_sgd_fragments=2``: the simulation's weights, uninterrupted and
+    resumed from a checkpoint taken between two fragment syncs."""
+
+    def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(net.parameters(), lr=0.1)]
+
+    def check(module: Regressor, expected: list[nn.Module], label: str) -> None:
+        for (name, ours), theirs in zip(module.net.named_parameters(), expected[rank].parameters()):
+            torch.testing.assert_close(ours, theirs, msg=lambda m: f"{label} rank {rank}: {name}: {m}")
+
+    net = Regressor().net
+    fragments = fragment_names(net, 2)
+    # 4 steps per epoch, W=1, K=4, F=2: fragment 0 after steps 3, 7, 11, 15, fragment 1 after 5, 9, 13; the
+    # checkpoint after step 8 falls between two syncs of each.
+    options = dict(local_sgd_steps=4, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_fragments=2)
+    module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
+    steps = lightning_steps(4)
+    expected = simulate(net, net_optimizer, steps, 4, 1, loss_fn=regression_loss, outer=OUTER_DEFAULTS, fragments=fragments)
+    check(module, expected, "uninterrupted")
+    checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
+    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
+    saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]
+    assert saved["last_syncs"] == [7, 5], saved["last_syncs"]
+    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
+    expected = simulate(
+        net, net_optimizer, steps, 4, 1, reset_after=8, loss_fn=regression_loss, outer=OUTER_DEFAULTS, fragments=fragments
+    )
+    check(module, expected, "resumed")
+    return resumed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_strategy_runs_fragments_and_resumes_between_syncs(tmp_path):
+    results = run_ranks(lightning_fragment_cases, 2, str(tmp_path), timeout=240)
+    # (steps, the last fragment's last sync) after each batch: 16 steps, fragment 1 last synced after 13.
+    assert results[0] == results[1] and results[0][-1] == (16, 13)
+
+
 def fabric_outer(fabric: Fabric) -> list[list[float]]:
     """``lit_dp.LocalSGD(outer="nesterov")`` in a Fabric loop, on the model Fabric set up."""
     import lit_dp
@@ -388,7 +432,10 @@ def test_hydra_options_reach_the_strategy(tmp_path):
         (dict(local_sgd_fragments=4), "local_sgd_fragments=4 needs local_sgd_steps"),
         (dict(local_sgd_steps=6, local_sgd_fragments=4), "local_sgd_fragments=4 with local_sgd_steps=6 is invalid"),
         (dict(local_sgd_steps=2, local_sgd_fragments=4), "expected local_sgd_steps a multiple of local_sgd_fragments"),
-        (dict(local_sgd_steps=4, local_sgd_fragments=2, local_sgd_adaptive=True), "local_sgd_fragments=2 with local_sgd_adaptive=True"),
+        (
+            dict(local_sgd_steps=4, local_sgd_fragments=2, local_sgd_adaptive=True),
+            "local_sgd_fragments=2 with local_sgd_adaptive=True is invalid",
+        ),
         (dict(local_sgd_steps=4, local_sgd_fragments=0), "local_sgd_fragments=0 is invalid: expected an integer >= 1"),
     ],
 )

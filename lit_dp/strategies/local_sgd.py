@@ -62,7 +62,10 @@ class LocalSGDSchedule(Feature):
             sync_dtype=options.sync_dtype,
             fragments=options.fragments,
         )
-        log.debug("LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD)")
+        log.debug(
+            "LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD), in %d fragment(s)",
+            self.local_sgd.fragments,
+        )
         if self._resumed is not None:
             log.debug("LocalSGD: schedule restored from the checkpoint")
             self.local_sgd.load_state_dict(self._resumed)
