@@ -225,6 +225,15 @@ def fragment_cases(rank: int, tmp_path: str) -> dict:
     _train(model, optimizer, local_sgd, steps, rank, first=11)
     report["resume_exact"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), uninterrupted))
     report["traffic"] = local_sgd.traffic()
+
+    # The replica-consistency check: never between fragment syncs (the fragments differ by design), once after finish().
+    model = lit_dp.DataParallel(Net(), consistency_every_n_steps=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_sgd = lit_dp.LocalSGD(model, 2, outer="nesterov", fragments=2)
+    _train(model, optimizer, local_sgd, random_steps(12, world_size, seed=3), rank)
+    report["consistency_before_finish"] = model.consistency.summary()
+    local_sgd.finish()
+    report["consistency"] = model.consistency.summary()
     return report
 
 
@@ -238,6 +247,8 @@ def test_fragments_match_the_simulation_and_resume_exactly(tmp_path):
         assert report["f1_bitwise"], f"rank {rank}: fragments=1 differs from the default"
         assert report["resume_exact"], f"rank {rank}: the resumed run's weights differ from the uninterrupted run's"
         assert report["saved"]["fragments"] == 2 and report["saved"]["last_syncs"] == [8, 10], report["saved"]
+        assert report["consistency_before_finish"].startswith("0 checks"), report["consistency_before_finish"]
+        assert report["consistency"].startswith("1 check every 4 synchronised steps (1 after LocalSGD averages); the replicas agreed"), report
     # K=4, W=2, F=2 (Net's fragments: stem.weight | the rest): fragment 0 after 4, 8, 12; fragment 1 after 6, 10, 14.
     first, rest = sizes[0], sum(sizes[1:]) + buffers
     assert results[0]["syncs"][0] == [(4, first), (6, rest), (8, first), (10, rest), (12, first), (14, rest)]
