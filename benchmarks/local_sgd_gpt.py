@@ -3,6 +3,7 @@
     python -m benchmarks.local_sgd_gpt
     python -m benchmarks.local_sgd_gpt devices=3
     python -m benchmarks.local_sgd_gpt local_steps=[16] max_steps=160 bf16=false
+    python -m benchmarks.local_sgd_gpt local_steps=[16] fragments=[4] average=false bf16=false
 
 Each mode is one run of ``recipes/gpt.py`` as a user types it (its default small GPT on the
 stdlib bytes, ``devices`` CPU processes, the same seed, batch and schedule), in a folder of its
@@ -11,15 +12,17 @@ own, with ``strategy.comm_stats=true``:
 - ``data parallel``: the recipe as it is;
 - ``average K``: ``strategy.local_sgd.steps=K`` (LocalSGD as before, ``outer=average``);
 - ``nesterov K``: also ``strategy.local_sgd.outer=nesterov`` with its defaults (DiLoCo);
-- ``nesterov+bf16 K``: also ``strategy.local_sgd.sync_dtype=bf16`` (with ``bf16=true``).
+- ``nesterov+bf16 K``: also ``strategy.local_sgd.sync_dtype=bf16`` (with ``bf16=true``);
+- ``nesterov F=f K``: streaming DiLoCo, also ``strategy.local_sgd.fragments=f`` (each of ``fragments``).
 
 ``max_steps`` is a multiple of every K, and the recipe validates once, at the end
 (``trainer.val_check_interval=max_steps``): after the last optimizer step's average, so every
 mode's validation loss is that of one synchronised model. Read from the recipe's output: the
 validation loss and tokens/s of its ``[lit_dp] final`` line, the bytes per step of its
 ``[lit_dp] comm:`` line (data parallelism: the gradient bytes all-reduced per step; LocalSGD:
-the bytes of its averages per local step, from rank 0's ``LocalSGD.traffic``). Wall time: the
-whole command, start-up and validation included.
+the bytes of its averages per local step, from rank 0's ``LocalSGD.traffic``), and the largest
+single sync (data parallelism: a step's gradients; LocalSGD: a whole-model average, or with
+fragments one fragment). Wall time: the whole command, start-up and validation included.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class LocalSGDGPTConfig:
     max_steps: int = 320  # a multiple of every K: the last step averages, then the one validation runs
     local_steps: tuple[int, ...] = (16, 64)
     bf16: bool = True  # also DiLoCo with the deltas sent in bf16
+    average: bool = True  # also LocalSGD's plain averaging at every K
+    fragments: tuple[int, ...] = ()  # also streaming DiLoCo with each of these numbers of fragments
     extra: tuple[str, ...] = ()  # more recipe overrides for every mode, e.g. experiment=gpt_tiny
 
 
@@ -55,10 +60,14 @@ def _modes(config: LocalSGDGPTConfig) -> list[tuple[str, list[str]]]:
         if config.max_steps % k:
             raise ValueError(f"max_steps={config.max_steps} is invalid with local_steps K={k}: expected a multiple of every K.")
         period = [f"strategy.local_sgd.steps={k}"]
-        modes.append((f"average K={k}", period))
+        if config.average:
+            modes.append((f"average K={k}", period))
         modes.append((f"nesterov K={k}", [*period, "strategy.local_sgd.outer=nesterov"]))
         if config.bf16:
             modes.append((f"nesterov+bf16 K={k}", [*period, "strategy.local_sgd.outer=nesterov", "strategy.local_sgd.sync_dtype=bf16"]))
+        for fragments in config.fragments:
+            streaming = [*period, "strategy.local_sgd.outer=nesterov", f"strategy.local_sgd.fragments={fragments}"]
+            modes.append((f"nesterov F={fragments} K={k}", streaming))
     return modes
 
 
@@ -82,8 +91,13 @@ def run_mode(overrides: list[str], config: LocalSGDGPTConfig, folder: str) -> di
     local = re.search(r"([\d.]+) MB per local step", comm)
     data_parallel = re.search(r"([\d.]+) MB in \d+ buckets? per step", comm)
     sent = local if local is not None else data_parallel
-    assert sent is not None, comm
-    return {"val_loss": metrics["val_loss"], "tokens_per_sec": metrics["tokens_per_sec"], "mb_per_step": float(sent.group(1)), "wall_s": wall}
+    # The largest sync: a fragment's (fragments > 1), a whole-model average's, or a data-parallel step's.
+    peak = re.search(r"at most ([\d.]+) MB", comm) or re.search(r"averages of ([\d.]+) MB", comm) or data_parallel
+    assert sent is not None and peak is not None, comm
+    return {
+        "val_loss": metrics["val_loss"], "tokens_per_sec": metrics["tokens_per_sec"], "mb_per_step": float(sent.group(1)),
+        "mb_per_sync": float(peak.group(1)), "wall_s": wall,
+    }  # fmt: skip
 
 
 def run(config: LocalSGDGPTConfig) -> dict[str, dict[str, float]]:
@@ -94,14 +108,15 @@ def run(config: LocalSGDGPTConfig) -> dict[str, dict[str, float]]:
 def report(results: dict[str, dict[str, float]], config: LocalSGDGPTConfig) -> str:
     baseline = results["data parallel"]
     lines = [
-        f"| mode ({config.devices} CPU ranks, {config.max_steps} steps) | val loss | MB sent per step | vs DP | wall (s) "
-        "| tokens/s | vs DP |",
-        "|---|---|---|---|---|---|---|",
+        f"| mode ({config.devices} CPU ranks, {config.max_steps} steps) | val loss | MB sent per step | vs DP "
+        "| MB per sync, at most | wall (s) | vs DP | tokens/s | vs DP |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
         lines.append(
             f"| {name} | {row['val_loss']:.4f} | {row['mb_per_step']:.4f} | {row['mb_per_step'] / baseline['mb_per_step']:.4f} "
-            f"| {row['wall_s']:.0f} | {row['tokens_per_sec']:.0f} | {row['tokens_per_sec'] / baseline['tokens_per_sec']:.3f} |"
+            f"| {row['mb_per_sync']:.3f} | {row['wall_s']:.0f} | {row['wall_s'] / baseline['wall_s']:.3f} "
+            f"| {row['tokens_per_sec']:.0f} | {row['tokens_per_sec'] / baseline['tokens_per_sec']:.3f} |"
         )
     return "\n".join(lines)
 

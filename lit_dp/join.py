@@ -18,8 +18,9 @@ reducer issue exactly that step's collectives (same buckets, same order, through
 communication hook if one is registered, zeros for gradients, flags that count it as neither
 using nor missing a parameter, the step counted for the observers: the bucket-size autotuner
 and the hang watchdog follow the same schedule). When a ``lit_dp.LocalSGD`` drives the model,
-a small all-reduce after the notification says whether the step synchronises gradients or
-runs LocalSGD's collectives, which the joined rank then shadows too. Once all have joined,
+a small all-reduce after the notification (the step's plan) says whether the step synchronises
+gradients or runs LocalSGD's collectives, and which fragment it syncs, which the joined rank then
+shadows too. Once all have joined,
 ``post_hook`` agrees on an authoritative rank (the highest of the last to join, as DDP does)
 and broadcasts its parameters, buffers (unless ``broadcast_buffers=False``) and LocalSGD
 schedule. With ``broadcast_buffers``, a synchronising forward of the ranks still in broadcasts
@@ -59,8 +60,9 @@ from lit_dp.gradients.waiting import Waiter
 from lit_dp.job.store import group_store_prefix, rendezvous_store
 from lit_dp.observability.watchdog import HangWatchdog
 
-# The plan's slots: this step synchronises gradients / agrees LocalSGD's first loss / averages.
-_GRADIENTS, _AGREE_FIRST_LOSS, _AVERAGE = range(3)
+# The plan's slots: this step synchronises gradients / agrees LocalSGD's first loss / syncs LocalSGD
+# fragment n - 1 (0: none). Reduced with MAX: the ranks still in send the same plan, joined ranks zeros.
+_GRADIENTS, _AGREE_FIRST_LOSS, _SYNC_FRAGMENT = range(3)
 _WHO_RAN_OUT_SECONDS = 30.0
 _POLL_SECONDS = 0.02
 
@@ -112,7 +114,7 @@ class DrivingLocalSGD(Protocol):
     """What Join asks of the ``lit_dp.LocalSGD`` that drives a model (``JoinState.driven_by``).
     Declared here, since ``lit_dp.local_sgd`` imports this module."""
 
-    def shadow_step(self, agree_first: bool, average: bool) -> None: ...
+    def shadow_step(self, agree_first: bool, fragment: int | None) -> None: ...
     def adopt_schedule_of(self, src: int) -> None: ...
 
 
@@ -149,10 +151,10 @@ def active(model: JoinableModel) -> bool:
     return config.enable and config.is_first_joinable
 
 
-def notify(model: JoinableModel, local_sgd_plan: tuple[bool, bool] | None = None) -> int:
+def notify(model: JoinableModel, local_sgd_plan: tuple[bool, int | None] | None = None) -> int:
     """Tell the Join context this rank is still in, before one step's collectives; returns the step's divisor.
 
-    ``local_sgd_plan`` (agree on the first loss, average): the step is LocalSGD's; otherwise it
+    ``local_sgd_plan`` (agree on the first loss, the fragment synced or None): the step is LocalSGD's; otherwise it
     synchronises gradients. The divisor is the group's size, or with
     ``divide_by_initial_world_size=False`` the ranks still in. A no-op outside a Join context.
     torch's ``notify_join_context`` is reproduced (same two collectives) rather than called,
@@ -178,8 +180,10 @@ def notify(model: JoinableModel, local_sgd_plan: tuple[bool, bool] | None = None
         plan = torch.zeros(3, device=device)
         plan[_GRADIENTS] = float(local_sgd_plan is None)
         if local_sgd_plan is not None:
-            plan[_AGREE_FIRST_LOSS], plan[_AVERAGE] = (float(flag) for flag in local_sgd_plan)
-        pending_plan = dist.all_reduce(plan, group=group, async_op=True)
+            agree_first, fragment = local_sgd_plan
+            plan[_AGREE_FIRST_LOSS] = float(agree_first)
+            plan[_SYNC_FRAGMENT] = 0.0 if fragment is None else fragment + 1.0
+        pending_plan = dist.all_reduce(plan, op=dist.ReduceOp.MAX, group=group, async_op=True)
     state.count_step(pending_plan)
     if state.divide_by_initial_world_size:
         return dist.get_world_size(group)
@@ -222,16 +226,18 @@ class DataParallelJoinHook(JoinHook):
         watchdog = model.watchdog
         if watchdog is not None:
             watchdog.untimed_wait_ended()
-        gradients, agree_first, average = True, False, False
+        gradients, agree_first, fragment = True, False, None
         if local_sgd is not None:
             plan = torch.zeros(3, device=model.join_device)
-            model.waiter.wait(dist.all_reduce(plan, group=reducer.group, async_op=True), "Join's step plan")
-            gradients, agree_first, average = (bool(value) for value in plan.tolist())
+            work = dist.all_reduce(plan, op=dist.ReduceOp.MAX, group=reducer.group, async_op=True)
+            model.waiter.wait(work, "Join's step plan")
+            gradients, agree_first = bool(plan[_GRADIENTS]), bool(plan[_AGREE_FIRST_LOSS])
+            fragment = int(plan[_SYNC_FRAGMENT]) - 1 if plan[_SYNC_FRAGMENT] else None
         if gradients:
             model.shadow_buffer_broadcast()  # the forward's, when the ranks still in broadcast buffers
             reducer.synchronise_without_backward(model.step_plan(Participation.SHADOW))
-        if local_sgd is not None and (agree_first or average):
-            local_sgd.shadow_step(agree_first, average)
+        if local_sgd is not None and (agree_first or fragment is not None):
+            local_sgd.shadow_step(agree_first, fragment)
         if watchdog is not None:
             # torch's Join now all-reduces the count of the ranks still in: a wait the
             # watchdog cannot put a deadline on, so its thread watches it.

@@ -44,6 +44,16 @@ with it (as torchft's DiLoCo does); every rank then takes the new snapshot as it
 ``outer_lr=1, outer_momentum=0`` is averaging; ``outer="average"`` is exactly the averaging above.
 ``sync_dtype=torch.bfloat16``: the deltas travel in bf16 (half the bytes), are summed in bf16
 by the backend and turned back into the parameters' dtype before they are applied.
+
+Streaming (``fragments=F``, Douillard et al., "Streaming DiLoCo with overlapping communication",
+2025): the trainable tensors are cut into F fragments of about equal bytes, contiguous in
+parameter order (``assign_fragments``), each bucketed on its own. Fragment f is synced after the
+steps ``W + (f+1) * K/F + n*K`` (K a multiple of F), so a sync carries 1/F of the model and the
+last fragment keeps the unfragmented schedule (``W + K``, ``W + 2K``, ...); the bytes per step
+are unchanged. Each fragment has its own snapshot (its parameters at its last sync) and its own
+outer momentum: the outer optimizer steps only the snapshots given a pseudo-gradient. Buffers
+travel with the last fragment. ``finish()`` syncs every fragment stepped since its last sync.
+``F=1`` is the unfragmented sync, bit for bit.
 """
 
 from __future__ import annotations
@@ -87,6 +97,29 @@ def _check_count(option: str, value: Any, low: int) -> None:
         raise ValueError(f"{option}={value!r} is invalid: expected an integer >= {low}.")
 
 
+def assign_fragments(nbytes: list[int], fragments: int) -> list[list[int]]:
+    """Indices ``0..len(nbytes)-1`` cut into ``fragments`` contiguous, non-empty runs of about equal
+    bytes: each boundary goes where the running total comes closest to its share of the whole."""
+    if fragments > max(len(nbytes), 1):
+        raise ValueError(
+            f"fragments={fragments} is invalid for a model of {len(nbytes)} trainable tensors: a fragment holds whole "
+            "tensors; expected at most as many fragments as tensors."
+        )
+    total, groups, start, running = sum(nbytes), [], 0, 0
+    for f in range(fragments - 1):
+        target = total * (f + 1) / fragments
+        running += nbytes[start]
+        end = start + 1
+        # Grow while that brings the running total closer to the target, leaving a tensor per fragment to come.
+        while end < len(nbytes) - (fragments - 1 - f) and abs(running + nbytes[end] - target) <= abs(running - target):
+            running += nbytes[end]
+            end += 1
+        groups.append(list(range(start, end)))
+        start = end
+    groups.append(list(range(start, len(nbytes))))
+    return groups
+
+
 def _sync_dtype(value: Any) -> torch.dtype | None:
     """None, ``torch.bfloat16`` or its name in ``SYNC_DTYPES`` ("bf16")."""
     if value is None or value in _WIRE_DTYPES.values():
@@ -114,6 +147,8 @@ class LocalSGD:
         outer: ``"average"`` (the mean of the models) or ``"nesterov"`` (DiLoCo's outer optimizer).
         outer_lr, outer_momentum: the outer SGD's learning rate and Nesterov momentum.
         sync_dtype: the dtype the deltas travel in (``"bf16"`` or ``torch.bfloat16``); None: the parameters'.
+        fragments: F, sync the model one fragment at a time, one every K/F steps (streaming DiLoCo);
+            K must be a multiple of F, and F at most the number of trainable tensors.
         group: the process group; defaults to the ``DataParallel``'s (``module.rings``), or for
             another module to the rings of ``init_parallel_env``.
     """
@@ -132,8 +167,20 @@ class LocalSGD:
         outer_lr: float = DEFAULT_OUTER_LR,
         outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
         sync_dtype: torch.dtype | str | None = None,
+        fragments: int = 1,
     ) -> None:
         _check_count("local_steps", local_steps, 1)
+        _check_count("fragments", fragments, 1)
+        if local_steps % fragments:
+            raise ValueError(
+                f"fragments={fragments} with local_steps={local_steps} is invalid: fragment f syncs after the steps "
+                "W + (f+1)*K/F + n*K; expected local_steps a multiple of fragments (so fragments <= local_steps)."
+            )
+        if adaptive and fragments > 1:
+            raise ValueError(
+                f"fragments={fragments} with adaptive=True is invalid: the fragments' offsets are fixed fractions of "
+                "K, which the adaptive rule changes at every sync; expected fragments=1 or adaptive=False."
+            )
         choice(*OUTERS)("outer", outer)
         outer_lr = check_outer_lr("outer_lr", outer_lr)
         outer_momentum = check_outer_momentum("outer_momentum", outer_momentum)
@@ -175,9 +222,11 @@ class LocalSGD:
         self._params = [p for _, p in synced_parameters(inner, ignore) if p.requires_grad]
         self._buffers = [buffer for _, buffer in synced_buffers(inner, ignore)]
         self._param_index = {id(p): index for index, p in enumerate(self._params)}
-        self._buckets: list[_Bucket] | None = None  # built when the local phase starts
+        self._fragment_indices = assign_fragments([p.numel() * p.element_size() for p in self._params], fragments)
+        self._buckets: list[list[_Bucket]] | None = None  # per fragment, built when the local phase starts
         self._step = 0
-        self._last_average = warmup_steps
+        # Per fragment, the step of its last sync; before the first, K steps before the first due one.
+        self._last_syncs = [warmup_steps - local_steps + (f + 1) * local_steps // fragments for f in range(fragments)]
         self._local_steps = local_steps
         self._loss_0: float | None = None
         self._lr_0: float | None = None
@@ -207,8 +256,14 @@ class LocalSGD:
 
     @property
     def last_average(self) -> int:
-        """The step after which the models were last averaged (W before the first average)."""
-        return self._last_average
+        """The step after which the models were last averaged (W before the first average); with
+        fragments, the last fragment's last sync (the one the buffers go with)."""
+        return self._last_syncs[-1]
+
+    @property
+    def fragments(self) -> int:
+        """F, the number of fragments synced in turn (1: the whole model at once)."""
+        return len(self._fragment_indices)
 
     @property
     def outer(self) -> str:
@@ -221,7 +276,8 @@ class LocalSGD:
         return self._step >= self._warmup_steps
 
     def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None, *, joined: bool = False) -> bool:
-        """Count one optimizer step; average the models when the schedule says so. Returns whether it did.
+        """Count one optimizer step; average the models (with fragments: one fragment) when the schedule
+        says so. Returns whether it did.
 
         ``loss`` (this rank's training loss) and ``lr`` are required when adaptive. ``joined``:
         this rank ran out of batches and takes the step with the others (the Trainer's uneven
@@ -230,25 +286,32 @@ class LocalSGD:
         self._step += 1
         self._local_steps_taken += self._step > self._warmup_steps
         agree_first = self._adaptive and self._loss_0 is None
-        average = self._step > self._warmup_steps and self._step - self._last_average == self._local_steps
-        if (agree_first or average) and self._data_parallel is not None:
-            join.notify(self._data_parallel, (agree_first, average))
+        fragment = self._due_fragment()
+        if (agree_first or fragment is not None) and self._data_parallel is not None:
+            join.notify(self._data_parallel, (agree_first, fragment))
         if agree_first:
             self._loss_0, self._lr_0 = self._agreed_loss_and_lr(loss, lr, counts=not joined)
-        if average:
-            self._average()
+        if fragment is not None:
+            self._average(fragment)
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(loss, lr, counts=not joined))
         self._follow_phase()
-        return average
+        return fragment is not None
 
-    def shadow_step(self, agree_first: bool, average: bool) -> None:
+    def _due_fragment(self) -> int | None:
+        """The fragment whose period ends with this step, if any (at most one: their offsets differ)."""
+        if self._step <= self._warmup_steps:
+            return None
+        return next((f for f, last in enumerate(self._last_syncs) if self._step - last == self._local_steps), None)
+
+    def shadow_step(self, agree_first: bool, fragment: int | None) -> None:
         """The collectives of a ``step()`` that the ranks still in take, on a rank that joined
-        (``lit_dp.join``): its model takes part in the average as it stands, its loss does not count."""
+        (``lit_dp.join``): its model takes part in the sync of ``fragment`` (None: no sync) as it
+        stands, its loss does not count."""
         if agree_first:
             self._loss_0, self._lr_0 = self._agreed_loss_and_lr(None, None, counts=False)
-        if average:
-            self._average(shadow=True)
+        if fragment is not None:
+            self._average(fragment, shadow=True)
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(None, None, counts=False))
 
@@ -263,37 +326,49 @@ class LocalSGD:
         self.load_state_dict(schedule[0])
 
     def finish(self) -> None:
-        """Average once more if any local step was taken since the last average (call when training ends)."""
-        if self._step > max(self._last_average, self._warmup_steps):
-            self._average()
+        """Average once more every fragment that took a local step since its last sync (call when
+        training ends): every rank then holds the same model."""
+        due = [f for f, last in enumerate(self._last_syncs) if self._step > max(last, self._warmup_steps)]
+        for fragment in due:
+            self._average(fragment)
+        if due and self.fragments > 1 and self._world_size > 1:
+            self._after_sync_hooks(shadow=False)  # every fragment now synced: the replicas are equal
 
-    def _average(self, shadow: bool = False) -> None:
-        """Replace every rank's parameters and buffers by their mean over the ranks, or by the
-        snapshot stepped by the outer optimizer with the mean delta. ``shadow``: this rank joined
-        (``lit_dp.join``); its model waits for the final broadcast and is not compared."""
-        self._last_average = self._step
+    def _average(self, fragment: int = 0, shadow: bool = False) -> None:
+        """Replace every rank's parameters of ``fragment`` (and with the last, the buffers) by their
+        mean over the ranks, or by the snapshot stepped by the outer optimizer with the mean delta.
+        ``shadow``: this rank joined (``lit_dp.join``); its model waits for the final broadcast and is
+        not compared."""
+        self._last_syncs[fragment] = self._step
         if self._world_size < 2:
             return
         if self._buckets is None:
             self._buckets = self._build_buckets()
+        buckets = self._buckets[fragment]
         began = self._recorder.mark()
         with torch.no_grad():
-            for bucket in self._buckets:
+            for bucket in buckets:
                 bucket.start(self._first_rank)
             launched = self._recorder.mark()
-            for bucket in self._buckets:
+            for bucket in buckets:
                 bucket.finish(self._world_size, self._waiter, outer=self._outer_optimizer is not None)
             if self._outer_optimizer is not None:
-                self._outer_optimizer.step()  # the snapshots, with the mean deltas as gradients
-                for bucket in self._buckets:
+                # Steps only the snapshots with a pseudo-gradient: this fragment's (and its momentum).
+                self._outer_optimizer.step()
+                for bucket in buckets:
                     bucket.take_snapshot()
-        self._recorder.record(self._step, sum(bucket.wire_bytes for bucket in self._buckets), began, launched)
+        self._recorder.record(self._step, sum(bucket.wire_bytes for bucket in buckets), began, launched)
+        if self.fragments == 1:  # with fragments the others still differ between the ranks: see finish()
+            self._after_sync_hooks(shadow)
+
+    def _after_sync_hooks(self, shadow: bool) -> None:
         for hook in self._after_sync:
             hook(self._step, shadow)
 
     def add_sync_hook(self, hook: Callable[[int, bool], None]) -> None:
         """Call ``hook(step, shadow)`` on every rank after each average, when every rank that is not
-        shadowing the others' steps under Join (``shadow``) holds the same model."""
+        shadowing the others' steps under Join (``shadow``) holds the same model: with fragments, only
+        after ``finish()``, which leaves every fragment synced at the same step."""
         self._after_sync.append(hook)
 
     def sync_stats(self) -> SyncStats | None:
@@ -301,9 +376,9 @@ class LocalSGD:
         return self._recorder.last()
 
     def traffic(self) -> dict[str, float]:
-        """This object's averages so far, their mean bytes, time and exposed time (ms), and bytes per local
-        step it took against data parallelism's (the trainable parameters' bytes, which its reducer
-        all-reduces every step); {} before the first average."""
+        """This object's averages so far (with fragments: fragment syncs), their mean and largest bytes,
+        time and exposed time (ms), and bytes per local step it took against data parallelism's (the
+        trainable parameters' bytes, which its reducer all-reduces every step); {} before the first average."""
         dp_bytes = float(sum(p.numel() * p.element_size() for p in self._params))
         summary = self._recorder.summary(self._local_steps_taken)
         if summary:
@@ -316,8 +391,15 @@ class LocalSGD:
         t = self.traffic()
         if not t:
             return ""
+        if self.fragments > 1:
+            syncs = (
+                f"LocalSGD outer={self._outer}, fragments={self.fragments}: {t['syncs']:.0f} fragment syncs of "
+                f"{t['bytes_per_sync'] / 2**20:.3f} MB (at most {t['max_bytes_per_sync'] / 2**20:.3f} MB)"
+            )
+        else:
+            syncs = f"LocalSGD outer={self._outer}: {t['syncs']:.0f} averages of {t['bytes_per_sync'] / 2**20:.3f} MB"
         return (
-            f"LocalSGD outer={self._outer}: {t['syncs']:.0f} averages of {t['bytes_per_sync'] / 2**20:.3f} MB, "
+            f"{syncs}, "
             f"time {t['time_ms']:.3f} ms, exposed {t['exposed_ms']:.3f} ms each (rank 0); "
             f"{t['bytes_per_step'] / 2**20:.4f} MB per local step, {t['vs_dp']:.4f} of data parallelism's "
             f"{t['dp_bytes_per_step'] / 2**20:.3f} MB"
@@ -326,10 +408,13 @@ class LocalSGD:
     def state_dict(self) -> dict[str, Any]:
         """The schedule's state: save it with a checkpoint so a resumed run averages at the same steps.
         With ``outer="nesterov"`` also the outer optimizer's: the snapshot (the parameters of the last
-        average) and its momentum, one CPU tensor per parameter, the same on every rank."""
+        average) and its momentum, one CPU tensor per parameter, the same on every rank. With fragments,
+        each fragment's last sync (``last_syncs``); a parameter's snapshot and momentum are its fragment's."""
         state: dict[str, Any] = {
             "step": self._step,
-            "last_average": self._last_average,
+            "last_average": self._last_syncs[-1],
+            "fragments": self.fragments,
+            "last_syncs": list(self._last_syncs),
             "local_steps": self._local_steps,
             "loss_0": self._loss_0,
             "lr_0": self._lr_0,
@@ -343,7 +428,7 @@ class LocalSGD:
             return self._outer_resumed  # a resumed state not yet taken up: handed on unchanged
         snapshots: list[torch.Tensor | None] = [None] * len(self._params)
         momenta: list[torch.Tensor | None] = [None] * len(self._params)
-        for bucket in self._buckets or []:
+        for bucket in (bucket for fragment in self._buckets or [] for bucket in fragment):
             if bucket.snapshot is None:
                 continue
             momentum = self._outer_optimizer.state.get(bucket.snapshot, {}).get("momentum_buffer")
@@ -359,10 +444,17 @@ class LocalSGD:
         resume); with ``outer="nesterov"`` the saved snapshot and momentum instead, if the state has them.
 
         A fixed period is this object's own ``local_steps``, so a run may resume with another K;
-        an adaptive period continues from the saved one.
+        an adaptive period continues from the saved one. A state without fragments (saved before
+        they existed) is one fragment's.
         """
+        saved = int(state.get("fragments", 1))
+        if saved != self.fragments:
+            raise ValueError(
+                f"the LocalSGD state was saved with fragments={saved}, this LocalSGD has fragments={self.fragments}: "
+                "each fragment's last sync and snapshot are its own; expected the same fragments as the saved run."
+            )
         self._step = int(state["step"])
-        self._last_average = int(state["last_average"])
+        self._last_syncs = [int(last) for last in state.get("last_syncs", [state["last_average"]])]
         self._local_steps = int(state["local_steps"]) if self._adaptive else self._initial_local_steps
         self._loss_0 = state.get("loss_0")
         self._lr_0 = state.get("lr_0")
@@ -380,21 +472,28 @@ class LocalSGD:
             # The snapshot must be taken while every rank holds the same parameters: now.
             self._buckets = self._build_buckets()
 
-    def _build_buckets(self) -> list[_Bucket]:
-        """The buckets, their snapshots taken now (or restored), and the outer optimizer over them."""
+    def _build_buckets(self) -> list[list[_Bucket]]:
+        """Each fragment's buckets (the buffers' with the last), their snapshots taken now (or
+        restored), and the outer optimizer over them."""
         float_buffers = [b for b in self._buffers if b.is_floating_point()]
         other_buffers = [b for b in self._buffers if not b.is_floating_point()]
         size = self._comm_buffer_size
         if size is None:  # the model's, tuned by now when "auto" (the warm-up must cover the tuning)
             size = self._data_parallel.comm_buffer_size if self._data_parallel is not None else DEFAULT_BUCKET_MB
         bucket_bytes = megabytes_to_bytes("comm_buffer_size", size)
-        buckets = []
-        for kind, tensors in ((_DELTA, self._params), (_MEAN, float_buffers), (_FROM_FIRST_RANK, other_buffers)):
+        fragments: list[list[_Bucket]] = [[] for _ in self._fragment_indices]
+        groups = [(f, _DELTA, [self._params[i] for i in indices]) for f, indices in enumerate(self._fragment_indices)]
+        last = len(fragments) - 1
+        groups += [(last, _MEAN, float_buffers), (last, _FROM_FIRST_RANK, other_buffers)]
+        count = 0  # the rings take the buckets in turn, across fragments
+        for fragment, kind, tensors in groups:
             if not tensors:
                 continue
             for indices in assign_group_by_size(tensors, [False] * len(tensors), [bucket_bytes]):
-                ring = self._rings[len(buckets) % len(self._rings)]
-                buckets.append(_Bucket(kind, [tensors[i] for i in indices], ring, self._sync_dtype))
+                ring = self._rings[count % len(self._rings)]
+                fragments[fragment].append(_Bucket(kind, [tensors[i] for i in indices], ring, self._sync_dtype))
+                count += 1
+        buckets = [bucket for fragment in fragments for bucket in fragment]
         self._outer_optimizer = None
         snapshots = [b.snapshot for b in buckets if b.snapshot is not None]
         if self._outer == "nesterov" and snapshots:
@@ -402,7 +501,7 @@ class LocalSGD:
             if self._outer_resumed is not None:
                 self._restore_outer(buckets, self._outer_resumed)
                 self._outer_resumed = None
-        return buckets
+        return fragments
 
     def _restore_outer(self, buckets: list[_Bucket], state: dict[str, Any]) -> None:
         """A checkpoint's snapshot and momentum (per parameter) into the buckets' flat tensors."""
@@ -502,7 +601,7 @@ class _Bucket:
         if self.sent is not result:
             result.copy_(self.sent)
         if self.snapshot is not None and outer:
-            self.snapshot.grad = result.div_(world_size)  # the pseudo-gradient
+            self.snapshot.grad = result.div_(world_size)  # the pseudo-gradient, cleared by take_snapshot
             return
         if self.snapshot is not None:
             # snapshot - mean(delta): the mean of the ranks' parameters, and the next snapshot.
@@ -513,9 +612,11 @@ class _Bucket:
         self._scatter(result)
 
     def take_snapshot(self) -> None:
-        """Every rank's parameters become the snapshot the outer optimizer just stepped."""
+        """Every rank's parameters become the snapshot the outer optimizer just stepped; the
+        pseudo-gradient is dropped, so that the next outer step (another fragment's) leaves this one be."""
         if self.snapshot is not None:
             self._scatter(self.snapshot)
+            self.snapshot.grad = None
 
     def _scatter(self, result: torch.Tensor) -> None:
         pieces = result.split(self.numels)

@@ -215,3 +215,86 @@ def test_hooks_no_sync_local_sgd_autotune_and_early_termination():
             assert f"rank(s) {early} ran out of inputs" in message and "synchronised step 2" in message, message
     assert results[0]["no_sync"][1] == 3, "the early rank shadows the 3 synchronised steps it missed"
     assert results[0]["no_batch"] == 3, "a rank without a batch shadows every step"
+
+
+def fragment_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def streaming_case(rank: int, steps: list[int], outer: str) -> tuple[bool, int, list[float]]:
+    """Streaming DiLoCo (K=4, F=2) under Join: the rank that ran out shadows each fragment's sync with
+    its model as it stands; after the context and ``finish()`` every rank holds the last joiner's model."""
+    lit_dp.init_parallel_env()
+    model = lit_dp.DataParallel(fragment_net(), comm_buffer_size=TINY_MB)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = lit_dp.LocalSGD(model, local_steps=4, fragments=2, outer=outer, outer_lr=0.8, outer_momentum=0.5)
+    with model.join():
+        for step in range(steps[rank]):
+            step_loss(model, "plain", rank, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            averager.step()
+    averager.finish()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return identical_everywhere(model), averager.step_count, flat.tolist()
+
+
+def streaming_reference(steps: list[int], outer: str) -> torch.Tensor:
+    """One process: every rank steps while it has a batch; fragment 0 is synced after steps 2 + 4n and
+    fragment 1 after 4 + 4n by every rank's model as it stands (averaged, or the outer Nesterov step on
+    the fragment's own snapshot and momentum); the ranks then take the last joiner's model, and
+    ``finish()`` syncs each fragment stepped since its last sync."""
+    from lit_dp.local_sgd import assign_fragments  # the cut itself is tested on its own
+
+    models = [fragment_net() for _ in steps]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    fragments = assign_fragments([p.numel() * p.element_size() for p in models[0].parameters()], 2)
+    snapshots = [p.detach().clone() for p in models[0].parameters()]
+    momenta: dict[int, torch.Tensor] = {}
+    last_syncs = [0, 0]
+
+    @torch.no_grad()
+    def sync(fragment: int, number: int) -> None:
+        last_syncs[fragment] = number
+        for index in fragments[fragment]:
+            params = [list(m.parameters())[index] for m in models]
+            mean = torch.stack([snapshots[index] - p for p in params]).mean(dim=0)
+            if outer == "average":
+                snapshots[index] -= mean
+            else:
+                momenta[index] = momenta[index] * 0.5 + mean if index in momenta else mean.clone()
+                snapshots[index] -= 0.8 * (mean + 0.5 * momenta[index])
+            for p in params:
+                p.copy_(snapshots[index])
+
+    end = max(steps)
+    for number in range(1, end + 1):
+        for rank, (model, optimizer) in enumerate(zip(models, optimizers)):
+            if number <= steps[rank]:
+                step_loss(model, "plain", rank, number - 1).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        if number % 2 == 0:
+            sync(0 if number % 4 == 2 else 1, number)
+    with torch.no_grad():  # Join's final broadcast of the last joiner's model
+        for model in models[:-1]:
+            for mine, last in zip(model.parameters(), models[-1].parameters()):
+                mine.copy_(last)
+    for fragment in (0, 1):
+        if end > last_syncs[fragment]:
+            sync(fragment, end)
+    return torch.cat([p.detach().reshape(-1) for p in models[-1].parameters()])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_streaming_fragments_are_shadowed_by_the_rank_that_ran_out(outer):
+    steps = [5, 11]  # rank 0 joins after 5 steps and shadows the fragment syncs after 6, 8 and 10
+    results = run_ranks(streaming_case, 2, steps, outer, timeout=150)
+    expected = streaming_reference(steps, outer)
+    for rank, (identical, step_count, flat) in results.items():
+        assert identical, f"rank {rank}: models differ after the Join"
+        assert step_count == 11, f"rank {rank}: the last joiner's schedule was not adopted ({step_count})"
+        torch.testing.assert_close(torch.tensor(flat), expected, msg=lambda m: f"rank {rank}: {m}")

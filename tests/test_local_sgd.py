@@ -71,6 +71,7 @@ def simulate(
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor] = mse,
     outer: tuple[float, float] | None = None,
     wire: torch.dtype | None = None,
+    fragments: list[list[str]] | None = None,
 ) -> list[nn.Module]:
     """The rule on one process: ``steps[i] = (optimizer index, [rank][micro-batch])``; returns each rank's model.
 
@@ -82,19 +83,26 @@ def simulate(
 
     ``outer=(lr, momentum)``: DiLoCo (``outer="nesterov"``) instead of the mean; ``wire``: the deltas
     are summed in that dtype (``sync_dtype``).
+
+    ``fragments``: streaming DiLoCo, the parameter names of each fragment; fragment f is synced after
+    the steps ``W + (f+1) * K/F + n*K`` and at the end, the buffers with the last fragment.
     """
     world_size = len(steps[0][1])
     models = [copy.deepcopy(model) for _ in range(world_size)]
     optimizers = [make_optimizers(m) for m in models]
-    last_average, period, first = warmup_steps, local_steps, None
+    groups: list[list[str] | None] = list(fragments) if fragments is not None else [None]
+    count = len(groups)
+    last_syncs = [warmup_steps - local_steps + (f + 1) * local_steps // count for f in range(count)]
+    period, first = local_steps, None
     synced_by_outer = outer is not None or wire is not None
     outer_state = OuterState(models[0], outer, wire) if warmup_steps == 0 and synced_by_outer else None
 
-    def average(models: list[nn.Module]) -> None:
+    def average(models: list[nn.Module], fragment: int) -> None:
+        names, buffers = groups[fragment], fragment == count - 1
         if outer_state is None:
-            average_models(models)
+            average_models(models, names, buffers)
         else:
-            outer_state.sync(models)
+            outer_state.sync(models, names, buffers)
 
     for number, (which, micro_batches) in enumerate(steps, start=1):
         if 1 < number <= warmup_steps + 1:
@@ -122,9 +130,10 @@ def simulate(
             rank_optimizers[which].zero_grad(set_to_none=True)
         if number == warmup_steps and synced_by_outer:
             outer_state = OuterState(models[0], outer, wire)  # the local phase starts: every rank holds these
-        if number > warmup_steps and number - last_average == period:
-            average(models)
-            last_average = number
+        due = [f for f, last in enumerate(last_syncs) if number > warmup_steps and number - last == period]
+        if due:
+            average(models, due[0])
+            last_syncs[due[0]] = number
             if adaptive:
                 period = adaptive_period(local_steps, first[0], first[1], sum(losses) / world_size, lr)
         if number == reset_after:
@@ -132,8 +141,9 @@ def simulate(
                 models[rank].load_state_dict(models[0].state_dict())
                 for mine, rank0 in zip(optimizers[rank], optimizers[0]):
                     mine.load_state_dict(rank0.state_dict())
-    if len(steps) > max(last_average, warmup_steps):
-        average(models)
+    for fragment, last in enumerate(last_syncs):
+        if len(steps) > max(last, warmup_steps):
+            average(models, fragment)
     return models
 
 
@@ -146,9 +156,12 @@ class OuterState:
         self.momentum: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def sync(self, models: list[nn.Module]) -> None:
-        average_models(models)  # buffers as averaging treats them; the parameters are replaced below
+    def sync(self, models: list[nn.Module], names: list[str] | None = None, buffers: bool = True) -> None:
+        """Parameters ``names`` (None: all), and the buffers as averaging treats them if ``buffers``."""
+        average_models(models, [], buffers)
         for name, snapshot in self.snapshot.items():
+            if names is not None and name not in names:
+                continue
             params = [dict(m.named_parameters())[name] for m in models]
             deltas = [snapshot - p for p in params]
             if self.wire is not None:
@@ -168,10 +181,16 @@ class OuterState:
 
 
 @torch.no_grad()
-def average_models(models: list[nn.Module]) -> None:
-    """Parameters and float buffers: the mean; other buffers: rank 0's."""
+def average_models(models: list[nn.Module], names: list[str] | None = None, buffers: bool = True) -> None:
+    """Parameters (only ``names`` unless None) and float buffers: the mean; other buffers: rank 0's
+    (``buffers=False``: the buffers are left as they are)."""
     states = [m.state_dict() for m in models]
+    parameters = {name for name, _ in models[0].named_parameters()}
     for name, value in states[0].items():
+        if name in parameters and names is not None and name not in names:
+            continue
+        if name not in parameters and not buffers:
+            continue
         result = torch.stack([s[name] for s in states]).mean(dim=0) if value.is_floating_point() else value.clone()
         for state in states:
             state[name].copy_(result)

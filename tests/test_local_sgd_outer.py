@@ -35,6 +35,7 @@ from tests.test_local_sgd import (
 )
 
 OUTER = (0.8, 0.5)
+OUTER_DEFAULTS = (DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM)
 
 
 def _train(model, optimizer, local_sgd, steps, rank, first=0, last=None) -> int:
@@ -140,6 +141,126 @@ def test_outer_optimizer_matches_the_simulation_and_resumes_exactly(tmp_path):
     assert results[0]["last_sync"] == (14, sync_bytes, True)
 
 
+def fragment_names(model: nn.Module, fragments: int) -> list[list[str]]:
+    """The parameter names of each fragment, as ``lit_dp.LocalSGD`` cuts them (``assign_fragments``, tested alone)."""
+    from lit_dp.local_sgd import assign_fragments
+
+    names, sizes = zip(*((name, p.numel() * p.element_size()) for name, p in model.named_parameters()))
+    return [[names[i] for i in indices] for indices in assign_fragments(list(sizes), fragments)]
+
+
+def fragment_cases(rank: int, tmp_path: str) -> dict:
+    """Streaming DiLoCo (``fragments=F``) by hand against the simulation; F=1 bit for bit as the default;
+    an exact mid-period resume with per-fragment snapshots and momenta; the traffic per fragment."""
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    world_size = dist.get_world_size()
+    report: dict = {"syncs": []}
+    for name, outer, k, w, fragments, comm_mb in (
+        ("sgd", "average", 4, 2, 2, 25),
+        ("adam", "nesterov", 4, 0, 4, 25),
+        ("momentum", "nesterov", 6, 1, 3, 64 / 2**20),  # one bucket per tensor, over the rings
+    ):
+        label = f"{name} outer={outer} K={k} W={w} F={fragments} rank {rank}"
+        steps = random_steps(15, world_size, seed=k + fragments)  # 15: finish() syncs fragments mid-period
+        model = lit_dp.DataParallel(Net(), comm_buffer_size=comm_mb, last_comm_buffer_size=comm_mb)
+        (optimizer,) = OPTIMIZERS[name](model)
+        local_sgd = lit_dp.LocalSGD(
+            model, k, w, comm_buffer_size=comm_mb, outer=outer, outer_lr=OUTER[0], outer_momentum=OUTER[1],
+            fragments=fragments,
+        )  # fmt: skip
+        syncs = []
+        for number, (_, micro_batches) in enumerate(steps, start=1):
+            mse(model, micro_batches[rank][0]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if local_sgd.step():
+                syncs.append((number, local_sgd.sync_stats().bytes))
+        local_sgd.finish()
+        report["syncs"].append(syncs)
+        expected = simulate(
+            Net(), OPTIMIZERS[name], steps, k, w, outer=OUTER if outer == "nesterov" else None,
+            fragments=fragment_names(Net(), fragments),
+        )  # fmt: skip
+        assert_same_state(model.module, expected[rank], label)
+
+    # fragments=1 is the unfragmented sync, bit for bit.
+    steps = random_steps(10, world_size, seed=4)
+    weights = []
+    for extra in ({}, {"fragments": 1}):
+        model = lit_dp.DataParallel(Net())
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        local_sgd = lit_dp.LocalSGD(model, 3, 1, outer="nesterov", **extra)
+        _train(model, optimizer, local_sgd, steps, rank)
+        local_sgd.finish()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    report["f1_bitwise"] = all(torch.equal(p, q) for p, q in zip(*weights))
+
+    # Resume mid-period (after step 11: fragment 0 last synced after 8, 1 after 10), each rank from its own checkpoint.
+    steps = random_steps(16, world_size, seed=12)
+
+    def build():
+        model = lit_dp.DataParallel(Net())
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        local_sgd = lit_dp.LocalSGD(model, 4, 2, outer="nesterov", outer_lr=0.7, outer_momentum=0.6, fragments=2)
+        return model, optimizer, local_sgd
+
+    model, optimizer, local_sgd = build()
+    _train(model, optimizer, local_sgd, steps, rank)
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, local_sgd = build()
+    _train(model, optimizer, local_sgd, steps, rank, last=11)
+    path = f"{tmp_path}/rank{rank}.pt"
+    saved = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "local_sgd": local_sgd.state_dict()}
+    torch.save(saved, path)
+    report["saved"] = {key: value for key, value in local_sgd.state_dict().items() if key != "outer"}
+    model, optimizer, local_sgd = build()
+    saved = torch.load(path, weights_only=True)
+    model.module.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    local_sgd.load_state_dict(saved["local_sgd"])
+    _train(model, optimizer, local_sgd, steps, rank, first=11)
+    report["resume_exact"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), uninterrupted))
+    report["traffic"] = local_sgd.traffic()
+
+    # The replica-consistency check: never between fragment syncs (the fragments differ by design), once after finish().
+    model = lit_dp.DataParallel(Net(), consistency_every_n_steps=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_sgd = lit_dp.LocalSGD(model, 2, outer="nesterov", fragments=2)
+    _train(model, optimizer, local_sgd, random_steps(12, world_size, seed=3), rank)
+    report["consistency_before_finish"] = model.consistency.summary()
+    local_sgd.finish()
+    report["consistency"] = model.consistency.summary()
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fragments_match_the_simulation_and_resume_exactly(tmp_path):
+    results = run_ranks(fragment_cases, 2, str(tmp_path), timeout=240, FLAGS_nccl_nrings="2")
+    sizes = [p.numel() * 4 for p in Net().parameters()]  # float32
+    buffers = sum(b.numel() * b.element_size() for b in Net().buffers())  # with the last fragment
+    for rank, report in results.items():
+        assert report["f1_bitwise"], f"rank {rank}: fragments=1 differs from the default"
+        assert report["resume_exact"], f"rank {rank}: the resumed run's weights differ from the uninterrupted run's"
+        assert report["saved"]["fragments"] == 2 and report["saved"]["last_syncs"] == [8, 10], report["saved"]
+        assert report["consistency_before_finish"].startswith("0 checks"), report["consistency_before_finish"]
+        assert report["consistency"].startswith("1 check every 4 synchronised steps (1 after LocalSGD averages); the replicas agreed"), report
+    # K=4, W=2, F=2 (Net's fragments: stem.weight | the rest): fragment 0 after 4, 8, 12; fragment 1 after 6, 10, 14.
+    first, rest = sizes[0], sum(sizes[1:]) + buffers
+    assert results[0]["syncs"][0] == [(4, first), (6, rest), (8, first), (10, rest), (12, first), (14, rest)]
+    # K=4, W=0, F=4: one fragment every step from step 1.
+    assert [step for step, _ in results[0]["syncs"][1]] == list(range(1, 16))
+    # The resumed object's own traffic: fragment 0 after 12 and 16, fragment 1 after 14; no sync larger than a
+    # fragment, and over whole periods the same bytes per step as one sync of everything every K.
+    traffic = results[0]["traffic"]
+    assert traffic["syncs"] == 3 and traffic["max_bytes_per_sync"] == max(first, rest)
+    assert traffic["bytes_per_step"] == (2 * first + rest) / 5
+
+
 def bitwise_average_case(rank: int) -> bool:
     """``outer="average"``: after an average every parameter is exactly ``s - (d_0 + d_1) / 2`` (sub with alpha), as before DiLoCo."""
     import torch.distributed as dist
@@ -206,6 +327,47 @@ def test_lightning_strategy_runs_the_outer_optimizer_and_resumes_mid_period(tmp_
     assert results[0] == results[1] and results[0][-1] == (16, 16)
 
 
+def lightning_fragment_cases(rank: int, tmp_path: str) -> list:
+    """The Trainer strategy with ``local_sgd_fragments=2``: the simulation's weights, uninterrupted and
+    resumed from a checkpoint taken between two fragment syncs."""
+
+    def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(net.parameters(), lr=0.1)]
+
+    def check(module: Regressor, expected: list[nn.Module], label: str) -> None:
+        for (name, ours), theirs in zip(module.net.named_parameters(), expected[rank].parameters()):
+            torch.testing.assert_close(ours, theirs, msg=lambda m: f"{label} rank {rank}: {name}: {m}")
+
+    net = Regressor().net
+    fragments = fragment_names(net, 2)
+    # 4 steps per epoch, W=1, K=4, F=2: fragment 0 after steps 3, 7, 11, 15, fragment 1 after 5, 9, 13; the
+    # checkpoint after step 8 falls between two syncs of each.
+    options = dict(local_sgd_steps=4, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_fragments=2)
+    module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
+    steps = lightning_steps(4)
+    expected = simulate(net, net_optimizer, steps, 4, 1, loss_fn=regression_loss, outer=OUTER_DEFAULTS, fragments=fragments)
+    check(module, expected, "uninterrupted")
+    checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
+    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
+    saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]
+    assert saved["last_syncs"] == [7, 5], saved["last_syncs"]
+    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
+    expected = simulate(
+        net, net_optimizer, steps, 4, 1, reset_after=8, loss_fn=regression_loss, outer=OUTER_DEFAULTS, fragments=fragments
+    )
+    check(module, expected, "resumed")
+    return resumed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_strategy_runs_fragments_and_resumes_between_syncs(tmp_path):
+    results = run_ranks(lightning_fragment_cases, 2, str(tmp_path), timeout=240)
+    # (steps, the last fragment's last sync) after each batch: 16 steps, fragment 1 last synced after 13.
+    assert results[0] == results[1] and results[0][-1] == (16, 13)
+
+
 def fabric_outer(fabric: Fabric) -> list[list[float]]:
     """``lit_dp.LocalSGD(outer="nesterov")`` in a Fabric loop, on the model Fabric set up."""
     import lit_dp
@@ -255,11 +417,15 @@ def test_recipe_runs_diloco_from_hydra_and_prints_its_traffic(tmp_path):
 
 
 def test_hydra_options_reach_the_strategy(tmp_path):
-    overrides = ["strategy.local_sgd.steps=16", "strategy.local_sgd.outer=nesterov", "strategy.local_sgd.sync_dtype=bf16"]
+    overrides = [
+        "strategy.local_sgd.steps=16", "strategy.local_sgd.outer=nesterov", "strategy.local_sgd.sync_dtype=bf16",
+        "strategy.local_sgd.fragments=4",
+    ]  # fmt: skip
     options = build_strategy(compose_config("gpt", overrides, tmp_path).strategy).options
     assert options.local_sgd == LocalSGDOptions(
-        steps=16, outer="nesterov", outer_lr=DEFAULT_OUTER_LR, outer_momentum=DEFAULT_OUTER_MOMENTUM, sync_dtype="bf16"
-    )
+        steps=16, outer="nesterov", outer_lr=DEFAULT_OUTER_LR, outer_momentum=DEFAULT_OUTER_MOMENTUM, sync_dtype="bf16",
+        fragments=4,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -274,6 +440,14 @@ def test_hydra_options_reach_the_strategy(tmp_path):
         (dict(local_sgd_steps=4, comm_buffer_size="auto"), "comm_buffer_size='auto' with local_sgd_steps=4 and local_sgd_warmup_steps=0"),
         (dict(local_sgd_steps=4, local_sgd_outer="nesterov", sharding_stage=2), "sharding_stage=2 with local_sgd_steps=4"),
         (dict(local_sgd_steps=4, local_sgd_outer="nesterov", fault_tolerance="torchft"), "local_sgd_steps"),
+        (dict(local_sgd_fragments=4), "local_sgd_fragments=4 needs local_sgd_steps"),
+        (dict(local_sgd_steps=6, local_sgd_fragments=4), "local_sgd_fragments=4 with local_sgd_steps=6 is invalid"),
+        (dict(local_sgd_steps=2, local_sgd_fragments=4), "expected local_sgd_steps a multiple of local_sgd_fragments"),
+        (
+            dict(local_sgd_steps=4, local_sgd_fragments=2, local_sgd_adaptive=True),
+            "local_sgd_fragments=2 with local_sgd_adaptive=True is invalid",
+        ),
+        (dict(local_sgd_steps=4, local_sgd_fragments=0), "local_sgd_fragments=0 is invalid: expected an integer >= 1"),
     ],
 )
 def test_strategy_refuses_what_does_not_combine_by_name(options, message):
@@ -300,3 +474,40 @@ def test_library_rejects_bad_outer_arguments_by_name():
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             lit_dp.LocalSGD(nn.Linear(2, 2), 4, **kwargs)
+
+
+def test_fragments_are_contiguous_runs_of_about_equal_bytes():
+    from lit_dp.local_sgd import assign_fragments
+
+    assert assign_fragments([4] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert assign_fragments([100, 1, 1, 1, 100], 2) == [[0, 1, 2], [3, 4]]
+    assert assign_fragments([1000, 1, 1], 3) == [[0], [1], [2]]  # never empty, whatever the sizes
+    assert assign_fragments([5, 6], 1) == [[0, 1]]
+    with pytest.raises(ValueError, match=re.escape("fragments=3 is invalid for a model of 2 trainable tensors")):
+        assign_fragments([5, 6], 3)
+
+
+def test_a_state_saved_before_fragments_loads_as_one_fragment():
+    import lit_dp
+
+    before = {"step": 9, "last_average": 8, "local_steps": 4, "loss_0": None, "lr_0": None}  # no fragments
+    local_sgd = lit_dp.LocalSGD(nn.Linear(2, 2), 4)
+    local_sgd.load_state_dict(before)
+    assert (local_sgd.step_count, local_sgd.last_average, local_sgd.fragments) == (9, 8, 1)
+    assert local_sgd.state_dict()["last_syncs"] == [8]
+    with pytest.raises(ValueError, match=re.escape("saved with fragments=1, this LocalSGD has fragments=2")):
+        lit_dp.LocalSGD(nn.Linear(2, 2), 4, fragments=2).load_state_dict(before)
+
+
+def test_library_rejects_bad_fragments_by_name():
+    import lit_dp
+
+    for args, kwargs, message in (
+        ((4,), dict(fragments=0), "fragments=0 is invalid: expected an integer >= 1"),
+        ((6,), dict(fragments=4), "fragments=4 with local_steps=6 is invalid"),
+        ((2,), dict(fragments=4), "fragments=4 with local_steps=2 is invalid"),
+        ((4,), dict(fragments=2, adaptive=True), "fragments=2 with adaptive=True is invalid"),
+        ((4,), dict(fragments=4), "fragments=4 is invalid for a model of 2 trainable tensors"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            lit_dp.LocalSGD(nn.Linear(2, 2), *args, **kwargs)

@@ -276,7 +276,7 @@ class SyncRecorder:
         self._clock = clock_for(device)
         self._pending: deque[tuple[int, int, Any, Any, Any]] = deque()
         self._last: SyncStats | None = None
-        self._totals = [0, 0, 0.0, 0.0]  # averages, bytes, time_ms, exposed_ms
+        self._totals = [0, 0, 0.0, 0.0, 0]  # averages, bytes, time_ms, exposed_ms, the largest average's bytes
 
     def mark(self) -> Any:
         return self._clock.mark()
@@ -291,15 +291,16 @@ class SyncRecorder:
         return self._last
 
     def summary(self, steps: int) -> dict[str, float]:
-        """Over the resolved averages: their count, mean bytes, time and exposed time, and the bytes per
-        step over ``steps`` steps; {} before the first."""
+        """Over the resolved averages: their count, mean and largest bytes, time and exposed time, and the
+        bytes per step over ``steps`` steps; {} before the first."""
         self._resolve()
-        count, nbytes, time_ms, exposed_ms = self._totals
+        count, nbytes, time_ms, exposed_ms, largest = self._totals
         if not count:
             return {}
         return {
             "syncs": float(count),
             "bytes_per_sync": nbytes / count,
+            "max_bytes_per_sync": float(largest),
             "time_ms": time_ms / count,
             "exposed_ms": exposed_ms / count,
             "bytes_per_step": nbytes / steps if steps else 0.0,
@@ -315,3 +316,4 @@ class SyncRecorder:
             totals[1] += nbytes
             totals[2] += self._last.time_ms
             totals[3] += self._last.exposed_ms
+            totals[4] = max(totals[4], nbytes)

@@ -96,7 +96,19 @@ class LocalSGDOptions:
         scope=ONLY_TRAINER,
         config=Optional[str],
     )
+    fragments: int = option(
+        default=1,
+        help="streaming DiLoCo: sync the model in F fragments, one every K/F steps (K a multiple of F); 1: all at once",
+        check=count(1),
+        scope=ONLY_TRAINER,
+        config=int,
+        examples=(2,),
+    )
 
+
+def _fragments_do_not_divide(options: Any) -> bool:
+    steps, fragments = options.local_sgd.steps, options.local_sgd.fragments
+    return steps is not None and fragments > 1 and steps % fragments != 0
 
 
 RULES = (
@@ -113,7 +125,21 @@ RULES = (
     ),
     *(
         requires(f"local_sgd.{name}", "local_sgd.steps", "expected the period K, e.g. 16", set_only=True)
-        for name in ("outer", "outer_lr", "outer_momentum", "sync_dtype")
+        for name in ("outer", "outer_lr", "outer_momentum", "sync_dtype", "fragments")
+    ),
+    excludes(
+        "local_sgd.fragments",
+        "local_sgd.steps",
+        when=_fragments_do_not_divide,
+        reason="fragment f syncs at the steps W + (f+1)*K/F + n*K, so K must be a multiple of F (and F <= K); "
+        "expected {local_sgd.steps} a multiple of {local_sgd.fragments}, e.g. 16 with 4",
+    ),
+    excludes(
+        "local_sgd.fragments",
+        "local_sgd.adaptive",
+        when=lambda o: o.local_sgd.fragments > 1 and o.local_sgd.adaptive,
+        reason="the fragments' offsets are fixed fractions of K, which the adaptive rule changes at every sync; "
+        "expected {local_sgd.fragments}=1 or {local_sgd.adaptive}=False",
     ),
     excludes(
         "comm_buffer_size",

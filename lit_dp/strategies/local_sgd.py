@@ -60,8 +60,12 @@ class LocalSGDSchedule(Feature):
             outer_lr=options.outer_lr,
             outer_momentum=options.outer_momentum,
             sync_dtype=options.sync_dtype,
+            fragments=options.fragments,
         )
-        log.debug("LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD)")
+        log.debug(
+            "LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD), in %d fragment(s)",
+            self.local_sgd.fragments,
+        )
         if self._resumed is not None:
             log.debug("LocalSGD: schedule restored from the checkpoint")
             self.local_sgd.load_state_dict(self._resumed)

@@ -12,13 +12,22 @@ TINY = '["data.max_bytes=30000","data.block_size=32","data.batch_size=4","model.
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # four recipe runs of 2 ranks, a few minutes on a loaded 2-core machine
+@pytest.mark.timeout(1200)  # five recipe runs of 2 ranks, a few minutes on a loaded 2-core machine
 def test_gpt_benchmark_reports_every_mode_with_its_traffic(tmp_path):
-    output = run_benchmark("local_sgd_gpt", "local_steps=[2]", "max_steps=4", f"extra={TINY}", f"hydra.run.dir={tmp_path}", timeout=1100)
-    rows = {m.group(1): m.groups()[1:] for m in re.finditer(r"^\| ([\w +=]+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", output, re.M)}
-    assert set(rows) == {"data parallel", "average K=2", "nesterov K=2", "nesterov+bf16 K=2"}, output
+    output = run_benchmark(
+        "local_sgd_gpt", "local_steps=[2]", "max_steps=4", "fragments=[2]", f"extra={TINY}", f"hydra.run.dir={tmp_path}",
+        timeout=1100,
+    )  # fmt: skip
+    rows = {
+        m.group(1): m.groups()[1:]
+        for m in re.finditer(r"^\| ([\w +=]+?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", output, re.M)
+    }
+    assert set(rows) == {"data parallel", "average K=2", "nesterov K=2", "nesterov+bf16 K=2", "nesterov F=2 K=2"}, output
     assert float(rows["average K=2"][2]) == pytest.approx(0.5, abs=0.01)  # an average every 2 steps: half DP's bytes
     assert float(rows["nesterov+bf16 K=2"][2]) == pytest.approx(0.25, abs=0.01)
+    # Streaming: the same bytes per step, about half the model per sync (two fragments of whole tensors).
+    assert float(rows["nesterov F=2 K=2"][2]) == pytest.approx(0.5, abs=0.01)
+    assert 0.3 < float(rows["nesterov F=2 K=2"][3]) / float(rows["nesterov K=2"][3]) < 0.7, output
 
 
 @pytest.mark.slow
