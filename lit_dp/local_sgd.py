@@ -299,10 +299,12 @@ class LocalSGD:
         return fragment is not None
 
     def _due_fragment(self) -> int | None:
-        """The fragment whose period ends with this step, if any (at most one: their offsets differ)."""
+        """The fragment whose period ends with this step, if any (at most one: their offsets differ).
+        Overdue counts as due: a run resumed with a smaller K syncs at its first step past it (the
+        lowest overdue fragment first, one per step), rather than never again."""
         if self._step <= self._warmup_steps:
             return None
-        return next((f for f, last in enumerate(self._last_syncs) if self._step - last == self._local_steps), None)
+        return next((f for f, last in enumerate(self._last_syncs) if self._step - last >= self._local_steps), None)
 
     def shadow_step(self, agree_first: bool, fragment: int | None) -> None:
         """The collectives of a ``step()`` that the ranks still in take, on a rank that joined

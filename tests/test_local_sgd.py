@@ -479,3 +479,16 @@ def test_the_model_is_told_its_phase_and_the_old_names_warn_and_still_work():
     with pytest.warns(DeprecationWarning, match=r"DataParallel.use_local_sgd is deprecated.*keep_gradients_local"):
         other.use_local_sgd(averager)
     assert other.join_state.local_sgd is averager
+
+
+def test_a_run_resumed_with_a_smaller_period_syncs_at_its_first_step_past_it():
+    """Saved 6 steps after the last average with K=8, resumed with K=4: the next step is overdue and
+    averages (it used to wait for a step exactly K after the last average, which never came)."""
+    import lit_dp
+
+    saved = lit_dp.LocalSGD(nn.Linear(4, 2), local_steps=8)
+    assert not any(saved.step() for _ in range(6))
+    resumed = lit_dp.LocalSGD(nn.Linear(4, 2), local_steps=4)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.step(), "step 7 is 7 steps after the last average: overdue with K=4"
+    assert [resumed.step() for _ in range(4)] == [False, False, False, True]  # then every 4 steps
