@@ -7,8 +7,8 @@ model per rank, the outer Nesterov step written out (``OuterState``), not lit_dp
 from __future__ import annotations
 
 import re
+from functools import partial
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -291,32 +291,41 @@ def test_outer_average_is_the_unchanged_average_bit_for_bit():
     assert run_ranks(bitwise_average_case, 2, timeout=120) == {0: True, 1: True}
 
 
+def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SGD(net.parameters(), lr=0.1)]
+
+
+def check_against_simulation(module: Regressor, expected: list[nn.Module], label: str, rank: int) -> None:
+    for (name, ours), theirs in zip(module.net.named_parameters(), expected[rank].parameters()):
+        torch.testing.assert_close(ours, theirs, msg=lambda m: f"{label} rank {rank}: {name}: {m}")
+
+
+def uninterrupted_and_resumed(rank: int, tmp_path: str, options: dict, period: int, **simulation) -> tuple[dict, list]:
+    """4 epochs of 4 steps (W=1) uninterrupted, then 2 and a resume to 4 from the checkpoint after step 8,
+    each against the simulation; returns the checkpoint's ``local_sgd`` entry and the resumed schedule."""
+    check = partial(check_against_simulation, rank=rank)
+    net = Regressor().net
+    steps = lightning_steps(4)
+    module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
+    check(module, simulate(net, net_optimizer, steps, period, 1, loss_fn=regression_loss, **simulation), "uninterrupted")
+    checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
+    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
+    saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]
+    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
+    expected = simulate(net, net_optimizer, steps, period, 1, reset_after=8, loss_fn=regression_loss, **simulation)
+    check(module, expected, "resumed")
+    return saved, resumed
+
+
 def lightning_outer_cases(rank: int, tmp_path: str) -> list:
     """The Trainer strategy with ``local_sgd_outer="nesterov"``: the simulation's weights, and a resume from
     a mid-period checkpoint (rank 0's model and optimizer, the outer state of every rank) on schedule."""
-
-    def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
-        return [torch.optim.SGD(net.parameters(), lr=0.1)]
-
-    def check(module: Regressor, expected: list[nn.Module], label: str) -> None:
-        for (name, ours), theirs in zip(module.net.named_parameters(), expected[rank].parameters()):
-            torch.testing.assert_close(ours, theirs, msg=lambda m: f"{label} rank {rank}: {name}: {m}")
-
-    net = Regressor().net
-    # 4 steps per epoch, W=1, K=3: averages after steps 4, 7, 10, ...; the checkpoint after step 8 is mid-period.
+    # K=3: averages after steps 4, 7, 10, ...; the checkpoint after step 8 is mid-period.
     options = dict(local_sgd_steps=3, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_outer_lr=OUTER[0],
                    local_sgd_outer_momentum=OUTER[1])  # fmt: skip
-    module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
-    steps = lightning_steps(4)
-    check(module, simulate(net, net_optimizer, steps, 3, 1, loss_fn=regression_loss, outer=OUTER), "uninterrupted")
-    checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
-    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
-    saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]["outer"]
-    assert saved["momentum"][0] is not None, "the outer momentum was not checkpointed"
-    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
-    assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
-    expected = simulate(net, net_optimizer, steps, 3, 1, reset_after=8, loss_fn=regression_loss, outer=OUTER)
-    check(module, expected, "resumed")
+    saved, resumed = uninterrupted_and_resumed(rank, tmp_path, options, 3, outer=OUTER)
+    assert saved["outer"]["momentum"][0] is not None, "the outer momentum was not checkpointed"
     return resumed
 
 
@@ -330,33 +339,12 @@ def test_lightning_strategy_runs_the_outer_optimizer_and_resumes_mid_period(tmp_
 def lightning_fragment_cases(rank: int, tmp_path: str) -> list:
     """The Trainer strategy with ``local_sgd_fragments=2``: the simulation's weights, uninterrupted and
     resumed from a checkpoint taken between two fragment syncs."""
-
-    def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
-        return [torch.optim.SGD(net.parameters(), lr=0.1)]
-
-    def check(module: Regressor, expected: list[nn.Module], label: str) -> None:
-        for (name, ours), theirs in zip(module.net.named_parameters(), expected[rank].parameters()):
-            torch.testing.assert_close(ours, theirs, msg=lambda m: f"{label} rank {rank}: {name}: {m}")
-
-    net = Regressor().net
-    fragments = fragment_names(net, 2)
-    # 4 steps per epoch, W=1, K=4, F=2: fragment 0 after steps 3, 7, 11, 15, fragment 1 after 5, 9, 13; the
-    # checkpoint after step 8 falls between two syncs of each.
+    # K=4, F=2: fragment 0 after steps 3, 7, 11, 15, fragment 1 after 5, 9, 13; the checkpoint after step 8
+    # falls between two syncs of each.
     options = dict(local_sgd_steps=4, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_fragments=2)
-    module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
-    steps = lightning_steps(4)
-    expected = simulate(net, net_optimizer, steps, 4, 1, loss_fn=regression_loss, outer=OUTER_DEFAULTS, fragments=fragments)
-    check(module, expected, "uninterrupted")
-    checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
-    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
-    saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]
+    fragments = fragment_names(Regressor().net, 2)
+    saved, resumed = uninterrupted_and_resumed(rank, tmp_path, options, 4, outer=OUTER_DEFAULTS, fragments=fragments)
     assert saved["last_syncs"] == [7, 5], saved["last_syncs"]
-    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
-    assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
-    expected = simulate(
-        net, net_optimizer, steps, 4, 1, reset_after=8, loss_fn=regression_loss, outer=OUTER_DEFAULTS, fragments=fragments
-    )
-    check(module, expected, "resumed")
     return resumed
 
 
