@@ -69,7 +69,7 @@ from torch import nn
 from lit_dp import join
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.broadcast import ddp_ignored, synced_buffers, synced_parameters
-from lit_dp.gradients.buckets import assign_group_by_size, megabytes_to_bytes
+from lit_dp.gradients.buckets import assign_fragments, assign_group_by_size, megabytes_to_bytes
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
 from lit_dp.observability.stats import SyncRecorder, SyncStats
@@ -95,29 +95,6 @@ _WIRE_DTYPES = dict(zip(SYNC_DTYPES, (torch.bfloat16,)))
 def _check_count(option: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{option}={value!r} is invalid: expected an integer >= {low}.")
-
-
-def assign_fragments(nbytes: list[int], fragments: int) -> list[list[int]]:
-    """Indices ``0..len(nbytes)-1`` cut into ``fragments`` contiguous, non-empty runs of about equal
-    bytes: each boundary goes where the running total comes closest to its share of the whole."""
-    if fragments > max(len(nbytes), 1):
-        raise ValueError(
-            f"fragments={fragments} is invalid for a model of {len(nbytes)} trainable tensors: a fragment holds whole "
-            "tensors; expected at most as many fragments as tensors."
-        )
-    total, groups, start, running = sum(nbytes), [], 0, 0
-    for f in range(fragments - 1):
-        target = total * (f + 1) / fragments
-        running += nbytes[start]
-        end = start + 1
-        # Grow while that brings the running total closer to the target, leaving a tensor per fragment to come.
-        while end < len(nbytes) - (fragments - 1 - f) and abs(running + nbytes[end] - target) <= abs(running - target):
-            running += nbytes[end]
-            end += 1
-        groups.append(list(range(start, end)))
-        start = end
-    groups.append(list(range(start, len(nbytes))))
-    return groups
 
 
 def _sync_dtype(value: Any) -> torch.dtype | None:

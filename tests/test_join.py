@@ -245,7 +245,7 @@ def streaming_reference(steps: list[int], outer: str) -> torch.Tensor:
     fragment 1 after 4 + 4n by every rank's model as it stands (averaged, or the outer Nesterov step on
     the fragment's own snapshot and momentum); the ranks then take the last joiner's model, and
     ``finish()`` syncs each fragment stepped since its last sync."""
-    from lit_dp.local_sgd import assign_fragments  # the cut itself is tested on its own
+    from lit_dp.gradients.buckets import assign_fragments  # the cut itself is tested on its own
 
     models = [fragment_net() for _ in steps]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]

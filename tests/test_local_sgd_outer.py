@@ -143,7 +143,7 @@ def test_outer_optimizer_matches_the_simulation_and_resumes_exactly(tmp_path):
 
 def fragment_names(model: nn.Module, fragments: int) -> list[list[str]]:
     """The parameter names of each fragment, as ``lit_dp.LocalSGD`` cuts them (``assign_fragments``, tested alone)."""
-    from lit_dp.local_sgd import assign_fragments
+    from lit_dp.gradients.buckets import assign_fragments
 
     names, sizes = zip(*((name, p.numel() * p.element_size()) for name, p in model.named_parameters()))
     return [[names[i] for i in indices] for indices in assign_fragments(list(sizes), fragments)]
@@ -465,7 +465,7 @@ def test_library_rejects_bad_outer_arguments_by_name():
 
 
 def test_fragments_are_contiguous_runs_of_about_equal_bytes():
-    from lit_dp.local_sgd import assign_fragments
+    from lit_dp.gradients.buckets import assign_fragments
 
     assert assign_fragments([4] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert assign_fragments([100, 1, 1, 1, 100], 2) == [[0, 1, 2], [3, 4]]

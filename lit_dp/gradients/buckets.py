@@ -1,7 +1,7 @@
 """Bucket assignment: which gradients travel together in one all-reduce.
 
-A pure function with Paddle's semantics (``core.eager_assign_group_by_size``), tested without
-processes.
+Pure functions, tested without processes: Paddle's ``core.eager_assign_group_by_size``, the owners
+of sharding, and the fragments streaming LocalSGD syncs in turn.
 """
 
 from __future__ import annotations
@@ -106,3 +106,26 @@ def assign_owners(sizes: Sequence[int], world_size: int) -> list[int]:
         owners[index] = rank
         loads[rank] += sizes[index]
     return owners
+
+
+def assign_fragments(nbytes: list[int], fragments: int) -> list[list[int]]:
+    """Indices ``0..len(nbytes)-1`` cut into ``fragments`` contiguous, non-empty runs of about equal
+    bytes: each boundary goes where the running total comes closest to its share of the whole."""
+    if fragments > max(len(nbytes), 1):
+        raise ValueError(
+            f"fragments={fragments} is invalid for a model of {len(nbytes)} trainable tensors: a fragment holds whole "
+            "tensors; expected at most as many fragments as tensors."
+        )
+    total, groups, start, running = sum(nbytes), [], 0, 0
+    for f in range(fragments - 1):
+        target = total * (f + 1) / fragments
+        running += nbytes[start]
+        end = start + 1
+        # Grow while that brings the running total closer to the target, leaving a tensor per fragment to come.
+        while end < len(nbytes) - (fragments - 1 - f) and abs(running + nbytes[end] - target) <= abs(running - target):
+            running += nbytes[end]
+            end += 1
+        groups.append(list(range(start, end)))
+        start = end
+    groups.append(list(range(start, len(nbytes))))
+    return groups
