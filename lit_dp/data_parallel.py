@@ -24,7 +24,12 @@ from lit_dp.ddp_arguments import (
     refuse_a_launched_job_without_a_group,
     refuse_what_cannot_work,
 )
-from lit_dp.fault_tolerance.replica_group import JOIN_REFUSED, check_comm_hook, replica_group
+from lit_dp.fault_tolerance.replica_group import (
+    JOIN_REFUSED,
+    check_comm_hook,
+    refuse_an_asynchronous_quorum,
+    replica_group,
+)
 from lit_dp.gradients.broadcast import (
     _check_same_structure,
     ddp_ignored,
@@ -65,6 +70,7 @@ log = logging.getLogger(__name__)
 # and the observers, which hold threads, files and the rendezvous store.
 _RUNTIME_STATE = (
     "_rings", "_reducer", "_waiter", "_comm_hook", "_observers", "_gradients_local", "_parameter_gathers",
+    "_buffer_group",
 )  # fmt: skip
 
 
@@ -226,13 +232,25 @@ class DataParallel(nn.Module, Joinable):
         self.join_state = JoinState()
         self._owners: dict[int, int] = {}
         self._manager = manager
+        # The ranks buffers are broadcast among: the process group, or under a Manager this replica group's own.
+        self._buffer_group: dist.ProcessGroup | None = None
         if manager is not None:
-            # torchft (lit_dp.fault_tolerance): the group is the replica groups of the Manager's quorum.
+            # torchft (lit_dp.fault_tolerance): the group is the replica groups of the Manager's quorum,
+            # hierarchically when this replica group has several ranks of its own.
             refuse_what_replicas_cannot_follow(options, UNDER_MANAGER)
-            rings = [replica_group(manager, group, bool(_sparse_gradient_parameters(module)))]
-            self.forward_sync_buffers = False  # each replica group keeps its buffers (see the docstring)
+            within = group if group is not None else _default_group()
+            rings = [replica_group(manager, within, bool(_sparse_gradient_parameters(module)))]
+            if within is not None and within.size() > 1:
+                # Inside its replica group a model is DDP's: one start, the buffers of the group's first rank.
+                refuse_an_asynchronous_quorum(manager, within)
+                self._buffer_group = within
+                if init_sync:
+                    self._broadcast_initial_state(within, sync_buffers_at_start)
+            else:
+                self.forward_sync_buffers = False  # each replica group keeps its buffers (see the docstring)
         else:
             rings = [group] if group is not None else get_rings()
+            self._buffer_group = rings[0] if rings else None
         if not rings:
             refuse_a_launched_job_without_a_group()
             warnings.warn(
@@ -574,6 +592,8 @@ class DataParallel(nn.Module, Joinable):
         # so `no_sync()` must wrap the forward, not only the backward. Decided before the module
         # runs: under Join the notification and the buffer broadcast come first, as on DDP.
         plan = self.step_plan(Participation.SYNC) if torch.is_grad_enabled() and self._arms_at_forward else None
+        if plan is not None and self._manager is not None and self._buffer_group is not None:
+            self._start_as_the_first_replica_group()
         self._forward_communication(plan)
         with bucket_graph_breaks(self) if self._communication_can_overlap() else nullcontext():
             outputs = self.module(*inputs, **kwargs)
@@ -581,6 +601,19 @@ class DataParallel(nn.Module, Joinable):
             self._trained = True
             self._reducer.prepare_for_backward(plan, outputs)
         return outputs
+
+    def _start_as_the_first_replica_group(self) -> None:
+        """At step 0, every rank of every replica group takes the first group's rank 0's state.
+
+        torchft's ``init_sync`` gives rank ``r`` of each group the state of rank ``r`` of the
+        quorum's replica ``r % P`` (it spreads recoveries over the replicas), so ranks of one group
+        built unequal would start from different replicas. Rank 0 of every group holds the first
+        replica's: broadcast inside each group, it becomes every rank's. Each forward of step 0 does
+        it (a step 0 discarded and tried again is healed again); the quorum is in by then.
+        """
+        self._manager.wait_quorum()
+        if self._manager.current_step() == 0:
+            self._broadcast_initial_state(self._buffer_group, with_buffers=True)
 
     def _communication_can_overlap(self) -> bool:
         """Whether a backward's communication can overlap it, which graph breaks at bucket boundaries
@@ -632,8 +665,8 @@ class DataParallel(nn.Module, Joinable):
             self.require_forward_param_sync
             and self.forward_sync_buffers
             and self._has_buffers
-            and bool(self._rings)
-            and not groups.trivially_alone(self._rings[0])
+            and self._buffer_group is not None
+            and not groups.trivially_alone(self._buffer_group)
         )
 
     def _forward_communication(self, plan: StepPlan | None) -> None:
@@ -690,7 +723,7 @@ class DataParallel(nn.Module, Joinable):
     def _broadcast_buffers(self, source: int) -> None:
         # Collected at each broadcast: a module may have replaced a buffer since (DDP does the same).
         buffers = [buffer for _, buffer in synced_buffers(self.module, self.parameters_to_ignore)]
-        broadcast_coalesced(buffers, self._rings[0], source, self._waiter, "the broadcast of the module's buffers")
+        broadcast_coalesced(buffers, self._buffer_group, source, self._waiter, "the broadcast of the module's buffers")
 
     def step_plan(self, participation: Participation) -> StepPlan:
         """The step's plan: the one place every ``StepPlan`` is decided, for every way a rank takes part.
@@ -817,6 +850,7 @@ class DataParallel(nn.Module, Joinable):
             )
         # A copy averages its own gradients (a second reducer over its own parameters), as DDP's does.
         self._build_runtime(get_rings() if had_group else [], copy=True)
+        self._buffer_group = self._rings[0] if self._rings else None
 
 
 def fused_allreduce_gradients(

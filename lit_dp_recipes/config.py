@@ -214,14 +214,13 @@ def build_strategy(node: DictConfig) -> Any:
 
 
 def validate_trainer(cfg: DictConfig) -> None:
-    """Check the trainer section (``TrainerConfig.__post_init__``, then ``check_cpu_devices``,
-    ``check_fault_tolerance_processes`` and ``check_sharded_precision``); raises ``ValueError`` naming the key."""
+    """Check the trainer section (``TrainerConfig.__post_init__``, then ``check_cpu_devices`` and
+    ``check_sharded_precision``); raises ``ValueError`` naming the key."""
     if OmegaConf.get_type(cfg.trainer) is TrainerConfig:
         OmegaConf.to_object(cfg.trainer)
     accelerator, devices = cfg.trainer.get("accelerator", "auto"), cfg.trainer.get("devices", "auto")
     check_cpu_devices(accelerator, devices)
     strategy = cfg.get("strategy") or {}
-    check_fault_tolerance_processes(strategy.get("fault_tolerance"), accelerator, devices, cfg.trainer.get("num_nodes", 1))
     check_sharded_precision((strategy.get("sharding") or {}).get("stage"), cfg.trainer.get("precision"))
 
 
@@ -233,32 +232,6 @@ def check_sharded_precision(stage: Any, precision: Any) -> None:
             f"trainer.precision={precision!r} with strategy.sharding.stage=2 is invalid: a gradient scaler checks for "
             "infs in each rank's gradients, and under stage 2 each rank holds only its own, so the ranks could "
             "disagree on skipping a step; expected trainer.precision=bf16-mixed or 32-true, or strategy.sharding.stage=1."
-        )
-
-
-def check_fault_tolerance_processes(fault_tolerance: Any, accelerator: Any, devices: Any, num_nodes: Any) -> None:
-    """``strategy.fault_tolerance`` runs one process per replica group: ``trainer.devices`` and
-    ``trainer.num_nodes`` above 1 are refused here, before Lightning starts the ranks (the strategy
-    refuses them too, but only in each rank it has started)."""
-    if not fault_tolerance:
-        return
-    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
-        processes = len(devices)
-    elif devices == "auto":  # Lightning's "auto": one process on CPU, one per visible GPU otherwise
-        processes = 1 if _on_cpu(accelerator) else max(torch.cuda.device_count(), 1)
-    else:
-        processes = devices
-    remedy = (
-        "a replica group is one process: expected trainer.devices=1 and trainer.num_nodes=1, with one launcher "
-        "per replica group, each with its own REPLICA_GROUP_ID (docs/fault_tolerance.md, Launch)."
-    )
-    if processes != 1:
-        raise ValueError(
-            f"trainer.devices={devices!r} is invalid with strategy.fault_tolerance={fault_tolerance}: {remedy}"
-        )
-    if num_nodes != 1:
-        raise ValueError(
-            f"trainer.num_nodes={num_nodes!r} is invalid with strategy.fault_tolerance={fault_tolerance}: {remedy}"
         )
 
 

@@ -30,9 +30,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from lit_dp.fault_tolerance.hierarchical import CrossGroupTraffic
 from lit_dp.fault_tolerance.lighthouse import LighthouseStatus
 from lit_dp.fault_tolerance.replica_data import ReplicaBatches
 from lit_dp.fault_tolerance.replica_group import replica_process_group
+from lit_dp.gradients.buckets import MB
 from lit_dp.job.restart import JobAttempt
 from lit_dp.options import Options
 
@@ -95,6 +97,24 @@ class Settings:
         return cls(lighthouse, replica_group, ft.min_replicas, ft.timeout, ft.quorum_timeout)
 
 
+def group_store(group_size: int) -> tuple[dist.TCPStore | None, str, int]:
+    """A store for the ranks of one replica group, where torchft's Manager finds its server:
+    ``(store, host, port)``. Rank 0 of the group hosts it (a new one per start of the group, so
+    nothing of a restarted group's last attempt is read back); with more than one rank the
+    address travels on the group's default process group (``torch.distributed``'s, which its
+    launcher's job set up)."""
+    host = socket.gethostname()
+    if group_size == 1:
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return store, host, store.port
+    hosting = dist.get_rank() == 0
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if hosting else None
+    address = [(host, store.port) if store is not None else None]
+    dist.broadcast_object_list(address, src=0)
+    host, port = address[0]
+    return store, host, port
+
+
 class QuorumUnreachable(SystemExit):
     """A replica group found no quorum to join: it ends, saying why (``reason``).
 
@@ -127,6 +147,9 @@ class FaultTolerance:
         require_torchft()
         self.settings = Settings.resolve(options)
         self.manager: Any = None
+        self.group_rank, self.group_size = 0, 1  # this process among its replica group's ranks, from start
+        self.traffic: CrossGroupTraffic | None = None  # what the model's gradients sent across groups (watch)
+        self.steps_started = 0
         self.batches: ReplicaBatches | None = None
         self._store: dist.TCPStore | None = None
         self._members: tuple[int, ...] = ()  # the replica groups of the last quorum
@@ -140,24 +163,25 @@ class FaultTolerance:
         self._discarded: tuple[int, str] | None = None  # the step discarded last and why, until it is said
         self._torchft_log: TorchftLog | None = None
 
-    def start(self, device: torch.device, world_size: int, log_dir: str | os.PathLike | None = None) -> Any:
-        """The Manager of this replica group (one process), with its own store; returns it.
-        torchft's log lines go to ``log_dir`` (the current folder by default)."""
-        if world_size != 1:
-            raise ValueError(
-                f"fault_tolerance='torchft' runs one process per replica group: got {world_size} processes "
-                "(devices x num_nodes); expected devices=1, one job per replica group (docs/fault_tolerance.md)."
-            )
+    def start(
+        self, device: torch.device, group_rank: int = 0, group_size: int = 1, log_dir: str | os.PathLike | None = None
+    ) -> Any:
+        """This rank's Manager; returns it. The replica group is this launcher's job, ``group_size``
+        ranks (its default process group when more than one), this one ``group_rank``; they share
+        a store of the group's (``group_store``). torchft's log lines go to ``log_dir`` (the current
+        folder by default)."""
         from torchft import Manager  # the optional engine: only with the option on
         from torchft.checkpointing import HTTPTransport
 
         settings = self.settings
-        self._torchft_log = TorchftLog.open(Path(log_dir or os.getcwd()) / f"torchft-group{settings.replica_group}.log")
+        self.group_rank, self.group_size = group_rank, group_size
+        rank_suffix = f"-rank{group_rank}" if group_rank else ""
+        log_path = Path(log_dir or os.getcwd()) / f"torchft-group{settings.replica_group}{rank_suffix}.log"
+        self._torchft_log = TorchftLog.open(log_path)
         timeout = timedelta(seconds=settings.timeout)
         transport = HTTPTransport(timeout=timeout, num_chunks=0)  # what the Manager makes by default
         self._torchft_log.take_requests(transport)
-        host = socket.gethostname()
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._store, host, port = group_store(group_size)
         self.manager = Manager(
             pg=replica_process_group(device, timeout, self._record_quorum),
             load_state_dict=None,
@@ -166,17 +190,25 @@ class FaultTolerance:
             use_async_quorum=False,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=settings.quorum_timeout),
-            rank=0,
-            world_size=1,
+            rank=group_rank,
+            world_size=group_size,
             store_addr=host,
-            store_port=self._store.port,
+            store_port=port,
             lighthouse_addr=settings.lighthouse,
             replica_id=settings.replica_group,
-            hostname=host,
+            hostname=socket.gethostname(),
             checkpoint_transport=transport,
         )
-        self._say(f"replica group {settings.replica_group}, lighthouse {settings.lighthouse}; torchft's own log: {self._torchft_log.path}")
+        ranks = f" of {group_size} ranks" if group_size > 1 else ""
+        self._say(
+            f"replica group {settings.replica_group}{ranks}, lighthouse {settings.lighthouse}; torchft's own log: "
+            f"{self._torchft_log.path}"
+        )
         return self.manager
+
+    def watch(self, traffic: CrossGroupTraffic) -> None:
+        """The cross-group traffic of the model's process group, for ``metrics`` and the run's last line."""
+        self.traffic = traffic
 
     def track(self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> None:
         """What a recovering replica receives (``save``) and how it takes it in (``load``)."""
@@ -195,11 +227,20 @@ class FaultTolerance:
     def start_step(self) -> None:
         """The step's quorum: membership, recovery if behind, then this replica's data for the step."""
         self.last_committed = None
+        self.steps_started += 1
         self._join_quorum()
         self._announce()
         if self.batches is not None:
             manager = self.manager
-            self.batches.start_step(manager.current_step(), manager.participating_rank(), manager.num_participants())
+            self.batches.start_step(manager.current_step(), *self.data_rank())
+
+    def data_rank(self) -> tuple[int | None, int]:
+        """This rank's place among every rank of the quorum's replica groups, and their number: what the
+        step's data is dealt by (``ReplicaBatches.start_step``). None while not participating."""
+        manager = self.manager
+        replica_rank = manager.participating_rank()
+        rank = None if replica_rank is None else replica_rank * self.group_size + self.group_rank
+        return rank, manager.num_participants() * self.group_size
 
     def commit(self) -> bool:
         """torchft's vote: True when this replica group may apply the step. Groups that disagree (a
@@ -243,9 +284,27 @@ class FaultTolerance:
         }
         if self.recovery_seconds is not None:
             metrics["ft/recovery_s"] = self.recovery_seconds
+        if self.traffic is not None and self.steps_started:
+            metrics["ft/across_mb_per_step"] = self.traffic.across_bytes / self.steps_started / MB
         return metrics
 
+    def describe_traffic(self) -> str | None:
+        """What one rank sent across replica groups per step, against the bytes it reduced."""
+        traffic, steps = self.traffic, self.steps_started
+        if traffic is None or not steps or not traffic.reduced_bytes:
+            return None
+        share = traffic.across_bytes / traffic.reduced_bytes
+        of = f" (1/{self.group_size} of its group's {self.group_size} ranks)" if self.group_size > 1 else ""
+        return (
+            f"across replica groups each rank sent {traffic.across_bytes / steps / MB:.3f} MB per step, "
+            f"{share:.2f} of the {traffic.reduced_bytes / steps / MB:.3f} MB it reduced{of}"
+        )
+
     def close(self) -> None:
+        traffic = self.describe_traffic()
+        if traffic is not None:
+            self._say(traffic)
+        self.traffic, self.steps_started = None, 0
         if self._discarded is not None:  # the last step was discarded: no quorum followed to say it with
             self._say(f"step {self._discarded[0]} discarded ({self._discarded[1]})")
             self._discarded = None
@@ -308,7 +367,8 @@ class FaultTolerance:
 
     def _record_quorum(self, members: list[int]) -> None:
         # Called by the process group in torchft's quorum thread; read after start_quorum returns.
-        self._quorum = tuple(sorted(members))
+        # torchft numbers this rank's peers replica_group * group_size + group_rank.
+        self._quorum = tuple(sorted({member // self.group_size for member in members}))
 
     def _announce(self) -> None:
         """One line when the groups training change (what explains a discarded step), when this
@@ -341,6 +401,9 @@ class FaultTolerance:
         self._members = members
 
     def _say(self, text: str) -> None:
+        if self.group_rank != 0:  # one voice per replica group: its ranks see the same quorums
+            log.debug("%s: %s", LINE, text)
+            return
         # A progress bar on the console (Lightning's is tqdm's) is cleared for the line and drawn again after.
         with tqdm.external_write_mode(file=sys.stdout):
             print(f"{LINE}: {text}", flush=True)

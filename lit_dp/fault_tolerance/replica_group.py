@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lit_dp.fault_tolerance.gloo_connections import GlooConnections
+from lit_dp.fault_tolerance.hierarchical import CrossGroupTraffic, HierarchicalGroup
 from lit_dp.options.fault_tolerance import TORCHFT, UNDER_MANAGER
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class FaultTolerantGroup(dist.ProcessGroup):
         super().__init__(0, 1)
         self.manager = manager
         self._last: _ReplicaWork | None = None
+        self.traffic = CrossGroupTraffic()  # one process per replica group: all it reduces crosses groups
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return TORCHFT
@@ -124,6 +126,8 @@ class FaultTolerantGroup(dist.ProcessGroup):
         manager.wait_quorum()
         if not manager.is_participating():
             _zeroed(tensors)
+        for tensor in tensors:
+            self.traffic.add(tensor.numel() * tensor.element_size(), tensor.numel() * tensor.element_size())
         try:
             work = manager._pg.allreduce(tensors, opts)
         except Exception as error:  # noqa: BLE001 - torchft's contract: a failed collective discards the step
@@ -314,19 +318,50 @@ JOIN_REFUSED = (
 )
 
 
-def replica_group(manager: Any, group: dist.ProcessGroup | None, sparse: bool) -> FaultTolerantGroup:
-    """The reducer's group under a torchft ``manager``, once a given ``group`` and ``sparse`` gradients are refused."""
-    if group is not None:
-        raise ValueError(
-            f"DataParallel(process_group={group!r}, manager=...) is invalid: under a torchft Manager the group is the "
-            "replica groups of its quorum; expected none."
-        )
+def replica_group(manager: Any, within: dist.ProcessGroup | None, sparse: bool) -> dist.ProcessGroup:
+    """The reducer's group under a torchft ``manager``, once ``sparse`` gradients are refused.
+
+    ``within`` is this replica group's own process group (its launcher's job, e.g. the default
+    group of a ``torchrun --nproc-per-node=N``): with more than one rank the gradients go the
+    hierarchical way (``lit_dp.fault_tolerance.hierarchical``); with one, or none, every bucket is
+    all-reduced across the replica groups directly.
+    """
     if sparse:
         raise ValueError(
             f"{UNDER_MANAGER} with sparse gradients (an embedding built with sparse=True) is not supported: torchft has no "
             "fault-tolerant sparse all-reduce; expected sparse=False."
         )
-    return FaultTolerantGroup(manager)
+    if within is not None and not isinstance(within, dist.ProcessGroup):
+        raise ValueError(
+            f"DataParallel(process_group={within!r}, manager=...) is invalid: under a torchft Manager the process group "
+            "is this replica group's own ranks; expected a torch.distributed ProcessGroup, or None for the default group."
+        )
+    across = FaultTolerantGroup(manager)
+    if within is None or within.size() == 1:
+        return across
+    group_size = getattr(manager, "_group_world_size", within.size())
+    if group_size != within.size():
+        raise ValueError(
+            f"DataParallel(manager=...) over a process group of {within.size()} ranks is invalid: the Manager was built "
+            f"with world_size={group_size}, the ranks of its replica group; expected the two to be the same."
+        )
+    return HierarchicalGroup(within, across)
+
+
+def refuse_an_asynchronous_quorum(manager: Any, within: dist.ProcessGroup) -> None:
+    """A ``ValueError`` for a Manager with torchft's asynchronous quorum over a replica group of many ranks.
+
+    With it a recovering rank loads its peer's state only in ``should_commit``, after the step's
+    forward; at step 0 that leaves the ranks of one group holding different replicas' states
+    (``DataParallel._start_as_the_first_replica_group`` re-aligns them at the forward, once the
+    quorum is in).
+    """
+    if getattr(manager, "_use_async_quorum", False):
+        raise ValueError(
+            f"DataParallel(manager=...) with a Manager built with use_async_quorum=True over a replica group of "
+            f"{within.size()} ranks is not supported: a recovering rank would load its peer's state after the step's "
+            "forward, when the ranks of its group can no longer agree on one start; expected use_async_quorum=False."
+        )
 
 
 def check_comm_hook(

@@ -90,6 +90,14 @@ def replica_batches(dataloader: object, accumulate: int, seed: int) -> ReplicaBa
     )
 
 
+def watch_traffic(fault_tolerance: FaultTolerance, run: Run) -> None:
+    """The cross-group traffic of the run's model, for the ``ft/*`` metrics and the run's last line."""
+    group = run.model.process_group if run.model is not None else None
+    traffic = getattr(group, "traffic", None)
+    if traffic is not None:
+        fault_tolerance.watch(traffic)
+
+
 class PendingBatch:
     """What the Trainer's training loader yields under fault tolerance: Lightning fetches one batch
     ahead, before the step's quorum, so the batch itself is read in ``batch_to_device``."""
@@ -135,7 +143,8 @@ class TrainerFaultTolerance(FaultToleranceFeature):
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
         """The Manager, started before the model it wraps; its log in the run's folder."""
         assert run.trainer is not None
-        self.ft.start(run.strategy.root_device, run.strategy.world_size, run.trainer.default_root_dir)
+        strategy = run.strategy
+        self.ft.start(strategy.root_device, strategy.global_rank, strategy.world_size, run.trainer.default_root_dir)
         return {**arguments, "manager": self.ft.manager}
 
     @override
@@ -144,6 +153,7 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         self._trainer = trainer = run.trainer
         if trainer is None or not run.fitting:
             return
+        watch_traffic(self.ft, run)
         self.ft.track(
             lambda: _trainer_state(trainer, self.ft.batches),
             lambda state: _load_trainer_state(trainer, self.ft.batches, state),
@@ -315,7 +325,8 @@ class FabricFaultTolerance(FaultToleranceFeature):
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
         """The Manager, started with the first module set up; what a recovering replica receives."""
         if self.ft.manager is None:
-            self.ft.start(run.strategy.root_device, run.strategy.world_size)
+            strategy = run.strategy
+            self.ft.start(strategy.root_device, strategy.global_rank, strategy.world_size)
             self.ft.track(self._state, self._load)
         return {**arguments, "manager": self.ft.manager}
 
@@ -323,6 +334,7 @@ class FabricFaultTolerance(FaultToleranceFeature):
     def setup(self, run: Run) -> None:
         if run.model is not None:  # the module travels (without the wrapper)
             self.modules.append(run.model.module)
+            watch_traffic(self.ft, run)
 
     @override
     def setup_optimizer(self, optimizer: Any) -> Any:

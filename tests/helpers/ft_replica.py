@@ -1,8 +1,12 @@
 """One replica group of the fault-tolerance tests: a plain PyTorch loop, ``lit_dp.DataParallel`` under a torchft Manager.
 
     python -m tests.helpers.ft_replica OUT STEPS [--kill GROUP:STEP] [--async-quorum] [--min-replicas N] [--alone-seconds S]
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 -m tests.helpers.ft_replica OUT STEPS ...
 
-Its replica group comes from ``REPLICA_GROUP_ID``, the lighthouse from ``TORCHFT_LIGHTHOUSE``.
+Its replica group comes from ``REPLICA_GROUP_ID``, the lighthouse from ``TORCHFT_LIGHTHOUSE``. Under
+torchrun the group has the job's ranks (Gloo), which share the Manager's store
+(``lit_dp.fault_tolerance.manager.group_store``), and rank ``r`` of a group records to
+``OUT/replica<group>-rank<r>.jsonl`` (rank 0 to ``OUT/replica<group>.jsonl``).
 Every step attempt appends one JSON line to ``OUT/replica<group>.jsonl``: the Manager's step,
 whether it committed, the quorum's rank and size, the sample indices it read, and a hash of every
 parameter's bytes (so tests compare replicas bitwise) after backward (``before``), after
@@ -11,7 +15,8 @@ state there) and after the optimizer (``after``).
 
 ``--kill GROUP:STEP``: replica group GROUP, at the first step from STEP on that it shares with
 another group (the groups start at different times), SIGKILLs itself before its backward (the
-others' all-reduce fails), on its first run only (``OUT/replica<group>.died`` marks it).
+others' all-reduce fails), on its first run only (``OUT/replica<group>.died`` marks it); in a
+group of several ranks only its last rank does (``--kill-rank`` chooses another).
 ``--alone-seconds``: a pause per step while it trains alone, so that a killed peer's restart
 comes back before it finishes. At the end the
 parameters go to ``OUT/replica<group>.pt``.
@@ -36,6 +41,7 @@ from torch.utils.data import TensorDataset
 from torchft import Manager, ProcessGroupGloo
 
 import lit_dp
+from lit_dp.fault_tolerance.manager import group_store
 
 DATASET_SIZE, FEATURES, CLASSES, BATCH = 96, 8, 3, 4
 
@@ -66,16 +72,23 @@ def main() -> None:
     parser.add_argument("--async-quorum", action="store_true")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--alone-seconds", type=float, default=0.0)
+    parser.add_argument("--kill-rank", type=int, default=-1, help="the rank of the group that dies (its last)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     group = int(os.environ["REPLICA_GROUP_ID"])
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1:  # a replica group of several ranks: its launcher's job (lit_dp's rendezvous survives its restarts)
+        lit_dp.init_parallel_env("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank() if ranks > 1 else 0
     died = args.out / f"replica{group}.died"
     victim, die_at = (int(part) for part in args.kill.split(":"))
+    victim_rank = args.kill_rank % ranks
+    suffix = f"-rank{rank}" if rank else ""
 
-    net = model(seed=group)
+    net = model(seed=group * ranks + rank)  # every rank differs: the group's broadcast and init_sync equalise them
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
     batches = lit_dp.ReplicaBatches(dataset(), BATCH, seed=0)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    store, host, port = group_store(ranks)  # held to the end: rank 0 hosts the group's store
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
         load_state_dict=lambda state: (net.load_state_dict(state["model"]), optimizer.load_state_dict(state["optimizer"])),
@@ -84,24 +97,27 @@ def main() -> None:
         use_async_quorum=args.async_quorum,
         timeout=timedelta(seconds=10),
         replica_id=str(group),
-        store_addr="localhost",
-        store_port=store.port,
-        rank=0,
-        world_size=1,
+        store_addr=host,
+        store_port=port,
+        rank=rank,
+        world_size=ranks,
     )
     manager.register_state_dict_fn("data", batches.load_state_dict, batches.state_dict)
     wrapped = lit_dp.DataParallel(net, manager=manager, comm_buffer_size=0.0005)  # a few buckets
-    with (args.out / f"replica{group}.jsonl").open("a") as record:
+    traffic = wrapped.process_group.traffic
+    with (args.out / f"replica{group}{suffix}.jsonl").open("a") as record:
         while manager.current_step() < args.steps:
             manager.start_quorum()  # what torchft.optim.OptimizerWrapper.zero_grad does
             optimizer.zero_grad()
             manager.wait_quorum()  # then the step count is the quorum's (a recovering replica's jumps)
-            step, rank, participants = manager.current_step(), manager.participating_rank(), manager.num_participants()
-            batches.start_step(step, rank, participants)
+            step, quorum_rank, participants = manager.current_step(), manager.participating_rank(), manager.num_participants()
+            replica_rank = None if quorum_rank is None else quorum_rank * ranks + rank  # among every group's ranks
+            batches.start_step(step, replica_rank, participants * ranks)
             plan_start = batches.position
             inputs, targets = batches.next_batch()
             loss = F.cross_entropy(wrapped(inputs), targets)
-            if group == victim and step >= die_at and participants > 1 and not died.exists():
+            dies = group == victim and rank == victim_rank and step >= die_at and participants > 1
+            if dies and not died.exists():
                 died.touch()
                 os.kill(os.getpid(), signal.SIGKILL)
             loss.backward()
@@ -110,17 +126,19 @@ def main() -> None:
             voted = parameters_hash(net)
             if committed:
                 optimizer.step()
-            first = plan_start + (rank or 0) * BATCH
+            first = plan_start + (replica_rank or 0) * BATCH
             line = {
-                "step": step, "committed": committed, "rank": rank, "participants": participants,
-                "indices": batches.indices(first, BATCH).tolist() if rank is not None else None,
+                "step": step, "committed": committed, "rank": replica_rank, "participants": participants,
+                "indices": batches.indices(first, BATCH).tolist() if replica_rank is not None else None,
                 "before": before, "voted": voted, "after": parameters_hash(net),
+                "reduced_bytes": traffic.reduced_bytes, "across_bytes": traffic.across_bytes,
+                "allreduces": traffic.allreduces,
             }  # fmt: skip
             record.write(json.dumps(line) + "\n")
             record.flush()
             if participants == 1:
                 time.sleep(args.alone_seconds)
-    torch.save(net.state_dict(), args.out / f"replica{group}.pt")
+    torch.save(net.state_dict(), args.out / f"replica{group}{suffix}.pt")
     manager.shutdown(wait=False)
 
 
