@@ -449,7 +449,13 @@ class DataParallel(nn.Module, Joinable):
 
     def keep_gradients_local(self, local: bool) -> None:
         """Whether backwards keep their gradients local from now on, as inside ``no_sync`` but until
-        told otherwise: ``lit_dp.LocalSGD`` says so as its schedule moves (local after its warm-up)."""
+        told otherwise: ``lit_dp.LocalSGD`` says so as its schedule moves (local after its warm-up).
+        Under a torchft Manager, local is this replica group: a group of several ranks still reduces
+        its gradients inside itself (``HierarchicalGroup.keep_within``), only not across groups."""
+        keep_within = getattr(self.process_group, "keep_within", None) if self._manager is not None else None
+        if keep_within is not None:
+            keep_within(local)
+            return
         self._gradients_local = local
 
     @property

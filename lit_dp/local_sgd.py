@@ -58,6 +58,7 @@ travel with the last fragment. ``finish()`` syncs every fragment stepped since i
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import lit_dp.gradients.group as process_groups
 from lit_dp import join
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.broadcast import ddp_ignored, synced_buffers, synced_parameters
@@ -83,6 +85,8 @@ from lit_dp.options.local_sgd import (
     check_outer_lr,
     check_outer_momentum,
 )
+
+log = logging.getLogger(__name__)
 
 # Paddle's AdaptiveLocalSGDOptimizer bounds the period to [1, 16].
 ADAPTIVE_MIN_LOCAL_STEPS = 1
@@ -184,8 +188,16 @@ class LocalSGD:
             self._rings = [group]
         else:  # the model's own communicators (its process_group), else those of init_parallel_env
             self._rings = module.rings if isinstance(module, DataParallel) else get_rings()
-        self._world_size = dist.get_world_size(self._rings[0]) if self._rings else 1
-        self._first_rank = dist.get_process_group_ranks(self._rings[0])[0] if self._rings else 0
+        # Across torchft's replica groups (a model under a Manager: lit_dp.fault_tolerance), whose members
+        # change from sync to sync: the divisor is read at each sync, a failed sync is left undone, the
+        # outer step runs even when one group is present (as torchft's DiLoCo), and each group keeps its
+        # integer buffers (BatchNorm's counts), as each keeps its buffers under the Manager.
+        self._replica_groups = bool(self._rings) and hasattr(self._rings[0], "step_failed")
+        if self._replica_groups:
+            self._rings = [self._rings[0].for_syncs()]
+        self._first_rank = (
+            dist.get_process_group_ranks(self._rings[0])[0] if self._rings and not self._replica_groups else 0
+        )
         if comm_buffer_size is not None:
             megabytes_to_bytes("comm_buffer_size", comm_buffer_size)  # checked now, read when the buckets are built
         self._comm_buffer_size = comm_buffer_size
@@ -294,6 +306,17 @@ class LocalSGD:
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(None, None, counts=False))
 
+    @property
+    def _world_size(self) -> int:
+        """The ranks the syncs average over, read at each: across replica groups, those taking part."""
+        return self._rings[0].size() if self._rings else 1
+
+    @property
+    def _syncs(self) -> bool:
+        """Whether a sync communicates: with another rank, or across replica groups (even alone, the
+        outer optimizer steps there, and a group that comes back must find the same schedule)."""
+        return self._replica_groups or self._world_size > 1
+
     def adopt_schedule_of(self, src: int) -> None:
         """Take global rank ``src``'s schedule (after a Join, whose ranks counted different steps);
         every rank must call it, with parameters already equal on all ranks."""
@@ -310,7 +333,7 @@ class LocalSGD:
         due = [f for f, last in enumerate(self._last_syncs) if self._step > max(last, self._warmup_steps)]
         for fragment in due:
             self._average(fragment)
-        if due and self.fragments > 1 and self._world_size > 1:
+        if due and self.fragments > 1 and self._syncs:
             self._after_sync_hooks(shadow=False)  # every fragment now synced: the replicas are equal
 
     def _average(self, fragment: int = 0, shadow: bool = False) -> None:
@@ -318,8 +341,8 @@ class LocalSGD:
         mean over the ranks, or by the snapshot stepped by the outer optimizer with the mean delta.
         ``shadow``: this rank joined (``lit_dp.join``); its model waits for the final broadcast and is
         not compared."""
-        self._last_syncs[fragment] = self._step
-        if self._world_size < 2:
+        previous, self._last_syncs[fragment] = self._last_syncs[fragment], self._step
+        if not self._syncs:
             return
         if self._buckets is None:
             self._buckets = self._build_buckets()
@@ -330,7 +353,13 @@ class LocalSGD:
                 bucket.start(self._first_rank)
             launched = self._recorder.mark()
             for bucket in buckets:
-                bucket.finish(self._world_size, self._waiter, outer=self._outer_optimizer is not None)
+                bucket.wait(self._waiter)
+            if self._replica_groups and self._rings[0].step_failed():
+                self._sync_failed(fragment, previous)
+                return
+            world_size = self._world_size
+            for bucket in buckets:
+                bucket.apply(world_size, outer=self._outer_optimizer is not None)
             if self._outer_optimizer is not None:
                 # Steps only the snapshots with a pseudo-gradient: this fragment's (and its momentum).
                 self._outer_optimizer.step()
@@ -339,6 +368,16 @@ class LocalSGD:
         self._recorder.record(self._step, sum(bucket.wire_bytes for bucket in buckets), began, launched)
         if self.fragments == 1:  # with fragments the others still differ between the ranks: see finish()
             self._after_sync_hooks(shadow)
+
+    def _sync_failed(self, fragment: int, previous: int) -> None:
+        """A sync across replica groups failed (a group died during it): nothing of it is applied, the
+        parameters keep this group's local progress and the fragment stays due, so the next step syncs
+        it among the groups then present. This group's last committed step is voided (torchft's count
+        goes back by one): a group whose sync succeeded is then ahead, and the next quorum gives this
+        one its state (parameters, snapshot, outer momentum, schedule), so no two groups go on apart."""
+        self._last_syncs[fragment] = previous
+        self._rings[0].void_last_commit()
+        log.debug("LocalSGD: the sync of fragment %d at step %d failed across replica groups", fragment, self._step)
 
     def _after_sync_hooks(self, shadow: bool) -> None:
         for hook in self._after_sync:
@@ -398,19 +437,21 @@ class LocalSGD:
             "loss_0": self._loss_0,
             "lr_0": self._lr_0,
         }
-        if self._outer == "nesterov":
+        if self._outer == "nesterov" or self._replica_groups:
+            # Across replica groups a group that comes back needs a peer's snapshot, averaging's too.
             state["outer"] = self._outer_state()
         return state
 
     def _outer_state(self) -> dict[str, Any] | None:
-        if self._outer_optimizer is None:
+        if self._buckets is None:
             return self._outer_resumed  # a resumed state not yet taken up: handed on unchanged
         snapshots: list[torch.Tensor | None] = [None] * len(self._params)
         momenta: list[torch.Tensor | None] = [None] * len(self._params)
         for bucket in (bucket for fragment in self._buckets or [] for bucket in fragment):
             if bucket.snapshot is None:
                 continue
-            momentum = self._outer_optimizer.state.get(bucket.snapshot, {}).get("momentum_buffer")
+            outer_state = self._outer_optimizer.state.get(bucket.snapshot, {}) if self._outer_optimizer else {}
+            momentum = outer_state.get("momentum_buffer")
             buffers = momentum.split(bucket.numels) if momentum is not None else [None] * len(bucket.numels)
             for tensor, snapshot, buffer in zip(bucket.tensors, bucket.snapshot.split(bucket.numels), buffers):
                 index = self._param_index[id(tensor)]
@@ -437,7 +478,7 @@ class LocalSGD:
         self._local_steps = int(state["local_steps"]) if self._adaptive else self._initial_local_steps
         self._loss_0 = state.get("loss_0")
         self._lr_0 = state.get("lr_0")
-        if self._outer == "nesterov":
+        if self._outer == "nesterov" or self._replica_groups:
             self._outer_resumed = state.get("outer")
         self._buckets = None
         self._follow_phase()
@@ -447,7 +488,7 @@ class LocalSGD:
         and keeps that itself), and the snapshot is taken as the local phase starts."""
         if self._data_parallel is not None:
             self._data_parallel.keep_gradients_local(self.in_local_phase)
-        if self.in_local_phase and self._buckets is None and self._world_size > 1:
+        if self.in_local_phase and self._buckets is None and self._syncs:
             # The snapshot must be taken while every rank holds the same parameters: now.
             self._buckets = self._build_buckets()
 
@@ -463,7 +504,9 @@ class LocalSGD:
         fragments: list[list[_Bucket]] = [[] for _ in self._fragment_indices]
         groups = [(f, _DELTA, [self._params[i] for i in indices]) for f, indices in enumerate(self._fragment_indices)]
         last = len(fragments) - 1
-        groups += [(last, _MEAN, float_buffers), (last, _FROM_FIRST_RANK, other_buffers)]
+        groups += [(last, _MEAN, float_buffers)]
+        if not self._replica_groups:
+            groups += [(last, _FROM_FIRST_RANK, other_buffers)]
         count = 0  # the rings take the buckets in turn, across fragments
         for fragment, kind, tensors in groups:
             if not tensors:
@@ -477,14 +520,13 @@ class LocalSGD:
         snapshots = [b.snapshot for b in buckets if b.snapshot is not None]
         if self._outer == "nesterov" and snapshots:
             self._outer_optimizer = torch.optim.SGD(snapshots, nesterov=True, **self._outer_settings)
-            if self._outer_resumed is not None:
-                self._restore_outer(buckets, self._outer_resumed)
-                self._outer_resumed = None
+        if self._outer_resumed is not None and snapshots:
+            self._restore_outer(buckets, self._outer_resumed)
+            self._outer_resumed = None
         return fragments
 
     def _restore_outer(self, buckets: list[_Bucket], state: dict[str, Any]) -> None:
-        """A checkpoint's snapshot and momentum (per parameter) into the buckets' flat tensors."""
-        assert self._outer_optimizer is not None
+        """A checkpoint's (or a peer replica group's) snapshot and momentum (per parameter) into the buckets' flat tensors."""
         if len(state["snapshot"]) != len(self._params):
             raise ValueError(
                 f"the LocalSGD outer state holds {len(state['snapshot'])} parameters, the model "
@@ -496,7 +538,7 @@ class LocalSGD:
             indices = [self._param_index[id(t)] for t in bucket.tensors]
             bucket.snapshot.copy_(torch.cat([state["snapshot"][i].reshape(-1) for i in indices]))
             momenta = [state["momentum"][i] for i in indices]
-            if all(m is not None for m in momenta):
+            if self._outer_optimizer is not None and all(m is not None for m in momenta):
                 buffer = torch.cat([m.reshape(-1) for m in momenta]).to(bucket.snapshot.device)
                 self._outer_optimizer.state[bucket.snapshot]["momentum_buffer"] = buffer
 
@@ -570,12 +612,15 @@ class _Bucket:
             self.sent.copy_(flat)
         self.work = dist.all_reduce(self.sent, group=self.ring, async_op=True)
 
-    def finish(self, world_size: int, waiter: Waiter, outer: bool = False) -> None:
-        """Apply the result; ``outer``: only hand the mean delta to the snapshot as its gradient
-        (the outer optimizer steps every bucket's snapshot, then ``take_snapshot``)."""
-        assert self.work is not None, "finish() before start()"
-        waiter.wait(self.work, "the LocalSGD average")
+    def wait(self, waiter: Waiter) -> None:
+        """Wait for the collective ``start`` began."""
+        assert self.work is not None, "wait() before start()"
+        process_groups.wait(waiter, self.work, self.ring, "the LocalSGD average")
         self.work = None
+
+    def apply(self, world_size: int, outer: bool = False) -> None:
+        """Apply the result, once waited; ``outer``: only hand the mean delta to the snapshot as its gradient
+        (the outer optimizer steps every bucket's snapshot, then ``take_snapshot``)."""
         result = self.flat
         if self.sent is not result:
             result.copy_(self.sent)

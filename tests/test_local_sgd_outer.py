@@ -427,7 +427,7 @@ def test_hydra_options_reach_the_strategy(tmp_path):
         (dict(local_sgd_steps=4, local_sgd_sync_dtype="fp8"), "local_sgd_sync_dtype='fp8' is invalid"),
         (dict(local_sgd_steps=4, comm_buffer_size="auto"), "comm_buffer_size='auto' with local_sgd_steps=4 and local_sgd_warmup_steps=0"),
         (dict(local_sgd_steps=4, local_sgd_outer="nesterov", sharding_stage=2), "sharding_stage=2 with local_sgd_steps=4"),
-        (dict(local_sgd_steps=4, local_sgd_outer="nesterov", fault_tolerance="torchft"), "local_sgd_steps"),
+        (dict(local_sgd_steps=4, local_sgd_adaptive=True, fault_tolerance="torchft"), "local_sgd_adaptive=True with"),
         (dict(local_sgd_fragments=4), "local_sgd_fragments=4 needs local_sgd_steps"),
         (dict(local_sgd_steps=6, local_sgd_fragments=4), "local_sgd_fragments=4 with local_sgd_steps=6 is invalid"),
         (dict(local_sgd_steps=2, local_sgd_fragments=4), "expected local_sgd_steps a multiple of local_sgd_fragments"),

@@ -80,6 +80,7 @@ class HierarchicalGroup(dist.ProcessGroup):
         # NCCL's reduce-scatter beats one reduce per owner; Gloo's does not (docs/benchmarks.md,
         # "Thresholds of the gradient path"), and torch 2.8's Gloo has no reduce_scatter_tensor.
         self._nccl = groups.backend_name(within) == "nccl"
+        self._within_only = False  # LocalSGD's inner steps: see keep_within
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
 
@@ -87,11 +88,30 @@ class HierarchicalGroup(dist.ProcessGroup):
         return TORCHFT
 
     def size(self) -> int:
-        return self.within.size() * self.across.size()
+        return self.within.size() * (1 if self._within_only else self.across.size())
 
     def rank(self) -> int:
-        across = self.across.rank()
+        across = 0 if self._within_only else self.across.rank()
         return -1 if across < 0 else across * self.within.size() + self.within.rank()
+
+    def keep_within(self, within_only: bool) -> None:
+        """From the next all-reduce on, reduce inside the replica group only (``within_only``) or across
+        groups too: LocalSGD's inner steps are data parallelism inside each group, its syncs go across
+        (``DataParallel.keep_gradients_local``; the syncs take ``for_syncs``)."""
+        self._within_only = within_only
+
+    def for_syncs(self) -> HierarchicalGroup:
+        """A group of the same ranks that always reduces across replica groups, for LocalSGD's syncs
+        while the model's reduces inside its group (``keep_within``); the traffic is counted together."""
+        return HierarchicalGroup(self.within, self.across, self.traffic)
+
+    def step_failed(self) -> bool:
+        """Whether a collective across replica groups failed in this step (the Manager will not commit it)."""
+        return self.across.step_failed()
+
+    def void_last_commit(self) -> None:
+        """The step this replica group committed last is voided (``FaultTolerantGroup.void_last_commit``)."""
+        self.across.void_last_commit()
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         op = opts if isinstance(opts, dist.ReduceOp) else opts.reduceOp
@@ -106,6 +126,7 @@ class HierarchicalGroup(dist.ProcessGroup):
         future: torch.futures.Future = torch.futures.Future()
         # On CUDA the worker's collectives must follow what the caller's stream wrote into the tensors.
         ready = torch.cuda.current_stream().record_event() if tensors and tensors[0].is_cuda else None
+        reduce = self._reduce_within if self._within_only else self._reduce  # as it was when asked
 
         def job() -> None:
             try:
@@ -113,7 +134,7 @@ class HierarchicalGroup(dist.ProcessGroup):
                     torch.cuda.set_device(tensors[0].device)
                     torch.cuda.current_stream().wait_event(ready)
                 for tensor in tensors:
-                    self._reduce(tensor)
+                    reduce(tensor)
                 done = torch.cuda.current_stream().record_event() if ready is not None else None
             except Exception as error:  # noqa: BLE001 - handed to whoever waits, as a process group's work does
                 future.set_exception(error)
@@ -133,6 +154,10 @@ class HierarchicalGroup(dist.ProcessGroup):
     def _work(self) -> None:
         while True:
             self._jobs.get()()
+
+    def _reduce_within(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, group=self.within)
+        self.traffic.add(tensor.numel() * tensor.element_size(), 0)
 
     def _reduce(self, tensor: torch.Tensor) -> None:
         """Reduce-scatter in the group, all-reduce of this rank's shard across groups, all-gather in the group."""

@@ -294,10 +294,9 @@ class FaultTolerance:
         if traffic is None or not steps or not traffic.reduced_bytes:
             return None
         share = traffic.across_bytes / traffic.reduced_bytes
-        of = f" (1/{self.group_size} of its group's {self.group_size} ranks)" if self.group_size > 1 else ""
         return (
-            f"across replica groups each rank sent {traffic.across_bytes / steps / MB:.3f} MB per step, "
-            f"{share:.2f} of the {traffic.reduced_bytes / steps / MB:.3f} MB it reduced{of}"
+            f"each rank sent {traffic.across_bytes / steps / MB:.3f} MB per step across replica groups, {share:.2f} of "
+            f"the {traffic.reduced_bytes / steps / MB:.3f} MB it reduced (replica groups of {self.group_size} ranks)"
         )
 
     def close(self) -> None:

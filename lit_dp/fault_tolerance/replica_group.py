@@ -106,6 +106,21 @@ class FaultTolerantGroup(dist.ProcessGroup):
         rank = self.manager.participating_rank()
         return -1 if rank is None else rank
 
+    def step_failed(self) -> bool:
+        """Whether a collective of this step failed (the Manager will not commit it)."""
+        return self.manager.errored() is not None
+
+    def void_last_commit(self) -> None:
+        """The step this replica group committed last is voided: torchft's count goes back by one, so that
+        the next quorum finds this group behind the groups that went on, and gives it one's state. For a
+        LocalSGD sync that failed here after the step committed (``lit_dp.LocalSGD``)."""
+        state = self.manager.state_dict()
+        self.manager.load_state_dict({**state, "step": state["step"] - 1})
+
+    def for_syncs(self) -> FaultTolerantGroup:
+        """The group LocalSGD's syncs take: this one (it always crosses replica groups)."""
+        return self
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         manager = self.manager
         op = opts if isinstance(opts, dist.ReduceOp) else opts.reduceOp

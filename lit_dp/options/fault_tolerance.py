@@ -158,10 +158,10 @@ def refuse_what_replicas_cannot_follow(options: Any, where: str, name: Callable[
         ),
         ("comm_wrapper", options.comm_wrapper is not None, f"expected {name('comm_dtype')}={compressions} instead"),
         (
-            "local_sgd.steps",
-            options.local_sgd.steps is not None,
-            "lit_dp's LocalSGD averages models on the job's own process group, which has no fault tolerance "
-            "(torchft.local_sgd.LocalSGD averages across replica groups); expected None",
+            "local_sgd.adaptive",
+            options.local_sgd.adaptive,
+            "the adaptive period is agreed from the ranks' losses at each sync, which the replica groups that come "
+            f"and go would not all have seen; expected a fixed {name('local_sgd.steps')}",
         ),
         (
             "uneven_inputs",

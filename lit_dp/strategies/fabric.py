@@ -91,7 +91,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             # write, the watchdog thread's end) also runs at exit, unless the user's teardown came first.
             atexit.register(_teardown_features_at_exit, weakref.ref(self))
         self._running = True
-        self._features.setup(Run(self, self._wrapped))
+        self._features.setup(Run(self, self._wrapped, features=self._features))
         return self._wrapped
 
     @override

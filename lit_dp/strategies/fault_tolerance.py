@@ -50,7 +50,7 @@ from typing_extensions import override
 from lit_dp.fault_tolerance.manager import LINE, FaultTolerance
 from lit_dp.fault_tolerance.replica_data import ReplicaBatches
 from lit_dp.options import Options
-from lit_dp.strategies.feature import Feature, Run
+from lit_dp.strategies.feature import Feature, Features, Run
 from lit_dp.strategies.lightning_private import (
     batches_that_stepped,
     restore_batches_that_stepped,
@@ -154,9 +154,10 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         if trainer is None or not run.fitting:
             return
         watch_traffic(self.ft, run)
+        features = run.features
         self.ft.track(
-            lambda: _trainer_state(trainer, self.ft.batches),
-            lambda state: _load_trainer_state(trainer, self.ft.batches, state),
+            lambda: _trainer_state(trainer, self.ft.batches, features),
+            lambda state: _load_trainer_state(trainer, self.ft.batches, features, state),
         )
         if self._restored is not None:
             self.ft.manager.load_state_dict(self._restored["manager"])
@@ -289,8 +290,9 @@ def _load_loop_counters(fit_loop: Any, counters: dict[str, Any]) -> None:
     restore_batches_that_stepped(epoch_loop, counters["batches_that_stepped"])
 
 
-def _trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None) -> dict[str, Any]:
+def _trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None, features: Features | None) -> dict[str, Any]:
     return {
+        "features": features.replica_state() if features is not None else {},
         "model": trainer.lightning_module.state_dict(),
         "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -300,7 +302,9 @@ def _trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None) -> dict[
     }
 
 
-def _load_trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None, state: dict[str, Any]) -> None:
+def _load_trainer_state(
+    trainer: pl.Trainer, batches: ReplicaBatches | None, features: Features | None, state: dict[str, Any]
+) -> None:
     trainer.lightning_module.load_state_dict(state["model"])
     for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
         optimizer.load_state_dict(optimizer_state)
@@ -310,6 +314,8 @@ def _load_trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None, sta
     _load_loop_counters(trainer.fit_loop, state["loops"])
     if batches is not None and state["data"] is not None:
         batches.load_state_dict(state["data"])
+    if features is not None:  # after the model: LocalSGD's snapshot is taken against the parameters loaded
+        features.load_replica_state(state.get("features", {}))
 
 
 class FabricFaultTolerance(FaultToleranceFeature):

@@ -41,11 +41,13 @@ class Run:
         strategy: the strategy (its options, ranks, device and ``joined``), read, never written.
         model: the wrapped model (the one set up last under Fabric); None outside a fit.
         trainer: the Trainer running it; None under Fabric.
+        features: the strategy's features (fault tolerance hands a recovering replica group theirs).
     """
 
     strategy: Any
     model: DataParallel | None
     trainer: pl.Trainer | None = None
+    features: Features | None = None
 
     @property
     def fitting(self) -> bool:
@@ -64,6 +66,9 @@ class Feature:
     """
 
     key: ClassVar[str | None] = None
+    # Whether a replica group that recovers under fault tolerance takes this feature's state from a peer
+    # (``Features.replica_state``): state that must be the same on every group, as LocalSGD's schedule.
+    shared_by_replicas: ClassVar[bool] = False
 
     @classmethod
     def build(cls, options: Options) -> Feature | None:
@@ -257,6 +262,16 @@ class Features(Sequence[Feature]):
         for feature in self._features:
             if feature.key is not None:
                 feature.load_state_dict(state.get(feature.key))
+
+    def replica_state(self) -> dict[str, Any]:
+        """The state a recovering replica group takes from a peer: the features ``shared_by_replicas``."""
+        return {f.key: f.state_dict() for f in self._features if f.shared_by_replicas and f.key is not None}
+
+    def load_replica_state(self, state: dict[str, Any]) -> None:
+        """A peer's ``replica_state``, taken in between steps of a run under way."""
+        for feature in self._features:
+            if feature.shared_by_replicas and feature.key in state:
+                feature.load_state_dict(state[feature.key])
 
 
 def _nested_step(feature: Feature, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:

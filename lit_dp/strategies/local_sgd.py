@@ -27,6 +27,7 @@ class LocalSGDSchedule(Feature):
     """The averager while fitting with ``local_sgd_steps`` (``local_sgd``), and its schedule in checkpoints."""
 
     key = "local_sgd"
+    shared_by_replicas = True  # across torchft's replica groups a recovering one takes a peer's schedule and snapshot
 
     def __init__(self, options: LocalSGDOptions) -> None:
         self._options = options
@@ -95,5 +96,8 @@ class LocalSGDSchedule(Feature):
 
     @override
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Applied when setup builds the averager."""
+        """Applied when setup builds the averager, or at once during a run (a peer replica group's)."""
+        if self.local_sgd is not None and state is not None:
+            self.local_sgd.load_state_dict(state)
+            return
         self._resumed = state

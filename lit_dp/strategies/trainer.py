@@ -178,7 +178,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
-        self._features.setup(Run(self, self._data_parallel, trainer))
+        self._features.setup(Run(self, self._data_parallel, trainer, self._features))
 
     @override
     def _setup_model(self, model: Module) -> DataParallel:

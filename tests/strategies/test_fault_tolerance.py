@@ -124,8 +124,9 @@ def test_the_settings_come_from_the_options_or_torchfts_variables():
 def test_what_the_strategies_cannot_follow_across_replicas_is_refused_before_anything_starts(monkeypatch):
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lh:29510")
     monkeypatch.setenv("REPLICA_GROUP_ID", "0")
-    with pytest.raises(ValueError, match="local_sgd_steps=4 with fault_tolerance='torchft' is not supported"):
-        lit_dp.PaddleDPStrategy(fault_tolerance="torchft", local_sgd_steps=4)
+    with pytest.raises(ValueError, match="local_sgd_adaptive=True with fault_tolerance='torchft' is not supported"):
+        lit_dp.PaddleDPStrategy(fault_tolerance="torchft", local_sgd_steps=4, local_sgd_adaptive=True)
+    lit_dp.PaddleDPStrategy(fault_tolerance="torchft", local_sgd_steps=4, local_sgd_outer="nesterov")  # DiLoCo across groups
     with pytest.raises(ValueError, match="uneven_inputs=True with fault_tolerance='torchft'"):
         lit_dp.PaddleDPStrategy(fault_tolerance="torchft", uneven_inputs=True)
     with pytest.raises(ValueError, match="ft_min_replicas=2 needs fault_tolerance"):
