@@ -1,0 +1,183 @@
+"""docs/fault_tolerance.md's launch of replica groups of several ranks, as a user runs it, one rank killed.
+
+Two replica groups of the recipe's small GPT, each a ``torchrun --nproc-per-node=2`` of two CPU
+ranks, around the documented lighthouse; per-step sync, and DiLoCo across the groups (the
+documented command with ``strategy.local_sgd.steps=16 strategy.local_sgd.outer=nesterov``). The
+commands are read from the docs and run as written, from a fresh folder (only the lighthouse's port
+is a free one, and ``trainer.max_steps`` is appended). Once both groups train, one rank of group 1
+gets SIGKILL. Then: every launcher exits 0 by itself; group 0's workers keep their pids from
+start to end and it never stops committing; group 1's torchrun starts both its ranks again, and
+the group recovers live from group 0 and says it rejoined; no worker is left running; both groups
+end at ``max_steps`` with bitwise equal weights, and equal optimizer states with per-step sync.
+With DiLoCo the run ends on a sync step and each group keeps its own inner optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from tests.helpers.distributed import free_port  # noqa: E402
+from tests.helpers.documented import ROOT, DocumentedCommand, documented_commands  # noqa: E402
+
+DOC = ROOT / "docs" / "fault_tolerance.md"
+RANKS = 2
+STEPS = 96  # a multiple of the DiLoCo command's K (16): the run ends on a sync
+KILL_AFTER = 30  # committed steps of group 1 before one of its ranks is killed
+COMMITTED = re.compile(r"- step (\d+)\] should_commit=True")
+
+
+def documented() -> tuple[DocumentedCommand, dict[str, DocumentedCommand], dict[str, str]]:
+    """The lighthouse's command, a group's command per mode, and what the launch block exports."""
+    commands = documented_commands([DOC])
+    lighthouse = next(c for c in commands if c.argv[0] == "torchft_lighthouse")
+    groups = [c for c in commands if c.argv[0] == "torchrun" and f"--nproc-per-node={RANKS}" in c.argv]
+    modes = {
+        "per_step": next(c for c in groups if not any(a.startswith("strategy.local_sgd") for a in c.argv)),
+        "diloco": next(c for c in groups if "strategy.local_sgd.outer=nesterov" in c.argv),
+    }
+    block = next(b for b in DOC.read_text().split("```bash")[1:] if f"--nproc-per-node={RANKS}" in b).split("```")[0]
+    exports = {}
+    for line in block.splitlines():
+        if line.startswith("export "):
+            exports.update(word.split("=", 1) for word in line.split()[1:])
+    return lighthouse, modes, exports
+
+
+def workers_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a torchrun's workers)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return sorted(children)
+
+
+class Group:
+    """One replica group: its torchrun, as the docs start it, and every worker it started."""
+
+    def __init__(self, number: int, command: DocumentedCommand, cwd: Path, environ: dict[str, str]) -> None:
+        self.number = number
+        argv = [argument.replace("$group", str(number)) for argument in command.argv] + [f"trainer.max_steps={STEPS}"]
+        env = {**environ, **{key: value.replace("$group", str(number)) for key, value in command.env}}
+        self.log = cwd / f"group{number}.out"
+        with self.log.open("w") as out:
+            self.launcher = subprocess.Popen(
+                argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.run_dir = cwd / "outputs" / "gpt" / f"ft-group{number}"
+        self.workers: list[int] = []
+
+    def watch(self) -> list[int]:
+        """Its torchrun's workers now, recorded."""
+        now = workers_of(self.launcher.pid)
+        self.workers += [pid for pid in now if pid not in self.workers]
+        return now
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def committed(self) -> int:
+        path = self.run_dir / f"torchft-group{self.number}.log"
+        found = COMMITTED.findall(path.read_text(errors="replace")) if path.exists() else []
+        return max(map(int, found), default=-1)
+
+    def describe(self) -> str:
+        tail = "\n".join(self.output().replace("\r", "\n").splitlines()[-25:])
+        return f"replica group {self.number} (torchrun pid {self.launcher.pid}, workers {self.workers}); its output ends:\n{tail}"
+
+
+def wait_for(what: str, predicate, groups: list[Group], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for group in groups:
+            group.watch()
+            if group.launcher.poll() not in (None, 0):
+                raise AssertionError(f"waiting for {what}: {group.describe()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waiting for {what} for {timeout:.0f} s:\n\n" + "\n\n".join(g.describe() for g in groups))
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["per_step", "diloco"])
+def test_the_documented_launch_of_groups_of_two_ranks_survives_a_killed_rank(tmp_path, mode):
+    lighthouse_command, commands, exports = documented()
+    cwd = tmp_path / "clone"
+    cwd.mkdir()
+    for name in ("recipes", "conf"):
+        (cwd / name).symlink_to(ROOT / name)
+    port = free_port()
+    documented_port = re.search(r":(\d+)$", exports["TORCHFT_LIGHTHOUSE"]).group(1)
+    environ = {
+        **os.environ,
+        **exports,
+        "TORCHFT_LIGHTHOUSE": exports["TORCHFT_LIGHTHOUSE"].replace(documented_port, str(port)),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    argv = [argument.replace(documented_port, str(port)) for argument in lighthouse_command.argv]
+    with (tmp_path / "lighthouse.out").open("w") as out:
+        lighthouse = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+    groups: list[Group] = []
+    try:
+        groups = [Group(number, commands[mode], cwd, environ) for number in range(2)]
+        survivor, victim = groups
+        wait_for("both groups to train", lambda: victim.committed() >= KILL_AFTER and len(survivor.watch()) == RANKS, groups, 400)
+        first_workers = survivor.watch()
+        killed = victim.watch()[-1]  # its last rank
+        os.kill(killed, signal.SIGKILL)
+        wait_for("group 1 to recover live and rejoin",
+                 lambda: re.search(r"replica group 1 recovered a peer's state in [\d.]+ s and rejoined", victim.output()),
+                 groups, 300)  # fmt: skip
+        for group in groups:
+            try:
+                group.launcher.wait(timeout=400)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"replica group {group.number}'s torchrun did not end by itself:\n{group.describe()}") from None
+            assert group.launcher.returncode == 0, group.describe()
+        assert survivor.watch() == [] and survivor.workers == first_workers, survivor.describe()  # never restarted
+    finally:
+        for group in groups:
+            if group.launcher.poll() is None:
+                os.killpg(group.launcher.pid, signal.SIGKILL)
+                group.launcher.wait()
+        lighthouse.kill()
+        lighthouse.wait()
+
+    assert len(victim.workers) == 2 * RANKS, victim.describe()  # its torchrun started both ranks again, once
+    assert "Traceback (most recent call last)" not in survivor.output(), survivor.describe()
+    for group in groups:
+        for pid in group.workers:
+            alive = Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+            assert not alive, f"replica group {group.number}'s worker {pid} is still running"
+    finals = [torch.load(g.run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False) for g in groups]
+    assert [final["global_step"] for final in finals] == [STEPS, STEPS]
+    for name, tensor in finals[0]["state_dict"].items():
+        assert torch.equal(tensor, finals[1]["state_dict"][name]), f"group 1's final {name} differs from group 0's"
+    inner = [final["optimizer_states"][0]["state"] for final in finals]
+    same_inner = all(
+        torch.equal(value, inner[1][index][key])
+        for index, state in inner[0].items()
+        for key, value in state.items()
+        if torch.is_tensor(value)
+    )
+    if mode == "per_step":
+        assert same_inner, "the groups' optimizer states differ after per-step sync"
+    else:
+        local_sgd = [final["lit_dp"]["local_sgd"] for final in finals]
+        assert all(state["step"] == state["last_average"] == STEPS for state in local_sgd), local_sgd  # ended on a sync
+        assert not same_inner, "with DiLoCo each group keeps its own inner optimizer"
