@@ -285,8 +285,8 @@ class Options:
     )
     fault_tolerance: Optional[str] = option(
         default=None,
-        help="torchft: train on while replica groups fail and recover, one process per replica group "
-        "(docs/fault_tolerance.md); None: off",
+        help="torchft: train on while replica groups fail and recover, each group a launcher's job of one "
+        "rank or many (docs/fault_tolerance.md); None: off",
         check=check_engine,
         scope=STRATEGIES,
         config=Optional[str],

@@ -66,7 +66,8 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"PADDLE_TRAINER_ID=", "two shells by hand on fixed ports 6170-6171; PaddleEnvironment's launch is "
      "tested in tests/job and tests/strategies"),
     (r"strategy\.fault_tolerance=torchft", "replica groups around a torchft lighthouse, each killed in turn: "
-     "tests/test_fault_tolerance_launch.py runs the launch of docs/fault_tolerance.md as written"),
+     "tests/test_fault_tolerance_launch.py and tests/test_fault_tolerance_groups_launch.py (groups of two ranks, "
+     "per-step and DiLoCo) run the launches of docs/fault_tolerance.md as written"),
 ]
 
 # Appended to a recipe's command to make it small, unless the command sets the key itself.
