@@ -35,7 +35,7 @@ def run(tmp_path: Path, steps: int, *flags: str, **lighthouse) -> dict[tuple[int
     command = [
         PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", "--max-restarts=3",
         "--monitor-interval=0.1", "-m", "tests.helpers.ft_replica", str(tmp_path), str(steps), *flags,
-    ]  # fmt: skip
+    ]
     with replica_groups(command, 2, tmp_path, **lighthouse) as replicas:
         replicas.start_all()
         replicas.wait_all(timeout=360)
@@ -155,3 +155,17 @@ def _sum_over_every_rank(rank: int) -> None:
     # Each rank sent its half (rounded up) of every tensor across groups.
     assert group.traffic.across_bytes == 8 * (1 + 4 + 5)
     assert group.traffic.reduced_bytes == 8 * 18
+
+
+@pytest.mark.slow
+def test_fabric_with_groups_of_two_ranks_ends_with_one_model_on_every_rank(tmp_path):
+    command = [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", "--monitor-interval=0.1",
+        "-m", "tests.helpers.ft_fabric_group", str(tmp_path), "12",
+    ]
+    with replica_groups(command, 2, tmp_path, min_replicas=2) as replicas:
+        replicas.start_all()
+        replicas.wait_all(timeout=240)
+    finals = [torch.load(tmp_path / f"replica{group}-rank{rank}.pt") for group in range(2) for rank in range(RANKS)]
+    assert all(torch.equal(finals[0][name], final[name]) for final in finals[1:] for name in finals[0])
+    assert not torch.equal(finals[0]["0.weight"], ft_replica.model(0)[0].weight)  # it trained
