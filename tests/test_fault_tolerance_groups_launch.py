@@ -140,9 +140,8 @@ def test_the_documented_launch_of_groups_of_two_ranks_survives_a_killed_rank(tmp
         first_workers = survivor.watch()
         killed = victim.watch()[-1]  # its last rank
         os.kill(killed, signal.SIGKILL)
-        wait_for("group 1 to recover live and rejoin",
-                 lambda: re.search(r"replica group 1 recovered a peer's state in [\d.]+ s and rejoined", victim.output()),
-                 groups, 300)  # fmt: skip
+        rejoined = re.compile(r"replica group 1 recovered a peer's state in [\d.]+ s and rejoined")
+        wait_for("group 1 to recover live and rejoin", lambda: rejoined.search(victim.output()), groups, 300)
         for group in groups:
             try:
                 group.launcher.wait(timeout=400)
