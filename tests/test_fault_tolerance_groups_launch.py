@@ -18,7 +18,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -26,14 +25,13 @@ import torch
 
 pytest.importorskip("torchft")
 
-from tests.helpers.distributed import free_port  # noqa: E402
 from tests.helpers.documented import ROOT, DocumentedCommand, documented_commands  # noqa: E402
+from tests.helpers.torchft import LaunchedGroup, documented_lighthouse, wait_for_groups  # noqa: E402
 
 DOC = ROOT / "docs" / "fault_tolerance.md"
 RANKS = 2
 STEPS = 96  # a multiple of the DiLoCo command's K (16): the run ends on a sync
 KILL_AFTER = 30  # committed steps of group 1 before one of its ranks is killed
-COMMITTED = re.compile(r"- step (\d+)\] should_commit=True")
 
 
 def documented() -> tuple[DocumentedCommand, dict[str, DocumentedCommand], dict[str, str]]:
@@ -53,95 +51,23 @@ def documented() -> tuple[DocumentedCommand, dict[str, DocumentedCommand], dict[
     return lighthouse, modes, exports
 
 
-def workers_of(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (a torchrun's workers)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return sorted(children)
-
-
-class Group:
-    """One replica group: its torchrun, as the docs start it, and every worker it started."""
-
-    def __init__(self, number: int, command: DocumentedCommand, cwd: Path, environ: dict[str, str]) -> None:
-        self.number = number
-        argv = [argument.replace("$group", str(number)) for argument in command.argv] + [f"trainer.max_steps={STEPS}"]
-        env = {**environ, **{key: value.replace("$group", str(number)) for key, value in command.env}}
-        self.log = cwd / f"group{number}.out"
-        with self.log.open("w") as out:
-            self.launcher = subprocess.Popen(
-                argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.run_dir = cwd / "outputs" / "gpt" / f"ft-group{number}"
-        self.workers: list[int] = []
-
-    def watch(self) -> list[int]:
-        """Its torchrun's workers now, recorded."""
-        now = workers_of(self.launcher.pid)
-        self.workers += [pid for pid in now if pid not in self.workers]
-        return now
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def committed(self) -> int:
-        path = self.run_dir / f"torchft-group{self.number}.log"
-        found = COMMITTED.findall(path.read_text(errors="replace")) if path.exists() else []
-        return max(map(int, found), default=-1)
-
-    def describe(self) -> str:
-        tail = "\n".join(self.output().replace("\r", "\n").splitlines()[-25:])
-        return f"replica group {self.number} (torchrun pid {self.launcher.pid}, workers {self.workers}); its output ends:\n{tail}"
-
-
-def wait_for(what: str, predicate, groups: list[Group], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        for group in groups:
-            group.watch()
-            if group.launcher.poll() not in (None, 0):
-                raise AssertionError(f"waiting for {what}: {group.describe()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waiting for {what} for {timeout:.0f} s:\n\n" + "\n\n".join(g.describe() for g in groups))
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["per_step", "diloco"])
 def test_the_documented_launch_of_groups_of_two_ranks_survives_a_killed_rank(tmp_path, mode):
     lighthouse_command, commands, exports = documented()
-    cwd = tmp_path / "clone"
-    cwd.mkdir()
-    for name in ("recipes", "conf"):
-        (cwd / name).symlink_to(ROOT / name)
-    port = free_port()
-    documented_port = re.search(r":(\d+)$", exports["TORCHFT_LIGHTHOUSE"]).group(1)
-    environ = {
-        **os.environ,
-        **exports,
-        "TORCHFT_LIGHTHOUSE": exports["TORCHFT_LIGHTHOUSE"].replace(documented_port, str(port)),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    argv = [argument.replace(documented_port, str(port)) for argument in lighthouse_command.argv]
-    with (tmp_path / "lighthouse.out").open("w") as out:
-        lighthouse = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
-    groups: list[Group] = []
+    cwd, environ, lighthouse = documented_lighthouse(tmp_path, lighthouse_command, exports, ROOT)
+    groups: list[LaunchedGroup] = []
     try:
-        groups = [Group(number, commands[mode], cwd, environ) for number in range(2)]
+        steps = [f"trainer.max_steps={STEPS}"]
+        groups = [LaunchedGroup(number, commands[mode], cwd, environ, steps) for number in range(2)]
         survivor, victim = groups
-        wait_for("both groups to train", lambda: victim.committed() >= KILL_AFTER and len(survivor.watch()) == RANKS, groups, 400)
+        wait_for_groups("both groups to train", lambda: victim.committed() >= KILL_AFTER and len(survivor.watch()) == RANKS, groups, 400)
         first_workers = survivor.watch()
         killed = victim.watch()[-1]  # its last rank
         os.kill(killed, signal.SIGKILL)
         rejoined = re.compile(r"replica group 1 recovered a peer's state in [\d.]+ s and rejoined")
-        wait_for("group 1 to recover live and rejoin", lambda: rejoined.search(victim.output()), groups, 300)
+        wait_for_groups("group 1 to recover live and rejoin", lambda: rejoined.search(victim.output()), groups, 300)
         for group in groups:
             try:
                 group.launcher.wait(timeout=400)

@@ -20,7 +20,6 @@ import re
 import shlex
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -28,14 +27,13 @@ import torch
 
 pytest.importorskip("torchft")
 
-from tests.helpers.distributed import free_port  # noqa: E402
 from tests.helpers.documented import ROOT, DocumentedCommand, documented_commands  # noqa: E402
+from tests.helpers.torchft import LaunchedGroup, documented_lighthouse, wait_for_groups  # noqa: E402
 
 DOC = ROOT / "docs" / "fault_tolerance.md"
 GROUPS = 3
 STEPS = 600  # a multiple of the recipe's val_check_interval: the last checkpoint is the last step's
 VICTIMS = (0, 1, 2, 0)
-COMMITTED = re.compile(r"- step (\d+)\] should_commit=True")
 LEFT = re.compile(r"replica groups? ([\d, ]+) left")
 # A living group that was left out of a quorum recovers without rejoining (a new worker's line ends "and rejoined").
 CAUGHT_UP = r"replica group {} recovered a peer's state in [\d.]+ s(?! and)"
@@ -60,79 +58,16 @@ def launch() -> tuple[DocumentedCommand, DocumentedCommand, dict[str, str]]:
     return lighthouse, group, exports
 
 
-class Group:
-    """One replica group: its torchrun, as the docs start it, and its worker processes."""
-
-    def __init__(self, number: int, command: DocumentedCommand, cwd: Path, environ: dict[str, str]) -> None:
-        self.number = number
-        argv = [argument.replace("$group", str(number)) for argument in command.argv] + [f"trainer.max_steps={STEPS}"]
-        env = {**environ, **{key: value.replace("$group", str(number)) for key, value in command.env}}
-        self.log = cwd / f"group{number}.out"
-        with self.log.open("w") as out:
-            self.launcher = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.run_dir = cwd / "outputs" / "gpt" / f"ft-group{number}"
-        self.workers: list[int] = []  # every worker its torchrun started, in order
-
-    def worker(self) -> int | None:
-        """Its torchrun's worker now (recorded), if one runs."""
-        try:
-            children = Path(f"/proc/{self.launcher.pid}/task/{self.launcher.pid}/children").read_text().split()
-        except OSError:
-            return None
-        for pid in map(int, children):
-            if pid not in self.workers:
-                self.workers.append(pid)
-        return int(children[-1]) if children else None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def committed(self) -> int:
-        """The newest step its worker committed, from torchft's log in its run folder."""
-        path = self.run_dir / f"torchft-group{self.number}.log"
-        found = COMMITTED.findall(path.read_text(errors="replace")) if path.exists() else []
-        return max(map(int, found), default=-1)
-
-    def describe(self) -> str:
-        return f"replica group {self.number} (torchrun pid {self.launcher.pid}, workers {self.workers}); its output ends:\n" + "\n".join(
-            self.output().splitlines()[-25:]
-        )
-
-
-def wait_for(what: str, predicate, groups: list[Group], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        for group in groups:
-            group.worker()
-            if group.launcher.poll() is not None and group.launcher.returncode != 0:
-                raise AssertionError(f"waiting for {what}: replica group {group.number}'s torchrun exited "
-                                     f"{group.launcher.returncode}:\n{group.describe()}")  # fmt: skip
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waiting for {what} for {timeout:.0f} s:\n\n" + "\n\n".join(g.describe() for g in groups))
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_documented_launch_survives_every_replica_group_killed_in_turn(tmp_path):
     lighthouse_command, group_command, exports = launch()
-    cwd = tmp_path / "clone"
-    cwd.mkdir()
-    for name in ("recipes", "conf"):
-        (cwd / name).symlink_to(ROOT / name)
-    port = free_port()
-    documented_port = re.search(r":(\d+)$", exports["TORCHFT_LIGHTHOUSE"]).group(1)
-    environ = {
-        **os.environ, **exports, "TORCHFT_LIGHTHOUSE": exports["TORCHFT_LIGHTHOUSE"].replace(documented_port, str(port)),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }  # fmt: skip
-    argv = [argument.replace(documented_port, str(port)) for argument in lighthouse_command.argv]
-    with (tmp_path / "lighthouse.out").open("w") as out:
-        lighthouse = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
-    groups: list[Group] = []
+    cwd, environ, lighthouse = documented_lighthouse(tmp_path, lighthouse_command, exports, ROOT)
+    groups: list[LaunchedGroup] = []
     try:
-        groups = [Group(number, group_command, cwd, environ) for number in range(GROUPS)]
-        wait_for("every group to train", lambda: all(g.committed() >= 5 for g in groups), groups, 600)
+        steps = [f"trainer.max_steps={STEPS}"]
+        groups = [LaunchedGroup(number, group_command, cwd, environ, steps) for number in range(GROUPS)]
+        wait_for_groups("every group to train", lambda: all(g.committed() >= 5 for g in groups), groups, 600)
         for kill_number, victim in enumerate(VICTIMS, start=1):
             group = groups[victim]
             pid = group.worker()
@@ -142,17 +77,32 @@ def test_the_documented_launch_survives_every_replica_group_killed_in_turn(tmp_p
             rejoined = group.output().count(f"replica group {victim} recovered a peer's state in")
             left = {g.number: said_left(g.output(), victim) for g in groups}
             os.kill(pid, signal.SIGKILL)
-            wait_for(f"the survivors of kill {kill_number} (replica group {victim}) to say it left",
-                     lambda: all(said_left(g.output(), victim) > left[g.number] for g in others),
-                     groups, 120)  # fmt: skip
+            which = f"kill {kill_number} (replica group {victim})"
+            wait_for_groups(
+                f"the survivors of {which} to say it left",
+                lambda: all(said_left(g.output(), victim) > left[g.number] for g in others),
+                groups,
+                120,
+            )
             committed = {g.number: g.committed() for g in others}
-            wait_for(f"the survivors of kill {kill_number} (replica group {victim}) to go on",
-                     lambda: all(g.committed() > committed[g.number] + 3 for g in others), groups, 120)  # fmt: skip
-            wait_for(f"replica group {victim} to recover live after kill {kill_number}",
-                     lambda: group.output().count(f"replica group {victim} recovered a peer's state in") > rejoined,
-                     groups, 300)  # fmt: skip
-            wait_for(f"replica group {victim} to train again after kill {kill_number}",
-                     lambda: group.committed() > max(committed.values()), groups, 120)  # fmt: skip
+            wait_for_groups(
+                f"the survivors of {which} to go on",
+                lambda: all(g.committed() > committed[g.number] + 3 for g in others),
+                groups,
+                120,
+            )
+            wait_for_groups(
+                f"replica group {victim} to recover live after kill {kill_number}",
+                lambda: group.output().count(f"replica group {victim} recovered a peer's state in") > rejoined,
+                groups,
+                300,
+            )
+            wait_for_groups(
+                f"replica group {victim} to train again after kill {kill_number}",
+                lambda: group.committed() > max(committed.values()),
+                groups,
+                120,
+            )
             kept = {g.number: g.worker() for g in others}
             assert kept == survivors, f"kill {kill_number} (replica group {victim}): the survivors' workers {survivors} became {kept}"
         for group in groups:

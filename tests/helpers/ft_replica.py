@@ -57,6 +57,21 @@ def model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES))
 
 
+def trained_on(seed: int, steps: list[list[int]]) -> nn.Module:
+    """One process from ``model(seed)``, with the replicas' optimizer, each step on the samples of
+    ``steps`` (the ranks' batches concatenated: equal sizes, so the mean loss's gradient is the
+    mean of their gradients): the reference the replicas must equal."""
+    reference = model(seed)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    data = dataset()
+    for indices in steps:
+        inputs, targets = data[torch.tensor(indices)]
+        F.cross_entropy(reference(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return reference
+
+
 def parameters_hash(module: nn.Module) -> str:
     digest = hashlib.sha256()
     for tensor in module.state_dict().values():

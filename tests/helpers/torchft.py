@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,3 +161,99 @@ PYTHON = sys.executable
 def read_records(path: Path) -> list[dict]:
     """A replica's JSON lines (``tests.helpers.ft_replica``, ``tests.helpers.ft_lightning_replica``)."""
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+COMMITTED = re.compile(r"- step (\d+)\] should_commit=True")
+
+
+def workers_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a torchrun's workers), oldest first."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return sorted(children)
+
+
+class LaunchedGroup:
+    """One replica group as docs/fault_tolerance.md launches it: its torchrun (``command`` with ``$group``
+    replaced and ``extra`` appended), its output, torchft's log of its rank 0, and every worker it started."""
+
+    def __init__(self, number: int, command, cwd: Path, environ: dict[str, str], extra: list[str]) -> None:
+        self.number = number
+        argv = [argument.replace("$group", str(number)) for argument in command.argv] + extra
+        env = {**environ, **{key: value.replace("$group", str(number)) for key, value in command.env}}
+        self.log = cwd / f"group{number}.out"
+        with self.log.open("w") as out:
+            self.launcher = subprocess.Popen(
+                argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.run_dir = cwd / "outputs" / "gpt" / f"ft-group{number}"
+        self.workers: list[int] = []  # every worker its torchrun started, in order
+
+    def watch(self) -> list[int]:
+        """Its torchrun's workers now, recorded."""
+        now = workers_of(self.launcher.pid)
+        self.workers += [pid for pid in now if pid not in self.workers]
+        return now
+
+    def worker(self) -> int | None:
+        """Its newest worker now (recorded), if one runs."""
+        now = self.watch()
+        return now[-1] if now else None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def committed(self) -> int:
+        """The newest step its rank 0 committed, from torchft's log in its run folder."""
+        path = self.run_dir / f"torchft-group{self.number}.log"
+        found = COMMITTED.findall(path.read_text(errors="replace")) if path.exists() else []
+        return max(map(int, found), default=-1)
+
+    def describe(self) -> str:
+        tail = "\n".join(self.output().replace("\r", "\n").splitlines()[-25:])
+        return f"replica group {self.number} (torchrun pid {self.launcher.pid}, workers {self.workers}); its output ends:\n{tail}"
+
+
+def wait_for_groups(what: str, predicate, groups: list[LaunchedGroup], timeout: float) -> None:
+    """Poll ``predicate()``, recording the groups' workers, until true; fail naming a launcher that exited
+    with an error, or every group's output after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for group in groups:
+            group.watch()
+            if group.launcher.poll() not in (None, 0):
+                exited = f"replica group {group.number}'s torchrun exited {group.launcher.returncode}"
+                raise AssertionError(f"waiting for {what}: {exited}:\n{group.describe()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waiting for {what} for {timeout:.0f} s:\n\n" + "\n\n".join(g.describe() for g in groups))
+        time.sleep(0.2)
+
+
+def documented_lighthouse(tmp_path: Path, command, exports: dict[str, str], root: Path) -> tuple[Path, dict[str, str], subprocess.Popen]:
+    """The documented launch's start, as a user makes it from a fresh folder: the folder (with the
+    repository's ``recipes`` and ``conf``), the environment its ``export`` lines give (the
+    lighthouse's port a free one), and the lighthouse started with the documented ``command``."""
+    from tests.helpers.distributed import free_port
+
+    cwd = tmp_path / "clone"
+    cwd.mkdir()
+    for name in ("recipes", "conf"):
+        (cwd / name).symlink_to(root / name)
+    port = free_port()
+    documented_port = re.search(r":(\d+)$", exports["TORCHFT_LIGHTHOUSE"]).group(1)
+    environ = {
+        **os.environ,
+        **exports,
+        "TORCHFT_LIGHTHOUSE": exports["TORCHFT_LIGHTHOUSE"].replace(documented_port, str(port)),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    argv = [argument.replace(documented_port, str(port)) for argument in command.argv]
+    with (tmp_path / "lighthouse.out").open("w") as out:
+        lighthouse = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+    return cwd, environ, lighthouse

@@ -21,7 +21,7 @@ pytest.importorskip("torchft")
 
 import lit_dp  # noqa: E402
 from lit_dp.options import TRAINER, Options  # noqa: E402
-from lit_dp.fault_tolerance.manager import FaultTolerance, Settings  # noqa: E402
+from lit_dp.fault_tolerance.manager import Settings  # noqa: E402
 from lit_dp.strategies.fault_tolerance import replica_batches  # noqa: E402
 from tests.helpers.ft_lightning_replica import dataset  # noqa: E402
 from tests.helpers.ft_replica import BATCH  # noqa: E402
