@@ -6,6 +6,8 @@ A job split into replica groups keeps training while groups fail and come back
 - ``replica_group``: ``DataParallel(manager=...)``'s buckets all-reduced across the replica
   groups of each step's quorum (``FaultTolerantGroup``), and ``replica_process_group``: torchft's
   process group with what it takes for no failure to make a survivor wait;
+- ``hierarchical``: a replica group of several ranks (a launcher's job): each bucket
+  reduce-scattered inside it, each rank's slice all-reduced across the groups, all-gathered;
 - ``gloo_connections``: the abort Gloo lacks (a group's TCP connections shut down, a peer's
   hang-up seen);
 - ``manager``: a replica group's torchft ``Manager``, its quorum and commit per step, the lines

@@ -31,8 +31,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch

@@ -134,7 +134,8 @@ class QuorumUnreachable(SystemExit):
 
 
 class FaultTolerance:
-    """One replica group's torchft Manager, its steps, its state and what users see of it.
+    """One rank's torchft Manager (its replica group's ranks share one server), its steps, its state
+    and what users see of it (said by the group's rank 0).
 
     The strategies call ``start`` before wrapping the model, ``track`` once what must travel to a
     recovering replica exists, then per step ``start_step`` (quorum) and ``commit``; the Trainer

@@ -234,8 +234,8 @@ def replica_process_group(
 
     ``ProcessGroupGloo`` for a CPU ``device``, ``ProcessGroupBabyNCCL`` (an NCCL communicator
     in a subprocess, which its abort kills) for a CUDA one; ``timeout`` bounds a collective.
-    ``on_quorum(groups)`` is told the replica groups of each new quorum (torchft passes their
-    ids as the group's global ranks: one process per replica group).
+    ``on_quorum(ranks)`` is told the members of each new quorum (torchft passes them as the
+    group's global ranks: ``replica_group * group_size + group_rank``).
 
     On Gloo, lit_dp adds what makes any replica group's failure cost the others no more than
     any other's, whichever it is (the quorum's leader included):

@@ -1,16 +1,18 @@
 """``fault_tolerance="torchft"``: the Trainer's and Fabric's side of live fault tolerance.
 
-Each replica group is one process (a Lightning job of one device) with its own torchft
-``Manager``; the groups meet at torchft's lighthouse (docs/fault_tolerance.md). A step here:
+Each replica group is a Lightning job (its launcher's: one device, a node or several), each of
+its ranks with a torchft ``Manager`` of the group; the groups meet at torchft's lighthouse
+(docs/fault_tolerance.md). A step here:
 
 1. starts with the Manager's quorum, synchronously (``use_async_quorum=False``), before any data
    is read: a replica that is behind (restarted, or that discarded a step its peers committed)
    receives a healthy peer's state there, through torchft's checkpoint transport, and loads it
    at this clean point, between steps;
-2. reads this replica's slice of the step's samples (``lit_dp.fault_tolerance.replica_data.ReplicaBatches``:
-   the quorum's rank among the replica groups present);
+2. reads this rank's slice of the step's samples (``lit_dp.fault_tolerance.replica_data.ReplicaBatches``:
+   its place among every rank of the replica groups present);
 3. runs forward and backward: ``lit_dp.DataParallel(manager=...)`` all-reduces across the
-   replica groups (``lit_dp.fault_tolerance.replica_group``);
+   replica groups (``lit_dp.fault_tolerance.replica_group``; a group of several ranks reduces
+   inside itself first, ``lit_dp.fault_tolerance.hierarchical``);
 4. asks ``Manager.should_commit``; only then does the optimizer step. A discarded step changes
    no parameter, no optimizer state and no data position: the Trainer counts it like a step its
    gradient scaler skips (global step and learning-rate schedule move on alike on every replica).
