@@ -41,9 +41,18 @@ Outer optimizer (``outer="nesterov"``, DiLoCo: Douillard et al., "DiLoCo: Distri
 Training of Language Models", 2023): the mean delta ``mean(s - p)`` is a pseudo-gradient, and
 ``torch.optim.SGD(nesterov=True, lr=outer_lr, momentum=outer_momentum)`` steps the snapshot ``s``
 with it (as torchft's DiLoCo does); every rank then takes the new snapshot as its parameters.
-``outer_lr=1, outer_momentum=0`` is averaging; ``outer="average"`` is exactly the averaging above.
-``sync_dtype=torch.bfloat16``: the deltas travel in bf16 (half the bytes), are summed in bf16
-by the backend and turned back into the parameters' dtype before they are applied.
+Momentum 0 is plain outer SGD (torch's SGD refuses Nesterov without momentum), and with
+``outer_lr=1`` averaging; ``outer="average"`` is exactly the averaging above.
+``sync_dtype=torch.bfloat16``: the deltas travel in bf16 (half the bytes) and are summed in fp32
+(an all-to-all of bf16 chunks, their sum in fp32, an all-gather of the sums in bf16: the bytes of
+a bf16 all-reduce), then turned back into the parameters' dtype before they are applied.
+
+A rank that ran out of batches under Join takes part in every sync without counting: it sends
+zeros, and the sum is divided by the ranks that took part (all-reduced with the sync).
+
+Memory (``offload=True``, the default): the snapshot and the outer momentum of CUDA parameters
+live in pinned CPU memory; the flat payload (the pseudo-gradient) exists only while its fragment
+syncs.
 
 Streaming (``fragments=F``, Douillard et al., "Streaming DiLoCo with overlapping communication",
 2025): the trainable tensors are cut into F fragments of about equal bytes, contiguous in
@@ -97,6 +106,12 @@ def _check_count(option: str, value: Any, low: int) -> None:
         raise ValueError(f"{option}={value!r} is invalid: expected an integer >= {low}.")
 
 
+def _state_device(device: torch.device, offload: bool) -> torch.device:
+    """Where the snapshot and the outer momentum of parameters on ``device`` live: the CPU for CUDA
+    parameters when ``offload`` (the accelerator's memory is the scarce one), else their own device."""
+    return torch.device("cpu") if offload and device.type == "cuda" else device
+
+
 def _sync_dtype(value: Any) -> torch.dtype | None:
     """None, ``torch.bfloat16`` or its name in ``SYNC_DTYPES`` ("bf16")."""
     if value is None or value in _WIRE_DTYPES.values():
@@ -122,10 +137,13 @@ class LocalSGD:
             ``DataParallel``'s own when the local phase starts (with ``"auto"`` the tuned size),
             else ``DEFAULT_BUCKET_MB``.
         outer: ``"average"`` (the mean of the models) or ``"nesterov"`` (DiLoCo's outer optimizer).
-        outer_lr, outer_momentum: the outer SGD's learning rate and Nesterov momentum.
+        outer_lr, outer_momentum: the outer SGD's learning rate and Nesterov momentum (0: plain outer SGD,
+            which with ``outer_lr=1`` is averaging).
         sync_dtype: the dtype the deltas travel in (``"bf16"`` or ``torch.bfloat16``); None: the parameters'.
         fragments: F, sync the model one fragment at a time, one every K/F steps (streaming DiLoCo);
             K must be a multiple of F, and F at most the number of trainable tensors.
+        offload: keep the snapshot and the outer momentum of CUDA parameters in (pinned) CPU memory;
+            False: on the parameters' device. Parameters elsewhere keep them on their own device.
         group: the process group; defaults to the ``DataParallel``'s (``module.rings``), or for
             another module to the rings of ``init_parallel_env``.
     """
@@ -145,6 +163,7 @@ class LocalSGD:
         outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
         sync_dtype: torch.dtype | str | None = None,
         fragments: int = 1,
+        offload: bool = True,
     ) -> None:
         _check_count("local_steps", local_steps, 1)
         _check_count("fragments", fragments, 1)
@@ -162,6 +181,9 @@ class LocalSGD:
         outer_lr = check_outer_lr("outer_lr", outer_lr)
         outer_momentum = check_outer_momentum("outer_momentum", outer_momentum)
         self._sync_dtype = _sync_dtype(sync_dtype)
+        if not isinstance(offload, bool):
+            raise ValueError(f"offload={offload!r} is invalid: expected True or False.")
+        self._offload = offload
         _check_count("warmup_steps", warmup_steps, 0)
         _check_count("min_local_steps", min_local_steps, 1)
         if not min_local_steps <= max_local_steps:
@@ -185,7 +207,6 @@ class LocalSGD:
         else:  # the model's own communicators (its process_group), else those of init_parallel_env
             self._rings = module.rings if isinstance(module, DataParallel) else get_rings()
         self._world_size = dist.get_world_size(self._rings[0]) if self._rings else 1
-        self._first_rank = dist.get_process_group_ranks(self._rings[0])[0] if self._rings else 0
         if comm_buffer_size is not None:
             megabytes_to_bytes("comm_buffer_size", comm_buffer_size)  # checked now, read when the buckets are built
         self._comm_buffer_size = comm_buffer_size
@@ -209,6 +230,7 @@ class LocalSGD:
         self._lr_0: float | None = None
         device = self._params[0].device if self._params else torch.device("cpu")
         self._recorder = SyncRecorder(device)
+        self._launched: Any = None  # the recorder's mark when the current sync's collectives were all launched
         self._local_steps_taken = 0  # by this object (not a resumed run's earlier steps): the traffic's denominator
         self._after_sync: list[Callable[[int, bool], None]] = []  # the replica-consistency check, when on
         if self._data_parallel is not None:
@@ -269,7 +291,7 @@ class LocalSGD:
         if agree_first:
             self._loss_0, self._lr_0 = self._agreed_loss_and_lr(loss, lr, counts=not joined)
         if fragment is not None:
-            self._average(fragment)
+            self._average(fragment, participates=not joined)
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(loss, lr, counts=not joined))
         self._follow_phase()
@@ -313,32 +335,57 @@ class LocalSGD:
         if due and self.fragments > 1 and self._world_size > 1:
             self._after_sync_hooks(shadow=False)  # every fragment now synced: the replicas are equal
 
-    def _average(self, fragment: int = 0, shadow: bool = False) -> None:
+    def _average(self, fragment: int = 0, shadow: bool = False, participates: bool = True) -> None:
         """Replace every rank's parameters of ``fragment`` (and with the last, the buffers) by their
-        mean over the ranks, or by the snapshot stepped by the outer optimizer with the mean delta.
-        ``shadow``: this rank joined (``lit_dp.join``); its model waits for the final broadcast and is
-        not compared."""
+        mean over the ranks that take part, or by the snapshot stepped by the outer optimizer with
+        their mean delta. ``shadow``: this rank joined (``lit_dp.join``); its model waits for the final
+        broadcast and is not compared. ``participates``: this rank's model counts (not when it ran
+        out of batches: it sends nothing, and takes the result like the others)."""
         self._last_syncs[fragment] = self._step
         if self._world_size < 2:
             return
         if self._buckets is None:
             self._buckets = self._build_buckets()
         buckets = self._buckets[fragment]
+        outer = self._outer_optimizer is not None
         began = self._recorder.mark()
         with torch.no_grad():
+            participants = self.reduce_across(buckets, self._rings, participates and not shadow)
             for bucket in buckets:
-                bucket.start(self._first_rank)
-            launched = self._recorder.mark()
-            for bucket in buckets:
-                bucket.finish(self._world_size, self._waiter, outer=self._outer_optimizer is not None)
-            if self._outer_optimizer is not None:
+                if participants:
+                    bucket.apply(participants, outer)
+                else:
+                    bucket.drop()
+            if outer and participants:
                 # Steps only the snapshots with a pseudo-gradient: this fragment's (and its momentum).
                 self._outer_optimizer.step()
                 for bucket in buckets:
                     bucket.take_snapshot()
-        self._recorder.record(self._step, sum(bucket.wire_bytes for bucket in buckets), began, launched)
+        self._recorder.record(self._step, sum(bucket.wire_bytes for bucket in buckets), began, self._launched)
         if self.fragments == 1:  # with fragments the others still differ between the ranks: see finish()
             self._after_sync_hooks(shadow)
+
+    def reduce_across(self, buckets: list[_Bucket], groups: list[dist.ProcessGroup], participates: bool = True) -> int:
+        """The one cross-rank reduction of a sync: the sum over the ranks of ``groups`` of every bucket's
+        payload (the deltas ``s - p``, which divided become the pseudo-gradient; the float buffers; the
+        other buffers broadcast from the first rank), left in each bucket's ``payload``. Bucket i goes on
+        ``groups[i % len(groups)]`` (the rings), all launched before any is awaited; a wire dtype is summed
+        in fp32. Returns how many ranks took part: the divisor, all-reduced with the payloads, since a
+        rank that ran out (``participates=False``) sends zeros. Every rank of ``groups`` must call it with
+        the same buckets; pointing ``groups`` at another group (torchft's replica groups) syncs across it."""
+        device = buckets[0].device if buckets else torch.device("cpu")
+        count = torch.tensor([float(participates)], device=device)
+        count_work = dist.all_reduce(count, group=groups[0], async_op=True)
+        for index, bucket in enumerate(buckets):
+            bucket.prepare(participates)
+            bucket.start(groups[index % len(groups)])
+        self._launched = self._recorder.mark()
+        for bucket in buckets:
+            bucket.reduce_chunks(self._waiter)
+        for bucket in buckets:
+            bucket.wait(self._waiter)
+        self._waiter.wait(count_work, "the LocalSGD count of the ranks taking part")
+        return int(count.item())
 
     def _after_sync_hooks(self, shadow: bool) -> None:
         for hook in self._after_sync:
@@ -385,10 +432,12 @@ class LocalSGD:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's state: save it with a checkpoint so a resumed run averages at the same steps.
-        With ``outer="nesterov"`` also the outer optimizer's: the snapshot (the parameters of the last
-        average) and its momentum, one CPU tensor per parameter, the same on every rank. With fragments,
-        each fragment's last sync (``last_syncs``); a parameter's snapshot and momentum are its fragment's."""
+        """The schedule's state: save it with a checkpoint so a resumed run syncs at the same steps.
+        Once the local phase has started, also ``outer``: the snapshot (each parameter as its
+        fragment was last synced) and, with ``outer="nesterov"``, its momentum (None without), one
+        CPU tensor per parameter, the same on every rank. With fragments, each fragment's last sync
+        (``last_syncs``). The model's and the inner optimizer's states are not in it: they are each
+        rank's own, saved beside it (see docs/local_sgd.md)."""
         state: dict[str, Any] = {
             "step": self._step,
             "last_average": self._last_syncs[-1],
@@ -398,19 +447,21 @@ class LocalSGD:
             "loss_0": self._loss_0,
             "lr_0": self._lr_0,
         }
-        if self._outer == "nesterov":
-            state["outer"] = self._outer_state()
+        outer = self._outer_state()
+        if outer is not None:
+            state["outer"] = outer
         return state
 
     def _outer_state(self) -> dict[str, Any] | None:
-        if self._outer_optimizer is None:
+        if self._buckets is None:
             return self._outer_resumed  # a resumed state not yet taken up: handed on unchanged
         snapshots: list[torch.Tensor | None] = [None] * len(self._params)
         momenta: list[torch.Tensor | None] = [None] * len(self._params)
-        for bucket in (bucket for fragment in self._buckets or [] for bucket in fragment):
+        optimizer_state = self._outer_optimizer.state if self._outer_optimizer is not None else {}
+        for bucket in (bucket for fragment in self._buckets for bucket in fragment):
             if bucket.snapshot is None:
                 continue
-            momentum = self._outer_optimizer.state.get(bucket.snapshot, {}).get("momentum_buffer")
+            momentum = optimizer_state.get(bucket.snapshot, {}).get("momentum_buffer")
             buffers = momentum.split(bucket.numels) if momentum is not None else [None] * len(bucket.numels)
             for tensor, snapshot, buffer in zip(bucket.tensors, bucket.snapshot.split(bucket.numels), buffers):
                 index = self._param_index[id(tensor)]
@@ -419,8 +470,9 @@ class LocalSGD:
         return {"snapshot": snapshots, "momentum": momenta}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the schedule and snapshot the parameters as they are now (equal on every rank after a
-        resume); with ``outer="nesterov"`` the saved snapshot and momentum instead, if the state has them.
+        """Restore the schedule, and the saved snapshot (and momentum) when the state has them; a state
+        without them (saved during warm-up, or before averaging saved its snapshot) snapshots the
+        parameters as they are when the local phase starts.
 
         A fixed period is this object's own ``local_steps``, so a run may resume with another K;
         an adaptive period continues from the saved one. A state without fragments (saved before
@@ -437,8 +489,7 @@ class LocalSGD:
         self._local_steps = int(state["local_steps"]) if self._adaptive else self._initial_local_steps
         self._loss_0 = state.get("loss_0")
         self._lr_0 = state.get("lr_0")
-        if self._outer == "nesterov":
-            self._outer_resumed = state.get("outer")
+        self._outer_resumed = state.get("outer")
         self._buckets = None
         self._follow_phase()
 
@@ -464,27 +515,27 @@ class LocalSGD:
         groups = [(f, _DELTA, [self._params[i] for i in indices]) for f, indices in enumerate(self._fragment_indices)]
         last = len(fragments) - 1
         groups += [(last, _MEAN, float_buffers), (last, _FROM_FIRST_RANK, other_buffers)]
-        count = 0  # the rings take the buckets in turn, across fragments
         for fragment, kind, tensors in groups:
             if not tensors:
                 continue
             for indices in assign_group_by_size(tensors, [False] * len(tensors), [bucket_bytes]):
-                ring = self._rings[count % len(self._rings)]
-                fragments[fragment].append(_Bucket(kind, [tensors[i] for i in indices], ring, self._sync_dtype))
-                count += 1
+                bucket_tensors = [tensors[i] for i in indices]
+                state_device = _state_device(bucket_tensors[0].device, self._offload)
+                fragments[fragment].append(_Bucket(kind, bucket_tensors, self._sync_dtype, state_device))
         buckets = [bucket for fragment in fragments for bucket in fragment]
         self._outer_optimizer = None
         snapshots = [b.snapshot for b in buckets if b.snapshot is not None]
         if self._outer == "nesterov" and snapshots:
-            self._outer_optimizer = torch.optim.SGD(snapshots, nesterov=True, **self._outer_settings)
-            if self._outer_resumed is not None:
-                self._restore_outer(buckets, self._outer_resumed)
-                self._outer_resumed = None
+            # Nesterov needs momentum (torch's SGD refuses it without): momentum 0 is plain outer SGD.
+            nesterov = self._outer_settings["momentum"] > 0
+            self._outer_optimizer = torch.optim.SGD(snapshots, nesterov=nesterov, **self._outer_settings)
+        if self._outer_resumed is not None:
+            self._restore_outer(buckets, self._outer_resumed)
+            self._outer_resumed = None
         return fragments
 
     def _restore_outer(self, buckets: list[_Bucket], state: dict[str, Any]) -> None:
         """A checkpoint's snapshot and momentum (per parameter) into the buckets' flat tensors."""
-        assert self._outer_optimizer is not None
         if len(state["snapshot"]) != len(self._params):
             raise ValueError(
                 f"the LocalSGD outer state holds {len(state['snapshot'])} parameters, the model "
@@ -496,7 +547,7 @@ class LocalSGD:
             indices = [self._param_index[id(t)] for t in bucket.tensors]
             bucket.snapshot.copy_(torch.cat([state["snapshot"][i].reshape(-1) for i in indices]))
             momenta = [state["momentum"][i] for i in indices]
-            if all(m is not None for m in momenta):
+            if self._outer_optimizer is not None and all(m is not None for m in momenta):
                 buffer = torch.cat([m.reshape(-1) for m in momenta]).to(bucket.snapshot.device)
                 self._outer_optimizer.state[bucket.snapshot]["momentum_buffer"] = buffer
 
@@ -536,58 +587,100 @@ class LocalSGD:
 
 
 class _Bucket:
-    """Tensors of one dtype and device averaged (or broadcast) as one flat buffer.
+    """Tensors of one dtype and device synced as one flat payload.
 
-    ``wire``: the dtype the deltas travel in, when not the tensors' own (``sync_dtype``).
+    Held between syncs: the snapshot (a deltas' bucket's parameters at its last sync), on
+    ``state_device``, in pinned memory when that is the CPU and the tensors are on CUDA (``offload``).
+    Held during a sync only: ``payload``, the flat tensor on the tensors' device (the deltas, then
+    their sum: the pseudo-gradient), and with a ``wire`` dtype its two wire-dtype copies.
     """
 
     def __init__(
-        self, kind: str, tensors: list[torch.Tensor], ring: dist.ProcessGroup, wire: torch.dtype | None = None
+        self, kind: str, tensors: list[torch.Tensor], wire: torch.dtype | None = None, state_device: torch.device | None = None
     ) -> None:
         self.kind = kind
         self.tensors = tensors
-        self.ring = ring
         self.numels = [t.numel() for t in tensors]
-        self.flat = torch.empty(sum(self.numels), dtype=tensors[0].dtype, device=tensors[0].device)
-        self.snapshot = self._gather().clone() if kind == _DELTA else None
-        converted = kind == _DELTA and wire is not None and wire != self.flat.dtype
-        self.sent = torch.empty_like(self.flat, dtype=wire) if converted else self.flat
-        self.wire_bytes = self.sent.numel() * self.sent.element_size()
-        self.work: dist.Work | None = None
+        self.device, self.dtype = tensors[0].device, tensors[0].dtype
+        self.snapshot = _state_copy(self._gather(), state_device or self.device) if kind == _DELTA else None
+        self.wire = wire if kind == _DELTA and wire is not None and wire != self.dtype else None
+        self.wire_bytes = sum(self.numels) * (self.wire or self.dtype).itemsize
+        self.payload: torch.Tensor | None = None
+        self._sent: torch.Tensor | None = None  # wire dtype, padded to a multiple of the group's size
+        self._received: torch.Tensor | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._work: dist.Work | None = None
 
     def _gather(self) -> torch.Tensor:
-        torch.cat([t.detach().reshape(-1) for t in self.tensors], out=self.flat)
-        return self.flat
+        return torch.cat([t.detach().reshape(-1) for t in self.tensors])
 
-    def start(self, first_rank: int) -> None:
-        flat = self._gather()
-        if self.kind == _FROM_FIRST_RANK:
-            self.work = dist.broadcast(flat, src=first_rank, group=self.ring, async_op=True)
+    def prepare(self, participates: bool) -> None:
+        """The payload this rank sends: its delta ``snapshot - parameters`` (deltas' buckets), its float
+        buffers (averaged ones), or its other buffers (broadcast from the first rank); zeros for the first
+        two when it does not take part (a rank that ran out under Join): it adds nothing to the sum."""
+        if not participates and self.kind != _FROM_FIRST_RANK:
+            self.payload = torch.zeros(sum(self.numels), dtype=self.dtype, device=self.device)
             return
+        flat = self._gather()
         if self.snapshot is not None:
-            torch.sub(self.snapshot, flat, out=flat)  # the delta: snapshot - parameters
-        if self.sent is not flat:
-            self.sent.copy_(flat)
-        self.work = dist.all_reduce(self.sent, group=self.ring, async_op=True)
+            torch.sub(self.snapshot.to(self.device, non_blocking=True), flat, out=flat)
+        self.payload = flat
 
-    def finish(self, world_size: int, waiter: Waiter, outer: bool = False) -> None:
-        """Apply the result; ``outer``: only hand the mean delta to the snapshot as its gradient
-        (the outer optimizer steps every bucket's snapshot, then ``take_snapshot``)."""
-        assert self.work is not None, "finish() before start()"
-        waiter.wait(self.work, "the LocalSGD average")
-        self.work = None
-        result = self.flat
-        if self.sent is not result:
-            result.copy_(self.sent)
+    def start(self, group: dist.ProcessGroup) -> None:
+        """Launch this bucket's collective on ``group``: a sum (a broadcast from the group's first rank for
+        the other buffers). A wire dtype is summed in fp32: each rank sends every other its chunk of the
+        payload (``all_to_all``), adds the chunks it received in fp32 (``reduce_chunks``), and the sums
+        are gathered back, in the wire dtype (``wait``): the bytes of one all-reduce in the wire dtype,
+        rounded twice (the deltas, then their sum) whatever the number of ranks."""
+        assert self.payload is not None, "start() before prepare()"
+        self._group = group
+        if self.kind == _FROM_FIRST_RANK:
+            self._work = dist.broadcast(self.payload, src=dist.get_global_rank(group, 0), group=group, async_op=True)
+        elif self.wire is None:
+            self._work = dist.all_reduce(self.payload, group=group, async_op=True)
+        else:
+            ranks = group.size()
+            self._sent = torch.zeros(-(-self.payload.numel() // ranks) * ranks, dtype=self.wire, device=self.device)
+            self._sent[: self.payload.numel()].copy_(self.payload)
+            self._received = torch.empty_like(self._sent)
+            self._work = dist.all_to_all_single(self._received, self._sent, group=group, async_op=True)
+
+    def reduce_chunks(self, waiter: Waiter) -> None:
+        """A wire dtype's second half: add the chunks received in fp32, launch the gather of the sums."""
+        if self._received is None:
+            return
+        assert self._work is not None and self._sent is not None and self._group is not None
+        waiter.wait(self._work, "the LocalSGD sync's exchange of chunks")
+        accumulate = torch.promote_types(torch.float32, self.dtype)
+        chunk_sum = self._received.view(self._group.size(), -1).sum(dim=0, dtype=accumulate).to(self.wire)
+        self._received = None
+        self._work = _all_gather(self._sent, chunk_sum, self._group)  # the sent chunks are no longer needed
+
+    def wait(self, waiter: Waiter) -> None:
+        """The sum (or broadcast) is in ``payload``."""
+        assert self._work is not None and self.payload is not None, "wait() before start()"
+        waiter.wait(self._work, "the LocalSGD average")
+        self._work = None
+        if self._sent is not None:
+            self.payload.copy_(self._sent[: self.payload.numel()])
+            self._sent = None
+
+    def apply(self, participants: int, outer: bool) -> None:
+        """Divide the sum by the ranks that took part and apply it; ``outer``: only hand the mean delta to
+        the snapshot as its gradient (the outer optimizer steps the snapshots, then ``take_snapshot``).
+        The payload is dropped either way."""
+        result, self.payload = self.payload, None
+        assert result is not None, "apply() before wait()"
         if self.snapshot is not None and outer:
-            self.snapshot.grad = result.div_(world_size)  # the pseudo-gradient, cleared by take_snapshot
+            # The pseudo-gradient, on the snapshot's device, cleared by take_snapshot.
+            self.snapshot.grad = result.div_(participants).to(self.snapshot.device)
             return
         if self.snapshot is not None:
             # snapshot - mean(delta): the mean of the ranks' parameters, and the next snapshot.
             # One pass: scaling inside the subtraction (alpha) instead of dividing first.
-            result = self.snapshot.sub_(result, alpha=1.0 / world_size)
+            result = self.snapshot.sub_(result.to(self.snapshot.device), alpha=1.0 / participants)
         elif self.kind == _MEAN:
-            result.div_(world_size)
+            result.div_(participants)
         self._scatter(result)
 
     def take_snapshot(self) -> None:
@@ -597,6 +690,33 @@ class _Bucket:
             self._scatter(self.snapshot)
             self.snapshot.grad = None
 
+    def drop(self) -> None:
+        """A sync that nobody took part in: nothing to apply."""
+        self.payload = None
+
     def _scatter(self, result: torch.Tensor) -> None:
-        pieces = result.split(self.numels)
+        pieces = result.to(self.device, non_blocking=True).split(self.numels)
         torch._foreach_copy_([t.detach() for t in self.tensors], [p.view_as(t) for p, t in zip(pieces, self.tensors)])
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this bucket keeps between syncs, by device: its snapshot's (and a payload still in flight)."""
+        held: dict[str, int] = {}
+        for tensor in (self.snapshot, self.payload, self._sent, self._received):
+            if tensor is not None:
+                held[str(tensor.device)] = held.get(str(tensor.device), 0) + tensor.numel() * tensor.element_size()
+        return held
+
+
+def _state_copy(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``flat`` on ``device``: pinned when it leaves a CUDA device for the CPU, so that the copies
+    to and from the device at each sync can run asynchronously."""
+    if device == flat.device:
+        return flat.clone()
+    pinned = device.type == "cpu" and flat.device.type == "cuda"
+    return torch.empty(flat.shape, dtype=flat.dtype, device=device, pin_memory=pinned).copy_(flat)
+
+
+def _all_gather(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    # torch 2.13 renamed all_gather_into_tensor (FutureWarning); the project supports torch >= 2.8.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, chunk, group=group, async_op=True)

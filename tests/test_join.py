@@ -223,8 +223,8 @@ def fragment_net() -> nn.Module:
 
 
 def streaming_case(rank: int, steps: list[int], outer: str) -> tuple[bool, int, list[float]]:
-    """Streaming DiLoCo (K=4, F=2) under Join: the rank that ran out shadows each fragment's sync with
-    its model as it stands; after the context and ``finish()`` every rank holds the last joiner's model."""
+    """Streaming DiLoCo (K=4, F=2) under Join: the rank that ran out shadows each fragment's sync without
+    counting in it; after the context and ``finish()`` every rank holds the last joiner's model."""
     lit_dp.init_parallel_env()
     model = lit_dp.DataParallel(fragment_net(), comm_buffer_size=TINY_MB)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -242,9 +242,10 @@ def streaming_case(rank: int, steps: list[int], outer: str) -> tuple[bool, int, 
 
 def streaming_reference(steps: list[int], outer: str) -> torch.Tensor:
     """One process: every rank steps while it has a batch; fragment 0 is synced after steps 2 + 4n and
-    fragment 1 after 4 + 4n by every rank's model as it stands (averaged, or the outer Nesterov step on
-    the fragment's own snapshot and momentum); the ranks then take the last joiner's model, and
-    ``finish()`` syncs each fragment stepped since its last sync."""
+    fragment 1 after 4 + 4n over the ranks that still had a batch at that step, divided by their number
+    (averaged, or the outer Nesterov step on the fragment's own snapshot and momentum), and every rank
+    takes the result; the ranks then take the last joiner's model, and ``finish()`` syncs each fragment
+    stepped since its last sync."""
     from lit_dp.gradients.buckets import assign_fragments  # the cut itself is tested on its own
 
     models = [fragment_net() for _ in steps]
@@ -259,7 +260,8 @@ def streaming_reference(steps: list[int], outer: str) -> torch.Tensor:
         last_syncs[fragment] = number
         for index in fragments[fragment]:
             params = [list(m.parameters())[index] for m in models]
-            mean = torch.stack([snapshots[index] - p for p in params]).mean(dim=0)
+            taking_part = [p for rank, p in enumerate(params) if number <= steps[rank]]
+            mean = torch.stack([snapshots[index] - p for p in taking_part]).mean(dim=0)
             if outer == "average":
                 snapshots[index] -= mean
             else:

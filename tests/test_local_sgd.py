@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
@@ -396,11 +397,29 @@ def lightning_cases(rank: int, tmp_path: str) -> list[tuple[int, int]]:
     check(module, simulate(net, net_optimizer, lightning_steps(4), 3, 1, loss_fn=regression_loss), "uninterrupted")
     checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
     fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
-    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    resumed_module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
     assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
+    assert_same_weights(resumed_module, module, f"rank {rank}: resumed between two averages")
+
+    # A checkpoint without every rank's state (written before lit_dp kept them): every rank resumes
+    # from rank 0's, with a warning on rank 0.
+    checkpoint = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)
+    del checkpoint["lit_dp"]["local_sgd"]["replicas"]
+    torch.save(checkpoint, f"{tmp_path}/old{rank}.ckpt")  # each rank its own copy: no rank waits for another's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module, _ = fit(f"{tmp_path}/d", 4, ckpt_path=f"{tmp_path}/old{rank}.ckpt", **options)
     expected = simulate(net, net_optimizer, lightning_steps(4), 3, 1, reset_after=8, loss_fn=regression_loss)
-    check(module, expected, "resumed")
+    check(module, expected, "resumed from an old checkpoint")
+    warned = any("every rank resumes from rank 0's" in str(w.message) for w in caught)
+    assert warned == (rank == 0), f"rank {rank}: {[str(w.message) for w in caught]}"
     return resumed
+
+
+def assert_same_weights(module: nn.Module, reference: nn.Module, label: str) -> None:
+    """Bit for bit: a resumed run replays exactly the uninterrupted run's operations on the same values."""
+    for (name, ours), theirs in zip(module.named_parameters(), reference.parameters()):
+        assert torch.equal(ours, theirs), f"{label}: {name} differs from the uninterrupted run's by {(ours - theirs).abs().max()}"
 
 
 @pytest.mark.slow

@@ -6,8 +6,8 @@ model per rank, the outer Nesterov step written out (``OuterState``), not lit_dp
 
 from __future__ import annotations
 
+import logging
 import re
-from functools import partial
 
 import pytest
 import torch
@@ -26,6 +26,7 @@ from tests.test_local_sgd import (
     Net,
     Regressor,
     assert_same_state,
+    assert_same_weights,
     fit,
     lightning_steps,
     mse,
@@ -291,6 +292,75 @@ def test_outer_average_is_the_unchanged_average_bit_for_bit():
     assert run_ranks(bitwise_average_case, 2, timeout=120) == {0: True, 1: True}
 
 
+def momentum_zero_case(rank: int) -> dict:
+    """``outer="nesterov"`` with ``outer_momentum=0`` (which torch's SGD refuses with ``nesterov=True``):
+    plain outer SGD, so ``outer_lr=1`` is the averaging of ``outer="average"``, bit for bit, and
+    ``outer_lr=0.7`` the simulation's outer step without momentum."""
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    steps = random_steps(9, dist.get_world_size(), seed=6)
+    weights = {}
+    for label, outer, lr in (("average", "average", 1.0), ("lr 1", "nesterov", 1.0), ("lr 0.7", "nesterov", 0.7)):
+        model = lit_dp.DataParallel(Net())
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        local_sgd = lit_dp.LocalSGD(model, 2, 1, outer=outer, outer_lr=lr, outer_momentum=0.0)
+        _train(model, optimizer, local_sgd, steps, rank)
+        local_sgd.finish()
+        weights[label] = model.module
+    expected = simulate(Net(), OPTIMIZERS["adam"], steps, 2, 1, outer=(0.7, 0.0))[rank]
+    assert_same_state(weights["lr 0.7"], expected, f"outer_momentum=0, outer_lr=0.7, rank {rank}")
+    pairs = zip(weights["average"].state_dict().values(), weights["lr 1"].state_dict().values())
+    return {"lr 1 is averaging": all(torch.equal(a, b) for a, b in pairs)}
+
+
+@pytest.mark.slow
+def test_nesterov_without_momentum_is_plain_outer_sgd_and_averaging_at_lr_1():
+    results = run_ranks(momentum_zero_case, 2, timeout=120)
+    assert results == {0: {"lr 1 is averaging": True}, 1: {"lr 1 is averaging": True}}
+
+
+def bf16_sum_case(rank: int) -> dict:
+    """4 ranks, ``sync_dtype="bf16"``: the deltas are rounded to bf16 and summed in fp32, the sum rounded to
+    bf16 once, whatever the number of ranks (a bf16 all-reduce rounds after every addition)."""
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    world_size = dist.get_world_size()
+    model = nn.Linear(64, 64)  # 4160 parameters: rounding differences somewhere in every chunk
+    lit_dp.sync_params_buffers(model)
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    local_sgd = lit_dp.LocalSGD(model, 1, sync_dtype="bf16")
+
+    def moved(r: int) -> list[torch.Tensor]:  # rank r's parameters after its local step
+        generator = torch.Generator().manual_seed(100 + r)
+        return [s - torch.randn(s.shape, generator=generator) * 10.0 ** -(r % 3) for s in snapshot]
+
+    with torch.no_grad():
+        for p, mine in zip(model.parameters(), moved(rank)):
+            p.copy_(mine)
+    assert local_sgd.step()
+    deltas = [[(s - p).to(torch.bfloat16) for s, p in zip(snapshot, moved(r))] for r in range(world_size)]
+    fp32_sum = [sum(d.float() for d in ds).to(torch.bfloat16).float() for ds in zip(*deltas)]
+    bf16_sum = [sum(ds[1:], ds[0]).float() for ds in zip(*deltas)]  # the sum a bf16 all-reduce rounds as it goes
+    expected = [s.sub(total, alpha=1 / world_size) for s, total in zip(snapshot, fp32_sum)]
+    return {
+        "fp32 accumulation": all(torch.equal(p, e) for p, e in zip(model.parameters(), expected)),
+        "the data tells them apart": any(not torch.equal(a, b) for a, b in zip(fp32_sum, bf16_sum)),
+    }
+
+
+@pytest.mark.slow
+def test_bf16_deltas_are_summed_in_fp32_on_4_ranks():
+    results = run_ranks(bf16_sum_case, 4, timeout=120)
+    for rank, result in results.items():
+        assert result == {"fp32 accumulation": True, "the data tells them apart": True}, f"rank {rank}: {result}"
+
+
 def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
     return [torch.optim.SGD(net.parameters(), lr=0.1)]
 
@@ -301,30 +371,32 @@ def check_against_simulation(module: Regressor, expected: list[nn.Module], label
 
 
 def uninterrupted_and_resumed(rank: int, tmp_path: str, options: dict, period: int, **simulation) -> tuple[dict, list]:
-    """4 epochs of 4 steps (W=1) uninterrupted, then 2 and a resume to 4 from the checkpoint after step 8,
-    each against the simulation; returns the checkpoint's ``local_sgd`` entry and the resumed schedule."""
-    check = partial(check_against_simulation, rank=rank)
+    """4 epochs of 4 steps (W=1) uninterrupted, against the simulation, then 2 and a resume to 4 from the
+    checkpoint after step 8: the uninterrupted run's weights, bit for bit, on every rank. Returns the
+    checkpoint's ``local_sgd`` entry and the resumed schedule."""
     net = Regressor().net
     steps = lightning_steps(4)
     module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
-    check(module, simulate(net, net_optimizer, steps, period, 1, loss_fn=regression_loss, **simulation), "uninterrupted")
+    expected = simulate(net, net_optimizer, steps, period, 1, loss_fn=regression_loss, **simulation)
+    check_against_simulation(module, expected, "uninterrupted", rank)
     checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
     fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
     saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]
-    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    assert set(saved["replicas"]["ranks"]) == {1}, "rank 1's model and optimizer state were not checkpointed"
+    resumed_module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
     assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
-    expected = simulate(net, net_optimizer, steps, period, 1, reset_after=8, loss_fn=regression_loss, **simulation)
-    check(module, expected, "resumed")
+    assert_same_weights(resumed_module, module, f"rank {rank}: resumed between two syncs")
     return saved, resumed
 
 
 def lightning_outer_cases(rank: int, tmp_path: str) -> list:
     """The Trainer strategy with ``local_sgd_outer="nesterov"``: the simulation's weights, and a resume from
-    a mid-period checkpoint (rank 0's model and optimizer, the outer state of every rank) on schedule."""
-    # K=3: averages after steps 4, 7, 10, ...; the checkpoint after step 8 is mid-period.
-    options = dict(local_sgd_steps=3, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_outer_lr=OUTER[0],
+    a mid-period checkpoint (every rank's model and optimizer, the outer state) that ends where the
+    uninterrupted run ends."""
+    # K=4, W=1: syncs after steps 5, 9, 13 and finish() after 16; the checkpoint after step 8 is mid-period.
+    options = dict(local_sgd_steps=4, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_outer_lr=OUTER[0],
                    local_sgd_outer_momentum=OUTER[1])  # fmt: skip
-    saved, resumed = uninterrupted_and_resumed(rank, tmp_path, options, 3, outer=OUTER)
+    saved, resumed = uninterrupted_and_resumed(rank, tmp_path, options, 4, outer=OUTER)
     assert saved["outer"]["momentum"][0] is not None, "the outer momentum was not checkpointed"
     return resumed
 
@@ -333,19 +405,30 @@ def lightning_outer_cases(rank: int, tmp_path: str) -> list:
 @pytest.mark.timeout(900)
 def test_lightning_strategy_runs_the_outer_optimizer_and_resumes_mid_period(tmp_path):
     results = run_ranks(lightning_outer_cases, 2, str(tmp_path), timeout=240)
-    assert results[0] == results[1] and results[0][-1] == (16, 16)
+    assert results[0] == results[1] and results[0][-1] == (16, 13)
 
 
-def lightning_fragment_cases(rank: int, tmp_path: str) -> list:
+def lightning_fragment_cases(rank: int, tmp_path: str) -> tuple[list, list[str]]:
     """The Trainer strategy with ``local_sgd_fragments=2``: the simulation's weights, uninterrupted and
-    resumed from a checkpoint taken between two fragment syncs."""
+    resumed from a checkpoint taken between two fragment syncs; without warm-up, the end-of-run summary
+    counts the consistency check that follows the fit's final sync. Returns the resumed schedule and
+    rank 0's ``[lit_dp]`` lines."""
     # K=4, F=2: fragment 0 after steps 3, 7, 11, 15, fragment 1 after 5, 9, 13; the checkpoint after step 8
     # falls between two syncs of each.
     options = dict(local_sgd_steps=4, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_fragments=2)
     fragments = fragment_names(Regressor().net, 2)
     saved, resumed = uninterrupted_and_resumed(rank, tmp_path, options, 4, outer=OUTER_DEFAULTS, fragments=fragments)
     assert saved["last_syncs"] == [7, 5], saved["last_syncs"]
-    return resumed
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    try:
+        fit(f"{tmp_path}/d", 2, local_sgd_steps=4, local_sgd_outer="nesterov", local_sgd_fragments=2,
+            consistency_every_n_steps=4)  # fmt: skip
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(handler)
+    return resumed, [line for line in lines if line.startswith("[lit_dp] replica consistency")]
 
 
 @pytest.mark.slow
@@ -353,7 +436,10 @@ def lightning_fragment_cases(rank: int, tmp_path: str) -> list:
 def test_lightning_strategy_runs_fragments_and_resumes_between_syncs(tmp_path):
     results = run_ranks(lightning_fragment_cases, 2, str(tmp_path), timeout=240)
     # (steps, the last fragment's last sync) after each batch: 16 steps, fragment 1 last synced after 13.
-    assert results[0] == results[1] and results[0][-1] == (16, 13)
+    assert results[0][0] == results[1][0] and results[0][0][-1] == (16, 13)
+    # 8 local steps, no synchronised one: the one check is the one after finish() synced both fragments.
+    summary = "[lit_dp] replica consistency: 1 check every 4 synchronised steps (1 after LocalSGD averages); the replicas agreed at each"
+    assert results[0][1] == [summary], results[0][1]
 
 
 def fabric_outer(fabric: Fabric) -> list[list[float]]:

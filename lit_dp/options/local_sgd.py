@@ -104,6 +104,13 @@ class LocalSGDOptions:
         config=int,
         examples=(2,),
     )
+    offload: bool = option(
+        default=True,
+        help="keep the snapshot and outer momentum of CUDA parameters in pinned CPU memory; false: on the GPU",
+        check=flag,
+        scope=ONLY_TRAINER,
+        config=bool,
+    )
 
 
 def _fragments_do_not_divide(options: Any) -> bool:
@@ -125,7 +132,7 @@ RULES = (
     ),
     *(
         requires(f"local_sgd.{name}", "local_sgd.steps", "expected the period K, e.g. 16", set_only=True)
-        for name in ("outer", "outer_lr", "outer_momentum", "sync_dtype", "fragments")
+        for name in ("outer", "outer_lr", "outer_momentum", "sync_dtype", "fragments", "offload")
     ),
     excludes(
         "local_sgd.fragments",
