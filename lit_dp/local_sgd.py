@@ -397,6 +397,27 @@ class LocalSGD:
         after ``finish()``, which leaves every fragment synced at the same step."""
         self._after_sync.append(hook)
 
+    def held_bytes(self) -> dict[str, dict[str, int]]:
+        """The memory this object holds, by what (``snapshot``; ``momentum``, the outer SGD's; ``sync``,
+        payloads of a sync in flight, none between syncs) and by device (``str(device)``), in bytes:
+        between syncs, the trainable parameters' bytes once for the snapshot and once more with
+        momentum, on the CPU for CUDA parameters when offloaded."""
+        held: dict[str, dict[str, int]] = {"snapshot": {}, "momentum": {}, "sync": {}}
+
+        def add(what: str, tensor: torch.Tensor) -> None:
+            device = str(tensor.device)
+            held[what][device] = held[what].get(device, 0) + tensor.numel() * tensor.element_size()
+
+        for bucket in (bucket for fragment in self._buckets or [] for bucket in fragment):
+            if bucket.snapshot is not None:
+                add("snapshot", bucket.snapshot)
+            for tensor in bucket.in_flight():
+                add("sync", tensor)
+        for state in self._outer_optimizer.state.values() if self._outer_optimizer is not None else ():
+            if state.get("momentum_buffer") is not None:
+                add("momentum", state["momentum_buffer"])
+        return held
+
     def sync_stats(self) -> SyncStats | None:
         """The last average's bytes (this rank's payload) and times; None before the first (no wait)."""
         return self._recorder.last()
@@ -698,13 +719,9 @@ class _Bucket:
         pieces = result.to(self.device, non_blocking=True).split(self.numels)
         torch._foreach_copy_([t.detach() for t in self.tensors], [p.view_as(t) for p, t in zip(pieces, self.tensors)])
 
-    def held_bytes(self) -> dict[str, int]:
-        """Bytes this bucket keeps between syncs, by device: its snapshot's (and a payload still in flight)."""
-        held: dict[str, int] = {}
-        for tensor in (self.snapshot, self.payload, self._sent, self._received):
-            if tensor is not None:
-                held[str(tensor.device)] = held.get(str(tensor.device), 0) + tensor.numel() * tensor.element_size()
-        return held
+    def in_flight(self) -> list[torch.Tensor]:
+        """The tensors of a sync under way (none between syncs)."""
+        return [t for t in (self.payload, self._sent, self._received) if t is not None]
 
 
 def _state_copy(flat: torch.Tensor, device: torch.device) -> torch.Tensor:

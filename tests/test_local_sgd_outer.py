@@ -361,6 +361,48 @@ def test_bf16_deltas_are_summed_in_fp32_on_4_ranks():
         assert result == {"fp32 accumulation": True, "the data tells them apart": True}, f"rank {rank}: {result}"
 
 
+def held_bytes_case(rank: int) -> dict:
+    """What ``lit_dp.LocalSGD`` holds between syncs, per device: one snapshot of the trainable parameters,
+    one outer momentum with ``outer="nesterov"``, no sync payload (the pseudo-gradient lives only while
+    its fragment syncs). Before this issue a bucket also kept its flat payload: 3 times the parameters
+    for DiLoCo, 2 for averaging. CPU parameters keep their state on the CPU, offloaded or not."""
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    steps = random_steps(6, dist.get_world_size(), seed=8)
+    report = {}
+    for outer, fragments, offload in (("average", 1, True), ("nesterov", 1, True), ("nesterov", 2, False)):
+        model = lit_dp.DataParallel(Net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        local_sgd = lit_dp.LocalSGD(model, 2, outer=outer, fragments=fragments, offload=offload)
+        _train(model, optimizer, local_sgd, steps, rank, last=5)  # mid-period for every fragment
+        report[(outer, fragments, offload)] = local_sgd.held_bytes()
+    return report
+
+
+@pytest.mark.slow
+def test_between_syncs_localsgd_holds_a_snapshot_and_a_momentum_and_no_payload():
+    results = run_ranks(held_bytes_case, 2, timeout=120)
+    parameters = sum(p.numel() * p.element_size() for p in Net().parameters())
+    expected = {
+        ("average", 1, True): {"snapshot": {"cpu": parameters}, "momentum": {}, "sync": {}},
+        ("nesterov", 1, True): {"snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "sync": {}},
+        ("nesterov", 2, False): {"snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "sync": {}},
+    }
+    assert results == {0: expected, 1: expected}
+
+
+def test_the_state_of_cuda_parameters_goes_to_the_cpu_when_offloaded():
+    from lit_dp.local_sgd import _state_device
+
+    cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert _state_device(cuda, offload=True) == cpu
+    assert _state_device(cuda, offload=False) == cuda
+    assert _state_device(cpu, offload=True) == cpu  # nothing to save on the host
+
+
 def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
     return [torch.optim.SGD(net.parameters(), lr=0.1)]
 

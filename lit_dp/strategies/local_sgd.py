@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 _REPLICAS = "replicas"
 
 
+def _never_joined() -> bool:
+    return False
+
+
 class LocalSGDSchedule(Feature):
     """The averager while fitting with ``local_sgd_steps`` (``local_sgd``), and its state, every rank's, in checkpoints."""
 
@@ -44,7 +48,9 @@ class LocalSGDSchedule(Feature):
 
     def __init__(self, options: LocalSGDOptions) -> None:
         self._options = options
-        self._joined: Callable[[], bool] = lambda: False  # the strategy's: this rank replays the step
+        # The strategy's: this rank replays the step. A module-level function until setup, so that a
+        # spawning launcher can pickle the strategy with its features.
+        self._joined: Callable[[], bool] = _never_joined
         self.local_sgd: LocalSGD | None = None  # from setup to teardown
         self._run: Run | None = None  # from setup to teardown: the model and (Trainer) optimizers
         self._optimizers: list[Any] = []  # Fabric's, as each is set up
@@ -121,7 +127,7 @@ class LocalSGDSchedule(Feature):
         self._run = None
         self._optimizers = []
         self._replica = None
-        self._joined = lambda: False
+        self._joined = _never_joined
 
     @override
     def state_dict(self) -> dict[str, Any] | None:
