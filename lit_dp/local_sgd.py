@@ -67,6 +67,7 @@ travel with the last fragment. ``finish()`` syncs every fragment stepped since i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -89,6 +90,7 @@ from lit_dp.options.local_sgd import (
     DEFAULT_OUTER_MOMENTUM,
     OUTERS,
     SYNC_DTYPES,
+    check_mixing,
     check_outer_lr,
     check_outer_momentum,
 )
@@ -144,6 +146,10 @@ class LocalSGD:
             K must be a multiple of F, and F at most the number of trainable tensors.
         offload: keep the snapshot and the outer momentum of CUDA parameters in (pinned) CPU memory;
             False: on the parameters' device. Parameters elsewhere keep them on their own device.
+        sync_delay: tau, inner steps between the start of a sync and its application (its
+            all-reduce overlaps them; Streaming DiLoCo, eager updates); below K/F.
+        mixing: alpha, the weight kept of the local parameters when a sync is applied:
+            ``alpha * local + (1 - alpha) * synced`` (torchft's ``fragment_update_alpha``); 0 replaces them.
         group: the process group; defaults to the ``DataParallel``'s (``module.rings``), or for
             another module to the rings of ``init_parallel_env``.
     """
@@ -164,6 +170,8 @@ class LocalSGD:
         sync_dtype: torch.dtype | str | None = None,
         fragments: int = 1,
         offload: bool = True,
+        sync_delay: int = 0,
+        mixing: float = 0.0,
     ) -> None:
         _check_count("local_steps", local_steps, 1)
         _check_count("fragments", fragments, 1)
@@ -177,6 +185,20 @@ class LocalSGD:
                 f"fragments={fragments} with adaptive=True is invalid: the fragments' offsets are fixed fractions of "
                 "K, which the adaptive rule changes at every sync; expected fragments=1 or adaptive=False."
             )
+        _check_count("sync_delay", sync_delay, 0)
+        if sync_delay >= local_steps // fragments:
+            raise ValueError(
+                f"sync_delay={sync_delay} with local_steps={local_steps} and fragments={fragments} is invalid: a sync "
+                "is applied sync_delay steps after it starts, before the next fragment's starts K/F steps after it; "
+                f"expected sync_delay < {local_steps // fragments}."
+            )
+        if adaptive and sync_delay:
+            raise ValueError(
+                f"sync_delay={sync_delay} with adaptive=True is invalid: the adaptive rule changes K at every sync, "
+                "which must stay above the delay; expected sync_delay=0 or adaptive=False."
+            )
+        self._sync_delay = sync_delay
+        self._mixing = check_mixing("mixing", mixing)
         choice(*OUTERS)("outer", outer)
         outer_lr = check_outer_lr("outer_lr", outer_lr)
         outer_momentum = check_outer_momentum("outer_momentum", outer_momentum)
@@ -230,7 +252,7 @@ class LocalSGD:
         self._lr_0: float | None = None
         device = self._params[0].device if self._params else torch.device("cpu")
         self._recorder = SyncRecorder(device)
-        self._launched: Any = None  # the recorder's mark when the current sync's collectives were all launched
+        self._pending: _PendingSync | None = None  # a sync started, applied sync_delay steps later
         self._local_steps_taken = 0  # by this object (not a resumed run's earlier steps): the traffic's denominator
         self._after_sync: list[Callable[[int, bool], None]] = []  # the replica-consistency check, when on
         if self._data_parallel is not None:
@@ -275,15 +297,18 @@ class LocalSGD:
         return self._step >= self._warmup_steps
 
     def step(self, loss: torch.Tensor | float | None = None, lr: float | None = None, *, joined: bool = False) -> bool:
-        """Count one optimizer step; average the models (with fragments: one fragment) when the schedule
-        says so. Returns whether it did.
+        """Count one optimizer step; apply a sync started ``sync_delay`` steps ago, and start one (with
+        fragments: of one fragment) when the schedule says so, applied now when ``sync_delay`` is 0.
+        Returns whether a sync started.
 
         ``loss`` (this rank's training loss) and ``lr`` are required when adaptive. ``joined``:
         this rank ran out of batches and takes the step with the others (the Trainer's uneven
-        inputs): its loss does not count in the adaptive period's mean.
+        inputs): neither its model nor its loss counts.
         """
         self._step += 1
         self._local_steps_taken += self._step > self._warmup_steps
+        if self._pending is not None and self._step - self._pending.step >= self._sync_delay:
+            self._complete()
         agree_first = self._adaptive and self._loss_0 is None
         fragment = self._due_fragment()
         if (agree_first or fragment is not None) and self._data_parallel is not None:
@@ -291,7 +316,7 @@ class LocalSGD:
         if agree_first:
             self._loss_0, self._lr_0 = self._agreed_loss_and_lr(loss, lr, counts=not joined)
         if fragment is not None:
-            self._average(fragment, participates=not joined)
+            self._sync(fragment, participates=not joined)
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(loss, lr, counts=not joined))
         self._follow_phase()
@@ -307,12 +332,12 @@ class LocalSGD:
 
     def shadow_step(self, agree_first: bool, fragment: int | None) -> None:
         """The collectives of a ``step()`` that the ranks still in take, on a rank that joined
-        (``lit_dp.join``): its model takes part in the sync of ``fragment`` (None: no sync) as it
-        stands, its loss does not count."""
+        (``lit_dp.join``): it takes part in the sync of ``fragment`` (None: no sync) without counting
+        (it sends zeros), and its loss does not count."""
         if agree_first:
             self._loss_0, self._lr_0 = self._agreed_loss_and_lr(None, None, counts=False)
         if fragment is not None:
-            self._average(fragment, shadow=True)
+            self._sync(fragment, shadow=True)
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(None, None, counts=False))
 
@@ -321,56 +346,82 @@ class LocalSGD:
         every rank must call it, with parameters already equal on all ranks."""
         if self._world_size < 2:
             return
+        if self._pending is not None:  # the ranks stopped stepping: a delayed sync is applied now
+            self._complete()
         schedule = [self.state_dict()]
         with self._waiter.outside("the broadcast of the LocalSGD schedule"):
             dist.broadcast_object_list(schedule, src=src, group=self._rings[0])
         self.load_state_dict(schedule[0])
 
     def finish(self) -> None:
-        """Average once more every fragment that took a local step since its last sync (call when
-        training ends): every rank then holds the same model."""
+        """Apply a sync still delayed, then sync once more every fragment that took a local step since
+        its last sync, replacing the parameters whatever ``mixing`` (call when training ends): every rank
+        then holds the same model."""
+        if self._pending is not None:
+            self._complete()
         due = [f for f, last in enumerate(self._last_syncs) if self._step > max(last, self._warmup_steps)]
         for fragment in due:
-            self._average(fragment)
-        if due and self.fragments > 1 and self._world_size > 1:
-            self._after_sync_hooks(shadow=False)  # every fragment now synced: the replicas are equal
+            self._sync(fragment, final=True)
+        if due and (self.fragments > 1 or self._mixing) and self._world_size > 1:
+            self._after_sync_hooks(shadow=False)  # every fragment now synced and taken: the replicas are equal
 
-    def _average(self, fragment: int = 0, shadow: bool = False, participates: bool = True) -> None:
-        """Replace every rank's parameters of ``fragment`` (and with the last, the buffers) by their
-        mean over the ranks that take part, or by the snapshot stepped by the outer optimizer with
-        their mean delta. ``shadow``: this rank joined (``lit_dp.join``); its model waits for the final
-        broadcast and is not compared. ``participates``: this rank's model counts (not when it ran
-        out of batches: it sends nothing, and takes the result like the others)."""
+    def _sync(self, fragment: int, shadow: bool = False, participates: bool = True, final: bool = False) -> None:
+        """Start the sync of ``fragment`` (with the last, of the buffers too): every rank's parameters
+        become their mean over the ranks that take part, or the snapshot stepped by the outer optimizer
+        with their mean delta, mixed with the local ones by ``mixing``; applied ``sync_delay`` steps
+        later (``_complete``), or now when that is 0 or ``final`` (``finish``: no mixing either).
+        ``shadow``: this rank joined (``lit_dp.join``); its model waits for the final broadcast and is
+        not compared. ``participates``: this rank's model counts (not when it ran out of batches: it
+        sends zeros, and takes the result like the others)."""
         self._last_syncs[fragment] = self._step
         if self._world_size < 2:
             return
+        if self._pending is not None:  # a rank that joined applies its delayed sync lazily: no collective is left
+            self._complete()
         if self._buckets is None:
             self._buckets = self._build_buckets()
-        buckets = self._buckets[fragment]
-        outer = self._outer_optimizer is not None
         began = self._recorder.mark()
         with torch.no_grad():
-            participants = self.reduce_across(buckets, self._rings, participates and not shadow)
+            reduction = self.reduce_across(self._buckets[fragment], self._rings, participates and not shadow)
+        self._pending = _PendingSync(fragment, self._step, shadow, began, self._recorder.mark(), reduction)
+        if self._sync_delay == 0 or final:
+            self._complete(keep=0.0 if final else self._mixing)
+
+    def _complete(self, keep: float | None = None) -> None:
+        """Wait for the pending sync and apply it; ``keep``: the weight of the local parameters (``mixing``)."""
+        pending, self._pending = self._pending, None
+        assert pending is not None and self._buckets is not None
+        keep = self._mixing if keep is None else keep
+        buckets = self._buckets[pending.fragment]
+        # Exposed: with a delay, only the wait when it is applied (the compute in between overlapped it).
+        waited_from = pending.launched if self._sync_delay == 0 else self._recorder.mark()
+        outer = self._outer_optimizer is not None
+        with torch.no_grad():
+            participants = pending.reduction.wait() if pending.reduction is not None else pending.participants
             for bucket in buckets:
                 if participants:
-                    bucket.apply(participants, outer)
+                    bucket.apply(participants, outer, keep)
                 else:
                     bucket.drop()
             if outer and participants:
                 # Steps only the snapshots with a pseudo-gradient: this fragment's (and its momentum).
                 self._outer_optimizer.step()
                 for bucket in buckets:
-                    bucket.take_snapshot()
-        self._recorder.record(self._step, sum(bucket.wire_bytes for bucket in buckets), began, self._launched)
-        if self.fragments == 1:  # with fragments the others still differ between the ranks: see finish()
-            self._after_sync_hooks(shadow)
+                    bucket.take_snapshot(keep)
+        self._recorder.record(pending.step, sum(bucket.wire_bytes for bucket in buckets), pending.began, waited_from)
+        if self.fragments == 1 and not keep:  # else the replicas still differ: see finish()
+            self._after_sync_hooks(pending.shadow)
 
-    def reduce_across(self, buckets: list[_Bucket], groups: list[dist.ProcessGroup], participates: bool = True) -> int:
+    def reduce_across(
+        self, buckets: list[_Bucket], groups: list[dist.ProcessGroup], participates: bool = True
+    ) -> _Reduction:
         """The one cross-rank reduction of a sync: the sum over the ranks of ``groups`` of every bucket's
         payload (the deltas ``s - p``, which divided become the pseudo-gradient; the float buffers; the
-        other buffers broadcast from the first rank), left in each bucket's ``payload``. Bucket i goes on
-        ``groups[i % len(groups)]`` (the rings), all launched before any is awaited; a wire dtype is summed
-        in fp32. Returns how many ranks took part: the divisor, all-reduced with the payloads, since a
+        other buffers broadcast from the first rank), left in each bucket's ``payload`` once waited for.
+        Bucket i goes on ``groups[i % len(groups)]`` (the rings); every collective is launched here, all
+        before any is awaited (a wire dtype, summed in fp32, waits for its exchange of chunks and launches
+        the gather of the sums), so that waiting (``_Reduction.wait``) issues none, whenever it comes.
+        The wait returns how many ranks took part: the divisor, all-reduced with the payloads, since a
         rank that ran out (``participates=False``) sends zeros. Every rank of ``groups`` must call it with
         the same buckets; pointing ``groups`` at another group (torchft's replica groups) syncs across it."""
         device = buckets[0].device if buckets else torch.device("cpu")
@@ -379,13 +430,9 @@ class LocalSGD:
         for index, bucket in enumerate(buckets):
             bucket.prepare(participates)
             bucket.start(groups[index % len(groups)])
-        self._launched = self._recorder.mark()
         for bucket in buckets:
             bucket.reduce_chunks(self._waiter)
-        for bucket in buckets:
-            bucket.wait(self._waiter)
-        self._waiter.wait(count_work, "the LocalSGD count of the ranks taking part")
-        return int(count.item())
+        return _Reduction(buckets, count, count_work, self._waiter)
 
     def _after_sync_hooks(self, shadow: bool) -> None:
         for hook in self._after_sync:
@@ -471,7 +518,23 @@ class LocalSGD:
         outer = self._outer_state()
         if outer is not None:
             state["outer"] = outer
+        if self._pending is not None:
+            state["pending"] = self._pending_state()
         return state
+
+    def _pending_state(self) -> dict[str, Any]:
+        """A delayed sync, waited for (which changes no value) and kept pending: its fragment, step, the
+        count of ranks that took part and each bucket's sum (CPU), to be applied at the same step after a resume."""
+        pending = self._pending
+        assert pending is not None and self._buckets is not None
+        if pending.reduction is not None:
+            pending.participants, pending.reduction = pending.reduction.wait(), None
+        return {
+            "fragment": pending.fragment,
+            "step": pending.step,
+            "participants": pending.participants,
+            "sums": [bucket.payload.cpu().clone() for bucket in self._buckets[pending.fragment]],  # type: ignore[union-attr]
+        }
 
     def _outer_state(self) -> dict[str, Any] | None:
         if self._buckets is None:
@@ -512,7 +575,17 @@ class LocalSGD:
         self._lr_0 = state.get("lr_0")
         self._outer_resumed = state.get("outer")
         self._buckets = None
+        self._pending = None
         self._follow_phase()
+        saved_pending = state.get("pending")
+        if saved_pending is not None and self._buckets is not None:
+            buckets = self._buckets[saved_pending["fragment"]]
+            for bucket, saved_sum in zip(buckets, saved_pending["sums"], strict=True):
+                bucket.payload = saved_sum.to(bucket.device)
+            mark = self._recorder.mark()
+            self._pending = _PendingSync(
+                saved_pending["fragment"], saved_pending["step"], False, mark, mark, None, saved_pending["participants"]
+            )
 
     def _follow_phase(self) -> None:
         """After the schedule moved: the model synchronises gradients during warm-up only (it is told,
@@ -607,6 +680,35 @@ class LocalSGD:
         return min(max(period, low), high)
 
 
+class _Reduction:
+    """A sync's collectives, all launched (``LocalSGD.reduce_across``): ``wait`` issues none."""
+
+    def __init__(self, buckets: list[_Bucket], count: torch.Tensor, count_work: dist.Work, waiter: Waiter) -> None:
+        self._buckets, self._count, self._count_work, self._waiter = buckets, count, count_work, waiter
+
+    def wait(self) -> int:
+        """Every bucket's sum is in its ``payload``; returns how many ranks took part."""
+        for bucket in self._buckets:
+            bucket.wait(self._waiter)
+        self._waiter.wait(self._count_work, "the LocalSGD count of the ranks taking part")
+        return int(self._count.item())
+
+
+@dataclasses.dataclass
+class _PendingSync:
+    """A sync started and not yet applied (``sync_delay``): its fragment, its step, whether this rank
+    shadowed it under Join, the recorder's marks (started, all launched) and its collectives; restored
+    from a checkpoint, the count of ranks that took part instead (the sums are in the payloads)."""
+
+    fragment: int
+    step: int
+    shadow: bool
+    began: Any
+    launched: Any
+    reduction: _Reduction | None
+    participants: int = 0
+
+
 class _Bucket:
     """Tensors of one dtype and device synced as one flat payload.
 
@@ -686,9 +788,10 @@ class _Bucket:
             self.payload.copy_(self._sent[: self.payload.numel()])
             self._sent = None
 
-    def apply(self, participants: int, outer: bool) -> None:
+    def apply(self, participants: int, outer: bool, keep: float = 0.0) -> None:
         """Divide the sum by the ranks that took part and apply it; ``outer``: only hand the mean delta to
         the snapshot as its gradient (the outer optimizer steps the snapshots, then ``take_snapshot``).
+        ``keep``: the weight of the local parameters in what they become (``mixing``; not for buffers).
         The payload is dropped either way."""
         result, self.payload = self.payload, None
         assert result is not None, "apply() before wait()"
@@ -699,25 +802,33 @@ class _Bucket:
         if self.snapshot is not None:
             # snapshot - mean(delta): the mean of the ranks' parameters, and the next snapshot.
             # One pass: scaling inside the subtraction (alpha) instead of dividing first.
-            result = self.snapshot.sub_(result.to(self.snapshot.device), alpha=1.0 / participants)
-        elif self.kind == _MEAN:
+            self.snapshot.sub_(result.to(self.snapshot.device), alpha=1.0 / participants)
+            self._scatter(self.snapshot, keep)
+            return
+        if self.kind == _MEAN:
             result.div_(participants)
         self._scatter(result)
 
-    def take_snapshot(self) -> None:
-        """Every rank's parameters become the snapshot the outer optimizer just stepped; the
-        pseudo-gradient is dropped, so that the next outer step (another fragment's) leaves this one be."""
+    def take_snapshot(self, keep: float = 0.0) -> None:
+        """Every rank's parameters become the snapshot the outer optimizer just stepped (``keep``: mixed
+        with the local ones); the pseudo-gradient is dropped, so that the next outer step (another
+        fragment's) leaves this one be."""
         if self.snapshot is not None:
-            self._scatter(self.snapshot)
+            self._scatter(self.snapshot, keep)
             self.snapshot.grad = None
 
     def drop(self) -> None:
         """A sync that nobody took part in: nothing to apply."""
         self.payload = None
 
-    def _scatter(self, result: torch.Tensor) -> None:
-        pieces = result.to(self.device, non_blocking=True).split(self.numels)
-        torch._foreach_copy_([t.detach() for t in self.tensors], [p.view_as(t) for p, t in zip(pieces, self.tensors)])
+    def _scatter(self, result: torch.Tensor, keep: float = 0.0) -> None:
+        """The tensors become ``result``, or with ``keep`` its mix with them: ``keep * t + (1 - keep) * result``
+        (torchft's ``fragment_update_alpha``); 0 copies, bit for bit."""
+        pieces = [p.view_as(t) for p, t in zip(result.to(self.device, non_blocking=True).split(self.numels), self.tensors)]
+        if keep:
+            torch._foreach_lerp_([t.detach() for t in self.tensors], pieces, 1.0 - keep)
+        else:
+            torch._foreach_copy_([t.detach() for t in self.tensors], pieces)
 
     def in_flight(self) -> list[torch.Tensor]:
         """The tensors of a sync under way (none between syncs)."""

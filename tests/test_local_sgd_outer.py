@@ -403,6 +403,120 @@ def test_the_state_of_cuda_parameters_goes_to_the_cpu_when_offloaded():
     assert _state_device(cpu, offload=True) == cpu  # nothing to save on the host
 
 
+def delay_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def delayed_reference(steps: list, k: int, fragments: list[list[str]], delay: int, alpha: float) -> list[nn.Module]:
+    """One process, streaming DiLoCo with overlapped syncs, written out: fragment f's mean delta is taken
+    after the steps ``(f+1) * K/F + n*K``, the outer Nesterov step (``OUTER``) is applied ``delay`` steps
+    later on the fragment's snapshot, and each rank's parameters become ``alpha * local + (1 - alpha) *
+    snapshot``; at the end the delayed sync is applied so, then every fragment stepped since its last
+    sync is synced at once, replacing the parameters."""
+    models = [delay_net() for _ in steps[0][1]]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    snapshot = {name: p.detach().clone() for name, p in models[0].named_parameters()}
+    momentum: dict[str, torch.Tensor] = {}
+    count = len(fragments)
+    last_syncs = [-k + (f + 1) * k // count for f in range(count)]
+    pending = None  # (fragment, step, the mean deltas)
+
+    @torch.no_grad()
+    def apply(fragment: int, means: dict[str, torch.Tensor], keep: float) -> None:
+        lr, mu = OUTER
+        for name in fragments[fragment]:
+            mean = means[name]
+            buffer = momentum[name] = momentum[name] * mu + mean if name in momentum else mean.clone()
+            snapshot[name] -= lr * (mean + mu * buffer)
+            for model in models:
+                p = dict(model.named_parameters())[name]
+                p.lerp_(snapshot[name], 1 - keep) if keep else p.copy_(snapshot[name])
+
+    def deltas(fragment: int) -> dict[str, torch.Tensor]:
+        return {
+            name: sum(snapshot[name] - dict(m.named_parameters())[name].detach() for m in models) / len(models)
+            for name in fragments[fragment]
+        }
+
+    for number, (_, micro_batches) in enumerate(steps, start=1):
+        for model, optimizer, batches in zip(models, optimizers, micro_batches):
+            mse(model, batches[0]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if pending is not None and number - pending[1] >= delay:
+            apply(pending[0], pending[2], alpha)
+            pending = None
+        due = [f for f, last in enumerate(last_syncs) if number - last >= k]
+        if due:
+            last_syncs[due[0]] = number
+            pending = (due[0], number, deltas(due[0]))
+            if delay == 0:
+                apply(pending[0], pending[2], alpha)
+                pending = None
+    if pending is not None:
+        apply(pending[0], pending[2], alpha)
+    for fragment, last in enumerate(last_syncs):
+        if len(steps) > last:
+            apply(fragment, deltas(fragment), 0.0)
+    return models
+
+
+def delay_cases(rank: int, tmp_path: str) -> dict:
+    """``sync_delay`` and ``mixing`` by hand against ``delayed_reference``, and a resume from a checkpoint
+    taken while a sync is in flight, each rank from its own file: the uninterrupted run's weights, bit for bit."""
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    world_size = dist.get_world_size()
+    fragments = fragment_names(delay_net(), 2)
+    steps = random_steps(15, world_size, seed=21)
+
+    def build(delay: int, alpha: float):
+        model = lit_dp.DataParallel(delay_net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        local_sgd = lit_dp.LocalSGD(
+            model, 4, outer="nesterov", outer_lr=OUTER[0], outer_momentum=OUTER[1], fragments=2, sync_delay=delay,
+            mixing=alpha,
+        )  # fmt: skip
+        return model, optimizer, local_sgd
+
+    for delay, alpha in ((1, 0.0), (1, 0.5), (0, 0.5)):
+        model, optimizer, local_sgd = build(delay, alpha)
+        _train(model, optimizer, local_sgd, steps, rank)
+        local_sgd.finish()
+        expected = delayed_reference(steps, 4, fragments, delay, alpha)[rank]
+        assert_same_state(model.module, expected, f"sync_delay={delay} mixing={alpha} rank {rank}")
+
+    # K=4, F=2: fragment 1 starts after step 12 and is applied after 13; saved after 12, in between.
+    model, optimizer, local_sgd = build(1, 0.5)
+    _train(model, optimizer, local_sgd, steps, rank)
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, local_sgd = build(1, 0.5)
+    _train(model, optimizer, local_sgd, steps, rank, last=12)
+    path = f"{tmp_path}/rank{rank}.pt"
+    saved = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "local_sgd": local_sgd.state_dict()}
+    torch.save(saved, path)
+    model, optimizer, local_sgd = build(1, 0.5)
+    saved = torch.load(path, weights_only=True)
+    model.module.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    local_sgd.load_state_dict(saved["local_sgd"])
+    _train(model, optimizer, local_sgd, steps, rank, first=12)
+    return {
+        "pending": (saved["local_sgd"]["pending"]["fragment"], saved["local_sgd"]["pending"]["step"]),
+        "resume_exact": all(torch.equal(p, q) for p, q in zip(model.parameters(), uninterrupted)),
+    }
+
+
+@pytest.mark.slow
+def test_delayed_and_mixed_syncs_match_the_reference_and_resume_mid_flight(tmp_path):
+    results = run_ranks(delay_cases, 2, str(tmp_path), timeout=180)
+    assert results == {rank: {"pending": (1, 12), "resume_exact": True} for rank in (0, 1)}, results
+
+
 def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
     return [torch.optim.SGD(net.parameters(), lr=0.1)]
 

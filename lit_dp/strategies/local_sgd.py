@@ -86,6 +86,8 @@ class LocalSGDSchedule(Feature):
             sync_dtype=options.sync_dtype,
             fragments=options.fragments,
             offload=options.offload,
+            sync_delay=options.sync_delay,
+            mixing=options.mixing,
         )
         log.debug(
             "LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD), in %d fragment(s)",
