@@ -354,15 +354,22 @@ class LocalSGD:
         self.load_state_dict(schedule[0])
 
     def finish(self) -> None:
-        """Apply a sync still delayed, then sync once more every fragment that took a local step since
-        its last sync, replacing the parameters whatever ``mixing`` (call when training ends): every rank
-        then holds the same model."""
+        """Make every rank hold the same model (call when training ends): apply a sync still in flight,
+        replacing the parameters whatever ``mixing``, then sync at once, replacing them too, every other
+        fragment that took a local step since its last sync, or with ``mixing`` every other fragment
+        (its last sync left each rank part of its own)."""
+        replaced = None
         if self._pending is not None:
-            self._complete()
-        due = [f for f, last in enumerate(self._last_syncs) if self._step > max(last, self._warmup_steps)]
+            replaced = self._pending.fragment
+            self._complete(keep=0.0)
+        due = [
+            f
+            for f, last in enumerate(self._last_syncs)
+            if f != replaced and self._step > self._warmup_steps and (self._step > last or self._mixing)
+        ]
         for fragment in due:
             self._sync(fragment, final=True)
-        if due and (self.fragments > 1 or self._mixing) and self._world_size > 1:
+        if (due or replaced is not None) and self.fragments > 1 and self._world_size > 1:
             self._after_sync_hooks(shadow=False)  # every fragment now synced and taken: the replicas are equal
 
     def _sync(self, fragment: int, shadow: bool = False, participates: bool = True, final: bool = False) -> None:

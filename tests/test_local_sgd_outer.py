@@ -412,8 +412,9 @@ def delayed_reference(steps: list, k: int, fragments: list[list[str]], delay: in
     """One process, streaming DiLoCo with overlapped syncs, written out: fragment f's mean delta is taken
     after the steps ``(f+1) * K/F + n*K``, the outer Nesterov step (``OUTER``) is applied ``delay`` steps
     later on the fragment's snapshot, and each rank's parameters become ``alpha * local + (1 - alpha) *
-    snapshot``; at the end the delayed sync is applied so, then every fragment stepped since its last
-    sync is synced at once, replacing the parameters."""
+    snapshot``; at the end a sync still delayed is applied replacing the parameters, then every other
+    fragment stepped since its last sync (with ``alpha``: every other fragment) is synced at once, replacing
+    them too."""
     models = [delay_net() for _ in steps[0][1]]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
     snapshot = {name: p.detach().clone() for name, p in models[0].named_parameters()}
@@ -455,9 +456,9 @@ def delayed_reference(steps: list, k: int, fragments: list[list[str]], delay: in
                 apply(pending[0], pending[2], alpha)
                 pending = None
     if pending is not None:
-        apply(pending[0], pending[2], alpha)
+        apply(pending[0], pending[2], 0.0)
     for fragment, last in enumerate(last_syncs):
-        if len(steps) > last:
+        if (pending is None or fragment != pending[0]) and (len(steps) > last or alpha):
             apply(fragment, deltas(fragment), 0.0)
     return models
 
@@ -483,12 +484,13 @@ def delay_cases(rank: int, tmp_path: str) -> dict:
         )  # fmt: skip
         return model, optimizer, local_sgd
 
-    for delay, alpha in ((1, 0.0), (1, 0.5), (0, 0.5)):
+    # 14 steps: fragment 0's sync started after step 14 is still in flight when finish() comes.
+    for delay, alpha, count in ((1, 0.0, 14), (1, 0.5, 14), (1, 0.5, 15), (0, 0.5, 15)):
         model, optimizer, local_sgd = build(delay, alpha)
-        _train(model, optimizer, local_sgd, steps, rank)
+        _train(model, optimizer, local_sgd, steps, rank, last=count)
         local_sgd.finish()
-        expected = delayed_reference(steps, 4, fragments, delay, alpha)[rank]
-        assert_same_state(model.module, expected, f"sync_delay={delay} mixing={alpha} rank {rank}")
+        expected = delayed_reference(steps[:count], 4, fragments, delay, alpha)[rank]
+        assert_same_state(model.module, expected, f"sync_delay={delay} mixing={alpha} {count} steps, rank {rank}")
 
     # K=4, F=2: fragment 1 starts after step 12 and is applied after 13; saved after 12, in between.
     model, optimizer, local_sgd = build(1, 0.5)
@@ -598,6 +600,30 @@ def test_lightning_strategy_runs_fragments_and_resumes_between_syncs(tmp_path):
     assert results[0][1] == [summary], results[0][1]
 
 
+def lightning_delay_case(rank: int, tmp_path: str) -> int:
+    """The Trainer strategy with ``local_sgd_sync_delay=1`` and ``local_sgd_mixing=0.5``: a checkpoint taken
+    while a sync is in flight resumes to the uninterrupted run's weights, bit for bit. Returns the step of
+    the sync the checkpoint held in flight."""
+    # K=4, F=2, W=0: fragment 0 starts after steps 2, 6, 10, 14, fragment 1 after 4, 8, 12, 16, each applied
+    # one step later; the checkpoint at the end of epoch 2 (after step 8) holds fragment 1's in flight.
+    options = dict(local_sgd_steps=4, local_sgd_outer="nesterov", local_sgd_fragments=2, local_sgd_sync_delay=1,
+                   local_sgd_mixing=0.5)  # fmt: skip
+    module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
+    checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
+    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
+    saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]
+    resumed_module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
+    assert_same_weights(resumed_module, module, f"rank {rank}: resumed with a sync in flight")
+    return saved["pending"]["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_strategy_resumes_a_delayed_sync_in_flight(tmp_path):
+    assert run_ranks(lightning_delay_case, 2, str(tmp_path), timeout=240) == {0: 8, 1: 8}
+
+
 def fabric_outer(fabric: Fabric) -> list[list[float]]:
     """``lit_dp.LocalSGD(outer="nesterov")`` in a Fabric loop, on the model Fabric set up."""
     import lit_dp
@@ -649,12 +675,13 @@ def test_recipe_runs_diloco_from_hydra_and_prints_its_traffic(tmp_path):
 def test_hydra_options_reach_the_strategy(tmp_path):
     overrides = [
         "strategy.local_sgd.steps=16", "strategy.local_sgd.outer=nesterov", "strategy.local_sgd.sync_dtype=bf16",
-        "strategy.local_sgd.fragments=4",
+        "strategy.local_sgd.fragments=4", "strategy.local_sgd.sync_delay=1", "strategy.local_sgd.mixing=0.5",
+        "strategy.local_sgd.offload=false",
     ]  # fmt: skip
     options = build_strategy(compose_config("gpt", overrides, tmp_path).strategy).options
     assert options.local_sgd == LocalSGDOptions(
         steps=16, outer="nesterov", outer_lr=DEFAULT_OUTER_LR, outer_momentum=DEFAULT_OUTER_MOMENTUM, sync_dtype="bf16",
-        fragments=4,
+        fragments=4, sync_delay=1, mixing=0.5, offload=False,
     )  # fmt: skip
 
 
@@ -678,6 +705,17 @@ def test_hydra_options_reach_the_strategy(tmp_path):
             "local_sgd_fragments=2 with local_sgd_adaptive=True is invalid",
         ),
         (dict(local_sgd_steps=4, local_sgd_fragments=0), "local_sgd_fragments=0 is invalid: expected an integer >= 1"),
+        (dict(local_sgd_sync_delay=1), "local_sgd_sync_delay=1 needs local_sgd_steps"),
+        (
+            dict(local_sgd_steps=8, local_sgd_fragments=4, local_sgd_sync_delay=2),
+            "local_sgd_sync_delay=2 with local_sgd_steps=8 and local_sgd_fragments=4 is invalid",
+        ),
+        (
+            dict(local_sgd_steps=4, local_sgd_adaptive=True, local_sgd_sync_delay=1),
+            "local_sgd_sync_delay=1 with local_sgd_adaptive=True is invalid",
+        ),
+        (dict(local_sgd_steps=4, local_sgd_mixing=1.0), "local_sgd_mixing=1.0 is invalid: expected a number in [0, 1)"),
+        (dict(local_sgd_steps=4, local_sgd_offload="yes"), "local_sgd_offload='yes' is invalid"),
     ],
 )
 def test_strategy_refuses_what_does_not_combine_by_name(options, message):
@@ -738,6 +776,11 @@ def test_library_rejects_bad_fragments_by_name():
         ((2,), dict(fragments=4), "fragments=4 with local_steps=2 is invalid"),
         ((4,), dict(fragments=2, adaptive=True), "fragments=2 with adaptive=True is invalid"),
         ((4,), dict(fragments=4), "fragments=4 is invalid for a model of 2 trainable tensors"),
+        ((4,), dict(sync_delay=4), "sync_delay=4 with local_steps=4 and fragments=1 is invalid"),
+        ((4,), dict(sync_delay=-1), "sync_delay=-1 is invalid: expected an integer >= 0"),
+        ((4,), dict(sync_delay=1, adaptive=True), "sync_delay=1 with adaptive=True is invalid"),
+        ((4,), dict(mixing=-0.5), "mixing=-0.5 is invalid: expected a number in [0, 1)"),
+        ((4,), dict(offload=1), "offload=1 is invalid: expected True or False"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             lit_dp.LocalSGD(nn.Linear(2, 2), *args, **kwargs)
