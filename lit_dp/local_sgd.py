@@ -47,8 +47,10 @@ Momentum 0 is plain outer SGD (torch's SGD refuses Nesterov without momentum), a
 (an all-to-all of bf16 chunks, their sum in fp32, an all-gather of the sums in bf16: the bytes of
 a bf16 all-reduce), then turned back into the parameters' dtype before they are applied.
 
-A rank that ran out of batches under Join takes part in every sync without counting: it sends
-zeros, and the sum is divided by the ranks that took part (all-reduced with the sync).
+Under Join a rank counts in a sync if it took a step of its own since its fragment's last sync:
+a rank that ran out of batches brings the work it did before at its fragments' next syncs, then
+takes part without counting (it sends zeros); the sum is divided by the ranks that counted
+(all-reduced with the sync).
 
 Memory (``offload=True``, the default): the snapshot and the outer momentum of CUDA parameters
 live in pinned CPU memory; the flat payload (the pseudo-gradient) exists only while its fragment
@@ -63,6 +65,11 @@ are unchanged. Each fragment has its own snapshot (its parameters at its last sy
 outer momentum: the outer optimizer steps only the snapshots given a pseudo-gradient. Buffers
 travel with the last fragment. ``finish()`` syncs every fragment stepped since its last sync.
 ``F=1`` is the unfragmented sync, bit for bit.
+
+Overlapped (``sync_delay=tau``, ``mixing=alpha``; Streaming DiLoCo's overlap, torchft's
+``fragment_sync_delay`` and ``fragment_update_alpha``): a sync's collectives are all launched at
+its step and the result is applied tau steps later, each parameter becoming
+``alpha * local + (1 - alpha) * synced``; tau < K/F keeps one sync in flight at a time.
 """
 
 from __future__ import annotations
@@ -253,6 +260,8 @@ class LocalSGD:
         device = self._params[0].device if self._params else torch.device("cpu")
         self._recorder = SyncRecorder(device)
         self._pending: _PendingSync | None = None  # a sync started, applied sync_delay steps later
+        # Per fragment: this rank took a step of its own (not joined) since the fragment's last sync.
+        self._trained = [False] * fragments
         self._local_steps_taken = 0  # by this object (not a resumed run's earlier steps): the traffic's denominator
         self._after_sync: list[Callable[[int, bool], None]] = []  # the replica-consistency check, when on
         if self._data_parallel is not None:
@@ -303,9 +312,11 @@ class LocalSGD:
 
         ``loss`` (this rank's training loss) and ``lr`` are required when adaptive. ``joined``:
         this rank ran out of batches and takes the step with the others (the Trainer's uneven
-        inputs): neither its model nor its loss counts.
+        inputs): it trained nothing, and its loss does not count.
         """
         self._step += 1
+        if not joined:
+            self._trained = [True] * self.fragments
         self._local_steps_taken += self._step > self._warmup_steps
         if self._pending is not None and self._step - self._pending.step >= self._sync_delay:
             self._complete()
@@ -316,7 +327,7 @@ class LocalSGD:
         if agree_first:
             self._loss_0, self._lr_0 = self._agreed_loss_and_lr(loss, lr, counts=not joined)
         if fragment is not None:
-            self._sync(fragment, participates=not joined)
+            self._sync(fragment)
             if self._adaptive:
                 self._local_steps = self._next_period(*self._agreed_loss_and_lr(loss, lr, counts=not joined))
         self._follow_phase()
@@ -372,15 +383,17 @@ class LocalSGD:
         if (due or replaced is not None) and self.fragments > 1 and self._world_size > 1:
             self._after_sync_hooks(shadow=False)  # every fragment now synced and taken: the replicas are equal
 
-    def _sync(self, fragment: int, shadow: bool = False, participates: bool = True, final: bool = False) -> None:
+    def _sync(self, fragment: int, shadow: bool = False, final: bool = False) -> None:
         """Start the sync of ``fragment`` (with the last, of the buffers too): every rank's parameters
         become their mean over the ranks that take part, or the snapshot stepped by the outer optimizer
         with their mean delta, mixed with the local ones by ``mixing``; applied ``sync_delay`` steps
         later (``_complete``), or now when that is 0 or ``final`` (``finish``: no mixing either).
         ``shadow``: this rank joined (``lit_dp.join``); its model waits for the final broadcast and is
-        not compared. ``participates``: this rank's model counts (not when it ran out of batches: it
-        sends zeros, and takes the result like the others)."""
+        not compared. This rank's model counts if it took a step of its own since the fragment's last
+        sync; a rank that ran out of batches counts once more, with the work it did before, then sends
+        zeros and takes the result like the others."""
         self._last_syncs[fragment] = self._step
+        participates, self._trained[fragment] = self._trained[fragment], False
         if self._world_size < 2:
             return
         if self._pending is not None:  # a rank that joined applies its delayed sync lazily: no collective is left
@@ -389,7 +402,7 @@ class LocalSGD:
             self._buckets = self._build_buckets()
         began = self._recorder.mark()
         with torch.no_grad():
-            reduction = self.reduce_across(self._buckets[fragment], self._rings, participates and not shadow)
+            reduction = self.reduce_across(self._buckets[fragment], self._rings, participates)
         self._pending = _PendingSync(fragment, self._step, shadow, began, self._recorder.mark(), reduction)
         if self._sync_delay == 0 or final:
             self._complete(keep=0.0 if final else self._mixing)
@@ -577,6 +590,7 @@ class LocalSGD:
             )
         self._step = int(state["step"])
         self._last_syncs = [int(last) for last in state.get("last_syncs", [state["last_average"]])]
+        self._trained = [self._step > last for last in self._last_syncs]  # as every rank that has batches
         self._local_steps = int(state["local_steps"]) if self._adaptive else self._initial_local_steps
         self._loss_0 = state.get("loss_0")
         self._lr_0 = state.get("lr_0")

@@ -224,7 +224,8 @@ def fragment_net() -> nn.Module:
 
 def streaming_case(rank: int, steps: list[int], outer: str, delay: int) -> tuple[bool, int, list[float]]:
     """Streaming DiLoCo (K=4, F=2, ``sync_delay=delay``) under Join: the rank that ran out shadows each
-    fragment's sync without counting in it (and applies a delayed one whenever it next syncs); after the
+    fragment's sync, counting in it only with work done since the fragment's last sync (and applies a
+    delayed one whenever it next syncs); after the
     context and ``finish()`` every rank holds the last joiner's model."""
     lit_dp.init_parallel_env()
     model = lit_dp.DataParallel(fragment_net(), comm_buffer_size=TINY_MB)
@@ -245,7 +246,7 @@ def streaming_case(rank: int, steps: list[int], outer: str, delay: int) -> tuple
 
 def streaming_reference(steps: list[int], outer: str, delay: int) -> torch.Tensor:
     """One process: every rank steps while it has a batch; fragment 0 is synced after steps 2 + 4n and
-    fragment 1 after 4 + 4n over the ranks that still had a batch at that step, divided by their number
+    fragment 1 after 4 + 4n over the ranks that took a step since the fragment's last sync, divided by their number
     (averaged, or the outer Nesterov step on the fragment's own snapshot and momentum), and every rank
     takes the result; the ranks then take the last joiner's model, and ``finish()`` syncs each fragment
     stepped since its last sync. ``delay``: a sync's mean delta is taken at its step and applied that many
@@ -263,10 +264,11 @@ def streaming_reference(steps: list[int], outer: str, delay: int) -> torch.Tenso
 
     @torch.no_grad()
     def sync(fragment: int, number: int, now: bool = False) -> None:
-        last_syncs[fragment] = number
+        previous, last_syncs[fragment] = last_syncs[fragment], number
         means = {}
         for index in fragments[fragment]:
-            taking_part = [list(m.parameters())[index] for rank, m in enumerate(models) if number <= steps[rank]]
+            # The ranks that took a step since the fragment's last sync.
+            taking_part = [list(m.parameters())[index] for rank, m in enumerate(models) if steps[rank] > previous]
             means[index] = torch.stack([snapshots[index] - p for p in taking_part]).mean(dim=0)
         pending.append((fragment, number, means))
         if delay == 0 or now:
@@ -310,7 +312,9 @@ def streaming_reference(steps: list[int], outer: str, delay: int) -> torch.Tenso
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("outer", "delay"), [("average", 0), ("nesterov", 0), ("nesterov", 1)])
 def test_streaming_fragments_are_shadowed_by_the_rank_that_ran_out(outer, delay):
-    steps = [5, 11]  # rank 0 joins after 5 steps and shadows the fragment syncs after 6, 8 and 10
+    # Rank 0 joins after 5 steps and shadows the fragment syncs after 6 and 8, bringing its steps 3 to 5
+    # and 5 (since the syncs after 2 and 4), and after 10, counting nothing.
+    steps = [5, 11]
     results = run_ranks(streaming_case, 2, steps, outer, delay, timeout=150)
     expected = streaming_reference(steps, outer, delay)
     for rank, (identical, step_count, flat) in results.items():
