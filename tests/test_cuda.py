@@ -193,3 +193,50 @@ def test_communication_statistics_from_cuda_events():
     for rank, stats in run_ranks(stats_on_cuda, 2, timeout=120).items():
         assert stats["bytes"] == stats["gradient_bytes"] and stats["buckets"] == stats["bucket_count"] > 1, stats
         assert 0 <= stats["exposed_ms"] <= stats["time_ms"] and 0 <= stats["overlap"] <= 1, (rank, stats)
+
+
+def diloco_memory_case(rank: int) -> dict[str, int]:
+    """Peak CUDA memory (``max_memory_allocated``) of data-parallel steps, then of DiLoCo (K=2, F=2) with
+    its state offloaded (the default) and kept on the device, on the same model and optimizer."""
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    device = torch.device("cuda", 0)
+    peaks = {}
+    for mode in ("dp", "offload", "on_device"):
+        torch.manual_seed(0)
+        net = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8))).to(device)  # 32 MiB of fp32 parameters
+        model = lit_dp.DataParallel(net)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        local_sgd = None
+        if mode != "dp":
+            local_sgd = lit_dp.LocalSGD(model, 2, outer="nesterov", fragments=2, offload=mode == "offload")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        for step in range(6):
+            inputs = torch.randn(64, 1024, device=device)
+            model(inputs).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if local_sgd is not None:
+                local_sgd.step()
+        torch.cuda.synchronize()
+        peaks[mode] = torch.cuda.max_memory_allocated(device)
+        if local_sgd is not None:
+            peaks[f"{mode}_held_on_device"] = sum(by_device.get(str(device), 0) for by_device in local_sgd.held_bytes().values())
+        del model, optimizer, local_sgd, net
+        torch.cuda.empty_cache()
+    return peaks
+
+
+def test_diloco_offloaded_needs_at_most_one_fragment_more_gpu_memory_than_data_parallelism():
+    results = run_ranks(diloco_memory_case, 2, timeout=280)
+    parameters = 8 * (1024 * 1024 + 1024) * 4
+    largest_fragment = parameters // 2 + 8 * 1024 * 4  # whole tensors: about half the model
+    for rank, peaks in results.items():
+        # A fragment's sync holds its payload (the pseudo-gradient) and the snapshot's copy on the device.
+        assert peaks["offload"] <= peaks["dp"] + 2 * largest_fragment, f"rank {rank}: {peaks}"
+        assert peaks["offload_held_on_device"] == 0, f"rank {rank}: {peaks}"
+        # Kept on the device: the snapshot and the momentum, twice the parameters, which the peak shows.
+        assert peaks["on_device_held_on_device"] == 2 * parameters, f"rank {rank}: {peaks}"
+        assert peaks["on_device"] >= peaks["offload"] + parameters, f"rank {rank}: {peaks}"

@@ -222,13 +222,17 @@ def fragment_net() -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def streaming_case(rank: int, steps: list[int], outer: str) -> tuple[bool, int, list[float]]:
-    """Streaming DiLoCo (K=4, F=2) under Join: the rank that ran out shadows each fragment's sync with
-    its model as it stands; after the context and ``finish()`` every rank holds the last joiner's model."""
+def streaming_case(rank: int, steps: list[int], outer: str, delay: int) -> tuple[bool, int, list[float]]:
+    """Streaming DiLoCo (K=4, F=2, ``sync_delay=delay``) under Join: the rank that ran out shadows each
+    fragment's sync, counting in it only with work done since the fragment's last sync (and applies a
+    delayed one whenever it next syncs); after the
+    context and ``finish()`` every rank holds the last joiner's model."""
     lit_dp.init_parallel_env()
     model = lit_dp.DataParallel(fragment_net(), comm_buffer_size=TINY_MB)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    averager = lit_dp.LocalSGD(model, local_steps=4, fragments=2, outer=outer, outer_lr=0.8, outer_momentum=0.5)
+    averager = lit_dp.LocalSGD(
+        model, local_steps=4, fragments=2, outer=outer, outer_lr=0.8, outer_momentum=0.5, sync_delay=delay
+    )
     with model.join():
         for step in range(steps[rank]):
             step_loss(model, "plain", rank, step).backward()
@@ -240,11 +244,13 @@ def streaming_case(rank: int, steps: list[int], outer: str) -> tuple[bool, int, 
     return identical_everywhere(model), averager.step_count, flat.tolist()
 
 
-def streaming_reference(steps: list[int], outer: str) -> torch.Tensor:
+def streaming_reference(steps: list[int], outer: str, delay: int) -> torch.Tensor:
     """One process: every rank steps while it has a batch; fragment 0 is synced after steps 2 + 4n and
-    fragment 1 after 4 + 4n by every rank's model as it stands (averaged, or the outer Nesterov step on
-    the fragment's own snapshot and momentum); the ranks then take the last joiner's model, and
-    ``finish()`` syncs each fragment stepped since its last sync."""
+    fragment 1 after 4 + 4n over the ranks that took a step since the fragment's last sync, divided by their number
+    (averaged, or the outer Nesterov step on the fragment's own snapshot and momentum), and every rank
+    takes the result; the ranks then take the last joiner's model, and ``finish()`` syncs each fragment
+    stepped since its last sync. ``delay``: a sync's mean delta is taken at its step and applied that many
+    steps later."""
     from lit_dp.gradients.buckets import assign_fragments  # the cut itself is tested on its own
 
     models = [fragment_net() for _ in steps]
@@ -254,12 +260,25 @@ def streaming_reference(steps: list[int], outer: str) -> torch.Tensor:
     momenta: dict[int, torch.Tensor] = {}
     last_syncs = [0, 0]
 
+    pending: list[tuple[int, int, dict[int, torch.Tensor]]] = []  # (fragment, step, mean delta per parameter)
+
     @torch.no_grad()
-    def sync(fragment: int, number: int) -> None:
-        last_syncs[fragment] = number
+    def sync(fragment: int, number: int, now: bool = False) -> None:
+        previous, last_syncs[fragment] = last_syncs[fragment], number
+        means = {}
         for index in fragments[fragment]:
+            # The ranks that took a step since the fragment's last sync.
+            taking_part = [list(m.parameters())[index] for rank, m in enumerate(models) if steps[rank] > previous]
+            means[index] = torch.stack([snapshots[index] - p for p in taking_part]).mean(dim=0)
+        pending.append((fragment, number, means))
+        if delay == 0 or now:
+            apply()
+
+    @torch.no_grad()
+    def apply() -> None:
+        _, _, means = pending.pop()
+        for index, mean in means.items():
             params = [list(m.parameters())[index] for m in models]
-            mean = torch.stack([snapshots[index] - p for p in params]).mean(dim=0)
             if outer == "average":
                 snapshots[index] -= mean
             else:
@@ -275,6 +294,8 @@ def streaming_reference(steps: list[int], outer: str) -> torch.Tensor:
                 step_loss(model, "plain", rank, number - 1).backward()
                 optimizer.step()
                 optimizer.zero_grad()
+        if pending and number - pending[0][1] >= delay:
+            apply()
         if number % 2 == 0:
             sync(0 if number % 4 == 2 else 1, number)
     with torch.no_grad():  # Join's final broadcast of the last joiner's model
@@ -283,17 +304,19 @@ def streaming_reference(steps: list[int], outer: str) -> torch.Tensor:
                 mine.copy_(last)
     for fragment in (0, 1):
         if end > last_syncs[fragment]:
-            sync(fragment, end)
+            sync(fragment, end, now=True)
     return torch.cat([p.detach().reshape(-1) for p in models[-1].parameters()])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("outer", ["average", "nesterov"])
-def test_streaming_fragments_are_shadowed_by_the_rank_that_ran_out(outer):
-    steps = [5, 11]  # rank 0 joins after 5 steps and shadows the fragment syncs after 6, 8 and 10
-    results = run_ranks(streaming_case, 2, steps, outer, timeout=150)
-    expected = streaming_reference(steps, outer)
+@pytest.mark.parametrize(("outer", "delay"), [("average", 0), ("nesterov", 0), ("nesterov", 1)])
+def test_streaming_fragments_are_shadowed_by_the_rank_that_ran_out(outer, delay):
+    # Rank 0 joins after 5 steps and shadows the fragment syncs after 6 and 8, bringing its steps 3 to 5
+    # and 5 (since the syncs after 2 and 4), and after 10, counting nothing.
+    steps = [5, 11]
+    results = run_ranks(streaming_case, 2, steps, outer, delay, timeout=150)
+    expected = streaming_reference(steps, outer, delay)
     for rank, (identical, step_count, flat) in results.items():
         assert identical, f"rank {rank}: models differ after the Join"
         assert step_count == 11, f"rank {rank}: the last joiner's schedule was not adopted ({step_count})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
@@ -396,11 +397,29 @@ def lightning_cases(rank: int, tmp_path: str) -> list[tuple[int, int]]:
     check(module, simulate(net, net_optimizer, lightning_steps(4), 3, 1, loss_fn=regression_loss), "uninterrupted")
     checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
     fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
-    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    resumed_module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
     assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
+    assert_same_weights(resumed_module, module, f"rank {rank}: resumed between two averages")
+
+    # A checkpoint without every rank's state (written before lit_dp kept them): every rank resumes
+    # from rank 0's, with a warning on rank 0.
+    checkpoint = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)
+    del checkpoint["lit_dp"]["local_sgd"]["replicas"]
+    torch.save(checkpoint, f"{tmp_path}/old{rank}.ckpt")  # each rank its own copy: no rank waits for another's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module, _ = fit(f"{tmp_path}/d", 4, ckpt_path=f"{tmp_path}/old{rank}.ckpt", **options)
     expected = simulate(net, net_optimizer, lightning_steps(4), 3, 1, reset_after=8, loss_fn=regression_loss)
-    check(module, expected, "resumed")
+    check(module, expected, "resumed from an old checkpoint")
+    warned = any("every rank resumes from rank 0's" in str(w.message) for w in caught)
+    assert warned == (rank == 0), f"rank {rank}: {[str(w.message) for w in caught]}"
     return resumed
+
+
+def assert_same_weights(module: nn.Module, reference: nn.Module, label: str) -> None:
+    """Bit for bit: a resumed run replays exactly the uninterrupted run's operations on the same values."""
+    for (name, ours), theirs in zip(module.named_parameters(), reference.parameters()):
+        assert torch.equal(ours, theirs), f"{label}: {name} differs from the uninterrupted run's by {(ours - theirs).abs().max()}"
 
 
 @pytest.mark.slow
@@ -492,3 +511,88 @@ def test_a_run_resumed_with_a_smaller_period_syncs_at_its_first_step_past_it():
     resumed.load_state_dict(saved.state_dict())
     assert resumed.step(), "step 7 is 7 steps after the last average: overdue with K=4"
     assert [resumed.step() for _ in range(4)] == [False, False, False, True]  # then every 4 steps
+
+
+class UnevenRegressor(pl.LightningModule):
+    """Rank ``rank``'s own ``count`` batches of 4 samples (``uneven_inputs``: ranks run out at different steps)."""
+
+    def __init__(self, rank: int, count: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.rank, self.count = rank, count
+
+    def training_step(self, batch, batch_idx):
+        return regression_loss(self.net, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(uneven_batches(self.rank, self.count), batch_size=None)
+
+
+def uneven_batches(rank: int, count: int) -> list[Batch]:
+    generator = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(4, FEATURES, generator=generator) for _ in range(count)]
+    return [(x, x.sum(dim=1, keepdim=True).sin()) for x in xs]
+
+
+def uneven_case(rank: int, tmp_path: str, counts: list[int]) -> list[list[float]]:
+    module = UnevenRegressor(rank, counts[rank])
+    trainer = pl.Trainer(
+        strategy=PaddleDPStrategy(uneven_inputs=True, local_sgd_steps=2),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module)
+    return [p.detach().flatten().tolist() for p in module.net.parameters()]
+
+
+def uneven_reference(counts: list[int], period: int) -> list[torch.Tensor]:
+    """One process: each rank steps while it has batches; every ``period`` steps, and at the end, the ranks
+    that took a step since the last average average their models, which every rank then takes."""
+    models = [UnevenRegressor(rank, count).net for rank, count in enumerate(counts)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    batches = [uneven_batches(rank, count) for rank, count in enumerate(counts)]
+    trained = [False] * len(counts)
+
+    @torch.no_grad()
+    def average() -> None:
+        for params in zip(*(m.parameters() for m in models)):
+            mean = torch.stack([p for p, counted in zip(params, trained) if counted]).mean(dim=0)
+            for p in params:
+                p.copy_(mean)
+        trained[:] = [False] * len(counts)
+
+    for step in range(1, max(counts) + 1):
+        for rank, (model, optimizer) in enumerate(zip(models, optimizers)):
+            if step <= counts[rank]:
+                regression_loss(model, batches[rank][step - 1]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                trained[rank] = True
+        if step % period == 0:
+            average()
+    if max(counts) % period:
+        average()
+    return [p.detach().flatten() for p in models[0].parameters()]
+
+
+@pytest.mark.slow
+def test_under_uneven_inputs_a_rank_that_ran_out_counts_only_with_its_own_work(tmp_path):
+    # Rank 0 has 3 batches, rank 1 has 7; K=2: the average after step 4 still counts rank 0's step 3,
+    # the one after 6 and the final one after 7 count rank 1 alone.
+    counts = [3, 7]
+    results = run_ranks(uneven_case, 2, str(tmp_path), counts, timeout=180)
+    expected = uneven_reference(counts, 2)
+    for rank, flat in results.items():
+        for ours, theirs in zip(flat, expected):
+            torch.testing.assert_close(torch.tensor(ours), theirs, msg=lambda m: f"rank {rank}: {m}")

@@ -6,8 +6,8 @@ model per rank, the outer Nesterov step written out (``OuterState``), not lit_dp
 
 from __future__ import annotations
 
+import logging
 import re
-from functools import partial
 
 import pytest
 import torch
@@ -26,6 +26,7 @@ from tests.test_local_sgd import (
     Net,
     Regressor,
     assert_same_state,
+    assert_same_weights,
     fit,
     lightning_steps,
     mse,
@@ -291,6 +292,233 @@ def test_outer_average_is_the_unchanged_average_bit_for_bit():
     assert run_ranks(bitwise_average_case, 2, timeout=120) == {0: True, 1: True}
 
 
+def momentum_zero_case(rank: int) -> dict:
+    """``outer="nesterov"`` with ``outer_momentum=0`` (which torch's SGD refuses with ``nesterov=True``):
+    plain outer SGD, so ``outer_lr=1`` is the averaging of ``outer="average"``, bit for bit, and
+    ``outer_lr=0.7`` the simulation's outer step without momentum."""
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    steps = random_steps(9, dist.get_world_size(), seed=6)
+    weights = {}
+    for label, outer, lr in (("average", "average", 1.0), ("lr 1", "nesterov", 1.0), ("lr 0.7", "nesterov", 0.7)):
+        model = lit_dp.DataParallel(Net())
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        local_sgd = lit_dp.LocalSGD(model, 2, 1, outer=outer, outer_lr=lr, outer_momentum=0.0)
+        _train(model, optimizer, local_sgd, steps, rank)
+        local_sgd.finish()
+        weights[label] = model.module
+    expected = simulate(Net(), OPTIMIZERS["adam"], steps, 2, 1, outer=(0.7, 0.0))[rank]
+    assert_same_state(weights["lr 0.7"], expected, f"outer_momentum=0, outer_lr=0.7, rank {rank}")
+    pairs = zip(weights["average"].state_dict().values(), weights["lr 1"].state_dict().values())
+    return {"lr 1 is averaging": all(torch.equal(a, b) for a, b in pairs)}
+
+
+@pytest.mark.slow
+def test_nesterov_without_momentum_is_plain_outer_sgd_and_averaging_at_lr_1():
+    results = run_ranks(momentum_zero_case, 2, timeout=120)
+    assert results == {0: {"lr 1 is averaging": True}, 1: {"lr 1 is averaging": True}}
+
+
+def bf16_sum_case(rank: int) -> dict:
+    """4 ranks, ``sync_dtype="bf16"``: the deltas are rounded to bf16 and summed in fp32, the sum rounded to
+    bf16 once, whatever the number of ranks (a bf16 all-reduce rounds after every addition)."""
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    world_size = dist.get_world_size()
+    model = nn.Linear(64, 64)  # 4160 parameters: rounding differences somewhere in every chunk
+    lit_dp.sync_params_buffers(model)
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    local_sgd = lit_dp.LocalSGD(model, 1, sync_dtype="bf16")
+
+    def moved(r: int) -> list[torch.Tensor]:  # rank r's parameters after its local step
+        generator = torch.Generator().manual_seed(100 + r)
+        return [s - torch.randn(s.shape, generator=generator) * 10.0 ** -(r % 3) for s in snapshot]
+
+    with torch.no_grad():
+        for p, mine in zip(model.parameters(), moved(rank)):
+            p.copy_(mine)
+    assert local_sgd.step()
+    deltas = [[(s - p).to(torch.bfloat16) for s, p in zip(snapshot, moved(r))] for r in range(world_size)]
+    fp32_sum = [sum(d.float() for d in ds).to(torch.bfloat16).float() for ds in zip(*deltas)]
+    bf16_sum = [sum(ds[1:], ds[0]).float() for ds in zip(*deltas)]  # the sum a bf16 all-reduce rounds as it goes
+    expected = [s.sub(total, alpha=1 / world_size) for s, total in zip(snapshot, fp32_sum)]
+    return {
+        "fp32 accumulation": all(torch.equal(p, e) for p, e in zip(model.parameters(), expected)),
+        "the data tells them apart": any(not torch.equal(a, b) for a, b in zip(fp32_sum, bf16_sum)),
+    }
+
+
+@pytest.mark.slow
+def test_bf16_deltas_are_summed_in_fp32_on_4_ranks():
+    results = run_ranks(bf16_sum_case, 4, timeout=120)
+    for rank, result in results.items():
+        assert result == {"fp32 accumulation": True, "the data tells them apart": True}, f"rank {rank}: {result}"
+
+
+def held_bytes_case(rank: int) -> dict:
+    """What ``lit_dp.LocalSGD`` holds between syncs, per device: one snapshot of the trainable parameters,
+    one outer momentum with ``outer="nesterov"``, no sync payload (the pseudo-gradient lives only while
+    its fragment syncs). Before this issue a bucket also kept its flat payload: 3 times the parameters
+    for DiLoCo, 2 for averaging. CPU parameters keep their state on the CPU, offloaded or not."""
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    steps = random_steps(6, dist.get_world_size(), seed=8)
+    report = {}
+    for outer, fragments, offload in (("average", 1, True), ("nesterov", 1, True), ("nesterov", 2, False)):
+        model = lit_dp.DataParallel(Net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        local_sgd = lit_dp.LocalSGD(model, 2, outer=outer, fragments=fragments, offload=offload)
+        _train(model, optimizer, local_sgd, steps, rank, last=5)  # mid-period for every fragment
+        report[(outer, fragments, offload)] = local_sgd.held_bytes()
+    return report
+
+
+@pytest.mark.slow
+def test_between_syncs_localsgd_holds_a_snapshot_and_a_momentum_and_no_payload():
+    results = run_ranks(held_bytes_case, 2, timeout=120)
+    parameters = sum(p.numel() * p.element_size() for p in Net().parameters())
+    expected = {
+        ("average", 1, True): {"snapshot": {"cpu": parameters}, "momentum": {}, "sync": {}},
+        ("nesterov", 1, True): {"snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "sync": {}},
+        ("nesterov", 2, False): {"snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "sync": {}},
+    }
+    assert results == {0: expected, 1: expected}
+
+
+def test_the_state_of_cuda_parameters_goes_to_the_cpu_when_offloaded():
+    from lit_dp.local_sgd import _state_device
+
+    cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert _state_device(cuda, offload=True) == cpu
+    assert _state_device(cuda, offload=False) == cuda
+    assert _state_device(cpu, offload=True) == cpu  # nothing to save on the host
+
+
+def delay_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def delayed_reference(steps: list, k: int, fragments: list[list[str]], delay: int, alpha: float) -> list[nn.Module]:
+    """One process, streaming DiLoCo with overlapped syncs, written out: fragment f's mean delta is taken
+    after the steps ``(f+1) * K/F + n*K``, the outer Nesterov step (``OUTER``) is applied ``delay`` steps
+    later on the fragment's snapshot, and each rank's parameters become ``alpha * local + (1 - alpha) *
+    snapshot``; at the end a sync still delayed is applied replacing the parameters, then every other
+    fragment stepped since its last sync (with ``alpha``: every other fragment) is synced at once, replacing
+    them too."""
+    models = [delay_net() for _ in steps[0][1]]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    snapshot = {name: p.detach().clone() for name, p in models[0].named_parameters()}
+    momentum: dict[str, torch.Tensor] = {}
+    count = len(fragments)
+    last_syncs = [-k + (f + 1) * k // count for f in range(count)]
+    pending = None  # (fragment, step, the mean deltas)
+
+    @torch.no_grad()
+    def apply(fragment: int, means: dict[str, torch.Tensor], keep: float) -> None:
+        lr, mu = OUTER
+        for name in fragments[fragment]:
+            mean = means[name]
+            buffer = momentum[name] = momentum[name] * mu + mean if name in momentum else mean.clone()
+            snapshot[name] -= lr * (mean + mu * buffer)
+            for model in models:
+                p = dict(model.named_parameters())[name]
+                p.lerp_(snapshot[name], 1 - keep) if keep else p.copy_(snapshot[name])
+
+    def deltas(fragment: int) -> dict[str, torch.Tensor]:
+        return {
+            name: sum(snapshot[name] - dict(m.named_parameters())[name].detach() for m in models) / len(models)
+            for name in fragments[fragment]
+        }
+
+    for number, (_, micro_batches) in enumerate(steps, start=1):
+        for model, optimizer, batches in zip(models, optimizers, micro_batches):
+            mse(model, batches[0]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if pending is not None and number - pending[1] >= delay:
+            apply(pending[0], pending[2], alpha)
+            pending = None
+        due = [f for f, last in enumerate(last_syncs) if number - last >= k]
+        if due:
+            last_syncs[due[0]] = number
+            pending = (due[0], number, deltas(due[0]))
+            if delay == 0:
+                apply(pending[0], pending[2], alpha)
+                pending = None
+    if pending is not None:
+        apply(pending[0], pending[2], 0.0)
+    for fragment, last in enumerate(last_syncs):
+        if (pending is None or fragment != pending[0]) and (len(steps) > last or alpha):
+            apply(fragment, deltas(fragment), 0.0)
+    return models
+
+
+def delay_cases(rank: int, tmp_path: str) -> dict:
+    """``sync_delay`` and ``mixing`` by hand against ``delayed_reference``, and a resume from a checkpoint
+    taken while a sync is in flight, each rank from its own file: the uninterrupted run's weights, bit for bit."""
+    import torch.distributed as dist
+
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    world_size = dist.get_world_size()
+    fragments = fragment_names(delay_net(), 2)
+    steps = random_steps(15, world_size, seed=21)
+
+    def build(delay: int, alpha: float):
+        model = lit_dp.DataParallel(delay_net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        local_sgd = lit_dp.LocalSGD(
+            model, 4, outer="nesterov", outer_lr=OUTER[0], outer_momentum=OUTER[1], fragments=2, sync_delay=delay,
+            mixing=alpha,
+        )  # fmt: skip
+        return model, optimizer, local_sgd
+
+    # 14 steps: fragment 0's sync started after step 14 is still in flight when finish() comes.
+    for delay, alpha, count in ((1, 0.0, 14), (1, 0.5, 14), (1, 0.5, 15), (0, 0.5, 15)):
+        model, optimizer, local_sgd = build(delay, alpha)
+        _train(model, optimizer, local_sgd, steps, rank, last=count)
+        local_sgd.finish()
+        expected = delayed_reference(steps[:count], 4, fragments, delay, alpha)[rank]
+        assert_same_state(model.module, expected, f"sync_delay={delay} mixing={alpha} {count} steps, rank {rank}")
+
+    # K=4, F=2: fragment 1 starts after step 12 and is applied after 13; saved after 12, in between.
+    model, optimizer, local_sgd = build(1, 0.5)
+    _train(model, optimizer, local_sgd, steps, rank)
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, local_sgd = build(1, 0.5)
+    _train(model, optimizer, local_sgd, steps, rank, last=12)
+    path = f"{tmp_path}/rank{rank}.pt"
+    saved = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "local_sgd": local_sgd.state_dict()}
+    torch.save(saved, path)
+    model, optimizer, local_sgd = build(1, 0.5)
+    saved = torch.load(path, weights_only=True)
+    model.module.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    local_sgd.load_state_dict(saved["local_sgd"])
+    _train(model, optimizer, local_sgd, steps, rank, first=12)
+    return {
+        "pending": (saved["local_sgd"]["pending"]["fragment"], saved["local_sgd"]["pending"]["step"]),
+        "resume_exact": all(torch.equal(p, q) for p, q in zip(model.parameters(), uninterrupted)),
+    }
+
+
+@pytest.mark.slow
+def test_delayed_and_mixed_syncs_match_the_reference_and_resume_mid_flight(tmp_path):
+    results = run_ranks(delay_cases, 2, str(tmp_path), timeout=180)
+    assert results == {rank: {"pending": (1, 12), "resume_exact": True} for rank in (0, 1)}, results
+
+
 def net_optimizer(net: nn.Module) -> list[torch.optim.Optimizer]:
     return [torch.optim.SGD(net.parameters(), lr=0.1)]
 
@@ -301,30 +529,32 @@ def check_against_simulation(module: Regressor, expected: list[nn.Module], label
 
 
 def uninterrupted_and_resumed(rank: int, tmp_path: str, options: dict, period: int, **simulation) -> tuple[dict, list]:
-    """4 epochs of 4 steps (W=1) uninterrupted, then 2 and a resume to 4 from the checkpoint after step 8,
-    each against the simulation; returns the checkpoint's ``local_sgd`` entry and the resumed schedule."""
-    check = partial(check_against_simulation, rank=rank)
+    """4 epochs of 4 steps (W=1) uninterrupted, against the simulation, then 2 and a resume to 4 from the
+    checkpoint after step 8: the uninterrupted run's weights, bit for bit, on every rank. Returns the
+    checkpoint's ``local_sgd`` entry and the resumed schedule."""
     net = Regressor().net
     steps = lightning_steps(4)
     module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
-    check(module, simulate(net, net_optimizer, steps, period, 1, loss_fn=regression_loss, **simulation), "uninterrupted")
+    expected = simulate(net, net_optimizer, steps, period, 1, loss_fn=regression_loss, **simulation)
+    check_against_simulation(module, expected, "uninterrupted", rank)
     checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
     fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
     saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]
-    module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    assert set(saved["replicas"]["ranks"]) == {1}, "rank 1's model and optimizer state were not checkpointed"
+    resumed_module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
     assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
-    expected = simulate(net, net_optimizer, steps, period, 1, reset_after=8, loss_fn=regression_loss, **simulation)
-    check(module, expected, "resumed")
+    assert_same_weights(resumed_module, module, f"rank {rank}: resumed between two syncs")
     return saved, resumed
 
 
 def lightning_outer_cases(rank: int, tmp_path: str) -> list:
     """The Trainer strategy with ``local_sgd_outer="nesterov"``: the simulation's weights, and a resume from
-    a mid-period checkpoint (rank 0's model and optimizer, the outer state of every rank) on schedule."""
-    # K=3: averages after steps 4, 7, 10, ...; the checkpoint after step 8 is mid-period.
-    options = dict(local_sgd_steps=3, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_outer_lr=OUTER[0],
+    a mid-period checkpoint (every rank's model and optimizer, the outer state) that ends where the
+    uninterrupted run ends."""
+    # K=4, W=1: syncs after steps 5, 9, 13 and finish() after 16; the checkpoint after step 8 is mid-period.
+    options = dict(local_sgd_steps=4, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_outer_lr=OUTER[0],
                    local_sgd_outer_momentum=OUTER[1])  # fmt: skip
-    saved, resumed = uninterrupted_and_resumed(rank, tmp_path, options, 3, outer=OUTER)
+    saved, resumed = uninterrupted_and_resumed(rank, tmp_path, options, 4, outer=OUTER)
     assert saved["outer"]["momentum"][0] is not None, "the outer momentum was not checkpointed"
     return resumed
 
@@ -333,19 +563,30 @@ def lightning_outer_cases(rank: int, tmp_path: str) -> list:
 @pytest.mark.timeout(900)
 def test_lightning_strategy_runs_the_outer_optimizer_and_resumes_mid_period(tmp_path):
     results = run_ranks(lightning_outer_cases, 2, str(tmp_path), timeout=240)
-    assert results[0] == results[1] and results[0][-1] == (16, 16)
+    assert results[0] == results[1] and results[0][-1] == (16, 13)
 
 
-def lightning_fragment_cases(rank: int, tmp_path: str) -> list:
+def lightning_fragment_cases(rank: int, tmp_path: str) -> tuple[list, list[str]]:
     """The Trainer strategy with ``local_sgd_fragments=2``: the simulation's weights, uninterrupted and
-    resumed from a checkpoint taken between two fragment syncs."""
+    resumed from a checkpoint taken between two fragment syncs; without warm-up, the end-of-run summary
+    counts the consistency check that follows the fit's final sync. Returns the resumed schedule and
+    rank 0's ``[lit_dp]`` lines."""
     # K=4, F=2: fragment 0 after steps 3, 7, 11, 15, fragment 1 after 5, 9, 13; the checkpoint after step 8
     # falls between two syncs of each.
     options = dict(local_sgd_steps=4, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_fragments=2)
     fragments = fragment_names(Regressor().net, 2)
     saved, resumed = uninterrupted_and_resumed(rank, tmp_path, options, 4, outer=OUTER_DEFAULTS, fragments=fragments)
     assert saved["last_syncs"] == [7, 5], saved["last_syncs"]
-    return resumed
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    try:
+        fit(f"{tmp_path}/d", 2, local_sgd_steps=4, local_sgd_outer="nesterov", local_sgd_fragments=2,
+            consistency_every_n_steps=4)  # fmt: skip
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(handler)
+    return resumed, [line for line in lines if line.startswith("[lit_dp] replica consistency")]
 
 
 @pytest.mark.slow
@@ -353,7 +594,34 @@ def lightning_fragment_cases(rank: int, tmp_path: str) -> list:
 def test_lightning_strategy_runs_fragments_and_resumes_between_syncs(tmp_path):
     results = run_ranks(lightning_fragment_cases, 2, str(tmp_path), timeout=240)
     # (steps, the last fragment's last sync) after each batch: 16 steps, fragment 1 last synced after 13.
-    assert results[0] == results[1] and results[0][-1] == (16, 13)
+    assert results[0][0] == results[1][0] and results[0][0][-1] == (16, 13)
+    # 8 local steps, no synchronised one: the one check is the one after finish() synced both fragments.
+    summary = "[lit_dp] replica consistency: 1 check every 4 synchronised steps (1 after LocalSGD averages); the replicas agreed at each"
+    assert results[0][1] == [summary], results[0][1]
+
+
+def lightning_delay_case(rank: int, tmp_path: str) -> int:
+    """The Trainer strategy with ``local_sgd_sync_delay=1`` and ``local_sgd_mixing=0.5``: a checkpoint taken
+    while a sync is in flight resumes to the uninterrupted run's weights, bit for bit. Returns the step of
+    the sync the checkpoint held in flight."""
+    # K=4, F=2, W=0: fragment 0 starts after steps 2, 6, 10, 14, fragment 1 after 4, 8, 12, 16, each applied
+    # one step later; the checkpoint at the end of epoch 2 (after step 8) holds fragment 1's in flight.
+    options = dict(local_sgd_steps=4, local_sgd_outer="nesterov", local_sgd_fragments=2, local_sgd_sync_delay=1,
+                   local_sgd_mixing=0.5)  # fmt: skip
+    module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
+    checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
+    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
+    saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]
+    resumed_module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
+    assert_same_weights(resumed_module, module, f"rank {rank}: resumed with a sync in flight")
+    return saved["pending"]["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_strategy_resumes_a_delayed_sync_in_flight(tmp_path):
+    assert run_ranks(lightning_delay_case, 2, str(tmp_path), timeout=240) == {0: 8, 1: 8}
 
 
 def fabric_outer(fabric: Fabric) -> list[list[float]]:
@@ -407,12 +675,13 @@ def test_recipe_runs_diloco_from_hydra_and_prints_its_traffic(tmp_path):
 def test_hydra_options_reach_the_strategy(tmp_path):
     overrides = [
         "strategy.local_sgd.steps=16", "strategy.local_sgd.outer=nesterov", "strategy.local_sgd.sync_dtype=bf16",
-        "strategy.local_sgd.fragments=4",
+        "strategy.local_sgd.fragments=4", "strategy.local_sgd.sync_delay=1", "strategy.local_sgd.mixing=0.5",
+        "strategy.local_sgd.offload=false",
     ]  # fmt: skip
     options = build_strategy(compose_config("gpt", overrides, tmp_path).strategy).options
     assert options.local_sgd == LocalSGDOptions(
         steps=16, outer="nesterov", outer_lr=DEFAULT_OUTER_LR, outer_momentum=DEFAULT_OUTER_MOMENTUM, sync_dtype="bf16",
-        fragments=4,
+        fragments=4, sync_delay=1, mixing=0.5, offload=False,
     )  # fmt: skip
 
 
@@ -436,6 +705,17 @@ def test_hydra_options_reach_the_strategy(tmp_path):
             "local_sgd_fragments=2 with local_sgd_adaptive=True is invalid",
         ),
         (dict(local_sgd_steps=4, local_sgd_fragments=0), "local_sgd_fragments=0 is invalid: expected an integer >= 1"),
+        (dict(local_sgd_sync_delay=1), "local_sgd_sync_delay=1 needs local_sgd_steps"),
+        (
+            dict(local_sgd_steps=8, local_sgd_fragments=4, local_sgd_sync_delay=2),
+            "local_sgd_sync_delay=2 with local_sgd_steps=8 and local_sgd_fragments=4 is invalid",
+        ),
+        (
+            dict(local_sgd_steps=4, local_sgd_adaptive=True, local_sgd_sync_delay=1),
+            "local_sgd_sync_delay=1 with local_sgd_adaptive=True is invalid",
+        ),
+        (dict(local_sgd_steps=4, local_sgd_mixing=1.0), "local_sgd_mixing=1.0 is invalid: expected a number in [0, 1)"),
+        (dict(local_sgd_steps=4, local_sgd_offload="yes"), "local_sgd_offload='yes' is invalid"),
     ],
 )
 def test_strategy_refuses_what_does_not_combine_by_name(options, message):
@@ -496,6 +776,11 @@ def test_library_rejects_bad_fragments_by_name():
         ((2,), dict(fragments=4), "fragments=4 with local_steps=2 is invalid"),
         ((4,), dict(fragments=2, adaptive=True), "fragments=2 with adaptive=True is invalid"),
         ((4,), dict(fragments=4), "fragments=4 is invalid for a model of 2 trainable tensors"),
+        ((4,), dict(sync_delay=4), "sync_delay=4 with local_steps=4 and fragments=1 is invalid"),
+        ((4,), dict(sync_delay=-1), "sync_delay=-1 is invalid: expected an integer >= 0"),
+        ((4,), dict(sync_delay=1, adaptive=True), "sync_delay=1 with adaptive=True is invalid"),
+        ((4,), dict(mixing=-0.5), "mixing=-0.5 is invalid: expected a number in [0, 1)"),
+        ((4,), dict(offload=1), "offload=1 is invalid: expected True or False"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             lit_dp.LocalSGD(nn.Linear(2, 2), *args, **kwargs)

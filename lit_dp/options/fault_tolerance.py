@@ -164,6 +164,17 @@ def refuse_what_replicas_cannot_follow(options: Any, where: str, name: Callable[
             f"and go would not all have seen; expected a fixed {name('local_sgd.steps')}",
         ),
         (
+            "local_sgd.sync_delay",
+            bool(options.local_sgd.sync_delay),
+            "a sync in flight would cross the next step's quorum, which reconfigures torchft's process group; "
+            "expected 0",
+        ),
+        (
+            "local_sgd.sync_dtype",
+            options.local_sgd.sync_dtype is not None,
+            "its fp32 sums take an all-to-all, which torchft's process groups do not offer; expected None",
+        ),
+        (
             "uneven_inputs",
             options.uneven_inputs,
             "the replica groups present share out the data at every step, so none runs out before the others; "

@@ -36,6 +36,15 @@ def check_outer_momentum(name: str, value: Any) -> float:
     return float(value)
 
 
+def check_mixing(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(
+            f"{name}={value!r} is invalid: expected a number in [0, 1), the weight kept of the local parameters "
+            "(0: they become the synced ones)."
+        )
+    return float(value)
+
+
 # Hooks (by function or config name) that leave gradients local, which LocalSGD does itself.
 COMM_HOOKS_SKIPPING_COMMUNICATION = ("post_localSGD_hook", "noop_hook")
 
@@ -104,6 +113,29 @@ class LocalSGDOptions:
         config=int,
         examples=(2,),
     )
+    sync_delay: int = option(
+        default=0,
+        help="tau: apply each sync this many inner steps after it starts, its all-reduce overlapping them (below K/F)",
+        check=count(0),
+        scope=ONLY_TRAINER,
+        config=int,
+        examples=(1,),
+    )
+    mixing: float = option(
+        default=0.0,
+        help="alpha: the weight kept of the local parameters when a sync is applied; 0: replaced by the synced ones",
+        check=check_mixing,
+        scope=ONLY_TRAINER,
+        config=float,
+        examples=(0.5,),
+    )
+    offload: bool = option(
+        default=True,
+        help="keep the snapshot and outer momentum of CUDA parameters in pinned CPU memory; false: on the GPU",
+        check=flag,
+        scope=ONLY_TRAINER,
+        config=bool,
+    )
 
 
 def _fragments_do_not_divide(options: Any) -> bool:
@@ -125,7 +157,7 @@ RULES = (
     ),
     *(
         requires(f"local_sgd.{name}", "local_sgd.steps", "expected the period K, e.g. 16", set_only=True)
-        for name in ("outer", "outer_lr", "outer_momentum", "sync_dtype", "fragments")
+        for name in ("outer", "outer_lr", "outer_momentum", "sync_dtype", "fragments", "offload", "sync_delay", "mixing")
     ),
     excludes(
         "local_sgd.fragments",
@@ -140,6 +172,21 @@ RULES = (
         when=lambda o: o.local_sgd.fragments > 1 and o.local_sgd.adaptive,
         reason="the fragments' offsets are fixed fractions of K, which the adaptive rule changes at every sync; "
         "expected {local_sgd.fragments}=1 or {local_sgd.adaptive}=False",
+    ),
+    excludes(
+        "local_sgd.sync_delay",
+        "local_sgd.steps",
+        "local_sgd.fragments",
+        when=lambda o: o.local_sgd.steps is not None and o.local_sgd.sync_delay >= o.local_sgd.steps // o.local_sgd.fragments,
+        reason="a sync is applied sync_delay steps after it starts, before the next fragment's starts K/F steps after "
+        "it; expected {local_sgd.sync_delay} below {local_sgd.steps} / {local_sgd.fragments}",
+    ),
+    excludes(
+        "local_sgd.sync_delay",
+        "local_sgd.adaptive",
+        when=lambda o: o.local_sgd.sync_delay > 0 and o.local_sgd.adaptive,
+        reason="the adaptive rule changes K at every sync, which must stay above the delay; expected "
+        "{local_sgd.sync_delay}=0 or {local_sgd.adaptive}=False",
     ),
     excludes(
         "comm_buffer_size",

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.observability.straggler import WindowReport
@@ -25,8 +24,10 @@ class HealthMonitor(pl.Callback):
     - each window the ranks judged, as ``straggler/*`` metrics (the slowest rank, its lag, where
       its time and the others' went; ``WindowReport.as_metrics``), logged by rank 0 at the step
       the window was read;
-    - when training ends, a ``[lit_dp]`` line on rank 0 for each: how many windows had a rank
-      lagging and the largest lag; how many consistency checks ran.
+    The lines a run ends with (how many windows had a rank lagging and the largest lag; how many
+    consistency checks ran) are printed by the strategy's monitors feature instead
+    (``lit_dp.strategies.monitoring``), after every feature ended training: LocalSGD's final sync,
+    which the consistency check follows, comes after the callbacks' ``on_train_end``.
     """
 
     def __init__(self) -> None:
@@ -61,13 +62,6 @@ class HealthMonitor(pl.Callback):
         model = self._model(trainer)
         if model is not None and model.step_clock is not None:
             model.step_clock.resume()
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        model = self._model(trainer)
-        if model is None:
-            return
-        for summary in health_summaries(model):
-            rank_zero_info(summary)
 
     @staticmethod
     def _model(trainer: pl.Trainer) -> DataParallel | None:

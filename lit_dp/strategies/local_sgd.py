@@ -2,9 +2,17 @@
 
 The averager (``lit_dp.LocalSGD``) is built over the wrapped model when a fit is set up, steps
 after each optimizer step (automatic and manual optimization alike; accumulated micro-batches
-do not count), finishes when training ends, and keeps its schedule in the strategy's checkpoint
-entry (``local_sgd``: whatever ``LocalSGD.state_dict`` returns), so a resumed fit goes on with it.
-A Fabric loop drives ``lit_dp.LocalSGD`` itself.
+do not count), finishes when training ends, and keeps its state in the strategy's checkpoint
+entry (``local_sgd``: whatever ``LocalSGD.state_dict`` returns, plus ``replicas``), so a resumed
+fit goes on with it.
+
+Between syncs the replicas differ, and rank 0's model and optimizer state, which the checkpoint
+holds as any Lightning checkpoint does, are not the job's state. So once the local phase has
+started, ``state_dict`` gathers every other rank's model and optimizer states to rank 0
+(``replicas``, one entry per global rank, CPU tensors), which writes them in the one checkpoint
+file; a resumed run hands each rank its own before its first training step. A checkpoint without
+them (written before they existed, or by another number of ranks) resumes every rank from rank
+0's, with a warning, as before.
 """
 
 from __future__ import annotations
@@ -13,6 +21,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 from lit_dp.local_sgd import LocalSGD
@@ -22,18 +34,29 @@ from lit_dp.strategies.feature import Feature, Run
 
 log = logging.getLogger(__name__)
 
+_REPLICAS = "replicas"
+
+
+def _never_joined() -> bool:
+    return False
+
 
 class LocalSGDSchedule(Feature):
-    """The averager while fitting with ``local_sgd_steps`` (``local_sgd``), and its schedule in checkpoints."""
+    """The averager while fitting with ``local_sgd_steps`` (``local_sgd``), and its state, every rank's, in checkpoints."""
 
     key = "local_sgd"
     shared_by_replicas = True  # across torchft's replica groups a recovering one takes a peer's schedule and snapshot
 
     def __init__(self, options: LocalSGDOptions) -> None:
         self._options = options
-        self._joined: Callable[[], bool] = lambda: False  # the strategy's: this rank replays the step
+        # The strategy's: this rank replays the step. A module-level function until setup, so that a
+        # spawning launcher can pickle the strategy with its features.
+        self._joined: Callable[[], bool] = _never_joined
         self.local_sgd: LocalSGD | None = None  # from setup to teardown
+        self._run: Run | None = None  # from setup to teardown: the model and (Trainer) optimizers
+        self._optimizers: list[Any] = []  # Fabric's, as each is set up
         self._resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
+        self._replica: dict[str, Any] | None = None  # this rank's model and optimizer states, until restored
 
     @classmethod
     @override
@@ -42,14 +65,15 @@ class LocalSGDSchedule(Feature):
 
     @override
     def setup(self, run: Run) -> None:
-        if run.trainer is None or run.model is None or not run.fitting:
+        if run.model is None or not run.fitting:
             return
         options = self._options
-        if options.adaptive and not run.trainer.lightning_module.automatic_optimization:
+        if run.trainer is not None and options.adaptive and not run.trainer.lightning_module.automatic_optimization:
             raise ValueError(
                 "local_sgd_adaptive=True is not supported with manual optimization: the adaptive period needs the "
                 "training loss, which only automatic optimization hands to the strategy. Use a fixed local_sgd_steps."
             )
+        self._run = run
         self._joined = lambda: run.strategy.joined
         self.local_sgd = LocalSGD(
             run.model,
@@ -62,6 +86,9 @@ class LocalSGDSchedule(Feature):
             outer_momentum=options.outer_momentum,
             sync_dtype=options.sync_dtype,
             fragments=options.fragments,
+            offload=options.offload,
+            sync_delay=options.sync_delay,
+            mixing=options.mixing,
         )
         log.debug(
             "LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD), in %d fragment(s)",
@@ -71,6 +98,18 @@ class LocalSGDSchedule(Feature):
             log.debug("LocalSGD: schedule restored from the checkpoint")
             self.local_sgd.load_state_dict(self._resumed)
             self._resumed = None
+
+    @override
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    @override
+    def training_step(self, step: Callable[[], Any]) -> Any:
+        # The first forward after a resume: Lightning has restored rank 0's model and optimizer
+        # states by now (the optimizers' after setup), so this rank's own replace them here.
+        self.restore_replica()
+        return step()
 
     @override
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
@@ -88,16 +127,89 @@ class LocalSGDSchedule(Feature):
     @override
     def teardown(self) -> None:
         self.local_sgd = None
-        self._joined = lambda: False
+        self._run = None
+        self._optimizers = []
+        self._replica = None
+        self._joined = _never_joined
 
     @override
     def state_dict(self) -> dict[str, Any] | None:
-        return self.local_sgd.state_dict() if self.local_sgd is not None else None
+        """``LocalSGD.state_dict()``, and in the local phase ``replicas``: every rank's model and optimizer
+        states, gathered to global rank 0 (a collective: every rank calls it, as every rank saves)."""
+        if self.local_sgd is None:
+            return None
+        state = self.local_sgd.state_dict()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._replicas_differ(state):
+            state[_REPLICAS] = self._gather_replicas()
+        return state
 
     @override
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Applied when setup builds the averager, or at once during a run (a peer replica group's)."""
+        """Applied when setup builds the averager; this rank's model and optimizer states, when the
+        checkpoint has them, at its first training step (``restore_replica``). During a run (a peer
+        replica group's state, under fault tolerance), applied at once."""
         if self.local_sgd is not None and state is not None:
             self.local_sgd.load_state_dict(state)
             return
-        self._resumed = state
+        self._replica = None
+        if state is None:
+            self._resumed = None
+            return
+        replicas = state.get(_REPLICAS)
+        self._resumed = {key: value for key, value in state.items() if key != _REPLICAS}  # the others' states go
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world_size == 1 or not self._replicas_differ(state):
+            return
+        if replicas is None:
+            rank_zero_warn(
+                f"lit_dp LocalSGD: the checkpoint was written at optimizer step {state['step']}, in the local phase, "
+                "without every rank's model and optimizer state (a checkpoint from before lit_dp kept them): every "
+                "rank resumes from rank 0's, and the other ranks' work since their last sync is lost."
+            )
+        elif replicas["world_size"] != world_size:
+            rank_zero_warn(
+                f"lit_dp LocalSGD: the checkpoint holds the states of {replicas['world_size']} ranks, this run has "
+                f"{world_size}: every rank resumes from rank 0's model and optimizer state."
+            )
+        else:
+            self._replica = replicas["ranks"].get(dist.get_rank())  # none for rank 0: the checkpoint's own
+
+    def restore_replica(self) -> None:
+        """Load this rank's own model and optimizer states from the checkpoint being resumed, once, after the
+        front door restored rank 0's (the Trainer calls it before the first training step; a Fabric loop
+        after loading the model and optimizers)."""
+        if self._replica is None or self._run is None or self._run.model is None:
+            return
+        replica, self._replica = self._replica, None
+        self._run.model.module.load_state_dict(replica["model"])
+        for optimizer, optimizer_state in zip(self._optimizer_list(), replica["optimizers"], strict=True):
+            optimizer.load_state_dict(optimizer_state)
+        log.debug("LocalSGD: this rank's own model and optimizer states restored from the checkpoint")
+
+    def _replicas_differ(self, state: dict[str, Any]) -> bool:
+        """Past warm-up every rank holds its own model and inner optimizer state; across torchft's replica
+        groups not: the ranks of one group train as one between syncs, and its checkpoint is its own."""
+        return int(state["step"]) > self._options.warmup_steps and not state.get("across_replica_groups", False)
+
+    def _optimizer_list(self) -> list[Any]:
+        trainer = self._run.trainer if self._run is not None else None
+        return list(trainer.optimizers) if trainer is not None else self._optimizers
+
+    def _gather_replicas(self) -> dict[str, Any] | None:
+        """Every rank's model and optimizer states as CPU tensors on global rank 0 (None elsewhere), by
+        global rank, rank 0's left out: the checkpoint holds it already."""
+        assert self._run is not None and self._run.model is not None
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        own = None
+        if rank != 0:
+            states = {
+                "model": self._run.model.module.state_dict(),
+                "optimizers": [optimizer.state_dict() for optimizer in self._optimizer_list()],
+            }
+            own = apply_to_collection(states, torch.Tensor, lambda t: t.detach().cpu())
+        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+        with self._run.model.waiter.outside("the gather of every rank's model and optimizer state for a checkpoint"):
+            dist.gather_object(own, gathered, dst=0)
+        if gathered is None:
+            return None
+        return {"world_size": world_size, "ranks": {r: s for r, s in enumerate(gathered) if r != 0}}

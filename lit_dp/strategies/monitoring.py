@@ -3,9 +3,10 @@
 Under the Trainer it installs ``CommStatsMonitor`` (``comm_stats=True`` or
 ``comm_buffer_size="auto"``) and ``HealthMonitor`` (when the model has a step clock) in the
 callbacks, once each. Under both doors, teardown resolves the last steps' statistics and writes
-the Chrome trace collected so far (``trace_steps`` of a run shorter than its window). Under
-Fabric it also says, on rank 0, what ``HealthMonitor`` says when a fit's training ends: the
-straggler report's and the consistency check's summaries, one ``[lit_dp]`` line each.
+the Chrome trace collected so far (``trace_steps`` of a run shorter than its window). When
+training ends (the Trainer: the last of the features' ``on_train_end``, after LocalSGD's final
+sync and its consistency check; Fabric: at teardown) it says on rank 0 the straggler report's and
+the consistency check's summaries, one ``[lit_dp]`` line each.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ class Monitors(Feature):
         if model.step_clock is not None and not any(isinstance(c, HealthMonitor) for c in trainer.callbacks):
             log.debug("HealthMonitor added to the callbacks (batches, straggler/*)")
             trainer.callbacks.append(HealthMonitor())
+
+    @override
+    def on_train_end(self) -> None:
+        if self._no_trainer:  # a Fabric loop: said at teardown, Fabric having no end of training
+            return
+        for model in self._models:
+            for summary in health_summaries(model):
+                rank_zero_info(summary)
 
     @override
     def teardown(self) -> None:

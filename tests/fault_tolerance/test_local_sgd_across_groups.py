@@ -30,7 +30,8 @@ class _Done(dist.Work):
 
 class _ReplicaGroups(dist.ProcessGroup):
     """This replica group and ``present - 1`` others whose deltas are zero (they did not move since
-    the last sync); ``failing``: the all-reduce fails as torchft's does (zeros, the step errored)."""
+    the last sync), each counted as taking part; ``failing``: the all-reduce fails as torchft's does
+    (zeros, the step errored)."""
 
     def __init__(self, present: int = 2) -> None:
         super().__init__(0, 1)
@@ -45,9 +46,11 @@ class _ReplicaGroups(dist.ProcessGroup):
         return 0
 
     def allreduce(self, tensors, opts) -> dist.Work:
-        if self.failing:
-            for tensor in tensors:
+        for tensor in tensors:
+            if self.failing:
                 tensor.zero_()
+            elif tensor.numel() == 1:  # the count of those taking part (the payloads are larger): each adds 1
+                tensor.add_(self.present - 1)
         return _Done(tensors)
 
     def step_failed(self) -> bool:

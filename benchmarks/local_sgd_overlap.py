@@ -1,0 +1,162 @@
+"""Streaming DiLoCo's overlapped syncs on a simulated slow link: exposed sync time and accuracy per delay.
+
+    python -m benchmarks.local_sgd_overlap
+    python -m benchmarks.local_sgd_overlap link_mbit=100 delays=[0,1,2,3]
+
+Every mode trains the same 3 x 1024 MLP (``benchmarks.common.digits_mlp``, 8.3 MB) with Adam on
+the same digits shards in the same 2 gloo processes, with DiLoCo in ``fragments`` fragments every
+``local_steps`` steps (``lit_dp.LocalSGD(outer="nesterov")``), one mode per ``sync_delay`` in
+``delays`` (tau: a fragment's sync is applied tau steps after it starts), all with ``mixing``.
+
+The slow link is the benchmark's own: LocalSGD's collectives are handed to gloo as usual, and
+each one is reported complete no sooner than the link, shared by all of them in turn, would
+have carried its bytes at ``link_mbit`` Mbit/s (a ring all-reduce's ``2(n-1)/n`` of the payload
+per rank); a wait before that sleeps. So the sync's time in flight is set by the bandwidth, and
+what the delay hides of it is what the inner steps in between take. Reported per mode: the sync
+time exposed per local step (``LocalSGD.traffic``: the wait when a sync is applied, and applying
+it), the mean step time, and the final model's validation loss and accuracy.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks.common import benchmark_main, digits_mlp, init_gloo_rank, run_ranks
+from lit_dp_recipes.digits import DigitsDataModule
+
+
+@dataclass
+class OverlapBenchmarkConfig:
+    """What to measure."""
+
+    world_size: int = 2
+    local_steps: int = 8
+    fragments: int = 2
+    delays: tuple[int, ...] = (0, 1, 2)
+    mixing: float = 0.0
+    link_mbit: float = 200.0
+    epochs: int = 4
+    batch_size: int = 32  # per rank
+    lr: float = 1e-3
+    threads_per_rank: int = 1
+
+
+class _SlowWork:
+    """A collective's work, complete no sooner than ``ready`` (``time.monotonic``)."""
+
+    def __init__(self, work: dist.Work, ready: float) -> None:
+        self._work, self._ready = work, ready
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self._ready and self._work.is_completed()
+
+    def wait(self, *args: Any) -> bool:
+        time.sleep(max(0.0, self._ready - time.monotonic()))
+        return self._work.wait(*args)
+
+
+class _SlowLink:
+    """``torch.distributed`` as ``lit_dp.local_sgd`` sees it, its collectives carried by one link in turn."""
+
+    def __init__(self, mbit: float, world_size: int) -> None:
+        self._bytes_per_second = mbit * 1e6 / 8
+        self._share = 2 * (world_size - 1) / world_size  # of the payload a ring all-reduce sends per rank
+        self._free_at = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def _slowed(self, work: dist.Work, tensor: torch.Tensor) -> _SlowWork:
+        start = max(time.monotonic(), self._free_at)
+        self._free_at = start + tensor.numel() * tensor.element_size() * self._share / self._bytes_per_second
+        return _SlowWork(work, self._free_at)
+
+    def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _SlowWork:
+        return self._slowed(dist.all_reduce(tensor, *args, **kwargs), tensor)
+
+    def broadcast(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _SlowWork:
+        return self._slowed(dist.broadcast(tensor, *args, **kwargs), tensor)
+
+
+def _train(delay: int, config: OverlapBenchmarkConfig, data: DigitsDataModule, rank: int) -> dict[str, Any]:
+    import lit_dp
+    import lit_dp.local_sgd
+
+    torch.manual_seed(0)
+    model = lit_dp.DataParallel(digits_mlp())
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    local_sgd = lit_dp.LocalSGD(
+        model, config.local_steps, outer="nesterov", fragments=config.fragments, sync_delay=delay, mixing=config.mixing
+    )
+    images, labels = data.train_set.tensors
+    images, labels = images[rank :: config.world_size], labels[rank :: config.world_size]
+    times = []
+    real_dist, lit_dp.local_sgd.dist = lit_dp.local_sgd.dist, _SlowLink(config.link_mbit, config.world_size)
+    try:
+        for epoch in range(config.epochs):
+            order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch))
+            for start in range(0, len(order) - config.batch_size + 1, config.batch_size):
+                batch = order[start : start + config.batch_size]
+                began = time.perf_counter()
+                F.cross_entropy(model(images[batch]), labels[batch]).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                local_sgd.step()
+                times.append(time.perf_counter() - began)
+        traffic = local_sgd.traffic()  # before finish(): the run's own syncs
+        local_sgd.finish()
+    finally:
+        lit_dp.local_sgd.dist = real_dist
+    val_images, val_labels = data.val_set.tensors
+    with torch.no_grad():
+        logits = model(val_images)
+    return {
+        "exposed_ms_per_step": traffic["exposed_ms"] * traffic["syncs"] / len(times),
+        "time_ms": traffic["time_ms"],
+        "step_ms": statistics.fmean(times) * 1e3,
+        "val_loss": F.cross_entropy(logits, val_labels).item(),
+        "accuracy": (logits.argmax(dim=1) == val_labels).float().mean().item(),
+    }
+
+
+def _worker(rank: int, config: OverlapBenchmarkConfig, port: int, results: dict) -> None:
+    import lit_dp
+
+    torch.set_num_threads(config.threads_per_rank)
+    init_gloo_rank(rank, config.world_size, port)
+    data = DigitsDataModule()
+    data.setup()
+    rows = {delay: _train(delay, config, data, rank) for delay in config.delays}
+    if rank == 0:
+        results.update(rows)
+    lit_dp.destroy_parallel_env()
+
+
+def run_and_report(config: OverlapBenchmarkConfig) -> str:
+    results = run_ranks(_worker, config.world_size, config)
+    lines = [
+        f"DiLoCo K={config.local_steps}, F={config.fragments}, mixing={config.mixing}, {config.world_size} gloo ranks, "
+        f"a {config.link_mbit:g} Mbit/s link for the syncs; rank 0's figures",
+        "",
+        "| sync_delay | exposed sync ms per step | sync in flight (ms, mean) | mean step (ms) | val loss | val accuracy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for delay, row in sorted(results.items()):
+        lines.append(
+            f"| {delay} | {row['exposed_ms_per_step']:.2f} | {row['time_ms']:.1f} | {row['step_ms']:.1f} "
+            f"| {row['val_loss']:.4f} | {row['accuracy']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+main = benchmark_main("local_sgd_overlap", OverlapBenchmarkConfig, run_and_report)
+
+if __name__ == "__main__":
+    main()
