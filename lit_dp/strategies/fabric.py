@@ -34,7 +34,7 @@ from lit_dp.options import FABRIC
 from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, register_families
-from lit_dp.strategies.feature import Run
+from lit_dp.strategies.feature import CHECKPOINT_KEY, Run
 from lit_dp.strategies.lightning_private import (
     BackwardSyncControl,
     FabricMultiProcessingLauncher,
@@ -177,8 +177,37 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def save_checkpoint(
         self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
     ) -> None:
+        """``fabric.save``: ``state`` as Fabric writes it, with the features' state under ``"lit_dp"`` (as in
+        a Trainer checkpoint). Every rank calls it: a feature's ``state_dict`` may gather from all ranks."""
+        if CHECKPOINT_KEY in state:
+            raise ValueError(
+                f"fabric.save(path, state) with a key {CHECKPOINT_KEY!r} in state is invalid: the strategy writes its "
+                f"features' state under that key; expected your own entries under other keys."
+            )
+        if own := self._features.state_dict():
+            state = {**state, CHECKPOINT_KEY: own}
         with self._features.saving() if self.is_global_zero else nullcontext():  # rank 0 writes, the others wait
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """``fabric.load``: the objects in ``state`` restored as Fabric does, then the features' state from
+        the checkpoint's ``"lit_dp"`` entry (after the model and optimizer, so that what a feature keeps per
+        rank wins over rank 0's copy), before the next step; the entry is not among what is returned.
+
+        ``state`` None or empty asks for the raw checkpoint, which Fabric returns whole and restores
+        nothing from: the features are left as they are too.
+        """
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if isinstance(state, dict) and state:
+            self._features.load_state_dict(remainder.pop(CHECKPOINT_KEY, {}))
+        return remainder
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
@@ -196,9 +225,14 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        """``fabric.strategy.teardown()``, on every rank at the end of the loop: the run's end for the
+        features (``on_train_end``: LocalSGD's last average), then their teardown. Fabric never calls it
+        itself; at exit only the teardown runs (no collective: the other ranks may be gone)."""
         log.debug("%s: tearing down strategy", type(self).__name__)
         for optimizer in self._sharded:
             optimizer.wait_for_parameters()
+        if self._running:
+            self._features.on_train_end()
         self._teardown_features()
         self._wrapped, self._sharded = None, []
         super().teardown()

@@ -27,6 +27,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from lit_dp.options import Options
 
+# The strategies' own entry in a checkpoint, the Trainer's and ``fabric.save``'s alike: each feature's
+# state under its ``key`` inside it.
+CHECKPOINT_KEY = "lit_dp"
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 

@@ -1,10 +1,12 @@
-"""LocalSGD's schedule under the Trainer: ``local_sgd_steps`` as a feature (``lit_dp.strategies.feature``).
+"""LocalSGD's schedule: ``local_sgd_steps`` as a feature (``lit_dp.strategies.feature``), for both doors.
 
-The averager (``lit_dp.LocalSGD``) is built over the wrapped model when a fit is set up, steps
-after each optimizer step (automatic and manual optimization alike; accumulated micro-batches
-do not count), finishes when training ends, and keeps its schedule in the strategy's checkpoint
-entry (``local_sgd``: whatever ``LocalSGD.state_dict`` returns), so a resumed fit goes on with it.
-A Fabric loop drives ``lit_dp.LocalSGD`` itself.
+The averager (``lit_dp.LocalSGD``) is built over the wrapped model when a fit is set up (under
+Fabric: when ``fabric.setup`` wraps the model), steps after each optimizer step (automatic and
+manual optimization alike, and each ``optimizer.step()`` of a Fabric loop; accumulated
+micro-batches do not count), finishes when training ends (Fabric: ``fabric.strategy.teardown()``),
+and keeps its schedule in the strategy's checkpoint entry (``local_sgd``: whatever
+``LocalSGD.state_dict`` returns), so a resumed fit goes on with it. A Trainer loads a checkpoint
+before the averager exists, ``fabric.load`` after: either way the state reaches it before the next step.
 """
 
 from __future__ import annotations
@@ -41,10 +43,16 @@ class LocalSGDSchedule(Feature):
 
     @override
     def setup(self, run: Run) -> None:
-        if run.trainer is None or run.model is None or not run.fitting:
+        if run.model is None or not run.fitting:
             return
+        if self.local_sgd is not None:  # Fabric: a second model set up in the same run
+            raise ValueError(
+                f"local_sgd_steps={self._options.steps} averages one model, and fabric.setup was given a second one "
+                "before fabric.strategy.teardown(): expected one model per run, or lit_dp.LocalSGD(model, ...) "
+                "over each model in your loop (docs/local_sgd.md)."
+            )
         options = self._options
-        if options.adaptive and not run.trainer.lightning_module.automatic_optimization:
+        if options.adaptive and run.trainer is not None and not run.trainer.lightning_module.automatic_optimization:
             raise ValueError(
                 "local_sgd_adaptive=True is not supported with manual optimization: the adaptive period needs the "
                 "training loss, which only automatic optimization hands to the strategy. Use a fixed local_sgd_steps."
@@ -67,9 +75,7 @@ class LocalSGDSchedule(Feature):
             self.local_sgd.fragments,
         )
         if self._resumed is not None:
-            log.debug("LocalSGD: schedule restored from the checkpoint")
-            self.local_sgd.load_state_dict(self._resumed)
-            self._resumed = None
+            self.load_state_dict(self._resumed)
 
     @override
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
@@ -95,5 +101,10 @@ class LocalSGDSchedule(Feature):
 
     @override
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Applied when setup builds the averager."""
-        self._resumed = state
+        """Applied at once to a running averager (``fabric.load``), else when setup builds it (a Trainer's resume)."""
+        if self.local_sgd is None or state is None:
+            self._resumed = state
+            return
+        log.debug("LocalSGD: schedule restored from the checkpoint")
+        self.local_sgd.load_state_dict(state)
+        self._resumed = None
