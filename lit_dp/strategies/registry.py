@@ -38,7 +38,7 @@ FEATURES: tuple[tuple[type[Feature], tuple[str, ...]], ...] = (
     (FabricFaultTolerance, (FABRIC,)),
     (EpochContinuation, (TRAINER,)),
     (UnevenInputs, (TRAINER,)),
-    (LocalSGDSchedule, (TRAINER,)),
+    (LocalSGDSchedule, BOTH),
     (TunedBufferSize, BOTH),
     (Preemption, (TRAINER,)),
     (LostRanks, (TRAINER,)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -27,6 +28,7 @@ from lit_dp.strategies.feature import Feature, Features
 from lit_dp.strategies.monitoring import Monitors
 from lit_dp.strategies.resume import EpochContinuation
 from lit_dp.strategies.uneven import UnevenInputs
+from tests.helpers.distributed import launch_forking
 
 ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -126,11 +128,16 @@ def _documented_example() -> type[Feature]:
     return feature
 
 
+def _register(feature: type[Feature]) -> tuple:
+    """``registry.FEATURES`` with the docs' line added where the docs place it (before the monitors)."""
+    features = registry.FEATURES
+    return (*features[:-1], (feature, registry.BOTH), features[-1])
+
+
 @pytest.fixture
 def step_count(monkeypatch):
     feature = _documented_example()
-    features = registry.FEATURES
-    monkeypatch.setattr(registry, "FEATURES", (*features[:-1], (feature, registry.BOTH), features[-1]))
+    monkeypatch.setattr(registry, "FEATURES", _register(feature))
     return feature
 
 
@@ -164,19 +171,39 @@ def _fit(root: Path, max_epochs: int, ckpt_path: str | None = None) -> pl.Traine
 
 def test_the_worked_example_runs_through_the_trainer_and_is_resumed(tmp_path, step_count):
     trainer = _fit(tmp_path, max_epochs=1)
-    assert trainer.strategy._features.find(step_count).steps == 8
+    assert trainer.strategy.feature(step_count).steps == 8
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["lit_dp"]["step_count"] == 8
     resumed = _fit(tmp_path / "again", max_epochs=2, ckpt_path=str(tmp_path / "last.ckpt"))
-    assert resumed.strategy._features.find(step_count).steps == 16  # counted on from the checkpoint's 8
+    assert resumed.strategy.feature(step_count).steps == 16  # counted on from the checkpoint's 8
 
 
-def test_the_worked_example_runs_through_fabric(step_count):
-    run = Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(hang_timeout=None), accelerator="cpu", devices=1)
-    run.launch()
+def _fabric_steps(fabric: Fabric, checkpoint: str, steps: int, resume: bool) -> int:
+    """``steps`` optimizer steps in a Fabric loop; saved at the end, or first loaded with ``resume``.
+    Returns the feature's count."""
     net = nn.Linear(6, 1)
-    model, optimizer = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    for _ in range(3):
-        run.backward(model(torch.randn(4, 6)).sum())
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    if resume:  # the loop's own entries come back; lit_dp's entry is the strategy's, not among them
+        assert fabric.load(checkpoint, {"model": model, "optimizer": optimizer}) == {"step": 3}
+    for _ in range(steps):
+        fabric.backward(model(torch.randn(4, 6)).sum())
         optimizer.step()
-    assert run.strategy._features.find(step_count).steps == 3
-    run.strategy.teardown()
+    if not resume:
+        fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "step": steps})
+    count = fabric.strategy.feature(registry.FEATURES[-2][0]).steps
+    fabric.strategy.teardown()
+    return count
+
+
+def _fabric_round_trip(checkpoint: str) -> tuple[int, int, int]:
+    """The worked example registered in this (spawned) process, then two launches of 2 forked ranks: 3 steps
+    saved, and a new launch that loads them and takes 2 more."""
+    registry.FEATURES = _register(_documented_example())
+    launch = partial(Fabric, accelerator="cpu", devices=2)
+    saved = launch(strategy=lit_dp.fabric.PaddleDPStrategy(start_method="fork")).launch(_fabric_steps, checkpoint, 3, False)
+    resumed = launch(strategy=lit_dp.fabric.PaddleDPStrategy(start_method="fork")).launch(_fabric_steps, checkpoint, 2, True)
+    return saved, torch.load(checkpoint, weights_only=True)["lit_dp"]["step_count"], resumed
+
+
+def test_the_worked_example_runs_through_fabric_and_is_resumed(tmp_path):
+    saved, in_checkpoint, resumed = launch_forking(_fabric_round_trip, str(tmp_path / "fabric.ckpt"))
+    assert (saved, in_checkpoint, resumed) == (3, 3, 5)  # fabric.save kept the count; fabric.load counted on
