@@ -4,9 +4,11 @@ The Fabric twin of ``lit_dp.PaddleDPStrategy``, as Lightning has a ``DDPStrategy
 ``lightning.fabric.strategies`` next to the Trainer's: same options, same registered names, the
 same ``lit_dp.DataParallel``. ``fabric.setup(model, optimizer)`` wraps the model,
 ``fabric.backward`` synchronises, ``fabric.no_backward_sync(model)`` is ``DataParallel.no_sync``,
-and checkpoints hold the bare module's state (no wrapper prefix). With ``sharding_stage`` the
-optimizers set up with the model become ``lit_dp.ShardedOptimizer`` s, ``fabric.clip_gradients``
-clips by the global norm, and ``fabric.save`` writes the consolidated optimizer state.
+and checkpoints hold the bare module's state (no wrapper prefix) and the features' state under
+``"lit_dp"``. With ``sharding_stage`` the optimizers set up with the model become
+``lit_dp.ShardedOptimizer`` s, ``fabric.clip_gradients`` clips by the global norm, and
+``fabric.save`` writes the consolidated optimizer state. LocalSGD (``local_sgd_*``) steps after
+each ``optimizer.step()`` Fabric wraps.
 Ranks with different numbers of batches train inside ``with fabric.strategy.join(model):``
 (torch's ``Join``, see ``lit_dp.join``).
 """
@@ -56,9 +58,10 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     ``options=Options.build(...)`` already validated:
 {options}
 
-    Read the statistics with ``module.comm_stats()``. LocalSGD, which acts after each optimizer
-    step, is ``lit_dp.LocalSGD`` in a Fabric loop. One device gets a process group of one rank
-    and a wrapped model, as under Fabric's ``"ddp"``.
+    Read the statistics with ``module.comm_stats()``. LocalSGD (``local_sgd_*``) steps after each
+    ``optimizer.step()``; ``fabric.save`` keeps the features' state under ``"lit_dp"`` and
+    ``fabric.load`` restores it. One device gets a process group of one rank and a wrapped model,
+    as under Fabric's ``"ddp"``.
     """
 
     _launchers = (FabricScriptLauncher, FabricMultiProcessingLauncher)
