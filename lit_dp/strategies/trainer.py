@@ -177,6 +177,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
         self._features.setup(Run(self, self._data_parallel, trainer))
+        self.optimizers = [self._features.setup_optimizer(optimizer) for optimizer in self.optimizers]
 
     @override
     def _setup_model(self, model: Module) -> DataParallel:
