@@ -48,8 +48,8 @@ from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.fault_tolerance.manager import FaultTolerance
 from lit_dp.strategies.fault_tolerance import FaultToleranceFeature
-from lit_dp.strategies.lightning_private import StrategyRegistryType, WrappingCheckpointIO
 from lit_dp.strategies.feature import Feature
+from lit_dp.strategies.lightning_private import StrategyRegistryType, WrappingCheckpointIO
 from lit_dp.strategies.registry import build_features
 from lit_dp.strategies.tuned_size import TunedBufferSize
 
