@@ -25,6 +25,10 @@ from lit_dp.strategies.feature import Feature, Run
 log = logging.getLogger(__name__)
 
 
+def _never_joined() -> bool:
+    return False
+
+
 class LocalSGDSchedule(Feature):
     """The averager while fitting with ``local_sgd_steps`` (``local_sgd``), and its schedule in checkpoints."""
 
@@ -32,7 +36,9 @@ class LocalSGDSchedule(Feature):
 
     def __init__(self, options: LocalSGDOptions) -> None:
         self._options = options
-        self._joined: Callable[[], bool] = lambda: False  # the strategy's: this rank replays the step
+        # The strategy's: this rank replays the step. A module-level function until setup, so that a
+        # spawning launcher can pickle the strategy with its features.
+        self._joined: Callable[[], bool] = _never_joined
         self.local_sgd: LocalSGD | None = None  # from setup to teardown
         self._resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
 
@@ -93,7 +99,7 @@ class LocalSGDSchedule(Feature):
     @override
     def teardown(self) -> None:
         self.local_sgd = None
-        self._joined = lambda: False
+        self._joined = _never_joined
 
     @override
     def state_dict(self) -> dict[str, Any] | None:

@@ -9,6 +9,8 @@ run that was never interrupted. The Trainer's side is ``tests/test_local_sgd_out
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -95,6 +97,12 @@ def test_diloco_in_a_fabric_loop_resumes_exactly_from_between_two_syncs(tmp_path
     uninterrupted, resumed, saved = launch_forking(_uninterrupted_and_resumed, "adamw", str(tmp_path / "ckpt"), K + 2)
     assert saved["step"] == K + 2
     _assert_same_weights(resumed, uninterrupted)
+
+
+def test_the_strategy_with_local_sgd_pickles_for_a_spawning_launcher():
+    # paddle_dp_spawn pickles the strategy, features included, into each rank.
+    strategy = pickle.loads(pickle.dumps(lit_dp.fabric.PaddleDPStrategy(local_sgd_steps=K, start_method="spawn")))
+    assert strategy.options.local_sgd.steps == K
 
 
 def test_fabric_refuses_a_second_model_and_the_adaptive_period_naming_lit_dp_localsgd():
