@@ -71,8 +71,8 @@ class LocalSGDOptions:
             **IN_A_LOOP,
             # Fabric's optimizer.step() hands the strategy no loss, which the adaptive period needs.
             FABRIC: "the adaptive period needs each step's loss, which Fabric's optimizer.step() does not pass on; "
-            "build lit_dp.LocalSGD(model, local_steps, adaptive=True) over the model fabric.setup returned and call "
-            "its step(loss, lr) after optimizer.step() (docs/local_sgd.md)",
+            "build lit_dp.LocalSGD(model._forward_module, local_steps, adaptive=True) over the lit_dp.DataParallel "
+            "that fabric.setup wrapped, and call its step(loss, lr) after optimizer.step() (docs/local_sgd.md)",
         },
         config=bool,
     )
