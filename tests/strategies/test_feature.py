@@ -204,6 +204,7 @@ def _fabric_round_trip(checkpoint: str) -> tuple[int, int, int]:
     return saved, torch.load(checkpoint, weights_only=True)["lit_dp"]["step_count"], resumed
 
 
+@pytest.mark.slow  # two launches from a spawned process that imports the Trainer too: about 10 s
 def test_the_worked_example_runs_through_fabric_and_is_resumed(tmp_path):
     saved, in_checkpoint, resumed = launch_forking(_fabric_round_trip, str(tmp_path / "fabric.ckpt"))
     assert (saved, in_checkpoint, resumed) == (3, 3, 5)  # fabric.save kept the count; fabric.load counted on
