@@ -325,8 +325,8 @@ class Options:
         error for any other spelling names the config key to use.
         """
         taken = declared_options(scope)
-        paths = {option.path for option in taken}
-        names = Spellings(taken, scope, nested, [option for option in declared_options() if option.path not in paths])
+        paths = {declared.path for declared in taken}
+        names = Spellings(taken, scope, nested, [other for other in declared_options() if other.path not in paths])
         values: dict[str, Any] = {}  # path -> checked value
         written: dict[str, tuple[str, Any]] = {}  # path -> (name as written, value as given)
         for key, value in given.items():

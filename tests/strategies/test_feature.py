@@ -1,8 +1,9 @@
 """The strategies' feature protocol (``lit_dp.strategies.feature``) and its registry's order.
 
-The calling rules are tested on recording features; the worked example of docs/architecture.md
-("Adding a feature") is run as written, registered with one line, through a Trainer fit that is
-resumed and through a Fabric loop.
+The calling rules are tested on recording features; docs/architecture.md's table of which door
+calls which hook is checked against a feature that records every hook through both doors; the
+worked example of docs/architecture.md ("Adding a feature") is run as written, registered with
+one line, through a Trainer fit that is resumed and through a Fabric loop that is saved and loaded.
 """
 
 from __future__ import annotations
@@ -208,3 +209,153 @@ def _fabric_round_trip(checkpoint: str) -> tuple[int, int, int]:
 def test_the_worked_example_runs_through_fabric_and_is_resumed(tmp_path):
     saved, in_checkpoint, resumed = launch_forking(_fabric_round_trip, str(tmp_path / "fabric.ckpt"))
     assert (saved, in_checkpoint, resumed) == (3, 3, 5)  # fabric.save kept the count; fabric.load counted on
+
+
+# docs/architecture.md's table of hooks against front doors, checked by running a feature that records
+# every hook it is called with through each door: a Trainer fit with validation and a checkpoint, then a
+# resumed fit that fails; a Fabric loop that saves and loads.
+_CALLED: dict[str, set[str]] = {}
+
+
+_DOOR = ["trainer"]  # the door being run
+
+
+def _record(name: str) -> None:
+    _CALLED.setdefault(_DOOR[0], set()).add(name)
+
+
+class _EveryHook(Feature):
+    key = "every_hook"
+
+    def setup_environment(self, strategy):
+        _record("setup_environment")
+
+    def wrapper_arguments(self, run, arguments):
+        _record("wrapper_arguments")
+        return arguments
+
+    def setup(self, run):
+        _record("setup")
+
+    def setup_optimizer(self, optimizer):
+        _record("setup_optimizer")
+        return optimizer
+
+    def process_dataloader(self, dataloader):
+        _record("process_dataloader")
+        return dataloader
+
+    def batch_to_device(self, batch):
+        _record("batch_to_device")
+        return batch
+
+    def training_step(self, step):
+        _record("training_step")
+        return step()
+
+    def validation_step(self, step):
+        _record("validation_step")
+        return step()
+
+    def optimizer_step(self, step, optimizer, closure):
+        _record("optimizer_step")
+        return step(closure)
+
+    @property
+    def joined(self):
+        _record("joined")
+        return False
+
+    @contextmanager
+    def collective(self, name):
+        _record("collective")
+        yield
+
+    @contextmanager
+    def saving(self):
+        _record("saving")
+        yield
+
+    def on_validation_start(self):
+        _record("on_validation_start")
+
+    def on_validation_end(self):
+        _record("on_validation_end")
+
+    def on_train_end(self):
+        _record("on_train_end")
+
+    def on_exception(self, exception, strategy):
+        _record("on_exception")
+
+    def teardown(self):
+        _record("teardown")
+
+    def state_dict(self):
+        _record("state_dict")
+        return 1
+
+    def load_state_dict(self, state):
+        _record("load_state_dict")
+
+
+def _documented_hooks() -> tuple[set[str], set[str], set[str], tuple[int, ...]]:
+    """Every hook of the table (without ``build``), those it says each door does not call, and its counts."""
+    text = ARCHITECTURE.read_text()
+    table = text[text.index("| hook | Trainer") :].split("\n\n")[0].splitlines()[2:]
+    hooks, gaps = set(), {"trainer": set(), "fabric": set()}
+    for row in table:
+        cells = row.split(" | ")
+        names = set(re.findall(r"`(\w+)[(`]", cells[0])) - {"build"}
+        hooks |= names
+        for door, cell in (("trainer", cells[1]), ("fabric", cells[2])):
+            if "**gap**" in cell:
+                gaps[door] |= names
+    counts = re.search(r"the Trainer calls (\d+) of the (\d+) hooks, Fabric (\d+)", text)
+    assert counts is not None, "docs/architecture.md no longer counts the hooks per door"
+    return hooks, gaps["trainer"], gaps["fabric"], tuple(map(int, counts.groups()))
+
+
+class _FailsAfterAStep(_Regression):
+    def training_step(self, batch, batch_idx):
+        if self.global_step > 8:  # the resumed epoch's second step
+            raise RuntimeError("a failing step")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+
+def test_each_door_calls_the_hooks_docs_architecture_says(tmp_path, monkeypatch):
+    hooks, trainer_gaps, fabric_gaps, counts = _documented_hooks()
+    assert set(_EveryHook.__dict__) >= hooks, "the recording feature misses a documented hook"
+    assert counts == (len(hooks) - len(trainer_gaps), len(hooks), len(hooks) - len(fabric_gaps))
+    monkeypatch.setattr(registry, "FEATURES", _register(_EveryHook))
+    _CALLED.clear()
+
+    _DOOR[0] = "trainer"
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    fit = dict(accelerator="cpu", devices=1, strategy="paddle_dp", **quiet)
+    trainer = pl.Trainer(max_epochs=1, limit_val_batches=2, callbacks=[checkpoints], **fit)
+    trainer.fit(_FailsAfterAStep(), train_dataloaders=_loader(), val_dataloaders=_loader())
+    again = pl.Trainer(max_epochs=2, **fit)
+    with pytest.raises(RuntimeError, match="a failing step"):  # resumed (load_state_dict), then on_exception
+        again.fit(_FailsAfterAStep(), train_dataloaders=_loader(), ckpt_path=str(tmp_path / "last.ckpt"))
+
+    _DOOR[0] = "fabric"
+    run = Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(hang_timeout=None), accelerator="cpu", devices=1)
+    run.launch()
+    net = nn.Linear(6, 1)
+    model, optimizer = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in run.setup_dataloaders(_loader()):
+        run.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    run.barrier()
+    run.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
+    run.load(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
+    run.strategy.teardown()
+
+    assert _CALLED["trainer"] == hooks - trainer_gaps
+    assert _CALLED["fabric"] == hooks - fabric_gaps
