@@ -25,7 +25,7 @@ from lit_dp.strategies.feature import Feature, Features
 from lit_dp.strategies.local_sgd import LocalSGDSchedule
 from lit_dp.strategies.lost_ranks import LostRanks
 from lit_dp.strategies.monitoring import Monitors
-from lit_dp.strategies.preemption import Preemption
+from lit_dp.strategies.preemption import FabricPreemption, Preemption
 from lit_dp.strategies.resume import EpochContinuation
 from lit_dp.strategies.tuned_size import TunedBufferSize
 from lit_dp.strategies.uneven import UnevenInputs
@@ -41,6 +41,7 @@ FEATURES: tuple[tuple[type[Feature], tuple[str, ...]], ...] = (
     (LocalSGDSchedule, BOTH),
     (TunedBufferSize, BOTH),
     (Preemption, (TRAINER,)),
+    (FabricPreemption, (FABRIC,)),
     (LostRanks, (TRAINER,)),
     (StrategyWatchdog, BOTH),
     (Monitors, BOTH),
