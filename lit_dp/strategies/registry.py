@@ -13,7 +13,7 @@ a call nest with the first outermost, teardown goes up it:
 - then uneven inputs, which wraps the loader the others produced and checks the strategy's
   collectives before the watchdog watches them;
 - LocalSGD's schedule and the tuned bucket size, which the ranks agree on;
-- preemption and lost ranks, which end a run;
+- preemption (the Trainer's saves; Fabric's raises for the loop to save) and lost ranks, which end a run;
 - the hang watchdog, then the monitors last: they observe what the others did.
 """
 
