@@ -58,6 +58,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lit_dp import join
 from lit_dp.strategies.feature import Feature, Run
 from lit_dp.strategies.lightning_private import (
     SignalConnector,
@@ -261,10 +262,13 @@ class FabricPreemption(Feature):
     def __init__(self) -> None:
         self._agreement: _Agreement | None = None
         self._previous: dict[int, Any] = {}  # the handlers replaced, given back at teardown
+        self._models: list[Any] = []  # the models set up, whose Join contexts suspend the agreement
         self._steps = 0
 
     @override
     def setup(self, run: Run) -> None:
+        if run.model is not None:
+            self._models.append(run.model)
         if self._agreement is not None or threading.current_thread() is not threading.main_thread():
             return
         self._agreement = agreement = _Agreement(run.strategy.world_size, run.strategy.global_rank)
@@ -276,7 +280,9 @@ class FabricPreemption(Feature):
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
         """The boundary is the entry of each ``optimizer.step()``: a stop raises there, before the step
         is taken (and before the features inside count it, LocalSGD's among them)."""
-        if self._agreement is None:
+        if self._agreement is None or any(join.active(model) for model in self._models):
+            # Inside fabric.strategy.join(model) a rank that ran out takes no optimizer step to agree at:
+            # a signal waits for the first step after the context.
             return step(closure)
         signals = self._agreement.at_boundary()
         if any(signals):
@@ -295,6 +301,7 @@ class FabricPreemption(Feature):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        self._models = []
         self._agreement = None
 
 
