@@ -69,9 +69,15 @@ log = logging.getLogger(__name__)
 # process group, reducer and logger the same way): the process group, the reducer and its hooks,
 # and the observers, which hold threads, files and the rendezvous store.
 _RUNTIME_STATE = (
-    "_rings", "_reducer", "_waiter", "_comm_hook", "_observers", "_gradients_local", "_parameter_gathers",
+    "_rings",
+    "_reducer",
+    "_waiter",
+    "_comm_hook",
+    "_observers",
+    "_gradients_local",
+    "_parameter_gathers",
     "_buffer_group",
-)  # fmt: skip
+)
 
 
 _MOVED_TO_JOIN_STATE = (

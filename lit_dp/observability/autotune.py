@@ -163,10 +163,16 @@ class BucketAutotuner(ReducerObserver):
         self._sweep = dict(zip(self._distinct, slowest.tolist()))
         self._adopt(self._distinct[int(choice.item())])
 
-    def _adopt(self, megabytes: float) -> None:
+    def adopt(self, megabytes: float) -> None:
+        """Stop tuning and use ``megabytes`` from the next step on: a size chosen before (a checkpoint's,
+        which every rank loads alike; every rank of the group must adopt the same)."""
         self._chosen = megabytes
+        self._reducer.request_bucket_limits(megabytes_to_bytes("comm_buffer_size", megabytes), self._last_bytes)
+
+    def _adopt(self, megabytes: float) -> None:
+        """``adopt`` the size this tuning chose, and say so on rank 0."""
+        self.adopt(megabytes)
         limit = megabytes_to_bytes("comm_buffer_size", megabytes)
-        self._reducer.request_bucket_limits(limit, self._last_bytes)
         if dist.get_rank() != 0:
             return
         if self._sweep:

@@ -124,9 +124,14 @@ class ModelObservers:
         log.debug(
             "lit_dp.DataParallel: observers: comm_stats=%s trace=%s autotune=%s hang watchdog=%s straggler report "
             "every %s steps, replica consistency every %s steps (%s)",
-            observers.stats is not None, trace is not None, observers.tuner is not None, observers.watchdog is not None,
-            straggler, consistency, options.consistency.action,
-        )  # fmt: skip
+            observers.stats is not None,
+            trace is not None,
+            observers.tuner is not None,
+            observers.watchdog is not None,
+            straggler,
+            consistency,
+            options.consistency.action,
+        )
         return observers
 
     def flush(self) -> None:

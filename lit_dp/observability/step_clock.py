@@ -93,18 +93,27 @@ class StepTimes:
         return cls(**{name: int(value) if name in _COUNTS else value for name, value in values.items()})
 
 
-FIELDS = (
-    "first_step", "last_step", "steps", "with_batch", "data_ms", "compute_ms", "exposed_ms", "optimizer_ms", "step_ms"
-)  # fmt: skip
+# A window's figures, in the order the ranks exchange them: the counts first, then milliseconds.
 _COUNTS = ("first_step", "last_step", "steps", "with_batch")
+FIELDS = (*_COUNTS, "data_ms", "compute_ms", "exposed_ms", "optimizer_ms", "step_ms")
 
 
 class _Window:
     """The spans of one window, as pairs of marks, summed when the window is read."""
 
     __slots__ = (
-        "first_step", "last_step", "start", "end", "steps", "with_batch", "data", "optimizer", "exposed", "paused", "waited"
-    )  # fmt: skip
+        "first_step",
+        "last_step",
+        "start",
+        "end",
+        "steps",
+        "with_batch",
+        "data",
+        "optimizer",
+        "exposed",
+        "paused",
+        "waited",
+    )
 
     def __init__(self, first_step: int, start: Any, waited: float) -> None:
         self.first_step = first_step

@@ -29,6 +29,8 @@ from lit_dp.options.comm_hooks import (
 )
 from lit_dp.options.declare import (
     EVERYWHERE,
+    FABRIC,
+    MODULE,
     STRATEGIES,
     TRAINER,
     Declared,
@@ -281,6 +283,11 @@ class Options:
         "steps without data, so every epoch ends together on every rank",
         check=flag,
         scope=frozenset({TRAINER}),
+        instead={
+            FABRIC: "ranks with different numbers of batches train inside `with fabric.strategy.join(model):` "
+            "(torch's Join; docs/reliability.md, Uneven inputs)",
+            MODULE: "ranks with different numbers of batches train inside `with model.join():` (torch's Join)",
+        },
         config=bool,
     )
     fault_tolerance: Optional[str] = option(
@@ -317,7 +324,9 @@ class Options:
         (``nested=True``, the recipes' Hydra schema) spells groups as mappings only, and an
         error for any other spelling names the config key to use.
         """
-        names = Spellings(declared_options(scope), scope, nested)
+        taken = declared_options(scope)
+        paths = {declared.path for declared in taken}
+        names = Spellings(taken, scope, nested, [other for other in declared_options() if other.path not in paths])
         values: dict[str, Any] = {}  # path -> checked value
         written: dict[str, tuple[str, Any]] = {}  # path -> (name as written, value as given)
         for key, value in given.items():

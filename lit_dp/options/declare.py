@@ -6,6 +6,8 @@ An option is a field of a frozen dataclass, declared with ``option(...)``. Its m
 - ``check(name, value)``: returns the value to keep (``5`` becomes ``5.0`` for a size) or
   raises ``ValueError`` naming the option as the user wrote it, the value and what is expected;
 - ``scope``: which front doors take it (``trainer``, ``fabric``, ``module`` for ``DataParallel``);
+  ``instead``: for a front door outside it, what does the same there (``fabric.strategy.join(model)``
+  for ``uneven_inputs``), which that door's refusal of the option names;
 - ``config``: its type in the recipes' Hydra schema, or None for Python objects (a hook
   callable, its state) that a command line cannot express;
 - ``lightning``: Lightning ``DDPStrategy``'s name for the same option, accepted as an alias so
@@ -59,6 +61,7 @@ def option(
     check: Check,
     *,
     scope: frozenset[str] = STRATEGIES,
+    instead: dict[str, str] | None = None,
     config: Any = None,
     lightning: str | None = None,
     show: Callable[[Any, Any], str] | None = None,
@@ -74,6 +77,7 @@ def option(
         "help": help,
         "check": check,
         "scope": scope,
+        "instead": instead or {},
         "config": config,
         "lightning": lightning,
         "show": show,

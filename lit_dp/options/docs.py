@@ -51,6 +51,19 @@ def options_markdown() -> str:
     lines += [_row(declared) for declared in declared_options()]
     lines += [
         "",
+        "## Refused at a front door, and what does the same there",
+        "",
+        "| options | front door | instead |",
+        "|---|---|---|",
+    ]
+    refused: dict[tuple[str, str], list[str]] = {}  # (door, what to do there) -> the options it refuses
+    for declared in declared_options():
+        for scope, name in _FRONT_DOORS:
+            if (instead := declared.field.metadata["instead"].get(scope)) is not None:
+                refused.setdefault((name, instead), []).append(f"`{declared.path}`")
+    lines += [f"| {', '.join(paths)} | {door} | {instead} |" for (door, instead), paths in refused.items()]
+    lines += [
+        "",
         "## Named communication hooks",
         "",
         "| `comm_hook=` | its options | `comm_dtype=` | meaning |",

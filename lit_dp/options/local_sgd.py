@@ -7,10 +7,11 @@ import math
 from collections.abc import Callable
 from typing import Any, Optional
 
-from lit_dp.options.declare import TRAINER, choice, count, flag, option
+from lit_dp.options.declare import FABRIC, MODULE, STRATEGIES, TRAINER, choice, count, flag, option
 from lit_dp.options.rules import excludes, requires, shown
 
-ONLY_TRAINER = frozenset({TRAINER})
+# Both strategies drive the averager after each optimizer step; a loop of your own builds it.
+IN_A_LOOP = {MODULE: "build lit_dp.LocalSGD(model, local_steps, ...) and call its step() after each optimizer step"}
 OUTERS = ("average", "nesterov")
 # The dtypes the averaged deltas may travel in (``local_sgd.sync_dtype``), by name.
 SYNC_DTYPES = ("bf16",)
@@ -51,13 +52,14 @@ COMM_HOOKS_SKIPPING_COMMUNICATION = ("post_localSGD_hook", "noop_hook")
 
 @dataclasses.dataclass(frozen=True)
 class LocalSGDOptions:
-    """LocalSGD's period, warm-up and outer optimizer (off while ``steps`` is None); the Trainer strategy runs it."""
+    """LocalSGD's period, warm-up and outer optimizer (off while ``steps`` is None); both strategies run it."""
 
     steps: Optional[int] = option(
         default=None,
         help="average the models every K local steps; None: off",
         check=count(1, optional=True),
-        scope=ONLY_TRAINER,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
         config=Optional[int],
         lightning="model_averaging_period",
     )
@@ -65,28 +67,38 @@ class LocalSGDOptions:
         default=0,
         help="ordinary data-parallel steps before the local phase",
         check=count(0),
-        scope=ONLY_TRAINER,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
         config=int,
     )
     adaptive: bool = option(
         default=False,
         help="recompute K from loss and learning rate (Paddle's adaptive_localsgd)",
         check=flag,
-        scope=ONLY_TRAINER,
+        scope=frozenset({TRAINER}),
+        instead={
+            **IN_A_LOOP,
+            # Fabric's optimizer.step() hands the strategy no loss, which the adaptive period needs.
+            FABRIC: "the adaptive period needs each step's loss, which Fabric's optimizer.step() does not pass on; "
+            "build lit_dp.LocalSGD(model._forward_module, local_steps, adaptive=True) over the lit_dp.DataParallel "
+            "that fabric.setup wrapped, and call its step(loss, lr) after optimizer.step() (docs/local_sgd.md)",
+        },
         config=bool,
     )
     outer: str = option(
         default="average",
         help="average: the mean of the models; nesterov: DiLoCo's outer SGD on the mean change since the last sync",
         check=choice(*OUTERS),
-        scope=ONLY_TRAINER,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
         config=str,
     )
     outer_lr: float = option(
         default=DEFAULT_OUTER_LR,
         help="outer=nesterov: the outer learning rate (chosen by a sweep, docs/local_sgd.md)",
         check=check_outer_lr,
-        scope=ONLY_TRAINER,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
         config=float,
         examples=(0.7,),
     )
@@ -94,7 +106,8 @@ class LocalSGDOptions:
         default=DEFAULT_OUTER_MOMENTUM,
         help="outer=nesterov: the outer Nesterov momentum (chosen by a sweep, docs/local_sgd.md)",
         check=check_outer_momentum,
-        scope=ONLY_TRAINER,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
         config=float,
         examples=(0.9,),
     )
@@ -102,14 +115,16 @@ class LocalSGDOptions:
         default=None,
         help="bf16: send the averaged change in bf16 (half the bytes); None: in the parameters' dtype",
         check=choice(*SYNC_DTYPES, optional=True),
-        scope=ONLY_TRAINER,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
         config=Optional[str],
     )
     fragments: int = option(
         default=1,
         help="streaming DiLoCo: sync the model in F fragments, one every K/F steps (K a multiple of F); 1: all at once",
         check=count(1),
-        scope=ONLY_TRAINER,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
         config=int,
         examples=(2,),
     )
@@ -117,7 +132,8 @@ class LocalSGDOptions:
         default=0,
         help="tau: apply each sync this many inner steps after it starts, its all-reduce overlapping them (below K/F)",
         check=count(0),
-        scope=ONLY_TRAINER,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
         config=int,
         examples=(1,),
     )
@@ -125,7 +141,8 @@ class LocalSGDOptions:
         default=0.0,
         help="alpha: the weight kept of the local parameters when a sync is applied; 0: replaced by the synced ones",
         check=check_mixing,
-        scope=ONLY_TRAINER,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
         config=float,
         examples=(0.5,),
     )
@@ -133,7 +150,8 @@ class LocalSGDOptions:
         default=True,
         help="keep the snapshot and outer momentum of CUDA parameters in pinned CPU memory; false: on the GPU",
         check=flag,
-        scope=ONLY_TRAINER,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
         config=bool,
     )
 

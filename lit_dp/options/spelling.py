@@ -20,8 +20,16 @@ from lit_dp.options.declare import FRONT_DOORS, Declared, flat_name
 class Spellings:
     """How a front door's options may be spelt, and what each spelling means."""
 
-    def __init__(self, declared: list[Declared], scope: str, nested: bool) -> None:
+    def __init__(self, declared: list[Declared], scope: str, nested: bool, others: list[Declared] = ()) -> None:
+        """``declared``: the options of the front door ``scope``; ``others``: those it does not take,
+        whose refusal names what this door does instead, where their declaration says (``instead``)."""
         self.scope, self.nested = scope, nested
+        self.instead = {}  # a spelling of an option of another door -> what to do at this one
+        for other in others:
+            if (instead := other.field.metadata["instead"].get(scope)) is not None:
+                for spelling in (other.path, other.keyword, other.field.metadata["lightning"]):
+                    if spelling:
+                        self.instead[spelling] = instead
         self.declared = {option.path: option for option in declared}
         self.groups: dict[str, list[str]] = {}
         for path in self.declared:
@@ -45,6 +53,8 @@ class Spellings:
         if key in self.groups:
             for member, item in self._members_given(key, value, prefix).items():
                 name = f"{prefix}{key}.{member}"
+                if f"{key}.{member}" in self.instead:
+                    raise ValueError(self._refused(f"{key}.{member}", item, prefix))
                 if member not in self.groups[key]:
                     close = difflib.get_close_matches(member, self.groups[key], n=1)
                     hint = f" Did you mean {prefix + key + '.' + close[0]!r}?" if close else ""
@@ -55,6 +65,8 @@ class Spellings:
                 yield f"{key}.{member}", name, item
         elif key in self.accepted:
             yield self.accepted[key], f"{prefix}{key}", value
+        elif key in self.instead:
+            raise ValueError(self._refused(key, value, prefix))
         else:
             raise ValueError(self._unknown(key, value, prefix))
 
@@ -67,6 +79,10 @@ class Spellings:
             f"{prefix}{key}={value!r} is invalid: expected a mapping of its options "
             f"({', '.join(self.groups[key])}) or their dataclass."
         )
+
+    def _refused(self, key: str, value: Any, prefix: str) -> str:
+        """An option of another front door, with what this one does instead."""
+        return f"{prefix}{key}={value!r} is not an option of {FRONT_DOORS[self.scope]}: {self.instead[key]}."
 
     def _unknown(self, key: str, value: Any, prefix: str) -> str:
         if key in self.every_spelling:  # a keyword or Lightning's name, given to a config

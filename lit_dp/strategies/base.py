@@ -48,6 +48,7 @@ from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.fault_tolerance.manager import FaultTolerance
 from lit_dp.strategies.fault_tolerance import FaultToleranceFeature
+from lit_dp.strategies.feature import Feature
 from lit_dp.strategies.lightning_private import StrategyRegistryType, WrappingCheckpointIO
 from lit_dp.strategies.registry import build_features
 from lit_dp.strategies.tuned_size import TunedBufferSize
@@ -148,6 +149,12 @@ class DataParallelStrategyMixin:
     def _data_parallel(self) -> DataParallel | None:
         """The model this strategy wrapped (Fabric: the one set up last), while it runs."""
         raise NotImplementedError
+
+    def feature(self, kind: type[Feature]) -> Any:
+        """This strategy's feature of class ``kind`` (``lit_dp.strategies.registry``), None when its options
+        leave it off or its front door has none: what a feature offers is read on it, with no strategy edit
+        (``strategy.feature(LocalSGDSchedule).local_sgd``)."""
+        return self._features.find(kind)
 
     @property
     def comm_buffer_size(self) -> float | str:

@@ -4,9 +4,11 @@ The Fabric twin of ``lit_dp.PaddleDPStrategy``, as Lightning has a ``DDPStrategy
 ``lightning.fabric.strategies`` next to the Trainer's: same options, same registered names, the
 same ``lit_dp.DataParallel``. ``fabric.setup(model, optimizer)`` wraps the model,
 ``fabric.backward`` synchronises, ``fabric.no_backward_sync(model)`` is ``DataParallel.no_sync``,
-and checkpoints hold the bare module's state (no wrapper prefix). With ``sharding_stage`` the
-optimizers set up with the model become ``lit_dp.ShardedOptimizer`` s, ``fabric.clip_gradients``
-clips by the global norm, and ``fabric.save`` writes the consolidated optimizer state.
+and checkpoints hold the bare module's state (no wrapper prefix) and the features' state under
+``"lit_dp"``. With ``sharding_stage`` the optimizers set up with the model become
+``lit_dp.ShardedOptimizer`` s, ``fabric.clip_gradients`` clips by the global norm, and
+``fabric.save`` writes the consolidated optimizer state. LocalSGD (``local_sgd_*``) steps after
+each ``optimizer.step()`` Fabric wraps.
 Ranks with different numbers of batches train inside ``with fabric.strategy.join(model):``
 (torch's ``Join``, see ``lit_dp.join``).
 """
@@ -34,7 +36,7 @@ from lit_dp.options import FABRIC
 from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, register_families
-from lit_dp.strategies.feature import Run
+from lit_dp.strategies.feature import CHECKPOINT_KEY, Run
 from lit_dp.strategies.lightning_private import (
     BackwardSyncControl,
     FabricMultiProcessingLauncher,
@@ -56,9 +58,10 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     ``options=Options.build(...)`` already validated:
 {options}
 
-    Read the statistics with ``module.comm_stats()``. LocalSGD, which acts after each optimizer
-    step, is ``lit_dp.LocalSGD`` in a Fabric loop. One device gets a process group of one rank
-    and a wrapped model, as under Fabric's ``"ddp"``.
+    Read the statistics with ``module.comm_stats()``. LocalSGD (``local_sgd_*``) steps after each
+    ``optimizer.step()``; ``fabric.save`` keeps the features' state under ``"lit_dp"`` and
+    ``fabric.load`` restores it. One device gets a process group of one rank and a wrapped model,
+    as under Fabric's ``"ddp"``.
     """
 
     _launchers = (FabricScriptLauncher, FabricMultiProcessingLauncher)
@@ -177,8 +180,37 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def save_checkpoint(
         self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
     ) -> None:
+        """``fabric.save``: ``state`` as Fabric writes it, with the features' state under ``"lit_dp"`` (as in
+        a Trainer checkpoint). Every rank calls it: a feature's ``state_dict`` may gather from all ranks."""
+        if CHECKPOINT_KEY in state:
+            raise ValueError(
+                f"fabric.save(path, state) with a key {CHECKPOINT_KEY!r} in state is invalid: the strategy writes its "
+                f"features' state under that key; expected your own entries under other keys."
+            )
+        if own := self._features.state_dict():
+            state = {**state, CHECKPOINT_KEY: own}
         with self._features.saving() if self.is_global_zero else nullcontext():  # rank 0 writes, the others wait
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """``fabric.load``: the objects in ``state`` restored as Fabric does, then the features' state from
+        the checkpoint's ``"lit_dp"`` entry (after the model and optimizer, so that what a feature keeps per
+        rank wins over rank 0's copy), before the next step; the entry is not among what is returned.
+
+        ``state`` None or empty asks for the raw checkpoint, which Fabric returns whole and restores
+        nothing from: the features are left as they are too.
+        """
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if isinstance(state, dict) and state:
+            self._features.load_state_dict(remainder.pop(CHECKPOINT_KEY, {}))
+        return remainder
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
@@ -196,9 +228,14 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        """``fabric.strategy.teardown()``, on every rank at the end of the loop: the run's end for the
+        features (``on_train_end``: LocalSGD's last average), then their teardown. Fabric never calls it
+        itself; at exit only the teardown runs (no collective: the other ranks may be gone)."""
         log.debug("%s: tearing down strategy", type(self).__name__)
         for optimizer in self._sharded:
             optimizer.wait_for_parameters()
+        if self._running:
+            self._features.on_train_end()
         self._teardown_features()
         self._wrapped, self._sharded = None, []
         super().teardown()

@@ -27,6 +27,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from lit_dp.options import Options
 
+# The strategies' own entry in a checkpoint, the Trainer's and ``fabric.save``'s alike: each feature's
+# state under its ``key`` inside it.
+CHECKPOINT_KEY = "lit_dp"
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -87,7 +91,8 @@ class Feature:
         """The model is wrapped, its optimizers set up: the run starts (under Fabric, at each model set up)."""
 
     def setup_optimizer(self, optimizer: Any) -> Any:
-        """Fabric: each optimizer set up (after the strategy's own changes, e.g. sharding): the one to use."""
+        """Each optimizer, after the strategy's own changes (e.g. sharding): the one to use. Fabric: at
+        ``fabric.setup``, after ``setup``; the Trainer: those ``configure_optimizers`` built, after ``setup``."""
         return optimizer
 
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -134,7 +139,8 @@ class Feature:
         """Validation ended."""
 
     def on_train_end(self) -> None:
-        """Training ended, after the callbacks' ``on_train_end`` (a last checkpoint)."""
+        """Training ended, on every rank: the Trainer's, after the callbacks' ``on_train_end`` (a last
+        checkpoint); Fabric's at ``fabric.strategy.teardown()``, before ``teardown``."""
 
     def on_exception(self, exception: BaseException, strategy: Any) -> None:
         """The run failed with ``exception`` (add notes to it; end what cannot finish). The strategy is
@@ -144,11 +150,14 @@ class Feature:
         """The run is over: release what ``setup`` took (threads, groups, callbacks' references)."""
 
     def state_dict(self) -> Any:
-        """What a checkpoint keeps under ``key``; None: nothing (no entry is written)."""
+        """What a checkpoint keeps under ``key``; None: nothing (no entry is written). Called on every rank
+        (``fabric.save`` and the Trainer's save alike), so it may gather from all of them."""
         return None
 
     def load_state_dict(self, state: Any) -> None:
-        """From a checkpoint being resumed, before ``setup`` (None: the checkpoint has no entry)."""
+        """From a checkpoint (None: it has no entry): a Trainer's resume loads it before ``setup``,
+        ``fabric.load`` usually after (once the model and optimizer it restores are set up), then
+        before the next step. Keep it until ``setup``, or apply it at once when already set up."""
 
 
 class Features(Sequence[Feature]):

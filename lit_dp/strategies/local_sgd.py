@@ -1,18 +1,21 @@
-"""LocalSGD's schedule under the Trainer: ``local_sgd_steps`` as a feature (``lit_dp.strategies.feature``).
+"""LocalSGD's schedule: ``local_sgd_steps`` as a feature (``lit_dp.strategies.feature``), for both doors.
 
-The averager (``lit_dp.LocalSGD``) is built over the wrapped model when a fit is set up, steps
-after each optimizer step (automatic and manual optimization alike; accumulated micro-batches
-do not count), finishes when training ends, and keeps its state in the strategy's checkpoint
-entry (``local_sgd``: whatever ``LocalSGD.state_dict`` returns, plus ``replicas``), so a resumed
-fit goes on with it.
+The averager (``lit_dp.LocalSGD``) is built over the wrapped model when a fit is set up (under
+Fabric: when ``fabric.setup`` wraps the model), steps after each optimizer step (automatic and
+manual optimization alike, and each ``optimizer.step()`` of a Fabric loop; accumulated
+micro-batches do not count), finishes when training ends (Fabric: ``fabric.strategy.teardown()``),
+and keeps its state in the strategy's checkpoint entry (``local_sgd``: whatever
+``LocalSGD.state_dict`` returns, plus ``replicas``), so a resumed fit goes on with it. A Trainer loads a checkpoint
+before the averager exists, ``fabric.load`` after: either way the state reaches it before the next step.
 
 Between syncs the replicas differ, and rank 0's model and optimizer state, which the checkpoint
 holds as any Lightning checkpoint does, are not the job's state. So once the local phase has
 started, ``state_dict`` gathers every other rank's model and optimizer states to rank 0
 (``replicas``, one entry per global rank, CPU tensors), which writes them in the one checkpoint
-file; a resumed run hands each rank its own before its first training step. A checkpoint without
-them (written before they existed, or by another number of ranks) resumes every rank from rank
-0's, with a warning, as before.
+file; a resumed run hands each rank its own before its first training step (Fabric: as
+``fabric.load`` restores the entry, after the model and optimizers). A checkpoint without them
+(written before they existed, or by another number of ranks) resumes every rank from rank 0's,
+with a warning, as before.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ from lit_dp.strategies.feature import Feature, Run
 log = logging.getLogger(__name__)
 
 _REPLICAS = "replicas"
+
+
+def _never_joined() -> bool:
+    return False
 
 
 def _never_joined() -> bool:
@@ -67,8 +74,14 @@ class LocalSGDSchedule(Feature):
     def setup(self, run: Run) -> None:
         if run.model is None or not run.fitting:
             return
+        if self.local_sgd is not None:  # Fabric: a second model set up in the same run
+            raise ValueError(
+                f"local_sgd_steps={self._options.steps} averages one model, and fabric.setup was given a second one "
+                "before fabric.strategy.teardown(): expected one model per run, or lit_dp.LocalSGD(model, ...) "
+                "over each model in your loop (docs/local_sgd.md)."
+            )
         options = self._options
-        if run.trainer is not None and options.adaptive and not run.trainer.lightning_module.automatic_optimization:
+        if options.adaptive and run.trainer is not None and not run.trainer.lightning_module.automatic_optimization:
             raise ValueError(
                 "local_sgd_adaptive=True is not supported with manual optimization: the adaptive period needs the "
                 "training loss, which only automatic optimization hands to the strategy. Use a fixed local_sgd_steps."
@@ -95,9 +108,7 @@ class LocalSGDSchedule(Feature):
             self.local_sgd.fragments,
         )
         if self._resumed is not None:
-            log.debug("LocalSGD: schedule restored from the checkpoint")
-            self.local_sgd.load_state_dict(self._resumed)
-            self._resumed = None
+            self.load_state_dict(self._resumed)
 
     @override
     def setup_optimizer(self, optimizer: Any) -> Any:
@@ -145,34 +156,41 @@ class LocalSGDSchedule(Feature):
 
     @override
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Applied when setup builds the averager; this rank's model and optimizer states, when the
-        checkpoint has them, at its first training step (``restore_replica``). During a run (a peer
-        replica group's state, under fault tolerance), applied at once."""
-        if self.local_sgd is not None and state is not None:
-            self.local_sgd.load_state_dict(state)
+        """A Trainer's resume: applied when setup builds the averager, and this rank's model and optimizer
+        states, when the checkpoint has them, at its first training step (``restore_replica``). A running
+        averager (``fabric.load``, after the model and optimizers; or a peer replica group's state under
+        fault tolerance) takes it at once, this rank's own model and optimizer states with it."""
+        self._replica = None if state is None else self._own_replica(state)
+        schedule = None if state is None else {key: value for key, value in state.items() if key != _REPLICAS}
+        if self.local_sgd is None or schedule is None:
+            self._resumed = schedule  # the others' states go
             return
-        self._replica = None
-        if state is None:
-            self._resumed = None
-            return
-        replicas = state.get(_REPLICAS)
-        self._resumed = {key: value for key, value in state.items() if key != _REPLICAS}  # the others' states go
+        log.debug("LocalSGD: schedule restored from the checkpoint")
+        self.local_sgd.load_state_dict(schedule)
+        self._resumed = None
+        self.restore_replica()
+
+    def _own_replica(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's model and optimizer states in a checkpoint's entry, when they differ from rank 0's
+        and the checkpoint has them (a warning says why not otherwise)."""
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world_size == 1 or not self._replicas_differ(state):
-            return
+            return None
+        replicas = state.get(_REPLICAS)
         if replicas is None:
             rank_zero_warn(
                 f"lit_dp LocalSGD: the checkpoint was written at optimizer step {state['step']}, in the local phase, "
                 "without every rank's model and optimizer state (a checkpoint from before lit_dp kept them): every "
                 "rank resumes from rank 0's, and the other ranks' work since their last sync is lost."
             )
-        elif replicas["world_size"] != world_size:
+            return None
+        if replicas["world_size"] != world_size:
             rank_zero_warn(
                 f"lit_dp LocalSGD: the checkpoint holds the states of {replicas['world_size']} ranks, this run has "
                 f"{world_size}: every rank resumes from rank 0's model and optimizer state."
             )
-        else:
-            self._replica = replicas["ranks"].get(dist.get_rank())  # none for rank 0: the checkpoint's own
+            return None
+        return replicas["ranks"].get(dist.get_rank())  # none for rank 0: the checkpoint's own
 
     def restore_replica(self) -> None:
         """Load this rank's own model and optimizer states from the checkpoint being resumed, once, after the

@@ -58,6 +58,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lit_dp import join
 from lit_dp.strategies.feature import Feature, Run
 from lit_dp.strategies.lightning_private import (
     SignalConnector,
@@ -76,9 +77,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Preempted(SystemExit):
-    """The fit stopped for a signal: every rank saved at the same step. ``code`` is 128 + the signal number."""
+    """The run stopped for a signal, every rank after the same optimizer step: a Trainer's fit saved
+    ``checkpoint`` there; a Fabric loop (``checkpoint`` None) saves in ``except Preempted``. ``code`` is
+    128 + the signal number."""
 
-    def __init__(self, signum: int, ranks: list[int], step: int, checkpoint: str, requeued: str | None) -> None:
+    def __init__(self, signum: int, ranks: list[int], step: int, checkpoint: str | None, requeued: str | None) -> None:
         super().__init__(128 + signum)
         self.signum = signum
         self.ranks = ranks
@@ -92,11 +95,67 @@ class Preempted(SystemExit):
         name = signal.Signals(self.signum).name
         ranks = ("ranks " if len(self.ranks) > 1 else "rank ") + ", ".join(map(str, self.ranks))
         requeued = f"; {self.requeued}" if self.requeued else ""
-        stopped = f"every rank stopped after step {self.step}, checkpoint {self.checkpoint}"
-        return f"{name} received by {ranks}: {stopped}{requeued}"
+        stopped = f"every rank stopped after step {self.step}"
+        saved = f", checkpoint {self.checkpoint}" if self.checkpoint is not None else ""
+        return f"{name} received by {ranks}: {stopped}{saved}{requeued}"
 
     def __str__(self) -> str:
         return self.reason
+
+
+class _Agreement:
+    """Which rank got which stop signal, agreed at optimizer-step boundaries without waiting (see the
+    module docstring, step 2): ``at_boundary`` returns the same list on every rank, one boundary after
+    the exchange that carried a signal began (at once on one rank)."""
+
+    def __init__(self, world_size: int, rank: int) -> None:
+        self.received: int | None = None  # the first stop signal this rank got
+        self.world_size, self.rank = world_size, rank
+        self._exchange: tuple[Any, torch.Tensor] | None = None  # started at the last boundary: (work, signals)
+        self._group: Any = None  # where the ranks agree; None: the default group
+        # The agreement is a host-side exchange: under NCCL on a Gloo group of its own.
+        if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")
+
+    def record(self, signum: int) -> None:
+        """From the signal handler: remember the first stop signal, nothing else."""
+        if self.received is None:
+            self.received = signum
+
+    def at_boundary(self) -> list[int]:
+        """Every rank's signal as of the exchange started at the last boundary (0: none); starts the next
+        exchange when none is set."""
+        signals = self.agreed()
+        if not any(signals):
+            self._start_exchange()
+        return signals
+
+    def _alone(self) -> bool:
+        return self.world_size == 1 or not dist.is_initialized()
+
+    def _start_exchange(self) -> None:
+        """Send this rank's received signal (0: none) to every rank, without waiting."""
+        if self._alone():
+            return
+        signals = torch.zeros(self.world_size, dtype=torch.int32)
+        signals[self.rank] = self.received or 0
+        self._exchange = (dist.all_reduce(signals, group=self._group, async_op=True), signals)
+
+    def agreed(self) -> list[int]:
+        """Every rank's signal as of the exchange started at the last boundary, the same list on
+        every rank (zeros before the first); on one rank, its signal now."""
+        if self._alone():
+            return [self.received or 0]
+        if self._exchange is None:
+            return [0] * self.world_size
+        (work, signals), self._exchange = self._exchange, None
+        work.wait()
+        return signals.tolist()
+
+    @property
+    def pending(self) -> bool:
+        """An exchange started at the last boundary, not read yet."""
+        return self._exchange is not None
 
 
 class Preemption(Feature):
@@ -107,18 +166,14 @@ class Preemption(Feature):
     """
 
     def __init__(self) -> None:
-        self._received: int | None = None  # the first stop signal this rank got during the fit
-        self._group: Any = None  # where the ranks agree; None: the default group
-        self._world_size = 1
-        self._rank = 0
+        self._agreement: _Agreement | None = None  # from setup to teardown
         self._last_step: int | None = None
-        self._exchange: tuple[Any, torch.Tensor] | None = None  # started at the last boundary: (work, signals)
         self._epoch_loop: Any = None
 
     @property
     def received(self) -> int | None:
         """The stop signal this rank received during the current fit, if any."""
-        return self._received
+        return self._agreement.received if self._agreement is not None else None
 
     @override
     def setup(self, run: Run) -> None:
@@ -127,54 +182,51 @@ class Preemption(Feature):
         trainer = run.trainer
         if trainer is None or not run.fitting:
             return
-        world_size, rank = run.strategy.world_size, run.strategy.global_rank
-        self._received = None
-        self._world_size, self._rank = world_size, rank
+        self._agreement = _Agreement(run.strategy.world_size, run.strategy.global_rank)
         self._last_step = trainer.global_step
-        self._exchange = None
         if not isinstance(signal_connector(trainer), _PreemptionSignals):
             replace_signal_connector(trainer, _PreemptionSignals(trainer, self))
         self._epoch_loop = trainer.fit_loop.epoch_loop
         skip_sigterm_broadcast(self._epoch_loop)
-        # The agreement is a host-side exchange: under NCCL on a Gloo group of its own.
-        if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")
         trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, _StopAtStepBoundary)]
         trainer.callbacks.append(_StopAtStepBoundary(self))
         log.debug("lit_dp preemption: SIGTERM and SIGUSR1 stop the fit at the next optimizer step all ranks agree on")
 
     @override
     def teardown(self) -> None:
-        self._received = None
-        self._exchange = None  # a fit that raised may leave one unfinished: the group's end ends it
-        self._group = None  # destroyed with the others when the strategy ends the process group
+        # A fit that raised may leave an exchange unfinished: the group's end ends it; the agreement's own
+        # group is destroyed with the others when the strategy ends the process group.
+        self._agreement = None
         if self._epoch_loop is not None:
             restore_sigterm_broadcast(self._epoch_loop)
             self._epoch_loop = None
 
     def at_train_end(self) -> None:
-        if self._exchange is not None:
-            self._agreed()  # every rank started it at the last boundary; nothing stops after the last step
-        if self._received is not None:
+        agreement = self._agreement
+        if agreement is None:
+            return
+        if agreement.pending:
+            agreement.agreed()  # every rank started it at the last boundary; nothing stops after the last step
+        if agreement.received is not None:
             log.info(
                 "lit_dp: %s arrived on rank %d after the fit's last optimizer step: the fit completed",
-                signal.Signals(self._received).name,
-                self._rank,
+                signal.Signals(agreement.received).name,
+                dist.get_rank() if dist.is_initialized() else 0,
             )
 
     def record(self, signum: int) -> None:
         """From the signal handler: remember the first stop signal, nothing else."""
-        if self._received is None:
-            self._received = signum
+        if self._agreement is not None:
+            self._agreement.record(signum)
 
     def at_step_boundary(self, trainer: pl.Trainer) -> None:
         """After an optimizer step: agree with the other ranks; if any got a signal, save and stop."""
         if trainer.global_step == self._last_step:
             return  # an accumulation micro-batch: no step taken, no boundary
         self._last_step = trainer.global_step
-        signals = self._agreed()
+        assert self._agreement is not None
+        signals = self._agreement.at_boundary()
         if not any(signals):
-            self._start_exchange()
             return
         ranks = [rank for rank, signum in enumerate(signals) if signum]
         signum = signals[ranks[0]]
@@ -191,30 +243,66 @@ class Preemption(Feature):
         stop = Preempted(signum, ranks, trainer.global_step, checkpoint, requeued)
         if trainer.is_global_zero:
             print(f"[lit_dp] {stop.reason}; exiting with status {stop.code}", flush=True)
-        self._received = None
+        self._agreement.received = None
         raise stop
 
-    def _alone(self) -> bool:
-        return self._world_size == 1 or not dist.is_initialized()
 
-    def _start_exchange(self) -> None:
-        """Send this rank's received signal (0: none) to every rank, without waiting."""
-        if self._alone():
+class FabricPreemption(Feature):
+    """Signals in a Fabric loop: SIGTERM or SIGUSR1 to any rank raises ``Preempted`` on every rank, from
+    the same ``optimizer.step()``, which is not taken; the ranks agree as under the Trainer (``_Agreement``),
+    at the entry of each step.
+
+    Fabric's checkpoint is the loop's own dict, so the strategy writes none: the loop saves in
+    ``except Preempted:`` (every rank is there, so ``fabric.save`` meets its collectives) and re-raises,
+    and every rank exits with 128 + the signal number; a loop that does not catch it exits the same,
+    unsaved. The handlers are this process's from the first ``fabric.setup`` to
+    ``fabric.strategy.teardown()`` (the main thread only: Python delivers signals there).
+    """
+
+    def __init__(self) -> None:
+        self._agreement: _Agreement | None = None
+        self._previous: dict[int, Any] = {}  # the handlers replaced, given back at teardown
+        self._models: list[Any] = []  # the models set up, whose Join contexts suspend the agreement
+        self._steps = 0
+
+    @override
+    def setup(self, run: Run) -> None:
+        if run.model is not None:
+            self._models.append(run.model)
+        if self._agreement is not None or threading.current_thread() is not threading.main_thread():
             return
-        signals = torch.zeros(self._world_size, dtype=torch.int32)
-        signals[self._rank] = self._received or 0
-        self._exchange = (dist.all_reduce(signals, group=self._group, async_op=True), signals)
+        self._agreement = agreement = _Agreement(run.strategy.world_size, run.strategy.global_rank)
+        self._steps = 0
+        self._previous = {signum: signal.signal(signum, lambda signum, frame: agreement.record(signum)) for signum in STOP_SIGNALS}
+        log.debug("lit_dp preemption: SIGTERM and SIGUSR1 stop the loop after the next optimizer step all ranks agree on")
 
-    def _agreed(self) -> list[int]:
-        """Every rank's signal as of the exchange started at the last boundary, the same list on
-        every rank (zeros before the first); on one rank, its signal now."""
-        if self._alone():
-            return [self._received or 0]
-        if self._exchange is None:
-            return [0] * self._world_size
-        (work, signals), self._exchange = self._exchange, None
-        work.wait()
-        return signals.tolist()
+    @override
+    def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
+        """The boundary is the entry of each ``optimizer.step()``: a stop raises there, before the step
+        is taken (and before the features inside count it, LocalSGD's among them)."""
+        if self._agreement is None or any(join.active(model) for model in self._models):
+            # Inside fabric.strategy.join(model) a rank that ran out takes no optimizer step to agree at:
+            # a signal waits for the first step after the context.
+            return step(closure)
+        signals = self._agreement.at_boundary()
+        if any(signals):
+            ranks = [rank for rank, signum in enumerate(signals) if signum]
+            stop = Preempted(signals[ranks[0]], ranks, self._steps, None, None)
+            if self._agreement.rank == 0:
+                print(f"[lit_dp] {stop.reason} (optimizer steps of this run); exiting with status {stop.code}", flush=True)
+            self._agreement.received = None
+            raise stop
+        output = step(closure)
+        self._steps += 1
+        return output
+
+    @override
+    def teardown(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+        self._models = []
+        self._agreement = None
 
 
 def stop_checkpoint_path(trainer: pl.Trainer) -> Path:

@@ -13,7 +13,7 @@ a call nest with the first outermost, teardown goes up it:
 - then uneven inputs, which wraps the loader the others produced and checks the strategy's
   collectives before the watchdog watches them;
 - LocalSGD's schedule and the tuned bucket size, which the ranks agree on;
-- preemption and lost ranks, which end a run;
+- preemption (the Trainer's saves; Fabric's raises for the loop to save) and lost ranks, which end a run;
 - the hang watchdog, then the monitors last: they observe what the others did.
 """
 
@@ -25,7 +25,7 @@ from lit_dp.strategies.feature import Feature, Features
 from lit_dp.strategies.local_sgd import LocalSGDSchedule
 from lit_dp.strategies.lost_ranks import LostRanks
 from lit_dp.strategies.monitoring import Monitors
-from lit_dp.strategies.preemption import Preemption
+from lit_dp.strategies.preemption import FabricPreemption, Preemption
 from lit_dp.strategies.resume import EpochContinuation
 from lit_dp.strategies.tuned_size import TunedBufferSize
 from lit_dp.strategies.uneven import UnevenInputs
@@ -38,9 +38,10 @@ FEATURES: tuple[tuple[type[Feature], tuple[str, ...]], ...] = (
     (FabricFaultTolerance, (FABRIC,)),
     (EpochContinuation, (TRAINER,)),
     (UnevenInputs, (TRAINER,)),
-    (LocalSGDSchedule, (TRAINER,)),
+    (LocalSGDSchedule, BOTH),
     (TunedBufferSize, BOTH),
     (Preemption, (TRAINER,)),
+    (FabricPreemption, (FABRIC,)),
     (LostRanks, (TRAINER,)),
     (StrategyWatchdog, BOTH),
     (Monitors, BOTH),

@@ -43,7 +43,7 @@ from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.base import DataParallelStrategyMixin, register_families
 from lit_dp.strategies.checkpoint_io import save_checkpoint
-from lit_dp.strategies.feature import Run
+from lit_dp.strategies.feature import CHECKPOINT_KEY, Run
 from lit_dp.strategies.lightning_private import (
     StrategyRegistryType,
     TrainerScriptLauncher,
@@ -56,8 +56,6 @@ from lit_dp.strategies.precision import DataParallelPrecision, check_sharded_cli
 from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_KEY = "lit_dp"  # the strategy's own entry in Lightning checkpoints
 
 # Lightning's own sentence (`DDPStrategy.on_exception`), which is what users search for: it opens
 # the reducer's error, which names the parameters.
@@ -179,6 +177,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
         self._features.setup(Run(self, self._data_parallel, trainer, self._features))
+        self.optimizers = [self._features.setup_optimizer(optimizer) for optimizer in self.optimizers]
 
     @override
     def _setup_model(self, model: Module) -> DataParallel:

@@ -64,5 +64,12 @@ class TunedBufferSize(Feature):
 
     @override
     def load_state_dict(self, state: float | None) -> None:
-        if state is not None:
-            self._kept = state
+        """A Trainer's resume: the size replaces "auto" as the model is wrapped. ``fabric.load`` after
+        ``fabric.setup``: the running model stops tuning and takes it at its next step."""
+        if state is None:
+            return
+        self._kept = state
+        tuner = self._model.autotuner if self._model is not None else None
+        if tuner is not None and tuner.chosen_mb is None:
+            rank_zero_info(f"[lit_dp] comm_buffer_size=auto: {state:g} MB from the checkpoint, tuned before")
+            tuner.adopt(state)

@@ -70,7 +70,9 @@ def test_a_config_names_the_option_by_its_key(options, message):
     [
         (TRAINER, {"comm_bufer_size": 5}, "comm_bufer_size=5 is not an option of lit_dp.PaddleDPStrategy. Did you mean 'comm_buffer_size'?"),
         (TRAINER, {"trace": {"dri": "x"}}, "trace.dri='x' is not an option of lit_dp.PaddleDPStrategy. Did you mean 'trace.dir'?"),
-        (FABRIC, {"local_sgd_steps": 4}, "local_sgd_steps=4 is not an option of lit_dp.fabric.PaddleDPStrategy"),
+        (FABRIC, {"uneven_inputs": True}, "uneven_inputs=True is not an option of lit_dp.fabric.PaddleDPStrategy: ranks with different numbers of batches train inside `with fabric.strategy.join(model):`"),
+        (FABRIC, {"local_sgd": {"steps": 4, "adaptive": True}}, "local_sgd.adaptive=True is not an option of lit_dp.fabric.PaddleDPStrategy: the adaptive period needs each step's loss"),
+        (MODULE, {"model_averaging_period": 4}, "model_averaging_period=4 is not an option of lit_dp.DataParallel: build lit_dp.LocalSGD(model, local_steps, ...)"),
         (MODULE, {"backend": "gloo"}, "backend='gloo' is not an option of lit_dp.DataParallel"),
         (TRAINER, {"bucket_cap_mb": 5, "comm_buffer_size": 5}, "bucket_cap_mb=5 and comm_buffer_size=5 are the same option"),
         (TRAINER, {"trace_dir": "a", "trace": {"dir": "b"}}, "trace_dir='a' and trace.dir='b' are the same option (trace.dir)"),

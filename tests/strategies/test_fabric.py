@@ -216,3 +216,34 @@ def test_comm_buffer_size_is_the_set_up_models_and_before_setup_the_option():
     again = forward_module(setup(run, Net())[0])
     assert again.autotuner is None and again.comm_buffer_size == chosen  # no step spent tuning again
     run.strategy.teardown()
+
+
+def test_fabric_checkpoints_keep_the_features_state_under_lit_dp(tmp_path):
+    """docs/fabric.md, "Checkpoints": fabric.save adds the features' state under "lit_dp", fabric.load restores
+    it (here the tuned bucket size, into a new strategy) and returns the rest; a raw load restores nothing."""
+    checkpoint = tmp_path / "tuned.ckpt"
+    run = Fabric(strategy=fabric.PaddleDPStrategy(comm_buffer_size="auto", hang_timeout=None), accelerator="cpu", devices=1)
+    run.launch()
+    model, optimizer = setup(run, Net())
+    with pytest.raises(ValueError, match="fabric.save.path, state. with a key 'lit_dp' in state is invalid"):
+        run.save(checkpoint, {"model": model, "lit_dp": 1})
+    for _ in range(3):  # a one-bucket model settles at its first step
+        run.backward(model(torch.randn(4, 6)).sum())
+        optimizer.step()
+    chosen = run.strategy.tuned_comm_buffer_size
+    assert chosen is not None
+    run.save(checkpoint, {"model": model, "optimizer": optimizer, "step": 3})
+    assert torch.load(checkpoint, weights_only=True)["lit_dp"] == {"tuned_comm_buffer_size": chosen}
+    run.strategy.teardown()
+
+    again = Fabric(strategy=fabric.PaddleDPStrategy(comm_buffer_size="auto", hang_timeout=None), accelerator="cpu", devices=1)
+    again.launch()  # adopts the process group the first run left alive
+    model, optimizer = setup(again, Net())
+    assert again.strategy.tuned_comm_buffer_size is None
+    assert set(again.load(checkpoint)) == {"model", "optimizer", "step", "lit_dp"}  # raw: returned whole
+    assert again.strategy.tuned_comm_buffer_size is None  # and nothing restored
+    assert again.load(checkpoint, {"model": model, "optimizer": optimizer}) == {"step": 3}
+    assert again.strategy.tuned_comm_buffer_size == chosen
+    inner = forward_module(model)
+    assert inner.autotuner.chosen_mb == inner.comm_buffer_size == chosen  # the running model stopped tuning
+    again.strategy.teardown()

@@ -1,14 +1,16 @@
 """The strategies' feature protocol (``lit_dp.strategies.feature``) and its registry's order.
 
-The calling rules are tested on recording features; the worked example of docs/architecture.md
-("Adding a feature") is run as written, registered with one line, through a Trainer fit that is
-resumed and through a Fabric loop.
+The calling rules are tested on recording features; docs/architecture.md's table of which door
+calls which hook is checked against a feature that records every hook through both doors; the
+worked example of docs/architecture.md ("Adding a feature") is run as written, registered with
+one line, through a Trainer fit that is resumed and through a Fabric loop that is saved and loaded.
 """
 
 from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -27,6 +29,7 @@ from lit_dp.strategies.feature import Feature, Features
 from lit_dp.strategies.monitoring import Monitors
 from lit_dp.strategies.resume import EpochContinuation
 from lit_dp.strategies.uneven import UnevenInputs
+from tests.helpers.distributed import launch_forking
 
 ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -126,11 +129,16 @@ def _documented_example() -> type[Feature]:
     return feature
 
 
+def _register(feature: type[Feature]) -> tuple:
+    """``registry.FEATURES`` with the docs' line added where the docs place it (before the monitors)."""
+    features = registry.FEATURES
+    return (*features[:-1], (feature, registry.BOTH), features[-1])
+
+
 @pytest.fixture
 def step_count(monkeypatch):
     feature = _documented_example()
-    features = registry.FEATURES
-    monkeypatch.setattr(registry, "FEATURES", (*features[:-1], (feature, registry.BOTH), features[-1]))
+    monkeypatch.setattr(registry, "FEATURES", _register(feature))
     return feature
 
 
@@ -164,19 +172,190 @@ def _fit(root: Path, max_epochs: int, ckpt_path: str | None = None) -> pl.Traine
 
 def test_the_worked_example_runs_through_the_trainer_and_is_resumed(tmp_path, step_count):
     trainer = _fit(tmp_path, max_epochs=1)
-    assert trainer.strategy._features.find(step_count).steps == 8
+    assert trainer.strategy.feature(step_count).steps == 8
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["lit_dp"]["step_count"] == 8
     resumed = _fit(tmp_path / "again", max_epochs=2, ckpt_path=str(tmp_path / "last.ckpt"))
-    assert resumed.strategy._features.find(step_count).steps == 16  # counted on from the checkpoint's 8
+    assert resumed.strategy.feature(step_count).steps == 16  # counted on from the checkpoint's 8
 
 
-def test_the_worked_example_runs_through_fabric(step_count):
+def _fabric_steps(fabric: Fabric, checkpoint: str, steps: int, resume: bool) -> int:
+    """``steps`` optimizer steps in a Fabric loop; saved at the end, or first loaded with ``resume``.
+    Returns the feature's count."""
+    net = nn.Linear(6, 1)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    if resume:  # the loop's own entries come back; lit_dp's entry is the strategy's, not among them
+        assert fabric.load(checkpoint, {"model": model, "optimizer": optimizer}) == {"step": 3}
+    for _ in range(steps):
+        fabric.backward(model(torch.randn(4, 6)).sum())
+        optimizer.step()
+    if not resume:
+        fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "step": steps})
+    count = fabric.strategy.feature(registry.FEATURES[-2][0]).steps
+    fabric.strategy.teardown()
+    return count
+
+
+def _fabric_round_trip(checkpoint: str) -> tuple[int, int, int]:
+    """The worked example registered in this (spawned) process, then two launches of 2 forked ranks: 3 steps
+    saved, and a new launch that loads them and takes 2 more."""
+    registry.FEATURES = _register(_documented_example())
+    launch = partial(Fabric, accelerator="cpu", devices=2)
+    saved = launch(strategy=lit_dp.fabric.PaddleDPStrategy(start_method="fork")).launch(_fabric_steps, checkpoint, 3, False)
+    resumed = launch(strategy=lit_dp.fabric.PaddleDPStrategy(start_method="fork")).launch(_fabric_steps, checkpoint, 2, True)
+    return saved, torch.load(checkpoint, weights_only=True)["lit_dp"]["step_count"], resumed
+
+
+@pytest.mark.slow  # two launches from a spawned process that imports the Trainer too: about 10 s
+def test_the_worked_example_runs_through_fabric_and_is_resumed(tmp_path):
+    saved, in_checkpoint, resumed = launch_forking(_fabric_round_trip, str(tmp_path / "fabric.ckpt"))
+    assert (saved, in_checkpoint, resumed) == (3, 3, 5)  # fabric.save kept the count; fabric.load counted on
+
+
+# docs/architecture.md's table of hooks against front doors, checked by running a feature that records
+# every hook it is called with through each door: a Trainer fit with validation and a checkpoint, then a
+# resumed fit that fails; a Fabric loop that saves and loads.
+_CALLED: dict[str, set[str]] = {}
+
+
+_DOOR = ["trainer"]  # the door being run
+
+
+def _record(name: str) -> None:
+    _CALLED.setdefault(_DOOR[0], set()).add(name)
+
+
+class _EveryHook(Feature):
+    key = "every_hook"
+
+    def setup_environment(self, strategy):
+        _record("setup_environment")
+
+    def wrapper_arguments(self, run, arguments):
+        _record("wrapper_arguments")
+        return arguments
+
+    def setup(self, run):
+        _record("setup")
+
+    def setup_optimizer(self, optimizer):
+        _record("setup_optimizer")
+        return optimizer
+
+    def process_dataloader(self, dataloader):
+        _record("process_dataloader")
+        return dataloader
+
+    def batch_to_device(self, batch):
+        _record("batch_to_device")
+        return batch
+
+    def training_step(self, step):
+        _record("training_step")
+        return step()
+
+    def validation_step(self, step):
+        _record("validation_step")
+        return step()
+
+    def optimizer_step(self, step, optimizer, closure):
+        _record("optimizer_step")
+        return step(closure)
+
+    @property
+    def joined(self):
+        _record("joined")
+        return False
+
+    @contextmanager
+    def collective(self, name):
+        _record("collective")
+        yield
+
+    @contextmanager
+    def saving(self):
+        _record("saving")
+        yield
+
+    def on_validation_start(self):
+        _record("on_validation_start")
+
+    def on_validation_end(self):
+        _record("on_validation_end")
+
+    def on_train_end(self):
+        _record("on_train_end")
+
+    def on_exception(self, exception, strategy):
+        _record("on_exception")
+
+    def teardown(self):
+        _record("teardown")
+
+    def state_dict(self):
+        _record("state_dict")
+        return 1
+
+    def load_state_dict(self, state):
+        _record("load_state_dict")
+
+
+def _documented_hooks() -> tuple[set[str], set[str], set[str], tuple[int, ...]]:
+    """Every hook of the table (without ``build``), those it says each door does not call, and its counts."""
+    text = ARCHITECTURE.read_text()
+    table = text[text.index("| hook | Trainer") :].split("\n\n")[0].splitlines()[2:]
+    hooks, gaps = set(), {"trainer": set(), "fabric": set()}
+    for row in table:
+        cells = row.split(" | ")
+        names = set(re.findall(r"`(\w+)[(`]", cells[0])) - {"build"}
+        hooks |= names
+        for door, cell in (("trainer", cells[1]), ("fabric", cells[2])):
+            if "**gap**" in cell:
+                gaps[door] |= names
+    counts = re.search(r"the Trainer calls (\d+) of the (\d+) hooks, Fabric (\d+)", text)
+    assert counts is not None, "docs/architecture.md no longer counts the hooks per door"
+    return hooks, gaps["trainer"], gaps["fabric"], tuple(map(int, counts.groups()))
+
+
+class _FailsAfterAStep(_Regression):
+    def training_step(self, batch, batch_idx):
+        if self.global_step > 8:  # the resumed epoch's second step
+            raise RuntimeError("a failing step")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+
+def test_each_door_calls_the_hooks_docs_architecture_says(tmp_path, monkeypatch):
+    hooks, trainer_gaps, fabric_gaps, counts = _documented_hooks()
+    assert set(_EveryHook.__dict__) >= hooks, "the recording feature misses a documented hook"
+    assert counts == (len(hooks) - len(trainer_gaps), len(hooks), len(hooks) - len(fabric_gaps))
+    monkeypatch.setattr(registry, "FEATURES", _register(_EveryHook))
+    _CALLED.clear()
+
+    _DOOR[0] = "trainer"
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    fit = dict(accelerator="cpu", devices=1, strategy="paddle_dp", **quiet)
+    trainer = pl.Trainer(max_epochs=1, limit_val_batches=2, callbacks=[checkpoints], **fit)
+    trainer.fit(_FailsAfterAStep(), train_dataloaders=_loader(), val_dataloaders=_loader())
+    again = pl.Trainer(max_epochs=2, **fit)
+    with pytest.raises(RuntimeError, match="a failing step"):  # resumed (load_state_dict), then on_exception
+        again.fit(_FailsAfterAStep(), train_dataloaders=_loader(), ckpt_path=str(tmp_path / "last.ckpt"))
+
+    _DOOR[0] = "fabric"
     run = Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(hang_timeout=None), accelerator="cpu", devices=1)
     run.launch()
     net = nn.Linear(6, 1)
     model, optimizer = run.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    for _ in range(3):
-        run.backward(model(torch.randn(4, 6)).sum())
+    for x, y in run.setup_dataloaders(_loader()):
+        run.backward(nn.functional.mse_loss(model(x), y))
         optimizer.step()
-    assert run.strategy._features.find(step_count).steps == 3
+        optimizer.zero_grad()
+    run.barrier()
+    run.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
+    run.load(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
     run.strategy.teardown()
+
+    assert _CALLED["trainer"] == hooks - trainer_gaps
+    assert _CALLED["fabric"] == hooks - fabric_gaps

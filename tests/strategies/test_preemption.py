@@ -184,3 +184,50 @@ def test_ctrl_c_says_which_checkpoint_a_rerun_resumes_from(tmp_path):
     steps = [torch.load(path, weights_only=False)["global_step"] for path in tmp_path.glob("outputs/digits/*/checkpoints/*")]
     assert f"[lit_dp] a rerun resumes from {tmp_path / 'outputs' / 'digits'}/" in output
     assert f" (step {max(steps)}): python " in output
+
+
+def _fabric_loop_until_signalled(fabric, checkpoint: str, rank_to_signal: int, signum: int):
+    """docs/fabric.md's preemption loop: ``rank_to_signal`` signals itself after its third optimizer step;
+    every rank catches ``Preempted`` from the same ``optimizer.step()``, saves, and reports."""
+    from torch import nn
+
+    before = signal.getsignal(signum)
+    net = nn.Linear(6, 1)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    step = 0
+    try:
+        while step < 50:
+            fabric.backward(model(torch.randn(4, 6)).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if step == 3 and fabric.global_rank == rank_to_signal:
+                os.kill(os.getpid(), signum)
+    except Preempted as stop:
+        fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "step": step})
+        fabric.strategy.teardown()
+        assert signal.getsignal(signum) == before, "teardown did not give the handlers back"
+        return stop.code, stop.ranks, stop.step, step, str(stop)
+    raise AssertionError(f"rank {fabric.global_rank}: the loop ended without stopping for the signal")
+
+
+def _fabric_preempted(checkpoint: str) -> tuple:
+    from lightning.fabric import Fabric
+
+    from lit_dp.fabric import PaddleDPStrategy as FabricStrategy
+
+    fabric = Fabric(strategy=FabricStrategy(start_method="fork"), accelerator="cpu", devices=2)
+    return fabric.launch(_fabric_loop_until_signalled, checkpoint, 1, signal.SIGUSR1)
+
+
+@pytest.mark.slow  # a spawned launcher forking 2 ranks: about 12 s
+def test_a_signal_to_one_rank_of_a_fabric_loop_stops_every_rank_after_the_same_step(tmp_path):
+    from tests.helpers.distributed import launch_forking
+
+    # Rank 1's signal arrives after its third step; the exchange it joins starts as the fourth step is
+    # entered and is read as the fifth is, which every rank's optimizer.step() refuses: 4 steps taken,
+    # as the loop counted them. Rank 0's report (Fabric's launch returns it).
+    code, ranks, stopped, step, reason = launch_forking(_fabric_preempted, str(tmp_path / "preempted.ckpt"))
+    assert (code, ranks, stopped, step) == (128 + signal.SIGUSR1, [1], 4, 4)
+    assert reason == "SIGUSR1 received by rank 1: every rank stopped after step 4"
+    assert torch.load(tmp_path / "preempted.ckpt", weights_only=True)["step"] == 4
