@@ -19,17 +19,17 @@ groups taking part (N times the quorum's groups), what the reducer divides by. L
 averages take the same path: the replicas of one group are equal between its syncs, so the
 group's sum is N copies, divided by N times the groups.
 
-The three steps of one all-reduce run one after the other on a thread of the group's own, so
-that backward goes on meanwhile, as with any process group's asynchronous work; the all-reduces
-are taken in the order they were asked for, the same on every rank, which keeps the group's
-collectives paired. A failure inside the group (a rank died: its launcher is ending the group)
+The three steps of one all-reduce run one after the other on a thread of the group's own (one
+that takes the all-reduces asked for while there are any, then ends), so that backward goes on
+meanwhile, as with any process group's asynchronous work; the all-reduces are taken in the order
+they were asked for, the same on every rank, which keeps the group's collectives paired. A failure inside the group (a rank died: its launcher is ending the group)
 fails the work, and with it the step, at once: nothing waits on a group that is being restarted.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -81,8 +81,9 @@ class HierarchicalGroup(dist.ProcessGroup):
         # "Thresholds of the gradient path"), and torch 2.8's Gloo has no reduce_scatter_tensor.
         self._nccl = groups.backend_name(within) == "nccl"
         self._within_only = False  # LocalSGD's inner steps: see keep_within
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._lock = threading.Lock()
+        self._draining = False  # a thread is taking the jobs
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return TORCHFT
@@ -145,15 +146,23 @@ class HierarchicalGroup(dist.ProcessGroup):
         return _HierarchicalWork(future)
 
     def _submit(self, job: Callable[[], None]) -> None:
-        if self._worker is None:
-            # A daemon: an idle worker must not keep a finished process alive.
-            self._worker = threading.Thread(target=self._work, name="lit_dp_hierarchical_allreduce", daemon=True)
-            self._worker.start()
-        self._jobs.put(job)
+        with self._lock:
+            self._jobs.append(job)
+            if self._draining:
+                return
+            self._draining = True
+        # One thread takes the jobs in order while there are any, then ends: none outlives the
+        # step's communication (a thread left waiting would meet the process group's teardown).
+        threading.Thread(target=self._drain, name="lit_dp_hierarchical_allreduce", daemon=True).start()
 
-    def _work(self) -> None:
+    def _drain(self) -> None:
         while True:
-            self._jobs.get()()
+            with self._lock:
+                if not self._jobs:
+                    self._draining = False
+                    return
+                job = self._jobs.popleft()
+            job()
 
     def _reduce_within(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.within)

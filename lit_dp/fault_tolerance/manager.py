@@ -151,6 +151,7 @@ class FaultTolerance:
         self.group_rank, self.group_size = 0, 1  # this process among its replica group's ranks, from start
         self.traffic: CrossGroupTraffic | None = None  # what the model's gradients sent across groups (watch)
         self.steps_started = 0
+        self._tracked: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]] | None = None  # track's
         self.batches: ReplicaBatches | None = None
         self._store: dist.TCPStore | None = None
         self._members: tuple[int, ...] = ()  # the replica groups of the last quorum
@@ -219,6 +220,7 @@ class FaultTolerance:
             self._recovered = True
 
         self.manager.register_state_dict_fn(STATE_KEY, load_and_time, save)
+        self._tracked = (save, load)
 
     @property
     def committed_steps(self) -> int:
@@ -230,10 +232,31 @@ class FaultTolerance:
         self.last_committed = None
         self.steps_started += 1
         self._join_quorum()
+        self._start_as_one_group()
         self._announce()
         if self.batches is not None:
             manager = self.manager
             self.batches.start_step(manager.current_step(), *self.data_rank())
+
+    def _start_as_one_group(self) -> None:
+        """At step 0, every rank of this replica group takes its rank 0's state.
+
+        torchft's ``init_sync`` gives rank ``r`` of each group the state of rank ``r`` of the quorum's
+        replica ``r % P`` (it spreads recoveries over the replicas), so the ranks of a group built
+        unequal (models from different seeds, and what is derived from them, such as LocalSGD's
+        snapshot) would start from different replicas. Rank 0 of every group holds the first
+        replica's: broadcast inside the group, every rank of every group starts from it. Once per
+        quorum at step 0 (a step 0 discarded and tried again is healed again), on the group's own
+        process group (its launcher's job's default group).
+        """
+        if self.group_size == 1 or self._tracked is None or self.manager.current_step() != 0:
+            return
+        save, load = self._tracked
+        state = [save() if self.group_rank == 0 else None]
+        dist.broadcast_object_list(state, src=0)
+        if self.group_rank != 0:
+            load(state[0])
+        log.debug("%s: the replica group starts from its rank 0's state", LINE)
 
     def data_rank(self) -> tuple[int | None, int]:
         """This rank's place among every rank of the quorum's replica groups, and their number: what the
@@ -304,7 +327,7 @@ class FaultTolerance:
         traffic = self.describe_traffic()
         if traffic is not None:
             self._say(traffic)
-        self.traffic, self.steps_started = None, 0
+        self.traffic, self.steps_started, self._tracked = None, 0, None
         if self._discarded is not None:  # the last step was discarded: no quorum followed to say it with
             self._say(f"step {self._discarded[0]} discarded ({self._discarded[1]})")
             self._discarded = None

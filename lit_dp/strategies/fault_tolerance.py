@@ -328,6 +328,7 @@ class FabricFaultTolerance(FaultToleranceFeature):
         super().__init__(fault_tolerance)
         self.modules: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
+        self._features: Features | None = None  # the strategy's, for the state they share across groups
 
     @override
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -343,6 +344,7 @@ class FabricFaultTolerance(FaultToleranceFeature):
         if run.model is not None:  # the module travels (without the wrapper)
             self.modules.append(run.model.module)
             watch_traffic(self.ft, run)
+        self._features = run.features
 
     @override
     def setup_optimizer(self, optimizer: Any) -> Any:
@@ -368,7 +370,7 @@ class FabricFaultTolerance(FaultToleranceFeature):
     @override
     def teardown(self) -> None:
         super().teardown()
-        self.modules, self.optimizers = [], []
+        self.modules, self.optimizers, self._features = [], [], None
 
     def _state(self) -> dict[str, Any]:
         batches = self.ft.batches
@@ -376,6 +378,7 @@ class FabricFaultTolerance(FaultToleranceFeature):
             "modules": [module.state_dict() for module in self.modules],
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
             "data": batches.state_dict() if batches is not None else None,
+            "features": self._features.replica_state() if self._features is not None else {},
         }
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -385,6 +388,8 @@ class FabricFaultTolerance(FaultToleranceFeature):
             optimizer.load_state_dict(optimizer_state)
         if self.ft.batches is not None and state["data"] is not None:
             self.ft.batches.load_state_dict(state["data"])
+        if self._features is not None:  # after the modules: LocalSGD's snapshot is taken against them
+            self._features.load_replica_state(state.get("features", {}))
 
 
 class StepBatches:

@@ -148,10 +148,11 @@ def _sum_over_every_rank(rank: int) -> None:
 
 
 @pytest.mark.slow
-def test_fabric_with_groups_of_two_ranks_ends_with_one_model_on_every_rank(tmp_path):
+@pytest.mark.parametrize("diloco", [[], ["--local-sgd", "4"]], ids=["per_step", "diloco"])
+def test_fabric_with_groups_of_two_ranks_ends_with_one_model_on_every_rank(tmp_path, diloco):
     command = [
         PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", "--monitor-interval=0.1",
-        "-m", "tests.helpers.ft_fabric_group", str(tmp_path), "12",
+        "-m", "tests.helpers.ft_fabric_group", str(tmp_path), "12", *diloco,
     ]
     with replica_groups(command, 2, tmp_path, min_replicas=2) as replicas:
         replicas.start_all()

@@ -1,9 +1,10 @@
 """One replica group of several ranks under Fabric with ``fault_tolerance="torchft"``, run by torchrun.
 
-    torchrun --standalone --nproc-per-node=2 -m tests.helpers.ft_fabric_group OUT STEPS
+    torchrun --standalone --nproc-per-node=2 -m tests.helpers.ft_fabric_group OUT STEPS [--local-sgd K]
 
-The loop docs/fault_tolerance.md shows for Fabric, with ``devices`` the launcher's ranks; each
-rank writes the parameters it ends with to ``OUT/replica<group>-rank<r>.pt``.
+The loop docs/fault_tolerance.md shows for Fabric, with ``devices`` the launcher's ranks (with
+``--local-sgd K``, DiLoCo across the groups: ``local_sgd_steps=K, local_sgd_outer="nesterov"``);
+each rank writes the parameters it ends with to ``OUT/replica<group>-rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("steps", type=int)
+    parser.add_argument("--local-sgd", type=int, default=None, help="K")
     args = parser.parse_args()
     torch.set_num_threads(1)
     group, ranks = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(group * ranks + int(os.environ["RANK"]))  # every rank differs: they must start as one
-    strategy = lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10, ft_min_replicas=2)
+    diloco = {"local_sgd_steps": args.local_sgd, "local_sgd_outer": "nesterov"} if args.local_sgd else {}
+    strategy = lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10, ft_min_replicas=2, **diloco)
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=ranks)
     fabric.launch()
     net = Classifier().net
@@ -44,6 +47,7 @@ def main() -> None:
             optimizer.zero_grad()
             if ft.committed_steps >= args.steps:
                 break
+    fabric.strategy.teardown()  # LocalSGD's last sync, when the run did not end on one
     torch.save(net.state_dict(), args.out / f"replica{group}-rank{fabric.global_rank}.pt")
 
 
