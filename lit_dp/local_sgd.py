@@ -425,7 +425,7 @@ class LocalSGD:
         not compared. This rank's model counts if it took a step of its own since the fragment's last
         sync; a rank that ran out of batches counts once more, with the work it did before, then sends
         zeros and takes the result like the others."""
-        previous, self._last_syncs[fragment] = self._last_syncs[fragment], self._step
+        self._last_syncs[fragment] = self._step
         participates, self._trained[fragment] = self._trained[fragment], False
         if not self._syncs:
             return
@@ -436,7 +436,7 @@ class LocalSGD:
         began = self._recorder.mark()
         with torch.no_grad():
             reduction = self.reduce_across(self._buckets[fragment], self._rings, participates)
-        self._pending = _PendingSync(fragment, self._step, shadow, began, self._recorder.mark(), reduction, previous=previous)
+        self._pending = _PendingSync(fragment, self._step, shadow, began, self._recorder.mark(), reduction)
         if self._sync_delay == 0 or final:
             self._complete(keep=0.0 if final else self._mixing)
 
@@ -470,13 +470,13 @@ class LocalSGD:
 
     def _sync_failed(self, pending: _PendingSync, buckets: list[_Bucket]) -> None:
         """A sync across replica groups failed (a group died during it): nothing of it is applied, the
-        parameters keep this group's local progress and the fragment stays due, so the next step syncs
-        it among the groups then present. This group's last committed step is voided (torchft's count
-        goes back by one): a group whose sync succeeded is then ahead, and the next quorum gives this
-        one its state (parameters, snapshot, outer momentum, schedule), so no two groups go on apart."""
+        parameters keep this group's local progress, and the fragment's next sync is its scheduled one
+        (the schedule stays every group's), which carries this period's work too. This group's last
+        committed step is voided (torchft's count goes back by one): a group whose sync succeeded is
+        then ahead, and the next quorum gives this one its state (parameters, snapshot, outer
+        momentum, schedule), so no two groups go on apart."""
         for bucket in buckets:
             bucket.drop()
-        self._last_syncs[pending.fragment] = pending.previous
         self._trained[pending.fragment] = True
         self._rings[0].void_last_commit()
         log.debug("LocalSGD: the sync of fragment %d at step %d failed across replica groups", pending.fragment, pending.step)
@@ -783,7 +783,6 @@ class _PendingSync:
     launched: Any
     reduction: _Reduction | None
     participants: int = 0
-    previous: int = 0  # the fragment's sync before this one, for a sync that fails across replica groups
 
 
 class _Bucket:
