@@ -24,12 +24,12 @@ from hydra.core.hydra_config import HydraConfig
 
 from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.preemption import Preempted
+from lit_dp_recipes.config import check_checkpoint_every_n_steps
 from lit_dp_recipes.resume import (
     FINISHED_MARKER,
     RESUMABLE_KEYS,
     NoUsableCheckpoint,
     ResumableRun,
-    check_checkpoint_every_n_steps,
     choose_checkpoint,
     earlier_run,
     newest_checkpoint,
