@@ -98,14 +98,23 @@ def rank_command(local_rank: int, argv: Sequence[str] | None = None) -> list[str
 
     spec = getattr(__main__, "__spec__", None)
     command = [sys.executable, to_absolute_path(argv[0])] if spec is None else [sys.executable, "-m", spec.name]
-    command += config_flags(argv[1:])
-    command += list(hydra_cfg.overrides.task)
-    command += [o for o in hydra_cfg.overrides.hydra if not _override_key(o).startswith(SWEEP_KEYS)]
-    return command + [
+    return command + job_arguments(argv[1:]) + [
         "hydra.mode=RUN",
         f'hydra.run.dir="{hydra_cfg.runtime.output_dir}"',
         f"hydra.job.name=train_ddp_process_{local_rank}",
         "hydra.output_subdir=null",  # rank 0 alone writes the job's .hydra/ folder
+    ]
+
+
+def job_arguments(arguments: Sequence[str]) -> list[str]:
+    """The command-line arguments that run the current Hydra job alone: the config flags of
+    ``arguments``, the job's own overrides (one element of a sweep), and the user's Hydra
+    overrides but those of the sweep."""
+    overrides = HydraConfig.get().overrides
+    return [
+        *config_flags(arguments),
+        *overrides.task,
+        *(o for o in overrides.hydra if not _override_key(o).startswith(SWEEP_KEYS)),
     ]
 
 

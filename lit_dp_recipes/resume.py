@@ -42,6 +42,7 @@ from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.fault_tolerance.manager import QuorumUnreachable
 from lit_dp.strategies.preemption import Preempted
+from lit_dp_recipes.launch import job_arguments
 
 AUTO = "auto"
 # What a checkpoint needs for training to go on where it stopped (Lightning's own keys); a
@@ -205,7 +206,9 @@ class ResumableRun:
         """The command line that continues this run in this folder (None outside a Hydra run)."""
         if self._hydra is None:
             return None
-        arguments = [a for a in sys.argv[1:] if not a.startswith(("hydra.run.dir=", "ckpt_path="))]
+        # A sweep's job is continued alone, in its own folder: its overrides, not the sweep's command line.
+        arguments = job_arguments(sys.argv[1:]) if self._hydra.mode == RunMode.MULTIRUN else sys.argv[1:]
+        arguments = [a for a in arguments if not a.startswith(("hydra.run.dir=", "ckpt_path="))]
         return shlex.join(["python", sys.argv[0], *arguments, f"hydra.run.dir={self.run_dir}"])
 
     def announce(self) -> None:
