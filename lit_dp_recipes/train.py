@@ -7,6 +7,7 @@ import importlib.util
 import inspect
 import logging
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -18,7 +19,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig
 
-from lit_dp_recipes.callbacks import CompileModel
+from lit_dp_recipes.callbacks import CompileModel, ProgressLines
 from lit_dp_recipes.cli import CommandLineMistake
 from lit_dp_recipes.config import build_strategy, check_checkpoint_every_n_steps, check_compile, validate_trainer
 from lit_dp_recipes.launch import use_job_launcher
@@ -26,6 +27,9 @@ from lit_dp_recipes.report import say
 from lit_dp_recipes.resume import NoUsableCheckpoint, ResumableRun, use_atomic_checkpoints
 
 log = logging.getLogger(__name__)
+# Lightning's tips for its other products ("Tip: ... try installing litlogger"), and who logs them.
+LIGHTNING_TIP = "\N{ELECTRIC LIGHT BULB} Tip:"
+LIGHTNING_TIP_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 # How Python names a keyword argument a callable does not take.
 UNEXPECTED_ARGUMENT = re.compile(r"unexpected keyword argument '(\w+)'")
 
@@ -39,6 +43,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     the run writes and how to resume it, and after a failure which checkpoint a rerun resumes
     from (``lit_dp_recipes.resume``).
     """
+    _quiet_lightning()
     try:  # every refusal here comes before any rank starts: one line, no traceback (lit_dp_recipes.cli)
         strategy = use_atomic_checkpoints(build_strategy(cfg.strategy))
         validate_trainer(cfg)
@@ -52,6 +57,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         trainer = build_checked(
             cfg.trainer,
             "trainer",
+            enable_progress_bar=_progress_bar(cfg),
             strategy=strategy,
             logger=_loggers(cfg.get("logger")),
             callbacks=_callbacks(cfg) + compile_callbacks,
@@ -131,11 +137,32 @@ def _compile_callbacks(cfg: DictConfig) -> list[pl.Callback]:
 
 def _callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """``cfg.callbacks``, less a progress bar when ``trainer.enable_progress_bar=false`` (Lightning
-    refuses a progress-bar callback then: the switch turns the recipe's own bar off too)."""
+    refuses a progress-bar callback then: the switch turns the recipe's own bar off too), and with
+    ``ProgressLines`` in the bar's place where standard error is not a terminal (``_progress_bar``)."""
     callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
-    if cfg.trainer.get("enable_progress_bar", True) is False:
+    if not _progress_bar(cfg):
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
+        if cfg.trainer.get("enable_progress_bar", True) is not False:
+            callbacks.append(ProgressLines())
     return callbacks
+
+
+def _progress_bar(cfg: DictConfig) -> bool:
+    """Whether the run draws a progress bar: where asked, and only on a terminal (a bar's carriage
+    returns fill a log file)."""
+    return cfg.trainer.get("enable_progress_bar", True) is not False and sys.stderr.isatty()
+
+
+def _quiet_lightning() -> None:
+    """Leave out what Lightning prints that is not about this run: its tips for other products, and
+    its own use of a name torch deprecated (Lightning 2.6 with torch 2.13; no setting of ours changes it)."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+    for name in LIGHTNING_TIP_LOGGERS:
+        logging.getLogger(name).addFilter(_no_tips)
+
+
+def _no_tips(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(LIGHTNING_TIP)
 
 
 def _code_warnings_from_rank_zero_only() -> None:
@@ -153,7 +180,8 @@ def _loggers(nodes: DictConfig | None) -> list[pl.loggers.Logger] | bool:
     for name, node in nodes.items():
         if node._target_.endswith("TensorBoardLogger") and importlib.util.find_spec("tensorboard") is None:
             if rank_zero_only.rank == 0:
-                log.info("logger.%s skipped: tensorboard is not installed (pip install 'lit_dp[tensorboard]')", name)
+                # Debug only: the CSV log is there, and the docs say TensorBoard's is written where installed.
+                log.debug("logger.%s skipped: tensorboard is not installed (pip install 'lit_dp[tensorboard]')", name)
             continue
         loggers.append(instantiate(node))
     return loggers

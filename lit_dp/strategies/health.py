@@ -25,8 +25,9 @@ class HealthMonitor(pl.Callback):
     - each window the ranks judged, as ``straggler/*`` metrics (the slowest rank, its lag, where
       its time and the others' went; ``WindowReport.as_metrics``), logged by rank 0 at the step
       the window was read;
-    - when training ends, a ``[lit_dp]`` line on rank 0 for each: how many windows had a rank
-      lagging and the largest lag; how many consistency checks ran.
+    - when training ends, a ``[lit_dp]`` line on rank 0 for each that has something to say: how
+      many windows had a rank lagging and the largest lag (or that none lagged); how many
+      consistency checks ran. A run too short for a window or a check gets neither.
     """
 
     def __init__(self) -> None:
@@ -76,10 +77,11 @@ class HealthMonitor(pl.Callback):
 
 
 def health_summaries(model: DataParallel) -> list[str]:
-    """The lines a run ends with: the straggler report's and the consistency check's, where they are on."""
+    """The lines a run ends with: the straggler report's and the consistency check's, where they are on
+    and have judged something."""
     lines = []
-    if model.straggler is not None:
-        lines.append(f"[lit_dp] straggler: {model.straggler.summary()}")
-    if model.consistency is not None:
+    if model.straggler is not None and (straggler := model.straggler.summary()) is not None:
+        lines.append(f"[lit_dp] straggler: {straggler}")
+    if model.consistency is not None and model.consistency.checks:
         lines.append(f"[lit_dp] replica consistency: {model.consistency.summary()}")
     return lines
