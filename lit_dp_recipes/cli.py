@@ -47,7 +47,9 @@ from lit_dp_recipes.config import (
     DDP_TARGET,
     PADDLE_DP_TARGET,
     check_checkpoint_every_n_steps,
+    check_ckpt_path,
     check_compile,
+    check_seed,
     register_configs,
     strategy_arguments,
     validate_trainer,
@@ -59,6 +61,7 @@ HYDRA_VERSION_BASE = "1.3"
 STRATEGY_GROUP = "strategy"
 MULTIRUN_FLAGS = ("-m", "--multirun")
 ERROR = "error: "
+HYDRA_GRAMMAR = "https://hydra.cc/docs/1.3/advanced/override_grammar/basic"
 
 
 class CommandLineMistake(ValueError):
@@ -92,21 +95,32 @@ def command_line_mistakes(config_name: str, arguments: Sequence[str]) -> list[st
     """One message per mistake in the overrides ``arguments`` of ``config_name``; none when all is well.
 
     Hydra's own flags other than ``-m`` (``--cfg``, ``--help``, ``-cn``, ...) leave the checking to
-    Hydra, as does an override it cannot parse (its message says where). Keys added with ``+``
-    or removed with ``~`` are the user's business and not looked up.
+    Hydra. Keys added with ``+`` or removed with ``~`` are the user's business and not looked up.
     """
     if any(argument.startswith("-") and argument not in MULTIRUN_FLAGS for argument in arguments):
         return []
-    try:
-        parsed = OverridesParser.create().parse_overrides([a for a in arguments if a not in MULTIRUN_FLAGS])
-    except HydraException:
-        return []
+    overrides = [argument for argument in arguments if argument not in MULTIRUN_FLAGS]
+    unreadable = [m for m in map(_unreadable, overrides) if m]
+    if unreadable:
+        return unreadable
+    parsed = OverridesParser.create().parse_overrides(overrides)
     mistakes: list[str] = []
     for job in _jobs(parsed):
         for mistake in _job_mistakes(config_name, job):
             if mistake not in mistakes:
                 mistakes.append(mistake)
     return mistakes
+
+
+def _unreadable(argument: str) -> str | None:
+    """Why Hydra cannot read ``argument`` as an override (an unclosed bracket, a space unquoted); None if it can."""
+    try:
+        OverridesParser.create().parse_override(argument)
+    except HydraException as error:
+        lines = [line for line in str(error).splitlines() if line and not line.startswith(("Error when parsing", "See "))]
+        why = "; ".join(lines) or _first_line(error)
+        return f"{argument} is not an override Hydra can read ({why}): expected key=value ({HYDRA_GRAMMAR})."
+    return None
 
 
 def _jobs(parsed: list[Override]) -> list[list[Override]]:
@@ -259,7 +273,8 @@ def _composition_mistake(error: ConfigCompositionException, job: list[Override])
 
 def _value_mistakes(cfg: DictConfig) -> list[str]:
     """The checks ``train`` makes before anything starts, on the composed ``cfg``: the strategy's
-    options, the trainer section, ``checkpoint_every_n_steps`` and ``compile``."""
+    options, the trainer section, and the run's own keys (``checkpoint_every_n_steps``,
+    ``compile``, ``seed``, ``ckpt_path``)."""
     cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # Hydra's own: set as the job runs
     if "paths" in cfg:  # Hydra's run folder is known only once the job runs; no check reads it
         OmegaConf.update(cfg, "paths.output_dir", str(Path.cwd()), force_add=True)
@@ -270,6 +285,10 @@ def _value_mistakes(cfg: DictConfig) -> list[str]:
         checks.append(lambda: validate_trainer(cfg))
     checks.append(lambda: check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps")))
     checks.append(lambda: check_compile(cfg.get("compile", False)))
+    if "seed" in cfg:
+        checks.append(lambda: check_seed(cfg.seed))
+    if "ckpt_path" in cfg:
+        checks.append(lambda: check_ckpt_path(cfg.ckpt_path))
     mistakes = [
         f"{key} has no value: expected {key}=... on the command line."
         for key in sorted(OmegaConf.missing_keys(cfg))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -200,6 +201,24 @@ def check_checkpoint_every_n_steps(value: Any) -> int | None:
     return value
 
 
+def check_seed(seed: Any) -> int:
+    """``seed``: an integer."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r} is invalid: expected an integer.")
+    return seed
+
+
+def check_ckpt_path(value: Any) -> Any:
+    """``ckpt_path``: ``auto``, null, or a file that exists (Lightning would fail on a missing one
+    only once the ranks are up)."""
+    if value is None or value == "auto" or Path(str(value)).is_file():
+        return value
+    raise ValueError(
+        f"ckpt_path={value!r} is invalid: no such file from {Path.cwd()}; expected the path of a checkpoint, "
+        "auto (the run folder's newest good one, the default) or null (from scratch)."
+    )
+
+
 def check_compile(enabled: Any) -> bool:
     """``compile``: true or false."""
     if not isinstance(enabled, bool):
@@ -278,9 +297,14 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+def is_number(value: object) -> bool:
+    """An int or a float (not a string such as ``abc``, not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def is_fraction(value: object) -> bool:
     """A number strictly between 0 and 1 (not a string such as ``abc``, not a bool): a ``val_fraction``."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1
+    return is_number(value) and 0 < value < 1
 
 
 def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -21,7 +21,14 @@ from omegaconf import DictConfig
 
 from lit_dp_recipes.callbacks import CompileModel, ProgressLines
 from lit_dp_recipes.cli import CommandLineMistake
-from lit_dp_recipes.config import build_strategy, check_checkpoint_every_n_steps, check_compile, validate_trainer
+from lit_dp_recipes.config import (
+    build_strategy,
+    check_checkpoint_every_n_steps,
+    check_ckpt_path,
+    check_compile,
+    check_seed,
+    validate_trainer,
+)
 from lit_dp_recipes.launch import use_job_launcher
 from lit_dp_recipes.report import say
 from lit_dp_recipes.resume import NoUsableCheckpoint, ResumableRun, use_atomic_checkpoints
@@ -48,6 +55,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         strategy = use_atomic_checkpoints(build_strategy(cfg.strategy))
         validate_trainer(cfg)
         check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps"))
+        check_ckpt_path(cfg.get("ckpt_path"))
+        check_seed(cfg.seed)
         compile_callbacks = _compile_callbacks(cfg)
         _code_warnings_from_rank_zero_only()
         pl.seed_everything(cfg.seed, workers=True, verbose=rank_zero_only.rank == 0)

@@ -3,6 +3,7 @@ with the near names, no traceback, before any rank starts (docs/conventions.md).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -59,6 +60,12 @@ def schemas():
         (["-m", "trainer.devices=2,0"], "trainer.devices=0 is invalid: expected a positive integer"),
         (["checkpoint_every_n_steps=0"], "checkpoint_every_n_steps=0 is invalid: expected a positive number"),
         (["compile=maybe"], "compile='maybe' is invalid: expected true or false."),
+        (["seed=abc"], "seed='abc' is invalid: expected an integer."),
+        (["ckpt_path=no/such.ckpt"], "ckpt_path='no/such.ckpt' is invalid: no such file from "),
+        # What Hydra cannot parse at all.
+        (["trainer.devices=[0,1"], "trainer.devices=[0,1 is not an override Hydra can read (no viable alternative at "
+                                   "input '[0,1'): expected key=value"),
+        (["trainer.devices"], "trainer.devices is not an override Hydra can read"),
         # An addition is the user's business, but the strategy still refuses an option it lacks, by name.
         (["+strategy.anything=1"], "strategy.anything=1 is not an option of lit_dp.PaddleDPStrategy. Expected one of:"),
     ],
@@ -91,10 +98,19 @@ def test_a_correct_command_line_passes(arguments):
     assert command_line_mistakes("digits", arguments) == []
 
 
-def test_what_only_building_the_data_checks_is_a_mistake_too(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("recipe", "override", "message"),
+    [
+        ("digits", "data.batch_size=0", "data.batch_size=0 is invalid: expected an integer >= 1"),
+        ("digits", "model.lr=-1", "model.lr=-1 is invalid: expected a positive learning rate"),
+        ("digits", "model.hidden_sizes=abc", "model.hidden_sizes='abc' is invalid: expected a list of positive integers"),
+        ("gpt", "model.lr=abc", "model.lr='abc' is invalid: expected a positive learning rate"),
+    ],
+)
+def test_what_only_building_the_data_or_model_checks_is_a_mistake_too(recipe, override, message, tmp_path, monkeypatch):
     monkeypatch.setattr(pl, "Trainer", lambda *a, **k: pytest.fail("the Trainer was built"))
-    with pytest.raises(CommandLineMistake, match=r"^data.batch_size=0 is invalid: expected an integer >= 1"):
-        train(compose_config("digits", ["data.batch_size=0"], tmp_path))
+    with pytest.raises(CommandLineMistake, match="^" + re.escape(message)):
+        train(compose_config(recipe, [override], tmp_path))
 
 
 def test_a_key_a_target_does_not_take_names_the_ones_it_does(tmp_path):
