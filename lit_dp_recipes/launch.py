@@ -26,11 +26,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import get_original_cwd, to_absolute_path
 from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
@@ -44,6 +46,24 @@ CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", 
 # Hydra overrides that belong to the sweep or that the rank's command sets itself.
 SWEEP_KEYS = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.sweeper", "hydra/sweeper", "hydra.launcher",
               "hydra/launcher", "hydra.job.name", "hydra.job.num", "hydra.job.id", "hydra.output_subdir")
+
+
+@contextmanager
+def sweep_job() -> Iterator[None]:
+    """Around a job's fit: in a sweep, the job leaves the next neither a process group nor its
+    environment. ``JobScriptLauncher`` restores both for a job whose ranks it started; a job on
+    one device starts none, and its group of one rank and its ``RANK``, ``WORLD_SIZE``, ... made
+    the next job's ``trainer.devices=2`` fail, or wait for ever for a rank (issue 47)."""
+    sweeping = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if sweeping:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def use_job_launcher(strategy: Strategy) -> None:

@@ -29,7 +29,7 @@ from lit_dp_recipes.config import (
     check_seed,
     validate_trainer,
 )
-from lit_dp_recipes.launch import use_job_launcher
+from lit_dp_recipes.launch import sweep_job, use_job_launcher
 from lit_dp_recipes.report import say
 from lit_dp_recipes.resume import NoUsableCheckpoint, ResumableRun, use_atomic_checkpoints
 
@@ -77,7 +77,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     except (ValueError, NoUsableCheckpoint) as error:
         raise CommandLineMistake(str(error)) from None
     use_job_launcher(trainer.strategy)
-    with run.fitting(ckpt_path):
+    with sweep_job(), run.fitting(ckpt_path):
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
