@@ -120,12 +120,12 @@ def build_checked(node: DictConfig, name: str, **arguments: Any) -> Any:
         return instantiate(node, _convert_="all", **arguments)
     except InstantiationException as error:
         cause = error.__cause__
-        if isinstance(cause, ValueError):
+        if isinstance(cause, ValueError) and str(cause).startswith(f"{name}."):  # ours: it names the key
             raise cause from None
         unexpected = UNEXPECTED_ARGUMENT.search(str(cause)) if isinstance(cause, TypeError) else None
         if unexpected:
             raise ValueError(_not_an_argument(name, unexpected.group(1), node)) from None
-        if isinstance(cause, MisconfigurationException):
+        if isinstance(cause, (ValueError, MisconfigurationException)):  # the target's own words (Lightning's)
             raise ValueError(f"{name}: {cause}") from None
         raise
 
@@ -148,7 +148,8 @@ def _callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """``cfg.callbacks``, less a progress bar when ``trainer.enable_progress_bar=false`` (Lightning
     refuses a progress-bar callback then: the switch turns the recipe's own bar off too), and with
     ``ProgressLines`` in the bar's place where standard error is not a terminal (``_progress_bar``)."""
-    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    nodes = (cfg.get("callbacks") or {}).items()
+    callbacks = [build_checked(node, f"callbacks.{name}") for name, node in nodes if node is not None]
     if not _progress_bar(cfg):
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
         if cfg.trainer.get("enable_progress_bar", True) is not False:
@@ -192,5 +193,5 @@ def _loggers(nodes: DictConfig | None) -> list[pl.loggers.Logger] | bool:
                 # Debug only: the CSV log is there, and the docs say TensorBoard's is written where installed.
                 log.debug("logger.%s skipped: tensorboard is not installed (pip install 'lit_dp[tensorboard]')", name)
             continue
-        loggers.append(instantiate(node))
+        loggers.append(build_checked(node, f"logger.{name}"))
     return loggers
