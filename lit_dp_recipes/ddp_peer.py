@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lit_dp.ddp_arguments import ddp_strategy_arguments
 from lit_dp.strategies.precision import for_data_parallel
 
+
 class DDPPeer(DDPStrategy):
     """Lightning's ``DDPStrategy``, as ``strategy=ddp`` runs it beside ``paddle_dp``: the same
     model, optimizer, precision and clipping, the gradients reduced by torch DDP.

@@ -17,6 +17,7 @@ import pytest
 import lit_dp_recipes as lit_dp_recipes
 from tests.helpers.recipes import QUIET, ROOT, compose_config, final_metrics, run_recipe, run_recipe_on_a_terminal
 
+
 @pytest.mark.slow
 def test_digits_trains_to_95_percent_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
