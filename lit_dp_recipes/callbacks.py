@@ -11,16 +11,20 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
+from lit_dp.options import TRAINER
 from lit_dp.strategies.lightning_private import ddp_comm_hook, ddp_kwargs
 from lit_dp.strategies.trainer import PaddleDPStrategy
 from lit_dp_recipes.report import say
 
 
 def describe_strategy(strategy: Strategy, world_size: int) -> str:
-    """One line with the strategy, backend, world size, devices and bucket sizes in effect."""
-    if isinstance(strategy, PaddleDPStrategy):
-        return strategy.describe()
+    """One line with the strategy, backend, world size, devices and, for lit_dp's strategy, the
+    options set away from their defaults (every option in effect: the run folder's ``.hydra/config.yaml``)."""
     devices = [str(d) for d in getattr(strategy, "parallel_devices", None) or [strategy.root_device]]
+    if isinstance(strategy, PaddleDPStrategy):
+        changed = strategy.options.describe(TRAINER, skip=("backend",), changed_only=True)
+        line = f"strategy=paddle_dp backend={strategy.process_group_backend} world_size={world_size} devices={devices}"
+        return f"{line} {changed}" if changed else line
     line = f"strategy={type(strategy).__name__} world_size={world_size} devices={devices}"
     if isinstance(strategy, DDPStrategy):
         cap = ddp_kwargs(strategy).get("bucket_cap_mb", 25)
@@ -33,11 +37,29 @@ def describe_strategy(strategy: Strategy, world_size: int) -> str:
 
 
 class RunSummary(pl.Callback):
-    """Prints, on rank 0 once the processes are up, the parallel settings actually in effect."""
+    """Prints, on rank 0 once the processes are up, the parallel settings in effect (``describe_strategy``)."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.is_global_zero:
             say(describe_strategy(trainer.strategy, trainer.world_size))
+
+
+class ProgressLines(pl.Callback):
+    """Where the output is not a terminal (a log file, a pipe), one line per validation instead of a progress bar.
+
+    A progress bar redraws itself with carriage returns, which a file keeps: a digits run piped
+    to a file wrote 136 KB of them. ``train`` puts this callback in the bar's place when standard
+    error is not a terminal: rank 0 prints ``[lit_dp] epoch E, step S: name=value ...`` with the
+    metrics logged so far, after each validation (the sanity check's aside).
+    """
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        metrics = " ".join(
+            f"{name}={float(value):.4f}" for name, value in sorted(trainer.callback_metrics.items()) if "/" not in name
+        )
+        say(f"epoch {trainer.current_epoch}, step {trainer.global_step}: {metrics}".rstrip(": "))
 
 
 class StepThroughput(pl.Callback):

@@ -3,16 +3,32 @@
 ``recipe_main(task, config_name)`` is the ``main()`` of every recipe (``lit_dp_recipes.run``): Hydra's
 ``@hydra.main`` over ``conf/<config_name>.yaml`` (packaged as ``lit_dp_recipes/conf``), with what every recipe needs registered
 first (the strategy and trainer schemas, the ``lit_dp.job_folder`` resolver of
-``conf/hydra/default.yaml``), and one check of the command line before Hydra composes:
-a ``strategy.<key>`` override that the selected strategy does not have is answered with the
-options it does have that are spelled alike. Hydra would answer "To append to your config use
-+strategy.<key>=...", which is the wrong advice for a misspelled option.
+``conf/hydra/default.yaml``), and one check of the command line before Hydra runs anything.
+
+The check (``command_line_mistakes``) follows docs/conventions.md: every mistake a user can type
+is answered with one line per mistake, ``error: `` and what was typed, what is expected, and
+the near names where there are some, with no traceback and before any rank starts. It composes
+each job's config as Hydra will (each value of a sweep), and answers:
+
+- a choice a group lacks (``strategy=dpp``, ``experiment=smal_buckets``), with the group's choices;
+- a key the config lacks (``trainer.max_epoch=5``, ``model.lrr=1``, ``strategy.comm_bufer_size=5``),
+  with the keys spelt alike; Hydra would advise ``+trainer.max_epoch=5``, which Lightning's
+  Trainer then refuses with a ``TypeError`` that names neither key;
+- a value of the wrong type (``trainer.max_steps=abc``) and a value the strategy, the trainer
+  section or the run's own options refuse (``strategy.comm_buffer_size=-1``, ``trainer.devices=0``).
+
+It imports neither Lightning nor the task, so that a refusal costs the imports of torch and
+lit_dp only. What only building the data or the model can check (``data.batch_size=0``) is
+refused by the task before any rank starts: ``train`` raises ``CommandLineMistake``, which
+``recipe_main`` prints the same way.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,63 +38,152 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
-from hydra.errors import HydraException
+from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from lit_dp.options import TRAINER, declared_options
-from lit_dp_recipes.config import register_configs
+from lit_dp_recipes.config import (
+    DDP_TARGET,
+    PADDLE_DP_TARGET,
+    check_checkpoint_every_n_steps,
+    check_ckpt_path,
+    check_compile,
+    check_seed,
+    register_configs,
+    strategy_arguments,
+    validate_trainer,
+)
 
 # The configs, shipped in the package; in the repository this folder is a link to conf/.
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 HYDRA_VERSION_BASE = "1.3"
 STRATEGY_GROUP = "strategy"
+MULTIRUN_FLAGS = ("-m", "--multirun")
+ERROR = "error: "
+HYDRA_GRAMMAR = "https://hydra.cc/docs/1.3/advanced/override_grammar/basic"
 
 
-def recipe_main(task: Callable[[DictConfig], Any], config_name: str) -> Callable[[], None]:
-    """The ``main()`` of a recipe script: checks the command line, then runs ``task`` under ``@hydra.main``."""
+class CommandLineMistake(ValueError):
+    """A value of the command line (or of a config it selects) that the recipe refuses before any rank starts."""
+
+
+def recipe_main(task: str, config_name: str) -> Callable[[], None]:
+    """The ``main()`` of a recipe script: checks the command line, then runs ``task`` (``"module:function"``,
+    imported only then) under ``@hydra.main``; a ``CommandLineMistake`` it raises is printed as one line."""
     register_configs()
-    hydra_main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base=HYDRA_VERSION_BASE)(task)
+
+    def run(cfg: DictConfig) -> Any:
+        module, _, function = task.partition(":")
+        try:
+            return getattr(importlib.import_module(module), function)(cfg)
+        except CommandLineMistake as mistake:
+            sys.exit(ERROR + str(mistake))
+
+    hydra_main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base=HYDRA_VERSION_BASE)(run)
 
     def main() -> None:
-        mistake = unknown_strategy_keys(config_name, sys.argv[1:])
-        if mistake:
-            sys.exit(mistake)
+        mistakes = command_line_mistakes(config_name, sys.argv[1:])
+        if mistakes:
+            sys.exit("\n".join(ERROR + mistake for mistake in mistakes))
         hydra_main()
 
     return main
 
 
-def unknown_strategy_keys(config_name: str, arguments: Sequence[str]) -> str | None:
-    """A message naming each ``strategy.<key>=...`` in ``arguments`` that the selected strategy lacks, with
-    the close matches among its options; None when every key exists (or there is none to check).
+def command_line_mistakes(config_name: str, arguments: Sequence[str]) -> list[str]:
+    """One message per mistake in the overrides ``arguments`` of ``config_name``; none when all is well.
 
-    The strategy is the one the command line selects (``strategy=ddp``; each choice of a sweep
-    ``strategy=paddle_dp,ddp``), else the config's default, composed as Hydra will compose it.
-    Keys added with ``+`` or removed with ``~`` are the user's business and not checked.
+    Hydra's own flags other than ``-m`` (``--cfg``, ``--help``, ``-cn``, ...) leave the checking to
+    Hydra. Keys added with ``+`` or removed with ``~`` are the user's business and not looked up.
     """
-    overrides = [argument for argument in arguments if not argument.startswith("-")]
+    if any(argument.startswith("-") and argument not in MULTIRUN_FLAGS for argument in arguments):
+        return []
+    overrides = [argument for argument in arguments if argument not in MULTIRUN_FLAGS]
+    unreadable = [m for m in map(_unreadable, overrides) if m]
+    if unreadable:
+        return unreadable
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    mistakes: list[str] = []
+    for job in _jobs(parsed):
+        for mistake in _job_mistakes(config_name, job):
+            if mistake not in mistakes:
+                mistakes.append(mistake)
+    return mistakes
+
+
+def _unreadable(argument: str) -> str | None:
+    """Why Hydra cannot read ``argument`` as an override (an unclosed bracket, a space unquoted); None if it can."""
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException:
-        return None  # a syntax error: Hydra's own message says where
-    keys = [o.key_or_group for o in parsed if o.key_or_group.startswith(STRATEGY_GROUP + ".") and _changes(o)]
-    if not keys:
-        return None
-    choices = [None]
-    for override in parsed:
-        if override.key_or_group == STRATEGY_GROUP and _changes(override):
-            choices = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
-    problems = []
-    for choice in choices:
-        composed = _strategy_options(config_name, choice)
-        if composed is None:
-            return None  # the config does not compose without our overrides: Hydra says why
-        name, options = composed
-        for key in keys:
-            option = key[len(STRATEGY_GROUP) + 1 :]
-            if option not in options:
-                problems.append(_did_you_mean(option, options, name))
-    return "\n".join(dict.fromkeys(problems)) or None
+        OverridesParser.create().parse_override(argument)
+    except HydraException as error:
+        lines = [line for line in str(error).splitlines() if line and not line.startswith(("Error when parsing", "See "))]
+        why = "; ".join(lines) or _first_line(error)
+        return f"{argument} is not an override Hydra can read ({why}): expected key=value ({HYDRA_GRAMMAR})."
+    return None
+
+
+def _jobs(parsed: list[Override]) -> list[list[Override]]:
+    """The overrides of the jobs to check: the first value of every sweep, then each other value of
+    each sweep with the others at their first. Every value is checked; a sweep of N by M jobs costs
+    N + M - 1 compositions, not N * M."""
+    values = [_values(override) for override in parsed]
+    jobs = [[options[0] for options in values]]
+    for index, options in enumerate(values):
+        for option in options[1:]:
+            jobs.append([*jobs[0][:index], option, *jobs[0][index + 1 :]])
+    return jobs
+
+
+def _values(override: Override) -> list[Override]:
+    if not override.is_sweep_override():
+        return [override]
+    parser = OverridesParser.create()
+    prefix = {OverrideType.ADD: "+", OverrideType.FORCE_ADD: "++"}.get(override.type, "")
+    return [
+        parser.parse_override(f"{prefix}{override.get_key_element()}={value}")
+        for value in override.sweep_string_iterator()
+    ]
+
+
+def _job_mistakes(config_name: str, job: list[Override]) -> list[str]:
+    owned = not GlobalHydra.instance().is_initialized()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=HYDRA_VERSION_BASE):
+            loader = GlobalHydra.instance().config_loader()
+            groups = _groups(loader)
+            choices = [o for o in job if _changes(o) and o.key_or_group in groups]
+            mistakes = [_unknown_choice(o, loader.get_group_options(o.key_or_group)) for o in choices]
+            mistakes = [m for m in mistakes if m]
+            if mistakes:
+                return mistakes
+            try:
+                base = compose(config_name, overrides=[o.input_line for o in choices], return_hydra_config=True)
+            except (HydraException, OmegaConfBaseException) as error:
+                return [_first_line(error)]
+            keys = [o for o in job if _changes(o) and o.key_or_group not in groups]
+            mistakes = [m for m in (_unknown_key(o.key_or_group, base) for o in keys) if m]
+            if mistakes:
+                return mistakes
+            try:
+                cfg = compose(config_name, overrides=[o.input_line for o in job], return_hydra_config=True)
+            except ConfigCompositionException as error:
+                return [_composition_mistake(error, job)]
+            except (HydraException, OmegaConfBaseException) as error:
+                return [_first_line(error)]
+    finally:
+        if owned:
+            GlobalHydra.instance().clear()
+    return _value_mistakes(cfg)
+
+
+def _groups(loader: Any, parent: str = "") -> set[str]:
+    """Every config group, nested ones as ``hydra/launcher``."""
+    found = set()
+    for name in loader.list_groups(parent):
+        path = f"{parent}/{name}" if parent else name
+        found |= {path, *_groups(loader, path)}
+    return found
 
 
 def _changes(override: Override) -> bool:
@@ -86,21 +191,64 @@ def _changes(override: Override) -> bool:
     return override.type == OverrideType.CHANGE and override.package is None
 
 
-def _strategy_options(config_name: str, choice: str | None) -> tuple[str, set[str]] | None:
-    """The name of the strategy ``choice`` (None: the default) in ``config_name``, and every option
-    it has (dotted, nested ones included)."""
-    overrides = [] if choice is None else [f"{STRATEGY_GROUP}={choice}"]
-    owned = not GlobalHydra.instance().is_initialized()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=HYDRA_VERSION_BASE):
-            cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
-    except (HydraException, ValueError):
+def _unknown_choice(override: Override, options: list[str]) -> str | None:
+    value = override.value()
+    if value is None or value in options:  # null: the group left out, as `experiment: null` does
         return None
-    finally:
-        if owned:
-            GlobalHydra.instance().clear()
+    group = override.key_or_group
+    close = difflib.get_close_matches(str(value), options, n=3, cutoff=0.6)
+    hint = "did you mean " + " or ".join(f"{group}={c}" for c in close) + "? " if close else ""
+    return f"{group}={value} is not a choice of {group}: {hint}expected one of {', '.join(options)}."
+
+
+def _unknown_key(key: str, cfg: DictConfig) -> str | None:
+    """``key`` is missing from ``cfg``: which node lacks it, and its keys spelt alike."""
+    if key.startswith(STRATEGY_GROUP + ".") and STRATEGY_GROUP in cfg:
+        option = key[len(STRATEGY_GROUP) + 1 :]
+        known = _dotted_keys(OmegaConf.to_container(cfg[STRATEGY_GROUP], resolve=False))
+        return None if option in known else _strategy_mistake(option, cfg)
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, throw_on_resolution_failure=False) if parent else cfg
+    if not isinstance(node, DictConfig):
+        if node is None and parent and _unknown_key(parent, cfg) is None:
+            return None  # a node left null (a callback switched off): setting a key in it is Hydra's to judge
+        return _unknown_key(parent, cfg) if parent else None
+    if name in node.keys():
+        return None
+    keys = sorted(k for k in node.keys() if not str(k).startswith("_") and (parent or k != "hydra"))
+    close = difflib.get_close_matches(name, keys, n=3, cutoff=0.6)
+    where = _where(parent, cfg)
+    dotted = f"{parent}." if parent else ""
+    hint = "did you mean " + " or ".join(f"{dotted}{c}" for c in close) + "?" if close else f"its keys: {', '.join(keys)}."
+    return f"{key} is not a key of {where}: {hint}"
+
+
+def _where(parent: str, cfg: DictConfig) -> str:
+    """How a user names the node ``parent``: ``trainer=cpu``, ``callbacks.model_checkpoint``, ``the config``."""
+    if not parent:
+        return "the config"
+    choice = cfg.hydra.runtime.choices.get(parent)
+    return f"{parent}={choice}" if choice else parent
+
+
+def _strategy_mistake(option: str, cfg: DictConfig) -> str:
     name = cfg.hydra.runtime.choices.get(STRATEGY_GROUP) or "its strategy"
-    return name, set(_dotted_keys(OmegaConf.to_container(cfg[STRATEGY_GROUP], resolve=False)))
+    options = set(_dotted_keys(OmegaConf.to_container(cfg[STRATEGY_GROUP], resolve=False)))
+    declared = {d.path: d for d in declared_options(TRAINER)}
+    if option in declared:  # lit_dp's, absent from this strategy: strategy=ddp, where DDP has nothing like it
+        return (
+            f"strategy.{option} is not an option of strategy={name}: torch DDP has no counterpart ({option}: "
+            f"{declared[option].field.metadata['help']}), and would run without it. Expected it left out with "
+            f"strategy={name}, or strategy=paddle_dp (docs/configs.md, the ddp peer)."
+        )
+    candidates = sorted(o for o in options if not o.startswith("_"))
+    close = difflib.get_close_matches(option, candidates, n=3, cutoff=0.6)
+    hint = (
+        "did you mean " + " or ".join(f"strategy.{c}" for c in close) + "?"
+        if close
+        else "its options: " + ", ".join(candidates) + "."
+    )
+    return f"strategy.{option} is not an option of strategy={name}: {hint} (docs/options.md lists them all)"
 
 
 def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
@@ -112,19 +260,49 @@ def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _did_you_mean(option: str, options: set[str], strategy: str) -> str:
-    declared = {d.path: d for d in declared_options(TRAINER)}
-    if option in declared:  # lit_dp's, absent from this strategy: strategy=ddp, where DDP has nothing like it
-        return (
-            f"strategy.{option} is not an option of strategy={strategy}: torch DDP has no counterpart ({option}: "
-            f"{declared[option].field.metadata['help']}), and would run without it. Expected it left out with "
-            f"strategy={strategy}, or strategy=paddle_dp (docs/configs.md, the ddp peer)."
-        )
-    candidates = sorted(o for o in options if not o.startswith("_"))
-    close = difflib.get_close_matches(option, candidates, n=3, cutoff=0.6)
-    hint = (
-        "did you mean " + " or ".join(f"strategy.{c}" for c in close) + "?"
-        if close
-        else "its options: " + ", ".join(candidates) + "."
-    )
-    return f"strategy.{option} is not an option of strategy={strategy}: {hint} (docs/options.md lists them all)"
+def _composition_mistake(error: ConfigCompositionException, job: list[Override]) -> str:
+    """A value Hydra could not merge (a wrong type), as ``key=value is invalid: why``."""
+    cause = error.__cause__
+    full_key = getattr(cause, "full_key", None)
+    typed = next((o.input_line for o in job if o.key_or_group == full_key), None)
+    if typed is None or cause is None:
+        return _first_line(error)
+    why = getattr(cause, "msg", None) or _first_line(cause)
+    return f"{typed} is invalid: {why.splitlines()[0].rstrip('.')}."
+
+
+def _value_mistakes(cfg: DictConfig) -> list[str]:
+    """The checks ``train`` makes before anything starts, on the composed ``cfg``: the strategy's
+    options, the trainer section, and the run's own keys (``checkpoint_every_n_steps``,
+    ``compile``, ``seed``, ``ckpt_path``)."""
+    cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # Hydra's own: set as the job runs
+    if "paths" in cfg:  # Hydra's run folder is known only once the job runs; no check reads it
+        OmegaConf.update(cfg, "paths.output_dir", str(Path.cwd()), force_add=True)
+    checks: list[Callable[[], Any]] = []
+    if "strategy" in cfg and cfg.strategy.get("_target_") in (PADDLE_DP_TARGET, DDP_TARGET):
+        checks.append(lambda: strategy_arguments(cfg.strategy))
+    if "trainer" in cfg:
+        checks.append(lambda: validate_trainer(cfg))
+    checks.append(lambda: check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps")))
+    checks.append(lambda: check_compile(cfg.get("compile", False)))
+    if "seed" in cfg:
+        checks.append(lambda: check_seed(cfg.seed))
+    if "ckpt_path" in cfg:
+        checks.append(lambda: check_ckpt_path(cfg.ckpt_path))
+    mistakes = [
+        f"{key} has no value: expected {key}=... on the command line."
+        for key in sorted(OmegaConf.missing_keys(cfg))
+    ]
+    with warnings.catch_warnings():  # the run itself warns, once, where it applies
+        warnings.simplefilter("ignore")
+        for check in checks:
+            try:
+                check()
+            except ValueError as error:
+                mistakes.append(str(error))
+    return mistakes
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

@@ -13,7 +13,7 @@ The ``paddle_dp`` schema is open at its top level, so that a key it lacks reache
 spelling of ``strategy.trace.dir``), ``strategy.bucket_cap_mb`` (Lightning's name), a typo.
 ``register_configs`` generates the schemas again, with the named hooks registered by then.
 
-``strategy=ddp`` is torch DDP for side-by-side runs (``DDPPeer``): its schema holds the options
+``strategy=ddp`` is torch DDP for side-by-side runs (``lit_dp_recipes.ddp_peer.DDPPeer``): its schema holds the options
 whose declarations say what DDP has for them (``ddp=``: ``comm_buffer_size`` is
 ``bucket_cap_mb``, a named ``comm_hook`` is torch's hook). It is open too, so that any other
 lit_dp option, from the command line or an ``experiment=``, reaches
@@ -26,27 +26,25 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_method, instantiate
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from lit_dp.ddp_arguments import ddp_strategy_arguments
 from lit_dp.options import TRAINER, Declared, Options, declared_options
-from lit_dp.strategies.precision import for_data_parallel
-from lit_dp_recipes.resume import register_resolvers
+from lit_dp_recipes.run_folder import register_resolvers
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 # CPU ranks per core beyond which a run is refused: past it every rank waits for a core most of
 # each step, and its memory (a model, an optimizer, a process) adds up for nothing.
 MAX_CPU_RANKS_PER_CORE = 4
 PADDLE_DP_TARGET = "lit_dp.PaddleDPStrategy"
-DDP_TARGET = "lit_dp_recipes.config.ddp_strategy"
+DDP_TARGET = "lit_dp_recipes.ddp_peer.ddp_strategy"
+DDP_PEER = "lit_dp_recipes.ddp_peer.DDPPeer"
 
 
 def ddp_options() -> list[Declared]:
@@ -136,47 +134,6 @@ class TrainerConfig:
             raise ValueError(f"trainer.max_epochs={self.max_epochs!r} is invalid: expected >= -1 (or null).")
 
 
-class DDPPeer(DDPStrategy):
-    """Lightning's ``DDPStrategy``, as ``strategy=ddp`` runs it beside ``paddle_dp``: the same
-    model, optimizer, precision and clipping, the gradients reduced by torch DDP.
-
-    Two differences from Lightning's class keep what the recipes run comparable:
-
-    - the precision plugin is lit_dp's (``lit_dp.strategies.precision``), which differs from
-      Lightning's in clipping only: a fused AdamW (the GPT recipe's) can be clipped under
-      ``bf16-mixed``, where Lightning's refuses at the first step; its checkpoints keep
-      Lightning's names;
-    - the communication hook is registered on every device, as torch DDP allows; Lightning
-      registers it on CUDA only, and would run ``strategy.comm_hook=bf16`` uncompressed on CPU.
-    """
-
-    @property
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else Precision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        # Where Lightning hands the strategy the plugin it made for `precision=` (or the user's).
-        self._precision_plugin = for_data_parallel(plugin)
-
-    def _register_ddp_hooks(self) -> None:
-        if self._ddp_comm_hook is not None:  # torch's own registration, as Lightning's on CUDA
-            wrapper = self._ddp_comm_wrapper
-            hook = self._ddp_comm_hook if wrapper is None else wrapper(self._ddp_comm_hook)
-            self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
-
-
-def ddp_strategy(**values: Any) -> DDPPeer:
-    """``strategy=ddp``: torch DDP configured from lit_dp's option names, each mapped to DDP's own or
-    refused by name (``lit_dp.ddp_arguments.ddp_strategy_arguments``)."""
-    return ddp_peer(values)
-
-
-def ddp_peer(values: dict[str, Any], prefix: str = "", nested: bool = False) -> DDPPeer:
-    """``DDPPeer`` from lit_dp's options ``values``; errors name each option ``prefix`` + as given."""
-    return DDPPeer(**ddp_strategy_arguments(values, prefix, nested=nested))
-
-
 def register_configs() -> None:
     """Make the schemas available to ``conf/`` (``defaults: [/paddle_dp_schema@_here_]`` and so on), and
     the ``lit_dp.job_folder`` resolver that names run folders (``conf/hydra/default.yaml``).
@@ -201,16 +158,25 @@ def build_strategy(node: DictConfig) -> Any:
 
     A config of lit_dp's strategy or of the recipes' ``ddp`` is validated by ``Options.build``
     (errors read ``strategy.comm_buffer_size=-1.0 is invalid: ...``), ``ddp``'s options mapped to
-    DDP's or refused (``ddp_peer``); any other strategy config is instantiated as it is.
+    DDP's or refused (``lit_dp_recipes.ddp_peer``); any other strategy config is instantiated as it is.
     """
     target = node.get("_target_")
     if target not in (PADDLE_DP_TARGET, DDP_TARGET):
         return instantiate(node)
+    # By name, so that this module does not load Lightning (the peer is Lightning's DDPStrategy).
+    built = PADDLE_DP_TARGET if target == PADDLE_DP_TARGET else DDP_PEER
+    return get_method(built)(**strategy_arguments(node))
+
+
+def strategy_arguments(node: DictConfig) -> dict[str, Any]:
+    """The keyword arguments ``build_strategy`` gives lit_dp's strategy or the ``ddp`` peer, checked;
+    raises ``ValueError`` naming the option as typed. Lightning-free: the command line's check
+    (``lit_dp_recipes.cli``) calls it before any import of Lightning."""
     values = OmegaConf.to_container(node, resolve=True)
-    values.pop("_target_")
+    target = values.pop("_target_")
     if target == DDP_TARGET:
-        return ddp_peer(values, prefix="strategy.", nested=True)
-    return get_method(target)(options=Options.build(values, TRAINER, prefix="strategy.", nested=True))
+        return ddp_strategy_arguments(values, "strategy.", nested=True)
+    return {"options": Options.build(values, TRAINER, prefix="strategy.", nested=True)}
 
 
 def validate_trainer(cfg: DictConfig) -> None:
@@ -222,6 +188,41 @@ def validate_trainer(cfg: DictConfig) -> None:
     check_cpu_devices(accelerator, devices)
     strategy = cfg.get("strategy") or {}
     check_sharded_precision((strategy.get("sharding") or {}).get("stage"), cfg.trainer.get("precision"))
+
+
+def check_checkpoint_every_n_steps(value: Any) -> int | None:
+    """A positive number of optimizer steps, or None (checkpoints once an epoch)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(
+            f"checkpoint_every_n_steps={value!r} is invalid: expected a positive number of optimizer steps, "
+            "or null for one checkpoint an epoch."
+        )
+    return value
+
+
+def check_seed(seed: Any) -> int:
+    """``seed``: an integer."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r} is invalid: expected an integer.")
+    return seed
+
+
+def check_ckpt_path(value: Any) -> Any:
+    """``ckpt_path``: ``auto``, null, or a file that exists (Lightning would fail on a missing one
+    only once the ranks are up)."""
+    if value is None or value == "auto" or Path(str(value)).is_file():
+        return value
+    raise ValueError(
+        f"ckpt_path={value!r} is invalid: no such file from {Path.cwd()}; expected the path of a checkpoint, "
+        "auto (the run folder's newest good one, the default) or null (from scratch)."
+    )
+
+
+def check_compile(enabled: Any) -> bool:
+    """``compile``: true or false."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"compile={enabled!r} is invalid: expected true or false.")
+    return enabled
 
 
 def check_sharded_precision(stage: Any, precision: Any) -> None:
@@ -249,6 +250,9 @@ def check_cpu_devices(accelerator: Any, devices: Any, cores: int | None = None) 
             "(one per core), or GPUs (trainer=gpu), or more machines (trainer.num_nodes)."
         )
     if devices > cores:
+        # Imported here: the command line is checked before Lightning loads (lit_dp_recipes.cli).
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
         rank_zero_warn(
             f"trainer.devices={devices} starts more CPU processes than the {cores} cores this machine gives: "
             f"they share the cores, so each step takes longer (at most {bound} are accepted)."
@@ -266,9 +270,14 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+def is_number(value: object) -> bool:
+    """An int or a float (not a string such as ``abc``, not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def is_fraction(value: object) -> bool:
     """A number strictly between 0 and 1 (not a string such as ``abc``, not a bool): a ``val_fraction``."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1
+    return is_number(value) and 0 < value < 1
 
 
 def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:

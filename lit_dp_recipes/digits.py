@@ -9,7 +9,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_dp_recipes.config import is_fraction
+from lit_dp_recipes.config import is_fraction, is_number
 
 
 class DigitsDataModule(pl.LightningDataModule):
@@ -49,6 +49,15 @@ class MLPClassifier(pl.LightningModule):
 
     def __init__(self, in_features: int = 64, num_classes: int = 10, hidden_sizes: tuple[int, ...] = (128, 128), lr: float = 3e-3):
         super().__init__()
+        for option, value in (("in_features", in_features), ("num_classes", num_classes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{option}={value!r} is invalid: expected a positive integer.")
+        if not isinstance(hidden_sizes, (list, tuple)) or not all(
+            isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in hidden_sizes
+        ):
+            raise ValueError(f"model.hidden_sizes={hidden_sizes!r} is invalid: expected a list of positive integers, e.g. [128,128].")
+        if not (is_number(lr) and lr > 0):
+            raise ValueError(f"model.lr={lr!r} is invalid: expected a positive learning rate.")
         self.save_hyperparameters()
         sizes = [in_features, *hidden_sizes]
         layers: list[nn.Module] = []

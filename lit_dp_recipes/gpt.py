@@ -28,6 +28,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from lit_dp_recipes.config import is_number
+
 
 class Block(nn.Module):
     def __init__(self, width: int, heads: int, dropout: float) -> None:
@@ -172,16 +174,16 @@ def _check_model(block_size: int, n_layer: int, n_head: int, n_embd: int, dropou
             raise ValueError(f"model.{option}={value!r} is invalid: expected a positive integer.")
     if n_embd % n_head:
         raise ValueError(f"model.n_embd={n_embd} is invalid: expected a multiple of model.n_head={n_head}.")
-    if not 0 <= dropout < 1:
+    if not (is_number(dropout) and 0 <= dropout < 1):
         raise ValueError(f"model.dropout={dropout!r} is invalid: expected a probability in [0, 1).")
 
 
 def _check_schedule(
     lr: float, min_lr: float, warmup_steps: int, lr_decay_steps: int | None, weight_decay: float, betas
 ) -> None:
-    if not lr > 0:
+    if not (is_number(lr) and lr > 0):
         raise ValueError(f"model.lr={lr!r} is invalid: expected a positive learning rate.")
-    if not 0 <= min_lr <= lr:
+    if not (is_number(min_lr) and 0 <= min_lr <= lr):
         raise ValueError(f"model.min_lr={min_lr!r} is invalid: expected a rate in [0, model.lr={lr}].")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"model.warmup_steps={warmup_steps!r} is invalid: expected an integer >= 0.")
@@ -192,7 +194,7 @@ def _check_schedule(
             f"model.lr_decay_steps={lr_decay_steps!r} is invalid: expected null (the run's length) or an integer "
             f">= model.warmup_steps={warmup_steps}."
         )
-    if not weight_decay >= 0:
+    if not (is_number(weight_decay) and weight_decay >= 0):
         raise ValueError(f"model.weight_decay={weight_decay!r} is invalid: expected a number >= 0.")
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in betas):
         raise ValueError(f"model.betas={list(betas)!r} is invalid: expected two numbers in [0, 1).")

@@ -26,11 +26,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import get_original_cwd, to_absolute_path
 from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
@@ -44,6 +46,24 @@ CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", 
 # Hydra overrides that belong to the sweep or that the rank's command sets itself.
 SWEEP_KEYS = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.sweeper", "hydra/sweeper", "hydra.launcher",
               "hydra/launcher", "hydra.job.name", "hydra.job.num", "hydra.job.id", "hydra.output_subdir")
+
+
+@contextmanager
+def sweep_job() -> Iterator[None]:
+    """Around a job's fit: in a sweep, the job leaves the next neither a process group nor its
+    environment. ``JobScriptLauncher`` restores both for a job whose ranks it started; a job on
+    one device starts none, and its group of one rank and its ``RANK``, ``WORLD_SIZE``, ... made
+    the next job's ``trainer.devices=2`` fail, or wait for ever for a rank (issue 47)."""
+    sweeping = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if sweeping:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def use_job_launcher(strategy: Strategy) -> None:
@@ -98,14 +118,23 @@ def rank_command(local_rank: int, argv: Sequence[str] | None = None) -> list[str
 
     spec = getattr(__main__, "__spec__", None)
     command = [sys.executable, to_absolute_path(argv[0])] if spec is None else [sys.executable, "-m", spec.name]
-    command += config_flags(argv[1:])
-    command += list(hydra_cfg.overrides.task)
-    command += [o for o in hydra_cfg.overrides.hydra if not _override_key(o).startswith(SWEEP_KEYS)]
-    return command + [
+    return command + job_arguments(argv[1:]) + [
         "hydra.mode=RUN",
         f'hydra.run.dir="{hydra_cfg.runtime.output_dir}"',
         f"hydra.job.name=train_ddp_process_{local_rank}",
         "hydra.output_subdir=null",  # rank 0 alone writes the job's .hydra/ folder
+    ]
+
+
+def job_arguments(arguments: Sequence[str]) -> list[str]:
+    """The command-line arguments that run the current Hydra job alone: the config flags of
+    ``arguments``, the job's own overrides (one element of a sweep), and the user's Hydra
+    overrides but those of the sweep."""
+    overrides = HydraConfig.get().overrides
+    return [
+        *config_flags(arguments),
+        *overrides.task,
+        *(o for o in overrides.hydra if not _override_key(o).startswith(SWEEP_KEYS)),
     ]
 
 

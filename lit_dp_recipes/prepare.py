@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig
 
+from lit_dp_recipes.cli import CommandLineMistake
 from lit_dp_recipes.config import is_fraction
 from lit_dp_recipes.report import say
 from lit_dp_recipes.shards import MAX_TOKENS, append_llmc_shard, write_llmc_shard
@@ -148,9 +149,12 @@ def prepare_shards(
 
 def prepare_from_config(cfg: DictConfig) -> Prepared:
     """``recipes/prepare_shards.py``: ``prepare_shards`` with ``conf/prepare_shards.yaml``'s keys; says what it wrote."""
-    prepared = prepare_shards(
-        cfg.input_dir, cfg.output_dir, cfg.pattern, cfg.tokenizer, cfg.val_fraction, cfg.shard_tokens, cfg.name
-    )
+    try:
+        prepared = prepare_shards(
+            cfg.input_dir, cfg.output_dir, cfg.pattern, cfg.tokenizer, cfg.val_fraction, cfg.shard_tokens, cfg.name
+        )
+    except ValueError as error:  # each names the key and the value given (docs/conventions.md)
+        raise CommandLineMistake(str(error)) from None
     for line in summary(prepared, cfg.output_dir).splitlines():
         say(line)
     return prepared

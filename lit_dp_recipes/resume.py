@@ -1,8 +1,7 @@
 """Where a recipe run writes, what it resumes from, and what it tells the user about both.
 
 - Its run folder survives a restart: ``conf/hydra/default.yaml`` names it with the
-  ``lit_dp.job_folder`` resolver, the job's id under torchrun, SLURM or Paddle's launcher
-  (``lit_dp.job.restart.JobAttempt``), else the time as before. ``hydra.run.dir=...`` wins.
+  ``lit_dp.job_folder`` resolver (``lit_dp_recipes.run_folder``). ``hydra.run.dir=...`` wins.
 - ``ckpt_path=auto`` (the default) resumes from the newest good checkpoint of that folder. A
   checkpoint that does not load (truncated by a crash or a full disk, empty) or cannot resume a
   fit (weights only) is skipped, and the line saying what was resumed names it and why; when
@@ -43,9 +42,9 @@ from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.fault_tolerance.manager import QuorumUnreachable
 from lit_dp.strategies.preemption import Preempted
+from lit_dp_recipes.launch import job_arguments
 
 AUTO = "auto"
-JOB_FOLDER_RESOLVER = "lit_dp.job_folder"
 # What a checkpoint needs for training to go on where it stopped (Lightning's own keys); a
 # `save_weights_only` checkpoint has only the first.
 RESUMABLE_KEYS = ("state_dict", "optimizer_states", "loops", "global_step", "epoch")
@@ -54,37 +53,6 @@ RESUMABLE_KEYS = ("state_dict", "optimizer_states", "loops", "global_step", "epo
 # not theirs to find: their command line names rank 0's folder).
 RESUME_FROM_ENV = "LIT_DP_RESUME_FROM"
 FINISHED_MARKER = ".lit_dp_finished"  # in a run folder whose fit ended normally
-
-
-def register_resolvers() -> None:
-    """``${lit_dp.job_folder:FALLBACK[,PARENT]}``: the job's id under a launcher, else ``FALLBACK``.
-
-    Cached per config, as Hydra's ``now`` is: Lightning resolves ``hydra.run.dir`` again to start
-    ranks 1.., and must get the folder that rank 0 claimed, not the next free one.
-    """
-    OmegaConf.register_new_resolver(JOB_FOLDER_RESOLVER, job_folder, replace=True, use_cache=True)
-
-
-def job_folder(fallback: str, parent: str | None = None) -> str:
-    """``torchrun-<run id>``, ``slurm-<job id>``, ``paddle-<job id>``, or ``fallback`` (a time stamp).
-
-    With ``parent``, in a Hydra run, the time-stamped folder is claimed by creating it: a run that
-    starts in the same second as another of the same task gets ``<time>_1`` (``_2``, ...) rather
-    than sharing its folder, whose checkpoints ``ckpt_path=auto`` would resume as its own.
-    """
-    job_id = JobAttempt.from_environ().job_id
-    if job_id:
-        return job_id
-    if parent is None or not HydraConfig.initialized():  # composing a config (tests, --cfg): nothing to claim
-        return fallback
-    name, taken = fallback, 0
-    while True:
-        try:
-            (Path(parent) / name).mkdir(parents=True)
-            return name
-        except FileExistsError:
-            taken += 1
-            name = f"{fallback}_{taken}"
 
 
 @dataclass(frozen=True)
@@ -188,16 +156,6 @@ def use_atomic_checkpoints(strategy: Any) -> Any:
     return strategy
 
 
-def check_checkpoint_every_n_steps(value: Any) -> int | None:
-    """A positive number of optimizer steps, or None (checkpoints once an epoch)."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(
-            f"checkpoint_every_n_steps={value!r} is invalid: expected a positive number of optimizer steps, "
-            "or null for one checkpoint an epoch."
-        )
-    return value
-
-
 @dataclass(frozen=True)
 class EarlierRun:
     """A run of the same command, outside a launcher, in a folder of its own: what a rerun resumes."""
@@ -248,7 +206,9 @@ class ResumableRun:
         """The command line that continues this run in this folder (None outside a Hydra run)."""
         if self._hydra is None:
             return None
-        arguments = [a for a in sys.argv[1:] if not a.startswith(("hydra.run.dir=", "ckpt_path="))]
+        # A sweep's job is continued alone, in its own folder: its overrides, not the sweep's command line.
+        arguments = job_arguments(sys.argv[1:]) if self._hydra.mode == RunMode.MULTIRUN else sys.argv[1:]
+        arguments = [a for a in arguments if not a.startswith(("hydra.run.dir=", "ckpt_path="))]
         return shlex.join(["python", sys.argv[0], *arguments, f"hydra.run.dir={self.run_dir}"])
 
     def announce(self) -> None:

@@ -2,24 +2,43 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
+import inspect
 import logging
+import re
+import sys
 import warnings
+from typing import Any
 
 import lightning.pytorch as pl
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig
 
-from lit_dp_recipes.callbacks import CompileModel
-from lit_dp_recipes.config import build_strategy, validate_trainer
-from lit_dp_recipes.launch import use_job_launcher
+from lit_dp_recipes.callbacks import CompileModel, ProgressLines
+from lit_dp_recipes.cli import CommandLineMistake
+from lit_dp_recipes.config import (
+    build_strategy,
+    check_checkpoint_every_n_steps,
+    check_ckpt_path,
+    check_compile,
+    check_seed,
+    validate_trainer,
+)
+from lit_dp_recipes.launch import sweep_job, use_job_launcher
 from lit_dp_recipes.report import say
-from lit_dp_recipes.resume import ResumableRun, check_checkpoint_every_n_steps, use_atomic_checkpoints
+from lit_dp_recipes.resume import NoUsableCheckpoint, ResumableRun, use_atomic_checkpoints
 
 log = logging.getLogger(__name__)
+# Lightning's tips for its other products ("Tip: ... try installing litlogger"), and who logs them.
+LIGHTNING_TIP = "\N{ELECTRIC LIGHT BULB} Tip:"
+LIGHTNING_TIP_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+# How Python names a keyword argument a callable does not take.
+UNEXPECTED_ARGUMENT = re.compile(r"unexpected keyword argument '(\w+)'")
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -31,58 +50,129 @@ def train(cfg: DictConfig) -> dict[str, float]:
     the run writes and how to resume it, and after a failure which checkpoint a rerun resumes
     from (``lit_dp_recipes.resume``).
     """
-    strategy = use_atomic_checkpoints(build_strategy(cfg.strategy))
-    validate_trainer(cfg)
-    check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps"))
-    run = ResumableRun(cfg)
-    run.announce()
-    ckpt_path = run.resolve(cfg.get("ckpt_path"))
-    compile_callbacks = _compile_callbacks(cfg)
-    _code_warnings_from_rank_zero_only()
-    pl.seed_everything(cfg.seed, workers=True, verbose=rank_zero_only.rank == 0)
-    datamodule = build_checked(cfg.data)
-    model = build_checked(cfg.model)
-    trainer = instantiate(
-        cfg.trainer,
-        strategy=strategy,
-        logger=_loggers(cfg.get("logger")),
-        callbacks=_callbacks(cfg) + compile_callbacks,
-    )
+    _quiet_lightning()
+    try:  # every refusal here comes before any rank starts: one line, no traceback (lit_dp_recipes.cli)
+        strategy = use_atomic_checkpoints(build_strategy(cfg.strategy))
+        validate_trainer(cfg)
+        check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps"))
+        check_ckpt_path(cfg.get("ckpt_path"))
+        check_seed(cfg.seed)
+        compile_callbacks = _compile_callbacks(cfg)
+        _code_warnings_from_rank_zero_only()
+        pl.seed_everything(cfg.seed, workers=True, verbose=rank_zero_only.rank == 0)
+        _validate_by_the_last_step(cfg)
+        datamodule = build_checked(cfg.data, "data")
+        model = build_checked(cfg.model, "model")
+        trainer = build_checked(
+            cfg.trainer,
+            "trainer",
+            enable_progress_bar=_progress_bar(cfg),
+            strategy=strategy,
+            logger=_loggers(cfg.get("logger")),
+            callbacks=_callbacks(cfg) + compile_callbacks,
+        )
+        run = ResumableRun(cfg)
+        run.announce()
+        ckpt_path = run.resolve(cfg.get("ckpt_path"))
+    except (ValueError, NoUsableCheckpoint) as error:
+        raise CommandLineMistake(str(error)) from None
     use_job_launcher(trainer.strategy)
-    with run.fitting(ckpt_path):
+    with sweep_job(), run.fitting(ckpt_path):
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
-        say("final " + " ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))
+        say(_final_line(trainer, metrics))
     return metrics
 
 
-def build_checked(node: DictConfig):
-    """``instantiate(node)``, with a ``ValueError`` of the target raised as itself (it names the
-    option and the value), not inside Hydra's ``InstantiationException``."""
+def _validate_by_the_last_step(cfg: DictConfig) -> None:
+    """A run counted in steps whose ``trainer.val_check_interval`` exceeds ``trainer.max_steps`` would
+    end without validating (Lightning validates every ``val_check_interval`` steps only): it
+    validates at its last step instead, and says so."""
+    trainer = cfg.trainer
+    interval, max_steps = trainer.get("val_check_interval"), trainer.get("max_steps", -1)
+    if trainer.get("check_val_every_n_epoch") is not None or not isinstance(interval, int) or isinstance(interval, bool):
+        return
+    if 0 < max_steps < interval:
+        trainer.val_check_interval = max_steps
+        say(f"validating at step {max_steps}, the last (trainer.max_steps={max_steps} < trainer.val_check_interval={interval})")
+
+
+def _final_line(trainer: pl.Trainer, metrics: dict[str, float]) -> str:
+    """``final name=value ...``; for a fit that had nothing left to do, why not."""
+    if metrics:
+        return "final " + " ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items()))
+    limits = [f"trainer.max_steps={trainer.max_steps}"] if trainer.max_steps > 0 else []
+    limits += [f"trainer.max_epochs={trainer.max_epochs}"] if trainer.max_epochs not in (None, -1) else []
+    return (
+        f"final: nothing trained: the checkpoint resumed is at step {trainer.global_step}, epoch {trainer.current_epoch}, "
+        f"where {' and '.join(limits) or 'the run'} already stopped it; raise it to train on, or pass ckpt_path=null "
+        "to start over"
+    )
+
+
+def build_checked(node: DictConfig, name: str, **arguments: Any) -> Any:
+    """``instantiate(node, **arguments)``, with a ``ValueError`` of the target raised as itself (it
+    names the option and the value), not inside Hydra's ``InstantiationException``; a key the target
+    does not take (``+trainer.max_epoch=5``), or Lightning's refusal of a value, as a ``ValueError``
+    naming ``name``'s key."""
     try:
-        return instantiate(node, _convert_="all")
+        return instantiate(node, _convert_="all", **arguments)
     except InstantiationException as error:
-        if isinstance(error.__cause__, ValueError):
-            raise error.__cause__ from None
+        cause = error.__cause__
+        if isinstance(cause, ValueError) and str(cause).startswith(f"{name}."):  # ours: it names the key
+            raise cause from None
+        unexpected = UNEXPECTED_ARGUMENT.search(str(cause)) if isinstance(cause, TypeError) else None
+        if unexpected:
+            raise ValueError(_not_an_argument(name, unexpected.group(1), node)) from None
+        if isinstance(cause, (ValueError, MisconfigurationException)):  # the target's own words (Lightning's)
+            raise ValueError(f"{name}: {cause}") from None
         raise
+
+
+def _not_an_argument(name: str, key: str, node: DictConfig) -> str:
+    target = node.get("_target_")
+    accepted = [p for p in inspect.signature(get_class(target)).parameters if p not in ("self", "args", "kwargs")]
+    close = difflib.get_close_matches(key, accepted, n=3, cutoff=0.6)
+    hint = "did you mean " + " or ".join(f"{name}.{c}" for c in close) + "?" if close else f"it takes {', '.join(accepted)}."
+    return f"{name}.{key} is not an argument of {target}: {hint}"
 
 
 def _compile_callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """``compile: true`` compiles the model's forward in each rank with ``compile_backend``."""
-    enabled = cfg.get("compile", False)
-    if not isinstance(enabled, bool):
-        raise ValueError(f"compile={enabled!r} is invalid: expected true or false.")
+    enabled = check_compile(cfg.get("compile", False))
     return [CompileModel(cfg.get("compile_backend", "inductor"))] if enabled else []
 
 
 def _callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """``cfg.callbacks``, less a progress bar when ``trainer.enable_progress_bar=false`` (Lightning
-    refuses a progress-bar callback then: the switch turns the recipe's own bar off too)."""
-    callbacks = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
-    if cfg.trainer.get("enable_progress_bar", True) is False:
+    refuses a progress-bar callback then: the switch turns the recipe's own bar off too), and with
+    ``ProgressLines`` in the bar's place where standard error is not a terminal (``_progress_bar``)."""
+    nodes = (cfg.get("callbacks") or {}).items()
+    callbacks = [build_checked(node, f"callbacks.{name}") for name, node in nodes if node is not None]
+    if not _progress_bar(cfg):
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
+        if cfg.trainer.get("enable_progress_bar", True) is not False:
+            callbacks.append(ProgressLines())
     return callbacks
+
+
+def _progress_bar(cfg: DictConfig) -> bool:
+    """Whether the run draws a progress bar: where asked, and only on a terminal (a bar's carriage
+    returns fill a log file)."""
+    return cfg.trainer.get("enable_progress_bar", True) is not False and sys.stderr.isatty()
+
+
+def _quiet_lightning() -> None:
+    """Leave out what Lightning prints that is not about this run: its tips for other products, and
+    its own use of a name torch deprecated (Lightning 2.6 with torch 2.13; no setting of ours changes it)."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+    for name in LIGHTNING_TIP_LOGGERS:
+        logging.getLogger(name).addFilter(_no_tips)
+
+
+def _no_tips(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(LIGHTNING_TIP)
 
 
 def _code_warnings_from_rank_zero_only() -> None:
@@ -100,7 +190,8 @@ def _loggers(nodes: DictConfig | None) -> list[pl.loggers.Logger] | bool:
     for name, node in nodes.items():
         if node._target_.endswith("TensorBoardLogger") and importlib.util.find_spec("tensorboard") is None:
             if rank_zero_only.rank == 0:
-                log.info("logger.%s skipped: tensorboard is not installed (pip install 'lit_dp[tensorboard]')", name)
+                # Debug only: the CSV log is there, and the docs say TensorBoard's is written where installed.
+                log.debug("logger.%s skipped: tensorboard is not installed (pip install 'lit_dp[tensorboard]')", name)
             continue
-        loggers.append(instantiate(node))
+        loggers.append(build_checked(node, f"logger.{name}"))
     return loggers

@@ -27,3 +27,12 @@ def test_the_readme_names_the_torch_ci_runs_both_tiers_on():
     [pinned] = re.findall(r'"torch==([\d.]+)"', (ROOT / ".ci" / "run").read_text())
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"CI runs both tiers on torch {'.'.join(pinned.split('.')[:2])}" in readme
+
+
+def test_the_readme_installs_the_torch_ci_runs_on_without_cuda_in_one_line():
+    # Issue 47: the README's commands pulled torch with 3 GB of CUDA libraries onto a machine with
+    # no GPU, and a newer torch than the one CI tests.
+    [pinned] = re.findall(r'"torch==([\d.]+)"', (ROOT / ".ci" / "run").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert f"python -m pip install torch=={pinned} --index-url https://download.pytorch.org/whl/cpu\n" in readme
+    assert f"`torch=={pinned}`" in readme  # what CI installs, said where the tested versions are

@@ -247,16 +247,24 @@ class StragglerReport(ReducerObserver):
             f"(steps {reports[0].first_step}-{reports[-1].last_step})"
         )
 
-    def summary(self) -> str:
-        """One line over every window so far (the Trainer prints it when training ends)."""
-        if not self.windows:
-            return "no window completed"
-        head = f"{self.lagged} of {self.windows} window{'s' * (self.windows != 1)} of {self._every} steps had a rank lagging"
-        if self.worst is None:
-            return head
-        worst = self.worst
-        return (
-            f"{head}; the largest lag: rank {worst.slowest}, {worst.lag_ms:.1f} ms per step "
-            f"({worst.lag_share:.0%} of the step, {worst.cause}) in the window ending at step {worst.last_step}"
-        )
+    def summary(self) -> str | None:
+        """One line over every window so far (the Trainer prints it when training ends): ``summarize``."""
+        return summarize(self.windows, self.lagged, self.worst, self._every)
 
+
+def summarize(windows: int, lagged: int, worst: WindowReport | None, every_n_steps: int) -> str | None:
+    """The run's straggler line: ``windows`` judged, ``lagged`` of them with a rank lagging, the
+    ``worst``. None before the first window closes: a run that short has nothing to compare.
+
+    Without a lagging window the line says so and no more: the largest lag below the thresholds
+    is noise, and read as an alarm (the ``straggler/*`` metrics keep it).
+    """
+    if not windows:
+        return None
+    judged = f"{windows} window{'s' * (windows != 1)} of {every_n_steps} steps"
+    if not lagged or worst is None:
+        return f"no rank lagged in {judged}"
+    return (
+        f"{lagged} of {judged} had a rank lagging; the largest lag: rank {worst.slowest}, {worst.lag_ms:.1f} ms "
+        f"per step ({worst.lag_share:.0%} of the step, {worst.cause}) in the window ending at step {worst.last_step}"
+    )

@@ -397,18 +397,23 @@ class Options:
         """The options of the named hook ``name``, or None for a hook without options."""
         return self.hooks.get(name)
 
-    def describe(self, scope: str, skip: tuple[str, ...] = ()) -> str:
+    def describe(self, scope: str, skip: tuple[str, ...] = (), changed_only: bool = False) -> str:
         """The options of ``scope`` in effect, ``name=value`` each, for the start-up line.
 
         A named hook's options are part of its ``comm_hook=`` text; ``skip`` names options the
-        caller shows itself (the strategy shows the backend resolved).
+        caller shows itself (the strategy shows the backend resolved). ``changed_only``: only
+        those that differ from what ``scope`` builds with no options given, for a line short
+        enough to read in a log (the recipes' start-up line).
         """
+        defaults = Options.build({}, scope) if changed_only else None
         shown = []
         for declared in declared_options(scope):
             meta = declared.field.metadata
             if declared.hook is not None or meta["shown_by"] is not None or declared.path in skip:
                 continue
             value = self.value(declared.path)
+            if defaults is not None and value == defaults.value(declared.path):
+                continue
             shown.append(f"{declared.path}={meta['show'](value, self) if meta['show'] else show_value(value)}")
         return " ".join(shown)
 

@@ -24,10 +24,11 @@ class HealthMonitor(pl.Callback):
     - each window the ranks judged, as ``straggler/*`` metrics (the slowest rank, its lag, where
       its time and the others' went; ``WindowReport.as_metrics``), logged by rank 0 at the step
       the window was read;
-    The lines a run ends with (how many windows had a rank lagging and the largest lag; how many
-    consistency checks ran) are printed by the strategy's monitors feature instead
-    (``lit_dp.strategies.monitoring``), after every feature ended training: LocalSGD's final sync,
-    which the consistency check follows, comes after the callbacks' ``on_train_end``.
+    The lines a run ends with (how many windows had a rank lagging and the largest lag, or that none
+    lagged; how many consistency checks ran; a run too short for a window or a check gets neither)
+    are printed by the strategy's monitors feature instead (``lit_dp.strategies.monitoring``), after
+    every feature ended training: LocalSGD's final sync, which the consistency check follows, comes
+    after the callbacks' ``on_train_end``.
     """
 
     def __init__(self) -> None:
@@ -70,10 +71,11 @@ class HealthMonitor(pl.Callback):
 
 
 def health_summaries(model: DataParallel) -> list[str]:
-    """The lines a run ends with: the straggler report's and the consistency check's, where they are on."""
+    """The lines a run ends with: the straggler report's and the consistency check's, where they are on
+    and have judged something."""
     lines = []
-    if model.straggler is not None:
-        lines.append(f"[lit_dp] straggler: {model.straggler.summary()}")
-    if model.consistency is not None:
+    if model.straggler is not None and (straggler := model.straggler.summary()) is not None:
+        lines.append(f"[lit_dp] straggler: {straggler}")
+    if model.consistency is not None and model.consistency.checks:
         lines.append(f"[lit_dp] replica consistency: {model.consistency.summary()}")
     return lines

@@ -93,9 +93,10 @@ class CommStatsMonitor(pl.Callback):
         means = self._means(trainer)
         last = self._model_stats(trainer)
         parts = []
-        if last is not None:
+        # A group of one rank communicates nothing: "0.000 MB in 0 buckets, overlap 1.00" says nothing.
+        if last is not None and last.buckets:
             parts.append(f"{last.bytes / 2**20:.3f} MB in {last.buckets} bucket{'s' * (last.buckets != 1)} per step")
-        if means:
+        if means and (means["time_ms"] or means["exposed_ms"]):
             parts.append(
                 f"time {means['time_ms']:.3f} ms, exposed {means['exposed_ms']:.3f} ms, "
                 f"overlap {means['overlap']:.2f} (rank 0, means over the steps after the first)"

@@ -7,6 +7,8 @@ merges them onto it; no run folder is made.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import sys
 
 from omegaconf import OmegaConf
@@ -17,14 +19,26 @@ from lit_dp_recipes.sample import SampleConfig, sample
 
 def main(arguments: list[str] | None = None) -> None:
     arguments = sys.argv[1:] if arguments is None else arguments
+    keys = [field.name for field in dataclasses.fields(SampleConfig)]
+    for argument in arguments:
+        key = argument.partition("=")[0]
+        if key in keys and "=" not in argument:
+            sys.exit(f"error: {argument} has no value: expected {key}=... (docs/gpt.md, 'Sampling').")
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=2, cutoff=0.6)
+            hint = "did you mean " + " or ".join(close) + "? " if close else ""
+            sys.exit(f"error: {argument} is not a key=value of the sampler: {hint}expected one of {', '.join(keys)} "
+                     "(docs/gpt.md, 'Sampling').")
     try:
         config = OmegaConf.merge(OmegaConf.structured(SampleConfig), OmegaConf.from_dotlist(arguments))
-    except OmegaConfBaseException as error:
-        sys.exit(f"{error}\nexpected key=value with the keys of lit_dp_recipes.sample.SampleConfig (docs/gpt.md, 'Sampling').")
+    except OmegaConfBaseException as error:  # a value of the wrong type: OmegaConf names the key
+        typed = next((a for a in arguments if a.partition("=")[0] == getattr(error, "full_key", None)), None)
+        why = str(getattr(error, "msg", error)).splitlines()[0].rstrip(".")
+        sys.exit(f"error: {typed} is invalid: {why}." if typed else f"error: {why}.")
     try:
         sample(SampleConfig(**OmegaConf.to_container(config)))
     except ValueError as error:
-        sys.exit(f"ValueError: {error}")
+        sys.exit(f"error: {error}")
 
 
 if __name__ == "__main__":

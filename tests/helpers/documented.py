@@ -4,7 +4,7 @@ A command is a line of a fenced code block (not a ``python`` block) that starts 
 ``PROGRAMS`` (after ``$ `` and ``VAR=value`` assignments), with its
 ``\\`` continuations joined and its ``#`` comment dropped; ``a && b`` is two commands. In a
 ``$ ``-transcript the lines after a command are what it prints: an error line (``ValueError:
-...``, ``... is not an option of ...``) means the command must fail with it. Reading the
+...``, or a recipe's ``error: ...``) means the command must fail with it. Reading the
 commands from the docs, rather than from a list in a test, keeps the test right whatever the
 docs say: a renamed option fails here.
 
@@ -122,8 +122,8 @@ class DocumentedCommand:
 
     @property
     def expects_failure(self) -> bool:
-        """The transcript shows an error: ``SomeError: ...``, or the answer to a misspelled option."""
-        return any(re.match(r"(\w+Error|Traceback)\b|\S+ is not an option of ", line) for line in self.expected)
+        """The transcript shows an error: ``SomeError: ...``, or a recipe's refusal of its command line (``error: ...``)."""
+        return any(re.match(r"(\w+Error|Traceback)\b|error: ", line) for line in self.expected)
 
     @property
     def needs_gpu(self) -> bool:

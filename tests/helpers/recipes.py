@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import pty
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 
@@ -22,24 +25,53 @@ def run_recipe(name: str, *overrides: str, timeout: float = 240, env: dict[str, 
     return _run([sys.executable, str(ROOT / "recipes" / f"{name}.py"), *overrides], f"recipes/{name}.py", timeout, env)
 
 
+def run_recipe_on_a_terminal(name: str, *overrides: str, timeout: float = 240) -> str:
+    """``run_recipe`` with standard error on a pseudo-terminal, where the recipes draw progress bars
+    (piped, they print a line per validation instead: ``lit_dp_recipes.callbacks.ProgressLines``)."""
+    master, terminal = pty.openpty()
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=_read_until_closed, args=(master, chunks), daemon=True)
+    reader.start()
+    try:
+        output = _run([sys.executable, str(ROOT / "recipes" / f"{name}.py"), *overrides], f"recipes/{name}.py", timeout,
+                      None, stderr=terminal)
+    finally:
+        os.close(terminal)
+        reader.join(timeout=30)
+        os.close(master)
+    return output + b"".join(chunks).decode(errors="replace")
+
+
+def _read_until_closed(descriptor: int, chunks: list[bytes]) -> None:
+    while True:
+        try:
+            chunk = os.read(descriptor, 65536)
+        except OSError:  # EIO: every process holding the terminal has closed it
+            return
+        if not chunk:
+            return
+        chunks.append(chunk)
+
+
 def run_benchmark(name: str, *overrides: str, timeout: float = 240) -> str:
     """``python -m benchmarks.<name> overrides...`` from the repository root; its output."""
     return _run([sys.executable, "-m", f"benchmarks.{name}", *overrides], f"benchmarks/{name}.py", timeout, None)
 
 
-def _run(command: list[str], label: str, timeout: float, env: dict[str, str] | None) -> str:
+def _run(command: list[str], label: str, timeout: float, env: dict[str, str] | None, stderr: Any = subprocess.PIPE) -> str:
     # The repository root on the path, so that a recipe's `+callbacks.probe._target_=tests.helpers...`
     # finds the test helpers (a script's own path is its folder, recipes/).
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         command,
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         timeout=timeout,
         env={**os.environ, **(env or {}), "PYTHONPATH": path},
     )
-    output = result.stdout + result.stderr
+    output = result.stdout + (result.stderr or "")
     assert result.returncode == 0, f"{label} failed ({result.returncode}):\n{output[-4000:]}"
     return output
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lit_dp.observability.step_clock import StepTimes
-from lit_dp.observability.straggler import ALARM_WINDOWS, LAG_MS, LAG_SHARE, Streak, judge
+from lit_dp.observability.straggler import ALARM_WINDOWS, LAG_MS, LAG_SHARE, Streak, judge, summarize
 from tests.helpers.distributed import run_ranks
 
 
@@ -73,6 +73,20 @@ def test_the_line_is_due_once_the_same_rank_lagged_for_the_same_cause_several_wi
     assert [streak.see(slow_0) for _ in range(ALARM_WINDOWS)] == [False] * (ALARM_WINDOWS - 1) + [True]  # another rank
     alternating = [slow_1, busy_1] * ALARM_WINDOWS  # noise: the same rank, but now data, now compute
     assert not any(streak.see(report) for report in alternating)
+
+
+def test_the_runs_line_alarms_only_about_a_lag_and_a_run_too_short_gets_none():
+    # Issue 47: "0 of 1 window ... the largest lag: rank 0, 1.8 ms per step (33% of the step)" read
+    # as an alarm about nothing, and a short run ended with "no window completed".
+    below = judge([0, 1], [times(), times(compute=11.8)])  # 1.8 ms: under the thresholds
+    assert summarize(0, 0, None, 10) is None
+    assert summarize(1, 0, below, 10) == "no rank lagged in 1 window of 10 steps"
+    assert summarize(6, 0, below, 10) == "no rank lagged in 6 windows of 10 steps"
+    slow = judge([0, 1], [times(exposed=51), times(data=51)])
+    assert summarize(6, 2, slow, 10) == (
+        "2 of 6 windows of 10 steps had a rank lagging; the largest lag: rank 1, 50.0 ms per step "
+        "(79% of the step, data) in the window ending at step 9"
+    )
 
 
 EVERY = 4

@@ -1,11 +1,19 @@
-"""The recipes' command line: a misspelled strategy option is answered with the options spelled alike."""
+"""The recipes' command line: every mistake is one line naming what was typed and what is expected,
+with the near names, no traceback, before any rank starts (docs/conventions.md)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
+import lightning.pytorch as pl
 import pytest
 
-from lit_dp_recipes.cli import unknown_strategy_keys
+from lit_dp_recipes.cli import CommandLineMistake, command_line_mistakes
 from lit_dp_recipes.config import register_configs
+from lit_dp_recipes.train import train
+from tests.helpers.recipes import ROOT, compose_config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -33,10 +41,43 @@ def schemas():
          "(last_comm_buffer_size: size limit in MB"),
         (["-m", "strategy=paddle_dp,ddp", "strategy.sharding.stage=1"],
          "strategy.sharding.stage is not an option of strategy=ddp: torch DDP has no counterpart"),
+        # Issue 47: every group, not only strategy's; Hydra would advise `+trainer.max_epoch=5`.
+        (["trainer.max_epoch=5"], "trainer.max_epoch is not a key of trainer=cpu: did you mean trainer.max_epochs"),
+        (["model.lrr=1"], "model.lrr is not a key of model=mlp: did you mean model.lr?"),
+        (["data.batchsize=8"], "data.batchsize is not a key of data=digits: did you mean data.batch_size?"),
+        (["callbacks.model_checkpoint.monitr=x"],
+         "callbacks.model_checkpoint.monitr is not a key of callbacks.model_checkpoint: did you mean "
+         "callbacks.model_checkpoint.monitor?"),
+        (["sed=1"], "sed is not a key of the config: did you mean seed?"),
+        (["hydra.run.dirr=x"], "hydra.run.dirr is not a key of hydra.run: did you mean hydra.run.dir?"),
+        (["strategy=dpp"], "strategy=dpp is not a choice of strategy: did you mean strategy=ddp? expected one of ddp, paddle_dp."),
+        (["experiment=smal_buckets"], "experiment=smal_buckets is not a choice of experiment: did you mean experiment=small_buckets?"),
+        (["-m", "trainer=cpu,gpuu"], "trainer=gpuu is not a choice of trainer: did you mean trainer=gpu?"),
+        # Wrong types, and values the checks made before anything starts refuse.
+        (["trainer.max_steps=abc"], "trainer.max_steps=abc is invalid: Value 'abc' of type 'str' could not be converted to Integer."),
+        (["strategy.comm_buffer_size=-1"], "strategy.comm_buffer_size=-1 is invalid: expected a positive number of megabytes"),
+        (["trainer.devices=0"], "trainer.devices=0 is invalid: expected a positive integer"),
+        (["-m", "trainer.devices=2,0"], "trainer.devices=0 is invalid: expected a positive integer"),
+        (["checkpoint_every_n_steps=0"], "checkpoint_every_n_steps=0 is invalid: expected a positive number"),
+        (["compile=maybe"], "compile='maybe' is invalid: expected true or false."),
+        (["seed=abc"], "seed='abc' is invalid: expected an integer."),
+        (["ckpt_path=no/such.ckpt"], "ckpt_path='no/such.ckpt' is invalid: no such file from "),
+        # What Hydra cannot parse at all.
+        (["trainer.devices=[0,1"], "trainer.devices=[0,1 is not an override Hydra can read (no viable alternative at "
+                                   "input '[0,1'): expected key=value"),
+        (["trainer.devices"], "trainer.devices is not an override Hydra can read"),
+        # An addition is the user's business, but the strategy still refuses an option it lacks, by name.
+        (["+strategy.anything=1"], "strategy.anything=1 is not an option of lit_dp.PaddleDPStrategy. Expected one of:"),
     ],
 )
-def test_a_misspelled_strategy_option_gets_the_close_matches(arguments, message):
-    assert message in unknown_strategy_keys("digits", arguments)
+def test_each_mistake_is_one_message_naming_it_and_what_is_expected(arguments, message):
+    assert message in "\n".join(command_line_mistakes("digits", arguments))
+
+
+def test_a_required_key_left_out_is_named():
+    assert command_line_mistakes("prepare_shards", ["output_dir=out"]) == [
+        "input_dir has no value: expected input_dir=... on the command line."
+    ]
 
 
 @pytest.mark.parametrize(
@@ -44,11 +85,55 @@ def test_a_misspelled_strategy_option_gets_the_close_matches(arguments, message)
     [
         [],
         ["strategy.comm_buffer_size=5", "trainer.devices=3"],
-        ["+strategy.anything=1"],  # an addition is the user's business: the strategy refuses it by name
         ["strategy=ddp", "strategy.comm_buffer_size=5"],
         ["strategy=ddp", "strategy.comm_hook=powersgd", "strategy.powersgd.start_iter=2"],
         ["strategy.comm_buffer_size=1,5", "-m"],
+        ["experiment=small_buckets", "trainer=gpu", "callbacks.model_checkpoint=null"],
+        # What Lightning's launcher adds to each rank's command line (lit_dp_recipes.launch.rank_command).
+        ["hydra.mode=RUN", 'hydra.run.dir="/tmp/a b"', "hydra.job.name=train_ddp_process_1", "hydra.output_subdir=null"],
+        ["--cfg", "job", "anything_goes=1"],  # Hydra's own flags: Hydra checks
     ],
 )
-def test_options_the_strategy_has_pass(arguments):
-    assert unknown_strategy_keys("digits", arguments) is None
+def test_a_correct_command_line_passes(arguments):
+    assert command_line_mistakes("digits", arguments) == []
+
+
+@pytest.mark.parametrize(
+    ("recipe", "override", "message"),
+    [
+        ("digits", "data.batch_size=0", "data.batch_size=0 is invalid: expected an integer >= 1"),
+        ("digits", "model.lr=-1", "model.lr=-1 is invalid: expected a positive learning rate"),
+        ("digits", "model.hidden_sizes=abc", "model.hidden_sizes='abc' is invalid: expected a list of positive integers"),
+        ("gpt", "model.lr=abc", "model.lr='abc' is invalid: expected a positive learning rate"),
+    ],
+)
+def test_what_only_building_the_data_or_model_checks_is_a_mistake_too(recipe, override, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(pl, "Trainer", lambda *a, **k: pytest.fail("the Trainer was built"))
+    with pytest.raises(CommandLineMistake, match="^" + re.escape(message)):
+        train(compose_config(recipe, [override], tmp_path))
+
+
+def test_a_key_a_target_does_not_take_names_the_ones_it_does(tmp_path):
+    with pytest.raises(CommandLineMistake, match=r"^trainer.max_epoch is not an argument of lightning.pytorch.Trainer: "
+                                                  r"did you mean trainer.max_epochs"):
+        train(compose_config("digits", ["+trainer.max_epoch=5"], tmp_path))
+
+
+def test_a_refusal_is_one_line_without_lightning_or_a_traceback(tmp_path):
+    # The recipe's own main, as `python recipes/digits.py ...` runs it: the exit message is the
+    # whole output, and the check has not loaded Lightning (a refusal costs torch's import only).
+    code = (
+        "import sys; from lit_dp_recipes.run.digits import main\n"
+        "sys.argv = ['digits.py', 'strategy.comm_buffer_size=-1', 'trainer.max_epoch=5']\n"
+        "try:\n    main()\n"
+        "except SystemExit as stop:\n"
+        "    print(stop.code, file=sys.stderr)\n"
+        "    print(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.stderr.strip() == (
+        "error: trainer.max_epoch is not a key of trainer=cpu: did you mean trainer.max_epochs or trainer.max_steps?"
+    ), done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+    assert not (tmp_path / "outputs").exists()

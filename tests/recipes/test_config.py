@@ -16,16 +16,15 @@ from lit_dp import Options, PaddleDPStrategy
 from lit_dp.options import TRAINER, declared_options
 from lit_dp.options.core import ddp_takes_bf16_hooks
 from lit_dp_recipes.config import (
-    DDPPeer,
     build_strategy,
     check_cpu_devices,
     ddp_options,
     ddp_schema,
-    ddp_strategy,
     paddle_dp_schema,
     register_configs,
     validate_trainer,
 )
+from lit_dp_recipes.ddp_peer import DDPPeer, ddp_strategy
 from lit_dp_recipes.train import train
 from tests.helpers.recipes import CONF, compose_config
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import types
@@ -68,3 +69,31 @@ def test_a_sweep_over_devices_runs_each_job_once_with_its_ranks(tmp_path):
         # The [lit_dp] lines reach the job's log file too, not only the console.
         assert "[lit_dp] final " in (folder / "digits.log").read_text()
     assert output.count("Seed set to 7") == 2 and "[rank: 1] Seed set" not in output  # once a job, from rank 0
+
+
+@pytest.mark.slow
+def test_a_sweeps_job_on_one_device_leaves_no_group_and_its_resume_hint_resumes_it(tmp_path):
+    # Issue 47: `-m trainer.devices=1,2` failed its second job on the first's group of one rank;
+    # and each job's hint was the whole sweep's command line, which pasted started a new sweep.
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    short = [*QUIET, "trainer.limit_train_batches=4", "trainer.limit_val_batches=1", "~logger"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "digits.py"), "-m", "trainer.devices=1,2", "trainer.max_epochs=1",
+         *short, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=400, env=environ,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert output.count("[lit_dp] final ") == 2
+    assert "0 buckets" not in output  # one rank communicates nothing: no comm figures to print
+    hints = [line.removeprefix("[lit_dp] to resume this run: ") for line in output.splitlines()
+             if line.startswith("[lit_dp] to resume this run: ")]
+    command = shlex.split(hints[1])
+    assert "-m" not in command and "trainer.devices=2" in command and "trainer.devices=1,2" not in command
+    assert command[-1] == f"hydra.run.dir={tmp_path / 'sweep' / '1'}"
+    resumed = subprocess.run([sys.executable, *command[1:], "trainer.max_epochs=2"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=400, env=environ)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert f"[lit_dp] resuming from {tmp_path / 'sweep' / '1' / 'checkpoints'}" in output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no new sweep, no outputs/

@@ -21,15 +21,16 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
 
 from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.preemption import Preempted
+from lit_dp_recipes.config import check_checkpoint_every_n_steps, register_configs
 from lit_dp_recipes.resume import (
     FINISHED_MARKER,
     RESUMABLE_KEYS,
     NoUsableCheckpoint,
     ResumableRun,
-    check_checkpoint_every_n_steps,
     choose_checkpoint,
     earlier_run,
     newest_checkpoint,
@@ -270,6 +271,32 @@ def test_ckpt_path_null_starts_fresh_even_when_checkpoints_exist(tmp_path, capsy
     assert f"[lit_dp] resuming from {tmp_path / 'checkpoints' / 'last.ckpt'} (step 4," in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("mode", ["RUN", "MULTIRUN"])
+def test_the_resume_hint_of_a_sweeps_job_continues_that_job_alone(mode, tmp_path, monkeypatch):
+    # Issue 47: each job of `-m trainer.devices=2,3` printed the whole sweep's command line, which
+    # pasted started a new sweep instead of resuming the job.
+    folder = tmp_path / "multirun" / "digits" / "stamp" / "1"
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("digits", overrides=["trainer.devices=3", "seed=3"], return_hydra_config=True)
+    with open_dict(cfg):  # what Hydra's launcher sets for job 1 of the sweep
+        cfg.hydra.mode = mode
+        cfg.hydra.overrides.hydra = ["hydra.sweep.dir=multirun/x", "hydra.verbose=true"] if mode == "MULTIRUN" else []
+        cfg.hydra.runtime.output_dir = str(folder)
+        cfg.paths.output_dir = str(folder)
+    monkeypatch.setattr(sys, "argv", ["recipes/digits.py", "-m", "trainer.devices=2,3", "seed=3", "ckpt_path=auto"]
+                        if mode == "MULTIRUN" else ["recipes/digits.py", "trainer.devices=3", "seed=3"])
+    HydraConfig.instance().set_config(cfg)
+    try:
+        command = ResumableRun(cfg).command
+    finally:
+        HydraConfig.instance().cfg = None
+    verbose = ["hydra.verbose=true"] if mode == "MULTIRUN" else []
+    assert shlex.split(command) == [
+        "python", "recipes/digits.py", "trainer.devices=3", "seed=3", *verbose, f"hydra.run.dir={folder}"
+    ]
+
+
 def _digits(cwd: Path, *overrides: str) -> tuple[int, str]:
     """``python recipes/digits.py overrides...`` run from ``cwd``: its exit status and output."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -316,11 +343,11 @@ def test_a_truncated_last_checkpoint_falls_back_by_name_and_none_good_stops_the_
     before = {path.name: path.read_bytes() for path in checkpoints.glob("*.ckpt")}
     status, output = _digits(tmp_path, *command[2:], "trainer.max_steps=14")
     assert status == 1
-    assert f"NoUsableCheckpoint: ckpt_path=auto: no checkpoint in {folder}, {checkpoints} can resume this run: " in output
+    assert f"error: ckpt_path=auto: no checkpoint in {folder}, {checkpoints} can resume this run: " in output
     for name in before:
         assert f"{checkpoints / name} (damaged: " in output
     assert before == {path.name: path.read_bytes() for path in checkpoints.glob("*.ckpt")}  # left as they were
-    assert "Seed set" not in output  # stopped before anything was built
+    assert "Traceback" not in output  # refused in one line
 
 
 # The torchrun runs: as short as a mid-epoch kill allows (digits: 23 steps an epoch on 2 ranks).

@@ -143,7 +143,8 @@ def test_the_trainer_names_the_slow_rank_and_its_cause_and_stops_on_diverged_wei
     ours = results[0]
     healthy = ours["none"]
     assert "[lit_dp] straggler: rank" not in healthy["printed"], healthy["printed"]
-    summary = r"\[lit_dp\] straggler: \d+ of \d+ windows of 4 steps had a rank lagging"  # one may, not 3 in a row
+    # One window may lag on a loaded machine, not 3 in a row.
+    summary = r"\[lit_dp\] straggler: (no rank lagged in \d+|\d+ of \d+) windows of 4 steps"
     assert any(re.match(summary, line) for line in healthy["logged"]), healthy
     assert f"[lit_dp] replica consistency: 6 checks every {EVERY} synchronised steps; the replicas agreed at each" in healthy["logged"]
     assert len(metrics(tmp_path, "none")) >= ALARM_WINDOWS
