@@ -123,7 +123,8 @@ def _documented_example() -> type[Feature]:
     namespace: dict = {}
     exec(compile(blocks[0], f"{ARCHITECTURE}:worked example", "exec"), namespace)  # noqa: S102 - the docs' code
     namespace["BOTH"] = registry.BOTH
-    registry_line = blocks[1].strip().rstrip(",")
+    # The registry line, below the comment that marks the block a fragment (tests/helpers/documented_python.py).
+    registry_line = [line for line in blocks[1].splitlines() if not line.lstrip().startswith("#")][0].strip().rstrip(",")
     feature, doors = eval(registry_line, namespace)  # noqa: S307 - the docs' registry line
     assert (feature, doors) == (namespace["StepCount"], registry.BOTH)
     return feature
