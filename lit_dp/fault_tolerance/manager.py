@@ -201,6 +201,9 @@ class FaultTolerance:
             hostname=socket.gethostname(),
             checkpoint_transport=transport,
         )
+        keep_out = getattr(self.manager._pg, "keep_out", None)  # a replica_process_group on Gloo's
+        if keep_out is not None:
+            keep_out(settings.lighthouse, self.manager._store.get("manager_addr").decode(), transport.address())
         ranks = f" of {group_size} ranks" if group_size > 1 else ""
         self._say(
             f"replica group {settings.replica_group}{ranks}, lighthouse {settings.lighthouse}; torchft's own log: "

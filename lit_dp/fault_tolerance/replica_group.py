@@ -267,13 +267,21 @@ def replica_process_group(
         def __init__(self) -> None:
             super().__init__(timeout=timeout)
             self._connections = GlooConnections({})
+            self._other_ports: set[int] = set()  # see keep_out
+
+        def keep_out(self, *addresses: str) -> None:
+            """Servers whose connections are not the group's (``http://host:port``): the lighthouse, the
+            replica group's Manager server, this rank's checkpoint server. Another thread of this
+            process may open one while the group is built (a rank of the same replica group asking its
+            Manager server, a peer fetching a checkpoint); recorded, its close would read as a hang-up."""
+            self._other_ports.update(_port(address) for address in addresses)
 
         def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
             host, port = _store_endpoint(store_addr)
             _probe_store(host, port)
             # The store's own connections outlive the group: only Gloo's pairs are recorded.
             configure = functools.partial(super().configure, store_addr, *args, **kwargs)
-            _, self._connections = GlooConnections.record(configure, skip_ports=(port,))
+            _, self._connections = GlooConnections.record(configure, skip_ports=(port, *self._other_ports))
             announce(_quorum_groups(args, kwargs))
 
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
@@ -308,6 +316,11 @@ def _quorum_groups(args: tuple, kwargs: dict) -> list[int]:
     group_rank, group_world_size, global_ranks)``, after ``store_addr``."""
     groups = kwargs.get("global_ranks", args[6] if len(args) > 6 else None)
     return list(groups or [])
+
+
+def _port(address: str) -> int:
+    """The port of ``http://host:port[/path]`` or ``host:port``."""
+    return int(address.split("://", 1)[-1].split("/", 1)[0].rpartition(":")[2])
 
 
 def _store_endpoint(store_addr: str) -> tuple[str, int]:

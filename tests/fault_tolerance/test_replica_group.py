@@ -268,3 +268,11 @@ def test_a_rendezvous_missing_a_member_fails_within_its_bound_and_the_collective
     group.allreduce([tensor], dist.AllreduceOptions()).wait()
     assert not group.connections_hung_up()
     group.abort()
+
+
+def test_torchfts_own_servers_are_kept_out_of_the_connections_a_quorum_records():
+    # A rank of the same replica group asking its Manager server, or a peer fetching a checkpoint,
+    # may open a connection while the group is built: recorded, its close would read as a hang-up.
+    group = replica_process_group()
+    group.keep_out("http://lighthouse:29510", "http://vm:41791", "http://[::1]:5000/checkpoint/0")
+    assert group._other_ports == {29510, 41791, 5000}
