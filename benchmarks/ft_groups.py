@@ -12,7 +12,11 @@ the same seed, schedule, per-rank batch and ``max_steps``, hence the same tokens
   set, ``torchrun --standalone --nproc-per-node=N recipes/gpt.py strategy.fault_tolerance=torchft
   strategy.ft.min_replicas=G trainer.devices=N`` (without ``--max-restarts``: a failure fails
   the benchmark rather than being hidden by a restart);
-- **one job**: ``python recipes/gpt.py trainer.devices=G*N``, without fault tolerance.
+- **one job**: ``torchrun --standalone --nproc-per-node=G*N recipes/gpt.py trainer.devices=G*N``,
+  without fault tolerance. torchrun, not the recipe's own launcher, so that both sides start
+  their ranks alike: torchrun puts each worker in a session of its own, Lightning's launcher keeps
+  its ranks in one, and Linux's autogroup scheduling shares a busy machine's cores per session
+  (docs/benchmarks.md shows what that did to a first run).
 
 The modes: per-step sync (the recipe as it is), LocalSGD averaging every K steps
 (``strategy.local_sgd.steps=K``) and DiLoCo (also ``strategy.local_sgd.outer=nesterov``). In
@@ -186,15 +190,19 @@ def recipe(config: FTGroupsConfig, overrides: list[str], folder: Path, clock: Pa
     ]  # fmt: skip
 
 
+def torchrun(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+
+
 def run_all(commands: list[tuple[list[str], dict[str, str], Path]], timeout: float, label: str) -> None:
-    """Start every (argv, environment, log) at once, each in a session of its own, and wait for all to
-    exit 0; whatever still runs at the end (a failure, the timeout) is killed with its children."""
+    """Start every torchrun (argv, environment, log) at once and wait for all to exit 0; one that still
+    runs at the end (a failure, the timeout) gets SIGTERM, which torchrun passes on to its workers
+    (each in a session of its own, out of reach of a signal to torchrun's process group), then SIGKILL."""
     launchers = []
     try:
         for argv, env, log in commands:
             with log.open("w") as out:
-                launchers.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                  start_new_session=True))  # fmt: skip
+                launchers.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
         for launcher, (argv, _, log) in zip(launchers, commands):
             try:
@@ -208,14 +216,19 @@ def run_all(commands: list[tuple[list[str], dict[str, str], Path]], timeout: flo
     finally:
         for launcher in launchers:
             if launcher.poll() is None:
-                os.killpg(launcher.pid, signal.SIGKILL)
-                launcher.wait()
+                launcher.terminate()
+                try:
+                    launcher.wait(timeout=60)  # torchrun's own grace for its workers is 30 s
+                except subprocess.TimeoutExpired:
+                    launcher.kill()
+                    launcher.wait()
 
 
 def run_one_job(config: FTGroupsConfig, overrides: list[str], folder: Path) -> Result:
     folder.mkdir(parents=True)
     clock, log = folder / "clock.json", folder / "output.log"
-    argv = [sys.executable, *recipe(config, overrides, folder / "run", clock), f"trainer.devices={config.groups * config.ranks}"]
+    ranks = config.groups * config.ranks
+    argv = [*torchrun(ranks), *recipe(config, overrides, folder / "run", clock), f"trainer.devices={ranks}"]
     began = time.monotonic()
     run_all([(argv, environment(), log)], config.timeout, f"one job ({folder.name})")
     wall = time.monotonic() - began
@@ -231,8 +244,7 @@ def run_groups(config: FTGroupsConfig, overrides: list[str], folder: Path) -> Re
     commands = []
     for group in range(config.groups):
         argv = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={config.ranks}",
-            *recipe(config, overrides, folder / f"group{group}", folder / f"clock{group}.json"),
+            *torchrun(config.ranks), *recipe(config, overrides, folder / f"group{group}", folder / f"clock{group}.json"),
             "strategy.fault_tolerance=torchft", f"strategy.ft.min_replicas={config.groups}", f"trainer.devices={config.ranks}",
         ]  # fmt: skip
         env = environment(TORCHFT_LIGHTHOUSE=address, REPLICA_GROUP_ID=str(group))
