@@ -51,6 +51,7 @@ and swaps which job goes first, so that drift on a shared machine hits both alik
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -147,7 +148,7 @@ def step_seconds(clock: Path, config: FTGroupsConfig) -> float:
     """The median over windows of ``local_steps`` steps after ``timing_from`` of the seconds per step."""
     times = {int(step): at for step, at in json.loads(clock.read_text()).items()}
     ends = range(config.timing_from, config.max_steps + 1, config.local_steps)
-    return statistics.median((times[b] - times[a]) / config.local_steps for a, b in zip(ends, ends[1:]))
+    return statistics.median((times[b] - times[a]) / config.local_steps for a, b in itertools.pairwise(ends))
 
 
 def final_metrics(output: str, label: str) -> dict[str, float]:
@@ -285,10 +286,12 @@ def report(results: dict[tuple[str, str], list[Result]], config: FTGroupsConfig)
     ranks = config.groups * config.ranks
     names = {"one job": f"one job of {ranks} ranks", "groups": f"{config.groups} groups of {config.ranks} ranks (torchft)"}
     lines = [
-        f"recipes/gpt.py {' '.join(config.extra)} on CPU: {config.groups} replica groups of {config.ranks} ranks against "
-        f"one job of {ranks} ranks; trainer.max_steps={config.max_steps} (the same tokens in every run); "
-        f"s/step over windows of {config.local_steps} steps after step {config.timing_from}; "
-        f"{config.rounds} round{'s' * (config.rounds > 1)}",
+        (
+            f"recipes/gpt.py {' '.join(config.extra)} on CPU: {config.groups} replica groups of {config.ranks} ranks "
+            f"against one job of {ranks} ranks; trainer.max_steps={config.max_steps} (the same tokens in every run); "
+            f"s/step over windows of {config.local_steps} steps after step {config.timing_from}; "
+            f"{config.rounds} round{'s' * (config.rounds > 1)}"
+        ),
         "",
         "| mode | job | MB across groups per step and rank | of P | s/step | groups / one job | val loss | wall (s) |",
         "|---|---|---|---|---|---|---|---|",

@@ -15,7 +15,7 @@ from tests.helpers.recipes import run_benchmark  # noqa: E402
 
 TINY = '["data.max_bytes=30000","data.block_size=32","data.batch_size=4","model.n_layer=1","model.n_embd=32","model.n_head=2","model.warmup_steps=1","callbacks.throughput.warmup=1"]'
 ROW = re.compile(r"^\| (per-step sync|DiLoCo K=2) \| (one job of 4 ranks|2 groups of 2 ranks \(torchft\)) \|"
-                 r" ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]*) \| ([\d.]+) \| (\d+) \|$", re.M)  # fmt: skip
+                 r" ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]*) \| ([\d.]+) \| (\d+) \|$", re.MULTILINE)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -38,4 +38,4 @@ def test_the_benchmark_reports_traffic_step_time_and_loss_of_groups_and_one_job(
         assert (ratio != "") == (job == "2"), output  # the groups' step time against the one job's
     assert "the replica groups' val losses at most 0.0000 apart in any run" in output  # equal final models
     for mode in ("per-step sync", "DiLoCo K=2"):
-        assert re.search(rf"^{mode}: the groups send 0\.50\d of the one job's bytes across groups", output, re.M), output
+        assert re.search(rf"^{mode}: the groups send 0\.50\d of the one job's bytes across groups", output, re.MULTILINE), output
