@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -173,6 +174,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def start_lighthouse(folder: Path, min_replicas: int, flags: Sequence[str]) -> tuple[subprocess.Popen, str]:
+    """A ``torchft_lighthouse`` on a free port, its output in ``folder/lighthouse.log``; the process
+    and the address for ``TORCHFT_LIGHTHOUSE``."""
+    port = free_port()
+    command = ["torchft_lighthouse", "--min_replicas", str(min_replicas), *flags, "--bind", f"[::]:{port}"]
+    with (folder / "lighthouse.log").open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    return process, f"http://{socket.gethostname()}:{port}"
 
 
 def init_gloo_rank(rank: int, world_size: int, port: int) -> None:

@@ -39,7 +39,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,7 +48,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from benchmarks.common import benchmark_main
+from benchmarks.common import benchmark_main, start_lighthouse
 
 ROOT = Path(__file__).resolve().parents[1]
 FINAL = re.compile(r"^\[lit_dp\] final .*?val_loss=([-\d.]+)", re.MULTILINE)
@@ -144,16 +143,6 @@ class Run:
         return (self.folder / f"replica{group}.log").read_text(errors="replace")
 
 
-def lighthouse(config: FaultToleranceBenchmarkConfig, folder: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = ["torchft_lighthouse", "--min_replicas", str(config.min_replicas), *config.lighthouse, "--bind", f"[::]:{port}"]
-    with (folder / "lighthouse.log").open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    return process, f"http://{socket.gethostname()}:{port}"
-
-
 def launch(config: FaultToleranceBenchmarkConfig, run: Run, seed: int, address: str) -> None:
     """One torchrun per replica group: a killed worker is restarted by its own launcher only."""
     for group in range(config.replicas):
@@ -246,7 +235,7 @@ def chaos(config: FaultToleranceBenchmarkConfig, run: Run) -> None:
 def execute(config: FaultToleranceBenchmarkConfig, name: str, seed: int, failures: bool) -> Run:
     run = Run(name, Path(config.output_dir).resolve() / name)
     run.folder.mkdir(parents=True, exist_ok=True)
-    beacon, address = lighthouse(config, run.folder)
+    beacon, address = start_lighthouse(run.folder, config.min_replicas, config.lighthouse)
     try:
         run.started = time.time()
         launch(config, run, seed, address)
