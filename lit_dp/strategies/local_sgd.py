@@ -107,8 +107,10 @@ class LocalSGDSchedule(Feature):
             "LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD), in %d fragment(s)",
             self.local_sgd.fragments,
         )
-        if self._resumed is not None:
-            self.load_state_dict(self._resumed)
+        if self._resumed is not None:  # a Trainer's resume: this rank's own states wait for its first step
+            log.debug("LocalSGD: schedule restored from the checkpoint")
+            self.local_sgd.load_state_dict(self._resumed)
+            self._resumed = None
 
     @override
     def setup_optimizer(self, optimizer: Any) -> Any:
