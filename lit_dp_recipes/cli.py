@@ -94,11 +94,13 @@ def recipe_main(task: str, config_name: str) -> Callable[[], None]:
 def command_line_mistakes(config_name: str, arguments: Sequence[str]) -> list[str]:
     """One message per mistake in the overrides ``arguments`` of ``config_name``; none when all is well.
 
-    Hydra's own flags other than ``-m`` (``--cfg``, ``--help``, ``-cn``, ...) leave the checking to
-    Hydra. Keys added with ``+`` or removed with ``~`` are the user's business and not looked up.
+    Hydra's own flags other than ``-m`` (``--cfg``, ``--help``, ``-cn``, ...) and a
+    ``hydra.searchpath`` (config folders of the user's) leave the checking to Hydra. Keys added with ``+`` or removed with ``~`` are the user's business and not looked up.
     """
     if any(argument.startswith("-") and argument not in MULTIRUN_FLAGS for argument in arguments):
         return []
+    if any(argument.lstrip("+").startswith("hydra.searchpath") for argument in arguments):
+        return []  # config folders of the user's (docs/configs.md): their groups and choices are Hydra's to find
     overrides = [argument for argument in arguments if argument not in MULTIRUN_FLAGS]
     unreadable = [m for m in map(_unreadable, overrides) if m]
     if unreadable:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import os
 import traceback
 import warnings
@@ -44,11 +45,13 @@ class SynchronisedSteps(pl.Callback):
         self.batches += 1
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        print(
+        # One write of the whole line: both ranks print to one pipe, and print() writes its end apart
+        # (unbuffered, the two ranks' lines interleaved as "[probe] rank=1 ...[probe] rank=0 ...").
+        sys.stdout.write(
             f"[probe] rank={trainer.global_rank} synchronised={self.observer.steps} micro_batches={self.batches} "
-            f"optimizer_steps={trainer.global_step}",
-            flush=True,
+            f"optimizer_steps={trainer.global_step}\n"
         )
+        sys.stdout.flush()
 
 
 SYNC_WARNING = "called a synchronizing CUDA operation"

@@ -137,3 +137,11 @@ def test_a_refusal_is_one_line_without_lightning_or_a_traceback(tmp_path):
     ), done.stderr
     assert done.stdout.strip() == "[]", done.stdout
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_searchpath_of_the_users_leaves_its_groups_to_hydra(tmp_path):
+    # docs/configs.md's `hydra.searchpath=[file://my_conf] experiment=mine`: the choice is in the user's folder.
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nseed: 3\n")
+    assert command_line_mistakes("gpt", [f"hydra.searchpath=[file://{tmp_path}]", "experiment=mine"]) == []
+    assert command_line_mistakes("gpt", ["experiment=mine"])  # without it, an unknown choice
