@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any, Optional
 
 from lit_dp.options.declare import FABRIC, MODULE, STRATEGIES, TRAINER, choice, count, flag, option
