@@ -200,6 +200,8 @@ class ResumableRun:
         self.every_n_steps = cfg.get("checkpoint_every_n_steps")
         self._hydra = HydraConfig.get() if HydraConfig.initialized() else None
         self._from_earlier_run: Checkpoint | None = None  # resumed from another folder's checkpoint
+        # Under fault tolerance a restarted replica group takes its state from a peer, checkpoint or not.
+        self._recovers_live = bool((cfg.get("strategy") or {}).get("fault_tolerance"))
 
     @property
     def command(self) -> str | None:
@@ -237,7 +239,9 @@ class ResumableRun:
         else:
             why = "a checkpoint of this run is already in its folder"
         if chosen is None:
-            if self.attempt.is_restart:
+            if self.attempt.is_restart and self._recovers_live:
+                _say(f"[lit_dp] {self.attempt.describe()}: this replica group takes a peer's state at its first quorum")
+            elif self.attempt.is_restart:
                 _say(f"[lit_dp] {self.attempt.describe()}, but no checkpoint in {self.folders[-1]}: starting from scratch")
             return None
         line = f"[lit_dp] resuming from {chosen.path} (step {chosen.step}, {why})"

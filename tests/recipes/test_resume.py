@@ -95,6 +95,17 @@ def _resumable_run(folder: Path, attempt: JobAttempt) -> ResumableRun:
     return ResumableRun(compose_config("digits", [], folder), attempt)
 
 
+def test_a_restarted_replica_group_without_a_checkpoint_says_it_recovers_from_a_peer(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    restart = JobAttempt.from_environ({"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"})
+    run = ResumableRun(compose_config("gpt", ["strategy.fault_tolerance=torchft"], tmp_path), restart)
+    assert run.resolve("auto") is None
+    out = capsys.readouterr().out
+    assert "[lit_dp] restart 1 of 3: this replica group takes a peer's state at its first quorum" in out
+    assert "starting from scratch" not in out
+
+
 def test_ckpt_path_auto_null_and_explicit(tmp_path, capsys):
     first = JobAttempt()
     restart = JobAttempt.from_environ({"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"})
