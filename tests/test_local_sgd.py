@@ -25,6 +25,7 @@ from lit_dp import Options, PaddleDPStrategy
 from lit_dp.options import LocalSGDOptions
 from lit_dp_recipes.config import build_strategy
 from tests.helpers.distributed import run_ranks
+from tests.helpers.lightning import trainer as lightning_trainer
 from tests.helpers.recipes import compose_config
 
 FEATURES = 6
@@ -540,17 +541,8 @@ def uneven_batches(rank: int, count: int) -> list[Batch]:
 
 def uneven_case(rank: int, tmp_path: str, counts: list[int]) -> list[list[float]]:
     module = UnevenRegressor(rank, counts[rank])
-    trainer = pl.Trainer(
-        strategy=PaddleDPStrategy(uneven_inputs=True, local_sgd_steps=2),
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
+    trainer = lightning_trainer(
+        PaddleDPStrategy(uneven_inputs=True, local_sgd_steps=2), tmp_path, max_epochs=1, use_distributed_sampler=False
     )
     trainer.fit(module)
     return [p.detach().flatten().tolist() for p in module.net.parameters()]

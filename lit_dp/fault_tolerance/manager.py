@@ -104,13 +104,11 @@ def group_store(group_size: int) -> tuple[dist.TCPStore | None, str, int]:
     address travels on the group's default process group (``torch.distributed``'s, which its
     launcher's job set up)."""
     host = socket.gethostname()
-    if group_size == 1:
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        return store, host, store.port
-    hosting = dist.get_rank() == 0
+    hosting = group_size == 1 or dist.get_rank() == 0
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if hosting else None
     address = [(host, store.port) if store is not None else None]
-    dist.broadcast_object_list(address, src=0)
+    if group_size > 1:
+        dist.broadcast_object_list(address, src=0)
     host, port = address[0]
     return store, host, port
 

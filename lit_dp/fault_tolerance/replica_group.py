@@ -94,7 +94,7 @@ class FaultTolerantGroup(dist.ProcessGroup):
         super().__init__(0, 1)
         self.manager = manager
         self._last: _ReplicaWork | None = None
-        self.traffic = CrossGroupTraffic()  # one process per replica group: all it reduces crosses groups
+        self.traffic = CrossGroupTraffic()
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return TORCHFT
@@ -141,8 +141,9 @@ class FaultTolerantGroup(dist.ProcessGroup):
         manager.wait_quorum()
         if not manager.is_participating():
             _zeroed(tensors)
-        for tensor in tensors:
-            self.traffic.add(tensor.numel() * tensor.element_size(), tensor.numel() * tensor.element_size())
+        for tensor in tensors:  # one process per replica group: all it reduces crosses groups
+            nbytes = tensor.numel() * tensor.element_size()
+            self.traffic.add(nbytes, nbytes)
         try:
             work = manager._pg.allreduce(tensors, opts)
         except Exception as error:  # noqa: BLE001 - torchft's contract: a failed collective discards the step

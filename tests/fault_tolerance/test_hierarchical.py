@@ -89,7 +89,7 @@ def test_groups_of_two_ranks_train_as_one_process_on_the_four_batches_and_send_h
 @pytest.mark.slow
 def test_a_killed_rank_restarts_its_group_which_recovers_each_rank_from_its_peer_while_the_other_goes_on(tmp_path):
     steps, kill_at = 16, 5
-    records = run(tmp_path, steps, "--kill", f"1:{kill_at}", "--alone-seconds", "1")
+    records = run(tmp_path, steps, "--kill", f"1:{kill_at}", "--alone-seconds", "1", "--restart-seconds", "5")
     check_every_rank_equal_after_each_committed_step(records, steps)
     # Group 1's last rank died: its torchrun restarted both ranks (a second run appends to the same records).
     assert (tmp_path / "replica1.died").exists()

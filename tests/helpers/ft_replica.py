@@ -18,7 +18,8 @@ another group (the groups start at different times), SIGKILLs itself before its 
 others' all-reduce fails), on its first run only (``OUT/replica<group>.died`` marks it); in a
 group of several ranks only its last rank does (``--kill-rank`` chooses another).
 ``--alone-seconds``: a pause per step while it trains alone, so that a killed peer's restart
-comes back before it finishes. At the end the
+comes back before it finishes; ``--restart-seconds``: under torchrun, a pause before a restarted
+group starts, so that the others go on without it first. At the end the
 parameters go to ``OUT/replica<group>.pt``.
 """
 
@@ -88,7 +89,10 @@ def main() -> None:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--alone-seconds", type=float, default=0.0)
     parser.add_argument("--kill-rank", type=int, default=-1, help="the rank of the group that dies (its last)")
+    parser.add_argument("--restart-seconds", type=float, default=0.0, help="a pause before a restarted group starts")
     args = parser.parse_args()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        time.sleep(args.restart_seconds)  # what a real restart costs: the others go on without this group meanwhile
     torch.set_num_threads(1)
     group = int(os.environ["REPLICA_GROUP_ID"])
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
