@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from benchmarks.local_sgd_overlap import SlowSyncLink
 from tests.benchmarks.test_local_sgd_gpt import TINY
 from tests.helpers.recipes import run_benchmark
 
@@ -25,3 +26,9 @@ def test_overlap_gpt_benchmark_reports_every_delay(tmp_path):
     for delay, (_, _, link_ms, in_flight_ms, _, _) in rows.items():
         # The link was in the way: no sync completes before the link has carried its bytes.
         assert in_flight_ms >= link_ms - 0.1, f"sync_delay={delay}: {output}"
+
+
+@pytest.mark.parametrize("mbit", [0, -100.0])
+def test_the_simulated_link_refuses_a_bandwidth_of_nothing(mbit):
+    with pytest.raises(ValueError, match=rf"^SlowSyncLink\(mbit={mbit}\) is invalid: expected a bandwidth in Mbit/s above 0\.$"):
+        SlowSyncLink(mbit=mbit)
