@@ -94,10 +94,15 @@ def run_mode(overrides: list[str], config: LocalSGDGPTConfig, folder: str) -> di
     # The largest sync: a fragment's (fragments > 1), a whole-model average's, or a data-parallel step's.
     peak = re.search(r"at most ([\d.]+) MB", comm) or re.search(r"averages of ([\d.]+) MB", comm) or data_parallel
     assert sent is not None and peak is not None, comm
-    return {
+    row = {
         "val_loss": metrics["val_loss"], "tokens_per_sec": metrics["tokens_per_sec"], "mb_per_step": float(sent.group(1)),
         "mb_per_sync": float(peak.group(1)), "wall_s": wall,
     }  # fmt: skip
+    # LocalSGD's syncs before the fit's final one, rank 0's: their number, mean bytes, time in flight and exposed.
+    syncs = re.search(r"(\d+) (?:fragment syncs|averages) of ([\d.]+) MB.*time ([\d.]+) ms, exposed ([\d.]+) ms each", comm)
+    if syncs is not None:
+        row |= dict(zip(("syncs", "mb_mean_per_sync", "sync_time_ms", "sync_exposed_ms"), map(float, syncs.groups())))
+    return row
 
 
 def run(config: LocalSGDGPTConfig) -> dict[str, dict[str, float]]:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -62,7 +63,7 @@ class _SlowWork:
         return self._work.wait(*args)
 
 
-class _SlowLink:
+class SlowLink:
     """``torch.distributed`` as ``lit_dp.local_sgd`` sees it, its collectives carried by one link in turn."""
 
     def __init__(self, mbit: float, world_size: int) -> None:
@@ -85,6 +86,32 @@ class _SlowLink:
         return self._slowed(dist.broadcast(tensor, *args, **kwargs), tensor)
 
 
+class SlowSyncLink(pl.Callback):
+    """A recipe's LocalSGD syncs carried by a ``SlowLink`` of ``mbit`` Mbit/s in every rank, from setup to
+    teardown, for ``benchmarks.local_sgd_overlap_gpt``:
+
+        python recipes/gpt.py ... +callbacks.slow_link._target_=benchmarks.local_sgd_overlap.SlowSyncLink
+
+    Only LocalSGD's collectives are slowed; the Trainer's others (checkpoints, validation metrics) are not."""
+
+    def __init__(self, mbit: float = 100.0) -> None:
+        if not mbit > 0:
+            raise ValueError(f"SlowSyncLink(mbit={mbit!r}) is invalid: expected a bandwidth in Mbit/s above 0.")
+        self.mbit = mbit
+        self._real_dist: Any = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import lit_dp.local_sgd
+
+        self._real_dist, lit_dp.local_sgd.dist = lit_dp.local_sgd.dist, SlowLink(self.mbit, trainer.world_size)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import lit_dp.local_sgd
+
+        if self._real_dist is not None:
+            lit_dp.local_sgd.dist, self._real_dist = self._real_dist, None
+
+
 def _train(delay: int, config: OverlapBenchmarkConfig, data: DigitsDataModule, rank: int) -> dict[str, Any]:
     import lit_dp
     import lit_dp.local_sgd
@@ -98,7 +125,7 @@ def _train(delay: int, config: OverlapBenchmarkConfig, data: DigitsDataModule, r
     images, labels = data.train_set.tensors
     images, labels = images[rank :: config.world_size], labels[rank :: config.world_size]
     times = []
-    real_dist, lit_dp.local_sgd.dist = lit_dp.local_sgd.dist, _SlowLink(config.link_mbit, config.world_size)
+    real_dist, lit_dp.local_sgd.dist = lit_dp.local_sgd.dist, SlowLink(config.link_mbit, config.world_size)
     try:
         for epoch in range(config.epochs):
             order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch))

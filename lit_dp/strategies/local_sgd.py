@@ -44,10 +44,6 @@ def _never_joined() -> bool:
     return False
 
 
-def _never_joined() -> bool:
-    return False
-
-
 class LocalSGDSchedule(Feature):
     """The averager while fitting with ``local_sgd_steps`` (``local_sgd``), and its state, every rank's, in checkpoints."""
 
