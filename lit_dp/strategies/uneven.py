@@ -97,6 +97,8 @@ class UnevenInputs(Feature):
         enabled: the ``uneven_inputs`` option.
     """
 
+    exposes = {"joined": False}  # strategy.joined; False where no strategy has the feature (Fabric)
+
     def __init__(self, enabled: bool) -> None:
         self._enabled = enabled
         self._trainer: pl.Trainer | None = None  # from setup

@@ -17,7 +17,9 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
 from lit_dp import PaddleDPStrategy, fabric
-from lit_dp.strategies.base import default_backend, lightning_parallel_env, register_families
+from lit_dp.strategies.base import register_families
+from lit_dp.strategies.feature import Run
+from lit_dp.strategies.process_group import default_backend, lightning_parallel_env
 from tests.helpers.groups import one_rank_group
 from tests.helpers.lightning import REGISTERED
 
@@ -86,15 +88,15 @@ class WrapperWithoutStaticGraph:
 @pytest.mark.parametrize("strategy_type", [PaddleDPStrategy, fabric.PaddleDPStrategy])
 def test_ddps_own_arguments_go_to_the_wrapper_that_names_them(strategy_type):
     ddp_arguments = {"broadcast_buffers": False, "find_unused_parameters": True, "bucket_cap_mb": 5, "static_graph": True}
-    with mock.patch("lit_dp.strategies.base.DataParallel", Wrapper):
+    with mock.patch("lit_dp.strategies.wrapping.DataParallel", Wrapper):
         strategy = strategy_type(**ddp_arguments)
         assert strategy._ddp_kwargs == ddp_arguments
         strategy.parallel_devices = [torch.device("cpu")]
-        wrapped = strategy._wrap(torch.nn.Linear(1, 1), strategy.options)
+        wrapped = strategy._wrapping.wrap(torch.nn.Linear(1, 1), Run(strategy, None), strategy._features, strategy.options)
     assert wrapped.static_graph is True  # DataParallel's own argument
     options = wrapped.options  # DDP's arguments that are lit_dp options
     assert (options.broadcast_buffers, options.find_unused_parameters, options.comm_buffer_size) == (False, True, 5.0)
-    with mock.patch("lit_dp.strategies.base.DataParallel", WrapperWithoutStaticGraph):
+    with mock.patch("lit_dp.strategies.wrapping.DataParallel", WrapperWithoutStaticGraph):
         with pytest.raises(ValueError, match=r"static_graph=True is an argument of torch's DistributedDataParallel "
                            r"that lit_dp.DataParallel does not take: docs/strategy.md"):
             strategy_type(static_graph=True)
