@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies import ParallelStrategy as FabricParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import ParallelStrategy as TrainerParallelStrategy
 
 from lit_dp import PaddleDPStrategy, fabric
 from lit_dp.strategies.base import register_families
@@ -152,3 +154,32 @@ def test_a_live_group_of_another_size_is_refused_with_the_remedy(strategy_type):
     with pytest.raises(RuntimeError, match=r"a process group of world size 1 already exists in this process, but "
                        r"this run has world size 2.*destroy_process_group\(\) before this run"):
         strategy.setup_environment()
+
+
+def own_members(cls: type, lightning_base: type) -> set[str]:
+    """The methods, properties, static and class methods the classes of ``cls``'s MRO define that are not in
+    ``lightning_base``'s: what the strategy adds to the Lightning class it derives from."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass not in lightning_base.__mro__:
+            names |= {
+                name
+                for name, value in vars(klass).items()
+                if callable(value) or isinstance(value, (property, staticmethod, classmethod))
+            }
+    return names
+
+
+@pytest.mark.parametrize(
+    ("ours", "ddp", "base"),
+    [
+        (PaddleDPStrategy, DDPStrategy, TrainerParallelStrategy),
+        (fabric.PaddleDPStrategy, FabricDDPStrategy, FabricParallelStrategy),
+    ],
+    ids=["trainer", "fabric"],
+)
+def test_each_strategy_is_within_one_and_a_half_times_lightnings_ddp_strategy(ours, ddp, base):
+    """The strategies keep front-door glue and the process layout; the rest is the features' (issue 46).
+    The bound: 1.5 times Lightning's ``DDPStrategy`` of the same door, counted alike (mixin included)."""
+    mine, theirs = own_members(ours, base), own_members(ddp, base)
+    assert len(mine) <= 1.5 * len(theirs), f"{len(mine)} members against {len(theirs)}: {sorted(mine)}"
