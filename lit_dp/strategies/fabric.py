@@ -71,7 +71,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     def __init__(self, *args: Any, **values: Any) -> None:
         super().__init__(*args, **values)
-        self._backward_sync_control = _PaddleDPBackwardSyncControl()
+        self._backward_sync_control = _PaddleDPBackwardSyncControl()  # what fabric.no_backward_sync(model) asks
         self._features_run = _FeaturesRun(self._features)
 
     @override
