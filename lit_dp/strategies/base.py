@@ -113,7 +113,7 @@ class DataParallelStrategyMixin:
     def __getattr__(self, name: str) -> Any:
         """What a feature exposes (``Feature.exposes``) reads as the strategy's own attribute, with no strategy
         edit: ``strategy.local_sgd``, ``comm_buffer_size``, ``tuned_comm_buffer_size``, ``fault_tolerance``,
-        ``joined``; the value for options that leave the feature off where it is not built."""
+        ``joined``, ``wait_for_parameters()``; the value for options that leave the feature off where it is not built."""
         features = self.__dict__.get("_features")  # absent while unpickling, before __init__ set it
         try:
             if features is None:

@@ -188,8 +188,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        self.wait_for_parameters()  # with sharding_overlap the last gather may be in flight (lit_dp.strategies.sharding)
         if isinstance(module, DataParallel):
-            module.wait_for_parameters()  # with sharding_overlap the last gather may be in flight
             module = module.module
         return super().get_module_state_dict(module)
 

@@ -7,8 +7,9 @@ the user built, whose parameter groups the sharded ones share (``lit_dp.sharding
 
 With ``sharding_overlap`` a step leaves the parameters' gather in flight until the next forward
 needs them (``DataParallel.wait_for_parameters`` waits for it): this feature waits before
-validation and before the run ends (LocalSGD's last average reads every parameter); the
-strategies wait before reading the model's state for a checkpoint, where no hook comes first.
+validation and before the run ends (LocalSGD's last average reads every parameter), and exposes
+``strategy.wait_for_parameters()``, which the strategies call before reading the model's state
+for a checkpoint, where no hook comes first (without sharding it has nothing to wait for).
 
 It refuses, before the model is wrapped, what would let ranks disagree: a gradient scaler under stage 2
 (its inf checks would see this rank's gradients only), and the Trainer's clipping by norm with a
@@ -31,8 +32,14 @@ from lit_dp.strategies.precision import check_sharded_clipping
 log = logging.getLogger(__name__)
 
 
+def _nothing_in_flight() -> None:
+    """``strategy.wait_for_parameters()`` without sharding: no gather is ever in flight."""
+
+
 class ShardedOptimizers(Feature):
     """``sharding_stage=1`` or ``2``: every optimizer set up becomes a ``ShardedOptimizer`` over the wrapped model."""
+
+    exposes = {"wait_for_parameters": _nothing_in_flight}
 
     def __init__(self, stage: int) -> None:
         self._stage = stage
@@ -79,18 +86,20 @@ class ShardedOptimizers(Feature):
         )
         return ShardedOptimizer(optimizer, self._model)
 
+    def wait_for_parameters(self) -> None:
+        """``strategy.wait_for_parameters()``: with ``sharding_overlap``, finish gathering the updated parameters,
+        before they are read outside a forward."""
+        if self._model is not None:
+            self._model.wait_for_parameters()
+
     @override
     def on_validation_start(self) -> None:
-        self._wait_for_parameters()
+        self.wait_for_parameters()
 
     @override
     def on_train_end(self) -> None:
-        self._wait_for_parameters()
+        self.wait_for_parameters()
 
     @override
     def teardown(self) -> None:
         self._model = None
-
-    def _wait_for_parameters(self) -> None:
-        if self._model is not None:
-            self._model.wait_for_parameters()

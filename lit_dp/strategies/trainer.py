@@ -173,8 +173,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if isinstance(self.model, DataParallel):  # with sharding_overlap the last gather may be in flight
-            self.model.wait_for_parameters()
+        self.wait_for_parameters()  # with sharding_overlap the last gather may be in flight (lit_dp.strategies.sharding)
         return super().lightning_module_state_dict()
 
     @override

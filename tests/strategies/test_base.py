@@ -183,3 +183,10 @@ def test_each_strategy_is_within_one_and_a_half_times_lightnings_ddp_strategy(ou
     The bound: 1.5 times Lightning's ``DDPStrategy`` of the same door, counted alike (mixin included)."""
     mine, theirs = own_members(ours, base), own_members(ddp, base)
     assert len(mine) <= 1.5 * len(theirs), f"{len(mine)} members against {len(theirs)}: {sorted(mine)}"
+
+
+@pytest.mark.parametrize("strategy_type", [PaddleDPStrategy, fabric.PaddleDPStrategy])
+def test_wait_for_parameters_is_there_with_and_without_sharding(strategy_type):
+    """``strategy.wait_for_parameters()``, exposed by the sharding feature: nothing to wait for without a model."""
+    for arguments in ({}, {"sharding_stage": 1, "sharding_overlap": True}):
+        assert strategy_type(**arguments).wait_for_parameters() is None
