@@ -29,6 +29,7 @@ from lit_dp.options.signature import takes_options
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.strategies.feature import Feature
 from lit_dp.strategies.lightning_private import StrategyRegistryType, WrappingCheckpointIO
+from lit_dp.strategies import process_group
 from lit_dp.strategies.process_group import default_backend, default_cluster_environment, process_group_timeout
 from lit_dp.strategies.registry import build_features
 from lit_dp.strategies.wrapping import DDP_ARGUMENTS, Wrapping
@@ -202,6 +203,11 @@ class DataParallelStrategyMixin:
             self._launcher = script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = multiprocessing_launcher(self, start_method=self._options.start_method)
+
+    def set_world_ranks(self) -> None:
+        """Lightning DDPStrategy's: this rank's place in the cluster environment (the Trainer calls it as it is
+        built; both doors as the process group starts)."""
+        process_group.set_world_ranks(self)
 
     @classmethod
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:

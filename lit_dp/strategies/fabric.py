@@ -31,7 +31,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
-from lit_dp.join import DataParallelJoin
 from lit_dp.options import FABRIC
 from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
@@ -42,7 +41,6 @@ from lit_dp.strategies.lightning_private import (
     BackwardSyncControl,
     FabricMultiProcessingLauncher,
     FabricScriptLauncher,
-    forward_module,
     sync_ddp_if_available,
 )
 from lit_dp.strategies.precision import unscale_for_clipping
@@ -110,27 +108,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         unscale_for_clipping(self.precision, optimizer)
         torch.nn.utils.clip_grad_value_(self.precision.main_params(optimizer), clip_val)
-
-    def join(
-        self,
-        module: Module,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> DataParallelJoin:
-        """Train on uneven inputs in a hand-written loop: ``with fabric.strategy.join(model):``.
-
-        ``model`` is what ``fabric.setup`` returned. Ranks that run out of batches shadow the
-        others' synchronised steps until all have, then every rank holds the same parameters
-        (``lit_dp.DataParallel.join``; the arguments are torch DDP's ``join``'s).
-        """
-        inner = forward_module(module)
-        if not isinstance(inner, DataParallel):
-            raise TypeError(
-                f"{type(self).__name__}.join expects the module returned by fabric.setup (a lit_dp.DataParallel "
-                f"inside), got {type(inner).__name__}."
-            )
-        return inner.join(divide_by_initial_world_size, enable, throw_on_early_termination)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

@@ -13,7 +13,7 @@ a call nest with the first outermost, teardown goes up it:
   replica groups present) and gates the optimizer step around every other feature's;
 - the loader's resume next: it continues the loader fault tolerance left alone;
 - then uneven inputs, which wraps the loader the others produced and checks the strategy's
-  collectives before the watchdog watches them;
+  collectives before the watchdog watches them (Fabric's: ``fabric.strategy.join(model)``);
 - LocalSGD's schedule and the tuned bucket size, which the ranks agree on;
 - preemption (the Trainer's saves; Fabric's raises for the loop to save) and lost ranks, which end a run;
 - the hang watchdog, then the monitors last: they observe what the others did.
@@ -31,7 +31,7 @@ from lit_dp.strategies.preemption import FabricPreemption, Preemption
 from lit_dp.strategies.resume import EpochContinuation
 from lit_dp.strategies.sharding import ShardedOptimizers
 from lit_dp.strategies.tuned_size import TunedBufferSize
-from lit_dp.strategies.uneven import UnevenInputs
+from lit_dp.strategies.uneven import FabricUnevenInputs, UnevenInputs
 from lit_dp.strategies.watchdog import StrategyWatchdog
 
 BOTH = (TRAINER, FABRIC)
@@ -42,6 +42,7 @@ FEATURES: tuple[tuple[type[Feature], tuple[str, ...]], ...] = (
     (FabricFaultTolerance, (FABRIC,)),
     (EpochContinuation, (TRAINER,)),
     (UnevenInputs, (TRAINER,)),
+    (FabricUnevenInputs, (FABRIC,)),
     (LocalSGDSchedule, BOTH),
     (TunedBufferSize, BOTH),
     (Preemption, (TRAINER,)),

@@ -116,10 +116,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
-    def set_world_ranks(self) -> None:
-        """Lightning DDPStrategy's: this rank's place in the cluster environment, as the Trainer is built."""
-        process_group.set_world_ranks(self)
-
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
