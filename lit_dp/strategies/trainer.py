@@ -8,9 +8,9 @@ The registered names copy Lightning's ``ddp`` families; what this strategy share
 one in ``lit_dp.fabric`` is in ``lit_dp.strategies.base``, the process group's setup in
 ``lit_dp.strategies.process_group`` and the wrapping in ``lit_dp.strategies.wrapping``. Everything
 else it does (sharding, uneven inputs, the hang watchdog's wiring, preemption, resuming, LocalSGD,
-the bucket size, fault tolerance, the monitors) is a feature (``lit_dp.strategies.feature``), built from the options by
-``lit_dp.strategies.registry``: the hooks below call all of them, in the registry's order, and
-name none. With debug logging (the ``lit_dp`` logger), each step of setup and teardown says what
+the bucket size, fault tolerance, the monitors) is a feature (``lit_dp.strategies.feature``),
+built from the options by ``lit_dp.strategies.registry``: the hooks below call all of them, in the
+registry's order, and name none. With debug logging (the ``lit_dp`` logger), each step of setup and teardown says what
 was decided and why.
 """
 
