@@ -14,7 +14,6 @@ process group is brought up by ``lit_dp.strategies.process_group``, a model wrap
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,15 +25,13 @@ from lit_dp.job.process_group import barrier, broadcast_object
 from lit_dp.options import Options
 from lit_dp.options.backends import AUTO
 from lit_dp.options.signature import takes_options
+from lit_dp.strategies import process_group
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.strategies.feature import Feature
 from lit_dp.strategies.lightning_private import StrategyRegistryType, WrappingCheckpointIO
-from lit_dp.strategies import process_group
 from lit_dp.strategies.process_group import default_backend, default_cluster_environment, process_group_timeout
 from lit_dp.strategies.registry import build_features
 from lit_dp.strategies.wrapping import DDP_ARGUMENTS, Wrapping
-
-log = logging.getLogger(__name__)
 
 # Lightning's `ddp`, `ddp_spawn`, `ddp_fork`, `ddp_notebook` with their start methods
 # (lightning/pytorch/strategies/ddp.py); each also gets `_find_unused_parameters_true|false`.
@@ -101,7 +98,9 @@ class DataParallelStrategyMixin:
         if options is None:
             options = Options.build(values, self._options_scope)
         elif values:
-            raise TypeError(f"{type(self).__name__}: pass options= or keyword options, not both (got {sorted(values)}).")
+            raise TypeError(
+                f"{type(self).__name__}: pass options= or keyword options, not both (got {sorted(values)})."
+            )
         self._options = options
         # Lightning DDPStrategy's attributes, the values in effect: ``strategy._timeout`` is the documented one.
         self._timeout = process_group_timeout(options)
@@ -114,7 +113,8 @@ class DataParallelStrategyMixin:
     def __getattr__(self, name: str) -> Any:
         """What a feature exposes (``Feature.exposes``) reads as the strategy's own attribute, with no strategy
         edit: ``strategy.local_sgd``, ``comm_buffer_size``, ``tuned_comm_buffer_size``, ``fault_tolerance``,
-        ``joined``, ``wait_for_parameters()``; the value for options that leave the feature off where it is not built."""
+        ``joined``, ``wait_for_parameters()``, Fabric's ``join(model)``; the value for options that leave the
+        feature off where it is not built."""
         features = self.__dict__.get("_features")  # absent while unpickling, before __init__ set it
         try:
             if features is None:

@@ -165,7 +165,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
-        self.wait_for_parameters()  # with sharding_overlap the last gather may be in flight (lit_dp.strategies.sharding)
+        self.wait_for_parameters()  # with sharding_overlap the last gather may be in flight
         if isinstance(module, DataParallel):
             module = module.module
         return super().get_module_state_dict(module)

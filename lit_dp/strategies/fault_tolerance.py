@@ -124,7 +124,7 @@ class FaultToleranceFeature(Feature):
 
     @property
     def fault_tolerance(self) -> FaultTolerance:
-        """``strategy.fault_tolerance`` (None without the option): its ``committed_steps``, ``metrics()`` and ``manager``."""
+        """``strategy.fault_tolerance`` (None without the option): its ``committed_steps``, ``metrics()``, ``manager``."""
         return self.ft
 
     @classmethod

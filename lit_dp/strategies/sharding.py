@@ -52,9 +52,11 @@ class ShardedOptimizers(Feature):
 
     @override
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
-        """Before the model is wrapped (a fit's, or one given to ``fabric.setup``): refuse what would let ranks disagree."""
+        """Before the model is wrapped (a fit's, or one given to ``fabric.setup``): refuse what would let the ranks
+        disagree."""
         trainer = run.trainer
-        precision = getattr(run.strategy, "precision_plugin", None) or run.strategy.precision  # the Trainer's, or Fabric's
+        # The Trainer's name for the precision plugin, else Fabric's.
+        precision = getattr(run.strategy, "precision_plugin", None) or run.strategy.precision
         if self._stage == 2 and getattr(precision, "scaler", None) is not None:
             raise ValueError(
                 "sharding_stage=2 with precision='16-mixed' (a gradient scaler) is invalid: each rank holds only its "

@@ -169,7 +169,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.wait_for_parameters()  # with sharding_overlap the last gather may be in flight (lit_dp.strategies.sharding)
+        self.wait_for_parameters()  # with sharding_overlap the last gather may be in flight
         return super().lightning_module_state_dict()
 
     @override

@@ -49,7 +49,8 @@ class TunedBufferSize(Feature):
 
     @property
     def tuned_comm_buffer_size(self) -> float | None:
-        """With ``comm_buffer_size="auto"``: the size chosen in this run, or kept from an earlier one or a checkpoint."""
+        """With ``comm_buffer_size="auto"``: the size chosen in this run, or kept from an earlier run or a checkpoint;
+        None otherwise."""
         return self.size
 
     @property

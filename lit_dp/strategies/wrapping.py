@@ -83,7 +83,8 @@ class Wrapping:
         arguments = {**self.arguments, **features.wrapper_arguments(run, {"options": options})}
         options = arguments.pop("options")
         shown = "".join(f", {key}={value!r}" for key, value in arguments.items())
-        log.debug("%s: wrapping %s in lit_dp.DataParallel with %s%s", self._owner, type(module).__name__, options, shown)
+        name = type(module).__name__
+        log.debug("%s: wrapping %s in lit_dp.DataParallel with %s%s", self._owner, name, options, shown)
         wrapped = DataParallel(module, options=options, **arguments)
         if wrapped.watchdog is not None:
             log.debug("%s: hang watchdog started (hang_timeout=%ss)", self._owner, options.hang_timeout)
