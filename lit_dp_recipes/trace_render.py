@@ -34,8 +34,15 @@ def render(trace: str | Path, output: str | Path, title: str | None = None) -> P
     figure, axes = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
     for row, key in enumerate(rows):
         for e in (e for e in spans if (e["pid"], e["tid"]) == key):
-            axes.barh(row, e["dur"] / 1e3, left=(e["ts"] - origin) / 1e3, height=0.6,
-                      color=colours.get(e.get("cat"), "tab:gray"), edgecolor="black", linewidth=0.3)  # fmt: skip
+            axes.barh(
+                row,
+                e["dur"] / 1e3,
+                left=(e["ts"] - origin) / 1e3,
+                height=0.6,
+                color=colours.get(e.get("cat"), "tab:gray"),
+                edgecolor="black",
+                linewidth=0.3,
+            )
     for e in (e for e in events if e.get("ph") == "i" and e.get("cat") == "step"):
         axes.axvline((e["ts"] - origin) / 1e3, color="gray", linewidth=0.5, linestyle=":")
     axes.set_yticks(range(len(rows)), [f"rank {pid} · {names.get((pid, tid), tid)}" for pid, tid in rows])
@@ -43,9 +50,13 @@ def render(trace: str | Path, output: str | Path, title: str | None = None) -> P
     axes.set_xlabel("ms (dotted lines: step starts)", labelpad=2)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
     axes.legend(
-        handles, ["backward", "bucket all-reduce", "exposed communication"],
-        loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8,
-    )  # fmt: skip
+        handles,
+        ["backward", "bucket all-reduce", "exposed communication"],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncol=3,
+        fontsize=8,
+    )
     axes.set_title(title or f"Rendering of the Chrome trace {Path(trace).name}")
     figure.tight_layout()
     figure.savefig(output, dpi=120)

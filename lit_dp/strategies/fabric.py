@@ -31,25 +31,24 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
-from lit_dp.join import DataParallelJoin
 from lit_dp.options import FABRIC
 from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
-from lit_dp.strategies.base import DataParallelStrategyMixin, register_families
-from lit_dp.strategies.feature import CHECKPOINT_KEY, Run
+from lit_dp.strategies import process_group
+from lit_dp.strategies.base import DataParallelStrategyMixin, front_door
+from lit_dp.strategies.feature import CHECKPOINT_KEY, Features, Run
 from lit_dp.strategies.lightning_private import (
     BackwardSyncControl,
     FabricMultiProcessingLauncher,
     FabricScriptLauncher,
-    StrategyRegistryType,
-    forward_module,
     sync_ddp_if_available,
 )
-from lit_dp.strategies.precision import handles_unscaling
+from lit_dp.strategies.precision import unscale_for_clipping
 
 log = logging.getLogger(__name__)
 
 
+@front_door
 class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer in Fabric, one process per device.
 
@@ -68,42 +67,27 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     _options_scope = FABRIC
     _precision_argument = "precision"
 
-    @override
-    def _init_front_door(self) -> None:
-        self._backward_sync_control = _PaddleDPBackwardSyncControl()
-        self._wrapped: DataParallel | None = None  # the model set up last: sharded optimizers read its owners
-        self._sharded: list[ShardedOptimizer] = []
-        self._running = False  # features set up since the last teardown
-
-    @property
-    def _data_parallel(self) -> DataParallel | None:
-        return self._wrapped
+    def __init__(self, *args: Any, **values: Any) -> None:
+        super().__init__(*args, **values)
+        self._backward_sync_control = _PaddleDPBackwardSyncControl()  # what fabric.no_backward_sync(model) asks
+        self._features_run = _FeaturesRun(self._features)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self._features.setup_environment(self)
-        self._init_process_group()
+        process_group.start_process_group(self)
 
     @override
     def setup_module(self, module: Module) -> DataParallel:
-        self._check_sharding_precision(self.precision)
-        self._wrapped = self._wrap_for_run(module, Run(self, None))
-        if not self._running:
-            # Fabric never tears its strategy down itself: the features' teardown (the trace's last
-            # write, the watchdog thread's end) also runs at exit, unless the user's teardown came first.
-            atexit.register(_teardown_features_at_exit, weakref.ref(self))
-        self._running = True
-        self._features.setup(Run(self, self._wrapped, features=self._features))
-        return self._wrapped
+        wrapped = self._wrapping.wrap(module, Run(self, None), self._features, self._options)
+        self._features_run.start(Run(self, wrapped, features=self._features))
+        return wrapped
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         log.debug("%s: setting up %s", type(self).__name__, type(optimizer).__name__)
-        sharded = self._features.setup_optimizer(self._shard(optimizer, self._wrapped))
-        if isinstance(sharded, ShardedOptimizer):
-            self._sharded.append(sharded)
-        return sharded
+        return self._features.setup_optimizer(optimizer)
 
     @override
     def clip_gradients_norm(
@@ -114,7 +98,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        self._unscale_for_clipping(optimizer)
+        unscale_for_clipping(self.precision, optimizer)
         if isinstance(optimizer, ShardedOptimizer):  # the norm over every rank's gradients
             return optimizer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         parameters = self.precision.main_params(optimizer)
@@ -122,41 +106,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self._unscale_for_clipping(optimizer)
+        unscale_for_clipping(self.precision, optimizer)
         torch.nn.utils.clip_grad_value_(self.precision.main_params(optimizer), clip_val)
-
-    def _unscale_for_clipping(self, optimizer: Optimizer) -> None:
-        """Gradients unscaled before clipping, also an optimizer's that unscales in its step (``fused=True``).
-
-        Fabric's ``MixedPrecision`` refuses those; torch lets ``GradScaler.unscale_`` run before
-        ``step`` for them too, and the step then gets only the inf check, no scale.
-        """
-        scaler = getattr(self.precision, "scaler", None)
-        if scaler is not None and handles_unscaling(optimizer):
-            scaler.unscale_(optimizer)
-        else:
-            self.precision.unscale_gradients(optimizer)
-
-    def join(
-        self,
-        module: Module,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> DataParallelJoin:
-        """Train on uneven inputs in a hand-written loop: ``with fabric.strategy.join(model):``.
-
-        ``model`` is what ``fabric.setup`` returned. Ranks that run out of batches shadow the
-        others' synchronised steps until all have, then every rank holds the same parameters
-        (``lit_dp.DataParallel.join``; the arguments are torch DDP's ``join``'s).
-        """
-        inner = forward_module(module)
-        if not isinstance(inner, DataParallel):
-            raise TypeError(
-                f"{type(self).__name__}.join expects the module returned by fabric.setup (a lit_dp.DataParallel "
-                f"inside), got {type(inner).__name__}."
-            )
-        return inner.join(divide_by_initial_world_size, enable, throw_on_early_termination)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -172,7 +123,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            with self._collective("all_reduce"):
+            with self._features.collective("all_reduce"):
                 return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
@@ -214,8 +165,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
-        for optimizer in self._sharded:  # with sharding_overlap the last gather may be in flight
-            optimizer.wait_for_parameters()
+        self.wait_for_parameters()  # with sharding_overlap the last gather may be in flight
         if isinstance(module, DataParallel):
             module = module.module
         return super().get_module_state_dict(module)
@@ -232,29 +182,45 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         features (``on_train_end``: LocalSGD's last average), then their teardown. Fabric never calls it
         itself; at exit only the teardown runs (no collective: the other ranks may be gone)."""
         log.debug("%s: tearing down strategy", type(self).__name__)
-        for optimizer in self._sharded:
-            optimizer.wait_for_parameters()
+        self._features_run.end()
+        super().teardown()
+        process_group.leave_process_group(self)
+
+
+class _FeaturesRun:
+    """The features' run under Fabric: from the first model set up to ``fabric.strategy.teardown()``, or to
+    the process's exit, since Fabric never tears its strategy down itself."""
+
+    def __init__(self, features: Features) -> None:
+        self._features = features
+        self._running = False  # set up since the last end
+
+    def start(self, run: Run) -> None:
+        """A model set up: the features' ``setup`` (at each model), and their end registered for exit once a run."""
+        if not self._running:
+            # The features' teardown (the trace's last write, the watchdog thread's end) runs at exit too,
+            # unless the user's teardown came first.
+            atexit.register(_end_at_exit, weakref.ref(self))
+        self._running = True
+        self._features.setup(run)
+
+    def end(self) -> None:
+        """``fabric.strategy.teardown()``, on every rank: the run's end for the features (``on_train_end``:
+        LocalSGD's last average), then their teardown."""
         if self._running:
             self._features.on_train_end()
-        self._teardown_features()
-        self._wrapped, self._sharded = None, []
-        super().teardown()
-        self._leave_process_group()
+        self.release()
 
-    def _teardown_features(self) -> None:
+    def release(self) -> None:
+        """The features' teardown only (at exit: no collective, the other ranks may be gone)."""
         if self._running:
             self._running = False
             self._features.teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
-        register_families(strategy_registry, cls)
 
-
-def _teardown_features_at_exit(strategy: weakref.ref[PaddleDPStrategy]) -> None:
-    if (alive := strategy()) is not None:
-        alive._teardown_features()
+def _end_at_exit(run: weakref.ref[_FeaturesRun]) -> None:
+    if (alive := run()) is not None:
+        alive.release()
 
 
 class _PaddleDPBackwardSyncControl(BackwardSyncControl):

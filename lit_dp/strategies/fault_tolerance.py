@@ -117,8 +117,15 @@ class FaultToleranceFeature(Feature):
     """What both strategies' fault tolerance shares: the replica group's ``FaultTolerance`` (``ft``),
     built when the option is on, closed at teardown."""
 
+    exposes = {"fault_tolerance": None}
+
     def __init__(self, fault_tolerance: FaultTolerance) -> None:
         self.ft = fault_tolerance
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance:
+        """``strategy.fault_tolerance`` (None without the option): its ``committed_steps``, ``metrics()``, ``manager``."""
+        return self.ft
 
     @classmethod
     @override

@@ -5,9 +5,11 @@ watchdog's wiring, preemption, resuming inside an epoch, LocalSGD's schedule, th
 size, fault tolerance, the monitors. Each is one ``Feature``: hooks named after Lightning's
 lifecycle (its ``Callback`` and ``Strategy``), every one doing nothing by default, and a
 ``state_dict``/``load_state_dict`` pair (torchtitan's ``Stateful``) stored under the feature's own
-``key`` in the strategy's checkpoint entry. ``lit_dp.strategies.registry`` builds them from the
-options, in an order that is part of the contract; the strategies call ``Features``, which calls
-every feature in that order, and name none of them.
+``key`` in the strategy's checkpoint entry. What a feature offers reads as the strategy's own
+attribute where it names it in ``exposes`` (``strategy.local_sgd``), with no strategy edit.
+``lit_dp.strategies.registry`` builds them from the options, in an order that is part of the
+contract; the strategies call ``Features``, which calls every feature in that order, and name
+none of them.
 
 Hooks that pass a value on (``process_dataloader``, ``batch_to_device``, the arguments of the
 wrapper) chain it through the features in order; hooks that wrap a call (``training_step``,
@@ -70,6 +72,9 @@ class Feature:
     """
 
     key: ClassVar[str | None] = None
+    # Attributes of the feature that read as the strategy's own (``strategy.local_sgd``), with no strategy edit:
+    # each name with the value the strategy gives while the options leave the feature off (``Features.exposed``).
+    exposes: ClassVar[dict[str, Any]] = {}
     # Whether a replica group that recovers under fault tolerance takes this feature's state from a peer
     # (``Features.replica_state``): state that must be the same on every group, as LocalSGD's schedule.
     shared_by_replicas: ClassVar[bool] = False
@@ -163,8 +168,9 @@ class Feature:
 class Features(Sequence[Feature]):
     """The strategy's features in the registry's order, each hook called on all of them (see the module docstring)."""
 
-    def __init__(self, features: list[Feature]) -> None:
+    def __init__(self, features: list[Feature], kinds: Sequence[type[Feature]] = ()) -> None:
         self._features = features
+        self._kinds = kinds  # every class that could have been built (the registry's): what they expose when off
 
     def __getitem__(self, index: Any) -> Any:
         return self._features[index]
@@ -173,8 +179,19 @@ class Features(Sequence[Feature]):
         return len(self._features)
 
     def find(self, kind: type[Feature]) -> Any:
-        """The feature of type ``kind``, if built (for the strategy's public properties)."""
+        """The feature of type ``kind``, if built (``strategy.feature(kind)``)."""
         return next((feature for feature in self._features if isinstance(feature, kind)), None)
+
+    def exposed(self, name: str) -> Any:
+        """The attribute ``name`` of the feature that exposes it (``Feature.exposes``); its value for the
+        options that leave that feature off when none is built; ``KeyError`` when no feature exposes it."""
+        for feature in self._features:
+            if name in type(feature).exposes:
+                return getattr(feature, name)
+        for kind in self._kinds:
+            if name in kind.exposes:
+                return kind.exposes[name]
+        raise KeyError(name)
 
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
         for feature in self._features:

@@ -48,6 +48,8 @@ class LocalSGDSchedule(Feature):
     """The averager while fitting with ``local_sgd_steps`` (``local_sgd``), and its state, every rank's, in checkpoints."""
 
     key = "local_sgd"
+    exposes = {"local_sgd": None}  # strategy.local_sgd: the averager while fitting, else None
+    local_sgd: LocalSGD | None
     shared_by_replicas = True  # across torchft's replica groups a recovering one takes a peer's schedule and snapshot
 
     def __init__(self, options: LocalSGDOptions) -> None:

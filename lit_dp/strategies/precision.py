@@ -27,7 +27,7 @@ Checkpoints keep the plugin's state under Lightning's class name (``"MixedPrecis
 scaler), so a checkpoint moves between ``"ddp"`` and ``"paddle_dp"`` with its scaler.
 
 Fabric has a strategy hook for clipping, so its strategy (``lit_dp.strategies.fabric``) clips
-there, with Fabric's own plugins, and reads ``handles_unscaling`` from here.
+there, with Fabric's own plugins, unscaling with ``unscale_for_clipping`` from here.
 """
 
 from __future__ import annotations
@@ -51,6 +51,20 @@ log = logging.getLogger(__name__)
 def handles_unscaling(optimizer: Any) -> bool:
     """Whether ``optimizer`` unscales gradients inside its step (``fused=True``): torch's mark on such optimizers."""
     return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def unscale_for_clipping(precision: Any, optimizer: Any) -> None:
+    """Fabric: ``optimizer``'s gradients unscaled by ``precision`` (Fabric's plugin) before clipping, also an
+    optimizer's that unscales in its step (``fused=True``).
+
+    Fabric's ``MixedPrecision`` refuses those; torch lets ``GradScaler.unscale_`` run before ``step`` for
+    them too, and the step then gets only the inf check, no scale.
+    """
+    scaler = getattr(precision, "scaler", None)
+    if scaler is not None and handles_unscaling(optimizer):
+        scaler.unscale_(optimizer)
+    else:
+        precision.unscale_gradients(optimizer)
 
 
 class DataParallelClipping:

@@ -7,11 +7,13 @@ strategy, when it is built: a checkpoint is loaded before the run is set up.
 The order is part of the contract. Hooks that pass a value on go down the list, hooks that wrap
 a call nest with the first outermost, teardown goes up it:
 
-- fault tolerance first: it replaces the training loader (batches dealt step by step to the
+- sharding first: it rebuilds each optimizer over this rank's parameters, and every other feature
+  keeps the optimizer it returns;
+- fault tolerance next: it replaces the training loader (batches dealt step by step to the
   replica groups present) and gates the optimizer step around every other feature's;
 - the loader's resume next: it continues the loader fault tolerance left alone;
 - then uneven inputs, which wraps the loader the others produced and checks the strategy's
-  collectives before the watchdog watches them;
+  collectives before the watchdog watches them (Fabric's: ``fabric.strategy.join(model)``);
 - LocalSGD's schedule and the tuned bucket size, which the ranks agree on;
 - preemption (the Trainer's saves; Fabric's raises for the loop to save) and lost ranks, which end a run;
 - the hang watchdog, then the monitors last: they observe what the others did.
@@ -27,17 +29,20 @@ from lit_dp.strategies.lost_ranks import LostRanks
 from lit_dp.strategies.monitoring import Monitors
 from lit_dp.strategies.preemption import FabricPreemption, Preemption
 from lit_dp.strategies.resume import EpochContinuation
+from lit_dp.strategies.sharding import ShardedOptimizers
 from lit_dp.strategies.tuned_size import TunedBufferSize
-from lit_dp.strategies.uneven import UnevenInputs
+from lit_dp.strategies.uneven import FabricUnevenInputs, UnevenInputs
 from lit_dp.strategies.watchdog import StrategyWatchdog
 
 BOTH = (TRAINER, FABRIC)
 
 FEATURES: tuple[tuple[type[Feature], tuple[str, ...]], ...] = (
+    (ShardedOptimizers, BOTH),
     (TrainerFaultTolerance, (TRAINER,)),
     (FabricFaultTolerance, (FABRIC,)),
     (EpochContinuation, (TRAINER,)),
     (UnevenInputs, (TRAINER,)),
+    (FabricUnevenInputs, (FABRIC,)),
     (LocalSGDSchedule, BOTH),
     (TunedBufferSize, BOTH),
     (Preemption, (TRAINER,)),
@@ -51,4 +56,4 @@ FEATURES: tuple[tuple[type[Feature], tuple[str, ...]], ...] = (
 def build_features(options: Options, door: str) -> Features:
     """The features of ``FEATURES`` that serve ``door`` (``TRAINER`` or ``FABRIC``) and that ``options`` turn on."""
     built = (feature.build(options) for feature, doors in FEATURES if door in doors)
-    return Features([feature for feature in built if feature is not None])
+    return Features([feature for feature in built if feature is not None], [feature for feature, _ in FEATURES])

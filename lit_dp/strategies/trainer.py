@@ -5,11 +5,12 @@ strategy brings up the process group with ``init_parallel_env`` and wraps the Li
 in ``lit_dp.DataParallel``. On one device too: a group of one rank, as under ``"ddp"``.
 
 The registered names copy Lightning's ``ddp`` families; what this strategy shares with the Fabric
-one in ``lit_dp.fabric`` is in ``lit_dp.strategies.base``. Everything else it does (uneven
-inputs, the hang watchdog's wiring, preemption, resuming, LocalSGD, the tuned bucket size, fault
-tolerance, the monitors) is a feature (``lit_dp.strategies.feature``), built from the options by
-``lit_dp.strategies.registry``: the hooks below call all of them, in the registry's order, and
-name none. With debug logging (the ``lit_dp`` logger), each step of setup and teardown says what
+one in ``lit_dp.fabric`` is in ``lit_dp.strategies.base``, the process group's setup in
+``lit_dp.strategies.process_group`` and the wrapping in ``lit_dp.strategies.wrapping``. Everything
+else it does (sharding, uneven inputs, the hang watchdog's wiring, preemption, resuming, LocalSGD,
+the bucket size, fault tolerance, the monitors) is a feature (``lit_dp.strategies.feature``),
+built from the options by ``lit_dp.strategies.registry``: the hooks below call all of them, in the
+registry's order, and name none. With debug logging (the ``lit_dp`` logger), each step of setup and teardown says what
 was decided and why.
 """
 
@@ -37,22 +38,20 @@ from typing_extensions import override
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.broadcast import sync_params_buffers
 from lit_dp.gradients.unused import UNUSED_PARAMETERS_OPENING
-from lit_dp.local_sgd import LocalSGD
 from lit_dp.options import TRAINER
 from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
-from lit_dp.strategies.base import DataParallelStrategyMixin, register_families
+from lit_dp.strategies import process_group
+from lit_dp.strategies.base import DataParallelStrategyMixin, front_door
 from lit_dp.strategies.checkpoint_io import save_checkpoint
 from lit_dp.strategies.feature import CHECKPOINT_KEY, Run
 from lit_dp.strategies.lightning_private import (
-    StrategyRegistryType,
     TrainerScriptLauncher,
     attached_trainer,
     optimizers_to_device,
     sync_ddp_if_available,
 )
-from lit_dp.strategies.local_sgd import LocalSGDSchedule
-from lit_dp.strategies.precision import DataParallelPrecision, check_sharded_clipping, for_data_parallel
+from lit_dp.strategies.precision import DataParallelPrecision, for_data_parallel
 from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher
 
 log = logging.getLogger(__name__)
@@ -68,6 +67,7 @@ LIGHTNING_UNUSED_PARAMETERS_MESSAGE = (
 )
 
 
+@front_door
 class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """Data parallelism with lit_dp's bucketed reducer, one process per device.
 
@@ -92,6 +92,8 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     """
 
     strategy_name = "paddle_dp"
+    # Read by Lightning for strategies it does not know, e.g. to add a ``DistributedSampler``.
+    is_distributed = True
     _launchers = (TrainerScriptLauncher, ForwardingMultiProcessingLauncher)  # lit_dp.strategies.preemption
     _options_scope = TRAINER
     _precision_argument = "precision_plugin"
@@ -110,24 +112,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._precision_plugin = for_data_parallel(plugin)
 
     @property
-    def local_sgd(self) -> LocalSGD | None:
-        """The model averager while fitting with ``local_sgd_steps``; None otherwise."""
-        schedule = self._features.find(LocalSGDSchedule)
-        return schedule.local_sgd if schedule is not None else None
-
-    @property
-    def _data_parallel(self) -> DataParallel | None:
-        return self.model if isinstance(self.model, DataParallel) else None
-
-    @property
-    def _running_trainer(self) -> pl.Trainer | None:
-        """The Trainer running the LightningModule, if any (the strategy itself holds no reference to it)."""
-        return attached_trainer(self.lightning_module) if self.lightning_module is not None else None
-
-    @property
-    def is_distributed(self) -> bool:
-        """Read by Lightning for strategies it does not know, e.g. to add a ``DistributedSampler``."""
-        return True
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @override
     def setup_environment(self) -> None:
@@ -138,7 +125,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def setup_distributed(self) -> None:
         """Seed, ranks, then the process group: one rank's own for a single process, as under ``"ddp"``."""
         reset_seed()
-        self._init_process_group()
+        process_group.start_process_group(self)
 
     def describe(self) -> str:
         """One line with the settings in effect, for logs."""
@@ -154,14 +141,6 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         log.debug("%s: setting up for %s", type(self).__name__, trainer.state.fn.value)
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self._check_sharding_precision(self.precision_plugin)
-            check_sharded_clipping(
-                self.precision_plugin,
-                self._options.sharding.stage,
-                trainer.gradient_clip_val,
-                trainer.gradient_clip_algorithm,
-            )
         if fitting and self._layer_sync:
             log.debug("%s: sync_batchnorm: converting BatchNorm layers to SyncBatchNorm", type(self).__name__)
             self.model = self._layer_sync.apply(self.model)
@@ -176,37 +155,25 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
-        self._features.setup(Run(self, self._data_parallel, trainer, self._features))
+        wrapped = self.model if isinstance(self.model, DataParallel) else None
+        self._features.setup(Run(self, wrapped, trainer, self._features))
         self.optimizers = [self._features.setup_optimizer(optimizer) for optimizer in self.optimizers]
 
     @override
     def _setup_model(self, model: Module) -> DataParallel:
-        wrapped = self._wrap_for_run(model, Run(self, None, self._running_trainer))
+        trainer = attached_trainer(self.lightning_module) if self.lightning_module is not None else None
+        wrapped = self._wrapping.wrap(model, Run(self, None, trainer), self._features, self._options)
         if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
             wrapped.arm_at_backward()  # `manual_backward` arms the reducer (pre_backward), not the forwards
         return wrapped
 
     @override
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)
-        # The schedulers keep the optimizers configure_optimizers built, whose groups the
-        # sharded ones share (see lit_dp.sharding).
-        self.optimizers = [self._shard(optimizer, self.model) for optimizer in self.optimizers]
-
-    def wait_for_parameters(self) -> None:
-        """With ``sharding_overlap``: finish gathering the updated parameters, before they are read outside a forward."""
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, ShardedOptimizer):
-                optimizer.wait_for_parameters()
-
-    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.wait_for_parameters()
+        self.wait_for_parameters()  # with sharding_overlap the last gather may be in flight
         return super().lightning_module_state_dict()
 
     @override
     def on_validation_start(self) -> None:
-        self.wait_for_parameters()
         self._features.on_validation_start()
         super().on_validation_start()
 
@@ -269,7 +236,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if not (self.joined and isinstance(self.model, DataParallel)):
+        if not (self._features.joined and isinstance(self.model, DataParallel)):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # Lightning's backward path (Strategy.backward) with every hook, as on the ranks with a
         # batch, so that a collective in on_before_backward or on_after_backward meets its
@@ -286,12 +253,12 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if not isinstance(tensor, Tensor):
             return tensor
-        with self._collective("reduce (self.log(..., sync_dist=True), reduce_boolean_decision)"):
+        with self._features.collective("reduce (self.log(..., sync_dist=True), reduce_boolean_decision)"):
             return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        with self._collective("all_gather"):
+        with self._features.collective("all_gather"):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
@@ -332,18 +299,13 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         if isinstance(self.model, DataParallel):
             log.debug("%s: unwrapping the model from lit_dp.DataParallel", type(self).__name__)
             self.model = lightning_module
-        trainer = self._running_trainer
+        trainer = attached_trainer(lightning_module) if lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             assert self.model is not None
             log.debug("%s: sync_batchnorm: reverting SyncBatchNorm layers to BatchNorm", type(self).__name__)
             self.model = self._layer_sync.revert(self.model)
         super().teardown()
-        self._leave_process_group()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
-        register_families(strategy_registry, cls)
+        process_group.leave_process_group(self)
 
 
 PaddleDPStrategy.__doc__ = PaddleDPStrategy.__doc__.format(options=options_doc(TRAINER))

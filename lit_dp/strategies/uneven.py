@@ -34,6 +34,10 @@ Without the option, training loaders of known, different lengths are an error at
 
 ``UnevenInputs`` is the Trainer strategy's feature (``lit_dp.strategies.feature``); ``BatchExchange``
 is the ranks' per-batch exchange that the wrapped loaders run and the metrics callback reads.
+
+A Fabric loop can leave its loop, so there uneven inputs are torch's ``Join`` itself:
+``with fabric.strategy.join(model):`` (``FabricUnevenInputs``, which exposes ``join`` on Fabric's
+strategy; ``lit_dp.join``).
 """
 
 from __future__ import annotations
@@ -57,10 +61,12 @@ from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
+from lit_dp.join import DataParallelJoin
 from lit_dp.options import Options
 from lit_dp.strategies.feature import Feature, Run
 from lit_dp.strategies.lightning_private import (
     add_synced_metric,
+    forward_module,
     logged_results,
     parse_num_batches,
     synced_epoch_metrics,
@@ -96,6 +102,8 @@ class UnevenInputs(Feature):
     Args:
         enabled: the ``uneven_inputs`` option.
     """
+
+    exposes = {"joined": False}  # strategy.joined; False where no strategy has the feature (Fabric)
 
     def __init__(self, enabled: bool) -> None:
         self._enabled = enabled
@@ -266,6 +274,41 @@ class UnevenInputs(Feature):
     def on_validation_end(self) -> None:
         if self._exchange is not None:
             self._exchange.reset("val")
+
+
+def _join_is_fabrics(*args: Any, **kwargs: Any) -> DataParallelJoin:
+    """``strategy.join`` where the strategy has no ``FabricUnevenInputs``: the Trainer's."""
+    raise TypeError(
+        "strategy.join(model) is the Fabric strategy's way to train on uneven inputs; under the Trainer, build "
+        "the strategy with uneven_inputs=True (lit_dp.PaddleDPStrategy(uneven_inputs=True))."
+    )
+
+
+class FabricUnevenInputs(Feature):
+    """Uneven inputs in a Fabric loop: ``with fabric.strategy.join(model):`` (torch's ``Join``), exposed on the strategy."""
+
+    exposes = {"join": _join_is_fabrics}
+
+    def join(
+        self,
+        module: torch.nn.Module,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> DataParallelJoin:
+        """Train on uneven inputs in a hand-written loop: ``with fabric.strategy.join(model):``.
+
+        ``model`` is what ``fabric.setup`` returned. Ranks that run out of batches shadow the
+        others' synchronised steps until all have, then every rank holds the same parameters
+        (``lit_dp.DataParallel.join``; the arguments are torch DDP's ``join``'s).
+        """
+        inner = forward_module(module)
+        if not isinstance(inner, DataParallel):
+            raise TypeError(
+                f"fabric.strategy.join expects the module returned by fabric.setup (a lit_dp.DataParallel inside), "
+                f"got {type(inner).__name__}."
+            )
+        return inner.join(divide_by_initial_world_size, enable, throw_on_early_termination)
 
 
 class ReplayedOutputs:

@@ -13,11 +13,15 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies import ParallelStrategy as FabricParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import ParallelStrategy as TrainerParallelStrategy
 
 from lit_dp import PaddleDPStrategy, fabric
-from lit_dp.strategies.base import default_backend, lightning_parallel_env, register_families
+from lit_dp.strategies.base import register_families
+from lit_dp.strategies.feature import Run
+from lit_dp.strategies.process_group import default_backend, lightning_parallel_env
 from tests.helpers.groups import one_rank_group
 from tests.helpers.lightning import REGISTERED
 
@@ -86,15 +90,15 @@ class WrapperWithoutStaticGraph:
 @pytest.mark.parametrize("strategy_type", [PaddleDPStrategy, fabric.PaddleDPStrategy])
 def test_ddps_own_arguments_go_to_the_wrapper_that_names_them(strategy_type):
     ddp_arguments = {"broadcast_buffers": False, "find_unused_parameters": True, "bucket_cap_mb": 5, "static_graph": True}
-    with mock.patch("lit_dp.strategies.base.DataParallel", Wrapper):
+    with mock.patch("lit_dp.strategies.wrapping.DataParallel", Wrapper):
         strategy = strategy_type(**ddp_arguments)
         assert strategy._ddp_kwargs == ddp_arguments
         strategy.parallel_devices = [torch.device("cpu")]
-        wrapped = strategy._wrap(torch.nn.Linear(1, 1), strategy.options)
+        wrapped = strategy._wrapping.wrap(torch.nn.Linear(1, 1), Run(strategy, None), strategy._features, strategy.options)
     assert wrapped.static_graph is True  # DataParallel's own argument
     options = wrapped.options  # DDP's arguments that are lit_dp options
     assert (options.broadcast_buffers, options.find_unused_parameters, options.comm_buffer_size) == (False, True, 5.0)
-    with mock.patch("lit_dp.strategies.base.DataParallel", WrapperWithoutStaticGraph):
+    with mock.patch("lit_dp.strategies.wrapping.DataParallel", WrapperWithoutStaticGraph):
         with pytest.raises(ValueError, match=r"static_graph=True is an argument of torch's DistributedDataParallel "
                            r"that lit_dp.DataParallel does not take: docs/strategy.md"):
             strategy_type(static_graph=True)
@@ -150,3 +154,39 @@ def test_a_live_group_of_another_size_is_refused_with_the_remedy(strategy_type):
     with pytest.raises(RuntimeError, match=r"a process group of world size 1 already exists in this process, but "
                        r"this run has world size 2.*destroy_process_group\(\) before this run"):
         strategy.setup_environment()
+
+
+def own_members(cls: type, lightning_base: type) -> set[str]:
+    """The methods, properties, static and class methods the classes of ``cls``'s MRO define that are not in
+    ``lightning_base``'s: what the strategy adds to the Lightning class it derives from."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass not in lightning_base.__mro__:
+            names |= {
+                name
+                for name, value in vars(klass).items()
+                if callable(value) or isinstance(value, (property, staticmethod, classmethod))
+            }
+    return names
+
+
+@pytest.mark.parametrize(
+    ("ours", "ddp", "base"),
+    [
+        (PaddleDPStrategy, DDPStrategy, TrainerParallelStrategy),
+        (fabric.PaddleDPStrategy, FabricDDPStrategy, FabricParallelStrategy),
+    ],
+    ids=["trainer", "fabric"],
+)
+def test_each_strategy_is_within_one_and_a_half_times_lightnings_ddp_strategy(ours, ddp, base):
+    """The strategies keep front-door glue and the process layout; the rest is the features' (issue 46).
+    The bound: 1.5 times Lightning's ``DDPStrategy`` of the same door, counted alike (mixin included)."""
+    mine, theirs = own_members(ours, base), own_members(ddp, base)
+    assert len(mine) <= 1.5 * len(theirs), f"{len(mine)} members against {len(theirs)}: {sorted(mine)}"
+
+
+@pytest.mark.parametrize("strategy_type", [PaddleDPStrategy, fabric.PaddleDPStrategy])
+def test_wait_for_parameters_is_there_with_and_without_sharding(strategy_type):
+    """``strategy.wait_for_parameters()``, exposed by the sharding feature: nothing to wait for without a model."""
+    for arguments in ({}, {"sharding_stage": 1, "sharding_overlap": True}):
+        assert strategy_type(**arguments).wait_for_parameters() is None

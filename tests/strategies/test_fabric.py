@@ -143,7 +143,7 @@ def test_debug_log_shows_each_step_of_setup_and_teardown(caplog):
             "PaddleDPStrategy: wrapping Net in lit_dp.DataParallel with Options(",
             "PaddleDPStrategy: no hang watchdog (hang_timeout=None, world size 1)",
             "PaddleDPStrategy: setting up SGD",
-            "PaddleDPStrategy: sharding.stage=1: SGD rebuilt over this rank's parameters",
+            "sharding.stage=1: SGD rebuilt over this rank's parameters",
             "PaddleDPStrategy: tearing down strategy",
             "PaddleDPStrategy: leaving the process group alive, as \"ddp\" does",
         ],

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lit_dp import PaddleDPStrategy, PaddleEnvironment
 from lit_dp.job import process_group
 from tests.helpers.distributed import run_ranks
+from tests.helpers.documented import ROOT
 from tests.helpers.lightning import (
     REGISTERED,
     Regressor,
@@ -248,6 +249,12 @@ def test_debug_log_shows_each_step_of_setup_and_teardown(tmp_path, caplog):
             "PaddleDPStrategy: leaving the process group alive, as \"ddp\" does",
         ],
     )
+    # docs/strategy.md's "The debug log" shows this run: each line's logger and message, in order.
+    logged = [f"{record.name} {record.getMessage()}" for record in caplog.records if record.name.startswith("lit_dp")]
+    documented = (ROOT / "docs" / "strategy.md").read_text().split("## The debug log")[1].split("```")[1]
+    shown = [line.split(", ...)")[0] for line in documented.strip().splitlines()]  # "...)": options left out
+    assert len(shown) == 9 and all(line.startswith("lit_dp.strategies.") for line in shown), shown
+    assert_logged_in_order(logged, shown)
 
 
 class RecordBufferSize(Callback):

@@ -333,3 +333,12 @@ def test_fabric_strategy_join_trains_uneven_inputs_in_a_hand_written_loop():
     # Rank r takes 2(r+1) steps; averaged over the world size (torch's default division).
     for ours, expected in zip(weights, reference_weights([2, 4], epochs=1)):
         torch.testing.assert_close(torch.tensor(ours), expected)
+
+
+def test_join_takes_what_fabric_setup_returned_and_under_the_trainer_names_uneven_inputs():
+    from lit_dp import fabric
+
+    with pytest.raises(TypeError, match=r"expects the module returned by fabric.setup .* got Linear"):
+        fabric.PaddleDPStrategy().join(nn.Linear(1, 1))
+    with pytest.raises(TypeError, match=r"under the Trainer, build the strategy with uneven_inputs=True"):
+        PaddleDPStrategy().join(nn.Linear(1, 1))
