@@ -538,9 +538,12 @@ def uninterrupted_and_resumed(rank: int, tmp_path: str, options: dict, period: i
     expected = simulate(net, net_optimizer, steps, period, 1, loss_fn=regression_loss, **simulation)
     check_against_simulation(module, expected, "uninterrupted", rank)
     checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
-    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
+    weights = ModelCheckpoint(dirpath=f"{tmp_path}/weights", save_last=True, save_weights_only=True, every_n_epochs=2)
+    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints, weights], **options)
     saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]
     assert set(saved["replicas"]["ranks"]) == {1}, "rank 1's model and optimizer state were not checkpointed"
+    weights_only = torch.load(f"{tmp_path}/weights/last.ckpt", weights_only=False)
+    assert "lit_dp" not in weights_only, "a weights-only checkpoint gathered every rank's state"
     resumed_module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
     assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
     assert_same_weights(resumed_module, module, f"rank {rank}: resumed between two syncs")

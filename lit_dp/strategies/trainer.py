@@ -277,7 +277,9 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
-        if own := self._features.state_dict():
+        # A weights-only save (Lightning's has no optimizer states) is no resume point: the features'
+        # state stays out of it, and with it LocalSGD's gather of every rank's model and optimizer.
+        if "optimizer_states" in checkpoint and (own := self._features.state_dict()):
             checkpoint[CHECKPOINT_KEY] = own
         if self.is_global_zero:
             with self._features.saving():  # rank 0 writes while the others wait in a barrier
