@@ -17,9 +17,10 @@ each job's config as Hydra will (each value of a sweep), and answers:
 - a value of the wrong type (``trainer.max_steps=abc``) and a value the strategy, the trainer
   section or the run's own options refuse (``strategy.comm_buffer_size=-1``, ``trainer.devices=0``).
 
-It imports neither Lightning nor the task, so that a refusal costs the imports of torch and
-lit_dp only. What only building the data or the model can check (``data.batch_size=0``) is
-refused by the task before any rank starts: ``train`` raises ``CommandLineMistake``, which
+It imports neither Lightning nor the task, so that a refusal costs the imports of torch, Hydra
+and lit_dp's options only (``import lit_dp`` loads its other names, and torch's compiler with
+``DataParallel``, on first use). What only building the data or the model can check
+(``data.batch_size=0``) is refused by the task before any rank starts: ``train`` raises ``CommandLineMistake``, which
 ``recipe_main`` prints the same way.
 """
 

@@ -119,22 +119,31 @@ def test_a_key_a_target_does_not_take_names_the_ones_it_does(tmp_path):
         train(compose_config("digits", ["+trainer.max_epoch=5"], tmp_path))
 
 
-def test_a_refusal_is_one_line_without_lightning_or_a_traceback(tmp_path):
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["strategy.comm_buffer_size=-1", "trainer.max_epoch=5"],
+         "error: trainer.max_epoch is not a key of trainer=cpu: did you mean trainer.max_epochs or trainer.max_steps?"),
+        (["strategy.comm_buffer_size=-1"],
+         "error: strategy.comm_buffer_size=-1 is invalid: expected a positive number of megabytes or 'auto'."),
+    ],
+)
+def test_a_refusal_is_one_line_without_lightning_torchs_compiler_or_a_traceback(arguments, message, tmp_path):
     # The recipe's own main, as `python recipes/digits.py ...` runs it: the exit message is the
-    # whole output, and the check has not loaded Lightning (a refusal costs torch's import only).
+    # whole output, and the check has loaded neither Lightning nor lit_dp's DataParallel with
+    # torch's compiler (a refusal costs the imports of torch and of lit_dp's options only).
     code = (
         "import sys; from lit_dp_recipes.run.digits import main\n"
-        "sys.argv = ['digits.py', 'strategy.comm_buffer_size=-1', 'trainer.max_epoch=5']\n"
+        f"sys.argv = ['digits.py', *{arguments!r}]\n"
         "try:\n    main()\n"
         "except SystemExit as stop:\n"
         "    print(stop.code, file=sys.stderr)\n"
-        "    print(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))\n"
+        "    heavy = ('lightning', 'torch._dynamo', 'lit_dp.data_parallel')\n"
+        "    print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert done.stderr.strip() == (
-        "error: trainer.max_epoch is not a key of trainer=cpu: did you mean trainer.max_epochs or trainer.max_steps?"
-    ), done.stderr
+    assert done.stderr.strip() == message, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
     assert not (tmp_path / "outputs").exists()
 
