@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,14 @@ class DigitsDataModule(pl.LightningDataModule):
         val, train = order[:n_val], order[n_val:]
         self.train_set = TensorDataset(images[train], labels[train])
         self.val_set = TensorDataset(images[val], labels[val])
+
+    def train_batches(self, ranks: int) -> int:
+        """The batches each of ``ranks`` ranks draws in an epoch, known before any rank starts: Lightning's
+        ``DistributedSampler`` gives each rank ceil(samples / ranks) of the training split, and the last
+        batch may be partial."""
+        samples = len(load_digits().target)
+        per_rank = math.ceil((samples - int(samples * self.val_fraction)) / ranks)
+        return math.ceil(per_rank / self.batch_size)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)

@@ -24,6 +24,7 @@ from lit_dp_recipes.cli import CommandLineMistake
 from lit_dp_recipes.config import (
     build_strategy,
     check_checkpoint_every_n_steps,
+    check_epoch_against_trainer,
     check_ckpt_path,
     check_compile,
     check_seed,
@@ -62,6 +63,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         pl.seed_everything(cfg.seed, workers=True, verbose=rank_zero_only.rank == 0)
         _validate_by_the_last_step(cfg)
         datamodule = build_checked(cfg.data, "data")
+        check_epoch_against_trainer(cfg.trainer, datamodule)
         model = build_checked(cfg.model, "model")
         trainer = build_checked(
             cfg.trainer,

@@ -6,12 +6,19 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
+from typing import get_args
 
 import lightning.pytorch as pl
 import pytest
+import torch
+from hydra.errors import InstantiationException
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_dp_recipes.cli import CommandLineMistake, command_line_mistakes
-from lit_dp_recipes.config import register_configs
+from lit_dp_recipes.config import PRECISIONS, register_configs
+from lit_dp_recipes.digits import DigitsDataModule
+from lit_dp_recipes.token_data import TokenDataModule
 from lit_dp_recipes.train import train
 from tests.helpers.recipes import ROOT, compose_config
 
@@ -58,6 +65,20 @@ def schemas():
         (["strategy.comm_buffer_size=-1"], "strategy.comm_buffer_size=-1 is invalid: expected a positive number of megabytes"),
         (["trainer.devices=0"], "trainer.devices=0 is invalid: expected a positive integer"),
         (["-m", "trainer.devices=2,0"], "trainer.devices=0 is invalid: expected a positive integer"),
+        # Values Lightning refuses only once the Trainer is built, or never and then fails in each rank.
+        (["trainer.max_steps=-5"], "trainer.max_steps=-5 is invalid: expected a number of steps >= 0, or -1 (no limit)."),
+        (["trainer.precision=bf32"], "trainer.precision='bf32' is invalid: expected one of 16-mixed, bf16-mixed, 32-true,"),
+        (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0 is invalid: expected an integer >= 1."),
+        (["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0 is invalid: expected an integer >= 1"),
+        (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val=-1.0 is invalid: expected a norm >= 0"),
+        (["trainer.val_check_interval=1.5"],
+         "trainer.val_check_interval=1.5 is invalid: expected the training batches between validations: an integer >= 1, "
+         "a share of an epoch in (0, 1], or null."),
+        (["trainer.val_check_interval=0"], "trainer.val_check_interval=0 is invalid: expected the training batches"),
+        (["trainer.limit_train_batches=-1"],
+         "trainer.limit_train_batches=-1 is invalid: expected the batches of an epoch to use: an integer >= 0, "
+         "a share of an epoch in [0, 1], or null."),
+        (["trainer.limit_val_batches=abc"], "trainer.limit_val_batches='abc' is invalid: expected the batches of an epoch"),
         (["checkpoint_every_n_steps=0"], "checkpoint_every_n_steps=0 is invalid: expected a positive number"),
         (["compile=maybe"], "compile='maybe' is invalid: expected true or false."),
         (["seed=abc"], "seed='abc' is invalid: expected an integer."),
@@ -72,6 +93,13 @@ def schemas():
 )
 def test_each_mistake_is_one_message_naming_it_and_what_is_expected(arguments, message):
     assert message in "\n".join(command_line_mistakes("digits", arguments))
+
+
+def test_the_precisions_accepted_are_lightnings():
+    from lightning.fabric.connector import _PRECISION_INPUT
+
+    lightnings = {str(value) for literal in get_args(_PRECISION_INPUT) for value in get_args(literal)}
+    assert set(PRECISIONS) == lightnings
 
 
 def test_a_required_key_left_out_is_named():
@@ -92,6 +120,8 @@ def test_a_required_key_left_out_is_named():
         # What Lightning's launcher adds to each rank's command line (lit_dp_recipes.launch.rank_command).
         ["hydra.mode=RUN", 'hydra.run.dir="/tmp/a b"', "hydra.job.name=train_ddp_process_1", "hydra.output_subdir=null"],
         ["--cfg", "job", "anything_goes=1"],  # Hydra's own flags: Hydra checks
+        ["trainer.val_check_interval=0.25", "trainer.limit_train_batches=10", "trainer.limit_val_batches=0"],
+        ["trainer.val_check_interval=100.0", "trainer.precision=16-mixed", "trainer.check_val_every_n_epoch=null"],
     ],
 )
 def test_a_correct_command_line_passes(arguments):
@@ -111,6 +141,74 @@ def test_what_only_building_the_data_or_model_checks_is_a_mistake_too(recipe, ov
     monkeypatch.setattr(pl, "Trainer", lambda *a, **k: pytest.fail("the Trainer was built"))
     with pytest.raises(CommandLineMistake, match="^" + re.escape(message)):
         train(compose_config(recipe, [override], tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "message"),
+    [
+        # 1797 digits, a fifth for validation: 1438 for training, 719 for each of 2 ranks, 23 batches of 32.
+        ("digits", ["trainer.val_check_interval=24"],
+         "trainer.val_check_interval=24 is invalid: an epoch is 23 training batches per rank here (data.batch_size=32, "
+         "2 ranks); expected at most 23, a fraction of an epoch (0.5: twice an epoch), or "
+         "trainer.check_val_every_n_epoch=null to count batches across epochs."),
+        # 480 for each of 3 ranks, 15 batches, half of them: 7.
+        ("digits", ["trainer.devices=3", "trainer.limit_train_batches=0.5", "trainer.val_check_interval=8"],
+         "trainer.val_check_interval=8 is invalid: an epoch is 7 training batches per rank here (data.batch_size=32, "
+         "3 ranks, trainer.limit_train_batches=0.5); expected at most 7"),
+        # The GPT recipe counts steps across epochs; counted within one, 1e6 stdlib bytes give 14062 windows of 65 tokens.
+        ("gpt", ["trainer.check_val_every_n_epoch=1", "trainer.val_check_interval=220"],
+         "trainer.val_check_interval=220 is invalid: an epoch is 219 training batches per rank here "
+         "(data.batch_size=32, 2 ranks); expected at most 219"),
+        # Lightning's own check of these is in each rank, after the ranks start.
+        # 3600 bytes for training: 56 windows of 64 tokens and the next.
+        ("gpt", ["data.max_bytes=4000"],
+         "the stdlib text's train split gives 56 windows of data.block_size + 1 = 65 tokens: fewer than one batch "
+         "(data.batch_size=32) for each of the 2 ranks."),
+    ],
+)
+def test_what_the_data_and_the_trainer_check_together_is_refused_before_any_rank_starts(
+    recipe, overrides, message, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(pl, "Trainer", lambda *a, **k: pytest.fail("the Trainer was built"))
+    with pytest.raises(CommandLineMistake, match="^" + re.escape(message)):
+        train(compose_config(recipe, overrides, tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides"),
+    [
+        ("digits", ["trainer.val_check_interval=23"]),  # a whole epoch
+        ("digits", ["trainer.val_check_interval=1000", "trainer.check_val_every_n_epoch=null"]),
+        ("digits", ["trainer.val_check_interval=1000", "trainer.limit_val_batches=0"]),
+        ("gpt", ["trainer.val_check_interval=100000"]),  # across epochs (the recipe's default); validates at the last step
+    ],
+)
+def test_an_interval_lightning_accepts_is_not_refused(recipe, overrides, tmp_path, monkeypatch):
+    class TrainerBuilt(Exception):
+        """Every check before the Trainer passed."""
+
+    def trainer(*args, **kwargs):
+        raise TrainerBuilt
+
+    monkeypatch.setattr(pl, "Trainer", trainer)
+    with pytest.raises(InstantiationException) as raised:
+        train(compose_config(recipe, overrides, tmp_path))
+    assert isinstance(raised.value.__cause__, TrainerBuilt), raised.value
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_the_batches_a_rank_draws_are_counted_as_its_loader_gives_them(ranks):
+    # What Lightning counts in each rank: the length of the rank's loader, with the sampler Lightning
+    # gives the digits' (a DistributedSampler) and the one the token data brings.
+    digits = DigitsDataModule(batch_size=32)
+    digits.setup()
+    sampler = DistributedSampler(digits.train_set, num_replicas=ranks, rank=ranks - 1, shuffle=True)
+    assert digits.train_batches(ranks) == len(DataLoader(digits.train_set, batch_size=32, sampler=sampler))
+    tokens = TokenDataModule(batch_size=8, max_bytes=100_000)
+    tokens.trainer = SimpleNamespace(world_size=ranks, global_rank=ranks - 1,
+                                     strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    tokens.setup()
+    assert tokens.train_batches(ranks) == len(tokens.train_dataloader())
 
 
 def test_a_key_a_target_does_not_take_names_the_ones_it_does(tmp_path):
