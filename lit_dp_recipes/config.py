@@ -275,6 +275,15 @@ def check_epoch_against_trainer(trainer: DictConfig, datamodule: Any) -> None:
         )
 
 
+def check_model_against_data(datamodule: Any, model: Any) -> None:
+    """A model that does not fit the data (the digits' 64 pixels, the tokens' window and vocabulary)
+    fails at its first batch in every rank: a datamodule that can tell (``check_model(model)``; the
+    recipes' can) refuses it before any rank starts."""
+    check = getattr(datamodule, "check_model", None)
+    if check is not None:
+        check(model)
+
+
 def check_checkpoint_every_n_steps(value: Any) -> int | None:
     """A positive number of optimizer steps, or None (checkpoints once an epoch)."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

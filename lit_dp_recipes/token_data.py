@@ -187,6 +187,18 @@ class TokenDataModule(pl.LightningDataModule):
         train, _ = self._windows(ranks)
         return len(train) // ranks // self.batch_size
 
+    def check_model(self, model: pl.LightningModule) -> None:
+        """Before any rank starts: a model of ``block_size``/``vocab_size`` (the GPT's) has a position for
+        each input of a window and an embedding for each token id the data holds (it would fail at its
+        first batch in every rank)."""
+        for key in ("block_size", "vocab_size"):
+            value, data = model.hparams.get(key), getattr(self, key)
+            if value is not None and value < data:
+                raise ValueError(
+                    f"model.{key}={value!r} is invalid with data.{key}={data}: expected at least data.{key} "
+                    f"(model.{key} follows data.{key} unless set)."
+                )
+
     def _windows(self, ranks: int) -> tuple[TokenWindows, TokenWindows]:
         """The training and validation windows, each split giving each of ``ranks`` ranks a batch at least."""
         if self.train_shards:

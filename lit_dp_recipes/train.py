@@ -25,6 +25,7 @@ from lit_dp_recipes.config import (
     build_strategy,
     check_checkpoint_every_n_steps,
     check_epoch_against_trainer,
+    check_model_against_data,
     check_ckpt_path,
     check_compile,
     check_seed,
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 # Lightning's tips for its other products ("Tip: ... try installing litlogger"), and who logs them.
 LIGHTNING_TIP = "\N{ELECTRIC LIGHT BULB} Tip:"
 LIGHTNING_TIP_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+SEED_LOGGER = "lightning.fabric.utilities.seed"  # where Lightning's seed_everything says "Seed set to N"
 # How Python names a keyword argument a callable does not take.
 UNEXPECTED_ARGUMENT = re.compile(r"unexpected keyword argument '(\w+)'")
 
@@ -60,11 +62,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
         check_seed(cfg.seed)
         compile_callbacks = _compile_callbacks(cfg)
         _code_warnings_from_rank_zero_only()
-        pl.seed_everything(cfg.seed, workers=True, verbose=rank_zero_only.rank == 0)
+        # Said below, once everything is checked: a refusal is the only line a mistake prints.
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
         _validate_by_the_last_step(cfg)
         datamodule = build_checked(cfg.data, "data")
         check_epoch_against_trainer(cfg.trainer, datamodule)
         model = build_checked(cfg.model, "model")
+        check_model_against_data(datamodule, model)
         trainer = build_checked(
             cfg.trainer,
             "trainer",
@@ -73,6 +77,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
             logger=_loggers(cfg.get("logger")),
             callbacks=_callbacks(cfg) + compile_callbacks,
         )
+        if rank_zero_only.rank == 0:
+            logging.getLogger(SEED_LOGGER).info(f"Seed set to {cfg.seed}")  # Lightning's line, where it logs it
         run = ResumableRun(cfg)
         run.announce()
         ckpt_path = run.resolve(cfg.get("ckpt_path"))

@@ -135,6 +135,15 @@ def test_a_correct_command_line_passes(arguments):
         ("digits", "model.lr=-1", "model.lr=-1 is invalid: expected a positive learning rate"),
         ("digits", "model.hidden_sizes=abc", "model.hidden_sizes='abc' is invalid: expected a list of positive integers"),
         ("gpt", "model.lr=abc", "model.lr='abc' is invalid: expected a positive learning rate"),
+        ("digits", "data.split_seed=abc", "data.split_seed='abc' is invalid: expected an integer."),
+        # A model that does not fit the data, which every rank would find at its first batch.
+        ("digits", "model.num_classes=5",
+         "model.num_classes=5 is invalid with data=digits: expected 10 (the digits are 64 pixels in 10 classes)."),
+        ("digits", "model.in_features=32", "model.in_features=32 is invalid with data=digits: expected 64"),
+        ("gpt", "model.block_size=32",
+         "model.block_size=32 is invalid with data.block_size=64: expected at least data.block_size "
+         "(model.block_size follows data.block_size unless set)."),
+        ("gpt", "model.vocab_size=100", "model.vocab_size=100 is invalid with data.vocab_size=256: expected at least"),
     ],
 )
 def test_what_only_building_the_data_or_model_checks_is_a_mistake_too(recipe, override, message, tmp_path, monkeypatch):
@@ -244,6 +253,17 @@ def test_a_refusal_is_one_line_without_lightning_torchs_compiler_or_a_traceback(
     assert done.stderr.strip() == message, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_refusal_of_what_only_the_task_checks_is_one_line_too(tmp_path):
+    # Refused in `train`, after Lightning loads and before any rank starts: no seed line, no traceback.
+    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "digits.py"), "model.num_classes=5",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1
+    assert (done.stdout + done.stderr).strip() == (
+        "error: model.num_classes=5 is invalid with data=digits: expected 10 (the digits are 64 pixels in 10 classes)."
+    ), done.stdout + done.stderr
 
 
 def test_a_searchpath_of_the_users_leaves_its_groups_to_hydra(tmp_path):
