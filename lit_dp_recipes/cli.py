@@ -50,6 +50,7 @@ from lit_dp_recipes.config import (
     check_checkpoint_every_n_steps,
     check_ckpt_path,
     check_compile,
+    check_monitor_mode,
     check_seed,
     register_configs,
     strategy_arguments,
@@ -223,6 +224,9 @@ def _unknown_key(key: str, cfg: DictConfig) -> str | None:
     where = _where(parent, cfg)
     dotted = f"{parent}." if parent else ""
     hint = "did you mean " + " or ".join(f"{dotted}{c}" for c in close) + "?" if close else f"its keys: {', '.join(keys)}."
+    target = node.get("_target_")
+    if target is not None:  # an argument of the target that the config leaves out is the user's to add
+        hint += f" To pass {target} an argument the config leaves out: +{key}=..."
     return f"{key} is not a key of {where}: {hint}"
 
 
@@ -277,7 +281,7 @@ def _composition_mistake(error: ConfigCompositionException, job: list[Override])
 def _value_mistakes(cfg: DictConfig) -> list[str]:
     """The checks ``train`` makes before anything starts, on the composed ``cfg``: the strategy's
     options, the trainer section, and the run's own keys (``checkpoint_every_n_steps``,
-    ``compile``, ``seed``, ``ckpt_path``)."""
+    ``compile``, ``seed``, ``ckpt_path``, ``monitor_mode``)."""
     cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # Hydra's own: set as the job runs
     if "paths" in cfg:  # Hydra's run folder is known only once the job runs; no check reads it
         OmegaConf.update(cfg, "paths.output_dir", str(Path.cwd()), force_add=True)
@@ -292,6 +296,8 @@ def _value_mistakes(cfg: DictConfig) -> list[str]:
         checks.append(lambda: check_seed(cfg.seed))
     if "ckpt_path" in cfg:
         checks.append(lambda: check_ckpt_path(cfg.ckpt_path))
+    if "monitor_mode" in cfg:
+        checks.append(lambda: check_monitor_mode(cfg.monitor_mode))
     mistakes = [
         f"{key} has no value: expected {key}=... on the command line."
         for key in sorted(OmegaConf.missing_keys(cfg))

@@ -24,6 +24,7 @@ starts: DDP would run without it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ PRECISIONS = (
 # CPU ranks per core beyond which a run is refused: past it every rank waits for a core most of
 # each step, and its memory (a model, an optimizer, a process) adds up for nothing.
 MAX_CPU_RANKS_PER_CORE = 4
+MONITOR_MODES = ("min", "max")
 PADDLE_DP_TARGET = "lit_dp.PaddleDPStrategy"
 DDP_TARGET = "lit_dp_recipes.ddp_peer.ddp_strategy"
 DDP_PEER = "lit_dp_recipes.ddp_peer.DDPPeer"
@@ -282,6 +284,31 @@ def check_model_against_data(datamodule: Any, model: Any) -> None:
     check = getattr(datamodule, "check_model", None)
     if check is not None:
         check(model)
+
+
+def check_monitor(monitor: Any, model: Any) -> None:
+    """``monitor`` spelt like a metric the model logs (its ``METRICS``; the recipes' models declare
+    them) but none of them: a typo that ``ModelCheckpoint`` would find only at the first
+    validation, in every rank. A name unlike them all may be a callback's (``tokens_per_sec``),
+    and is left to Lightning."""
+    metrics = getattr(model, "METRICS", ())
+    if monitor is None or not metrics or monitor in metrics:
+        return
+    close = difflib.get_close_matches(str(monitor), metrics, n=3, cutoff=0.6)
+    if close:
+        raise ValueError(
+            f"monitor={monitor!r} is invalid: the model logs {', '.join(metrics)}; "
+            f"did you mean {' or '.join(f'monitor={name}' for name in close)}?"
+        )
+
+
+def check_monitor_mode(mode: Any) -> str:
+    """``monitor_mode``: whether the best checkpoint has the least (``min``) or the most (``max``) of ``monitor``."""
+    if mode not in MONITOR_MODES:
+        raise ValueError(
+            f"monitor_mode={mode!r} is invalid: expected min (the least monitor is best, a loss) or max (an accuracy)."
+        )
+    return mode
 
 
 def check_checkpoint_every_n_steps(value: Any) -> int | None:

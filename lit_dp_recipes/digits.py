@@ -79,6 +79,8 @@ class DigitsDataModule(pl.LightningDataModule):
 class MLPClassifier(pl.LightningModule):
     """A plain MLP; ``hidden_sizes`` scales it from a toy to a communication-heavy benchmark model."""
 
+    METRICS = ("train_loss", "val_loss", "val_acc")  # what it logs (a test keeps them equal): the names `monitor` may take
+
     def __init__(self, in_features: int = 64, num_classes: int = 10, hidden_sizes: tuple[int, ...] = (128, 128), lr: float = 3e-3):
         super().__init__()
         for option, value in (("in_features", in_features), ("num_classes", num_classes)):

@@ -26,6 +26,8 @@ from lit_dp_recipes.config import (
     check_checkpoint_every_n_steps,
     check_epoch_against_trainer,
     check_model_against_data,
+    check_monitor,
+    check_monitor_mode,
     check_ckpt_path,
     check_compile,
     check_seed,
@@ -60,6 +62,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps"))
         check_ckpt_path(cfg.get("ckpt_path"))
         check_seed(cfg.seed)
+        if "monitor_mode" in cfg:
+            check_monitor_mode(cfg.monitor_mode)
         compile_callbacks = _compile_callbacks(cfg)
         _code_warnings_from_rank_zero_only()
         # Said below, once everything is checked: a refusal is the only line a mistake prints.
@@ -69,6 +73,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         check_epoch_against_trainer(cfg.trainer, datamodule)
         model = build_checked(cfg.model, "model")
         check_model_against_data(datamodule, model)
+        check_monitor(cfg.get("monitor"), model)
         trainer = build_checked(
             cfg.trainer,
             "trainer",

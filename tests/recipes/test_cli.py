@@ -13,11 +13,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.errors import InstantiationException
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lit_dp_recipes.cli import CommandLineMistake, command_line_mistakes
 from lit_dp_recipes.config import PRECISIONS, register_configs
-from lit_dp_recipes.digits import DigitsDataModule
+from lit_dp_recipes.digits import DigitsDataModule, MLPClassifier
+from lit_dp_recipes.gpt import GPT
 from lit_dp_recipes.token_data import TokenDataModule
 from lit_dp_recipes.train import train
 from tests.helpers.recipes import ROOT, compose_config
@@ -55,6 +56,14 @@ def schemas():
         (["callbacks.model_checkpoint.monitr=x"],
          "callbacks.model_checkpoint.monitr is not a key of callbacks.model_checkpoint: did you mean "
          "callbacks.model_checkpoint.monitor?"),
+        # A key the config leaves out may still be an argument of the node's target: how to pass it.
+        (["callbacks.model_checkpoint.save_top_k=3"],
+         "callbacks.model_checkpoint.save_top_k is not a key of callbacks.model_checkpoint: did you mean "
+         "callbacks.model_checkpoint.save_last? To pass lightning.pytorch.callbacks.ModelCheckpoint an argument the "
+         "config leaves out: +callbacks.model_checkpoint.save_top_k=..."),
+        (["trainer.fast_dev_run=true"], "To pass lightning.pytorch.Trainer an argument the config leaves out: "
+                                        "+trainer.fast_dev_run=..."),
+        (["monitor_mode=maxx"], "monitor_mode='maxx' is invalid: expected min (the least monitor is best, a loss) or max"),
         (["sed=1"], "sed is not a key of the config: did you mean seed?"),
         (["hydra.run.dirr=x"], "hydra.run.dirr is not a key of hydra.run: did you mean hydra.run.dir?"),
         (["strategy=dpp"], "strategy=dpp is not a choice of strategy: did you mean strategy=ddp? expected one of ddp, paddle_dp."),
@@ -93,6 +102,22 @@ def schemas():
 )
 def test_each_mistake_is_one_message_naming_it_and_what_is_expected(arguments, message):
     assert message in "\n".join(command_line_mistakes("digits", arguments))
+
+
+@pytest.mark.parametrize(
+    ("model", "batch"),
+    [
+        (MLPClassifier(hidden_sizes=[8]), (torch.randn(4, 64), torch.randint(0, 10, (4,)))),
+        (GPT(block_size=8, n_layer=1, n_head=1, n_embd=8), (torch.randint(0, 256, (4, 8)), torch.randint(0, 256, (4, 8)))),
+    ],
+    ids=["mlp", "gpt"],
+)
+def test_a_models_declared_metrics_are_what_it_logs(model, batch, tmp_path):
+    loader = DataLoader(TensorDataset(*batch), batch_size=4)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, loader, loader)
+    assert set(trainer.callback_metrics) == set(model.METRICS)
 
 
 def test_the_precisions_accepted_are_lightnings():
@@ -144,6 +169,11 @@ def test_a_correct_command_line_passes(arguments):
          "model.block_size=32 is invalid with data.block_size=64: expected at least data.block_size "
          "(model.block_size follows data.block_size unless set)."),
         ("gpt", "model.vocab_size=100", "model.vocab_size=100 is invalid with data.vocab_size=256: expected at least"),
+        # ModelCheckpoint would find a misspelt metric at the first validation, in every rank.
+        ("digits", "monitor=val_accc",
+         "monitor='val_accc' is invalid: the model logs train_loss, val_loss, val_acc; did you mean monitor=val_acc?"),
+        ("gpt", "monitor=val_los", "monitor='val_los' is invalid: the model logs train_loss, val_loss; did you mean "
+                                   "monitor=val_loss"),
     ],
 )
 def test_what_only_building_the_data_or_model_checks_is_a_mistake_too(recipe, override, message, tmp_path, monkeypatch):
