@@ -139,8 +139,19 @@ def build_checked(node: DictConfig, name: str, **arguments: Any) -> Any:
         if unexpected:
             raise ValueError(_not_an_argument(name, unexpected.group(1), node)) from None
         if isinstance(cause, (ValueError, MisconfigurationException)):  # the target's own words (Lightning's)
-            raise ValueError(f"{name}: {cause}") from None
+            raise ValueError(_refused_by_the_target(name, node, cause)) from None
         raise
+
+
+def _refused_by_the_target(name: str, node: DictConfig, refusal: Exception) -> str:
+    """The target's own words, after the key and value they are about where they name one key of
+    ``node`` (Lightning's "logging_interval should be `step` or `epoch`" is about
+    ``callbacks.lr_monitor.logging_interval``)."""
+    words = str(refusal).strip()
+    named = [key for key in node if not str(key).startswith("_") and re.search(rf"\b{re.escape(str(key))}\b", words)]
+    if len(named) != 1:
+        return f"{name}: {words}"
+    return f"{name}.{named[0]}={node[named[0]]!r} is invalid: {words}"
 
 
 def _not_an_argument(name: str, key: str, node: DictConfig) -> str:

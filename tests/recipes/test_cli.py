@@ -169,6 +169,9 @@ def test_a_correct_command_line_passes(arguments):
          "model.block_size=32 is invalid with data.block_size=64: expected at least data.block_size "
          "(model.block_size follows data.block_size unless set)."),
         ("gpt", "model.vocab_size=100", "model.vocab_size=100 is invalid with data.vocab_size=256: expected at least"),
+        # Lightning's own words, after the key they are about.
+        ("gpt", "callbacks.lr_monitor.logging_interval=stepp",
+         "callbacks.lr_monitor.logging_interval='stepp' is invalid: logging_interval should be `step` or `epoch` or `None`."),
         # ModelCheckpoint would find a misspelt metric at the first validation, in every rank.
         ("digits", "monitor=val_accc",
          "monitor='val_accc' is invalid: the model logs train_loss, val_loss, val_acc; did you mean monitor=val_acc?"),
