@@ -223,7 +223,11 @@ def _unknown_key(key: str, cfg: DictConfig) -> str | None:
     close = difflib.get_close_matches(name, keys, n=3, cutoff=0.6)
     where = _where(parent, cfg)
     dotted = f"{parent}." if parent else ""
-    hint = "did you mean " + " or ".join(f"{dotted}{c}" for c in close) + "?" if close else f"its keys: {', '.join(keys)}."
+    hint = (
+        "did you mean " + " or ".join(f"{dotted}{c}" for c in close) + "?"
+        if close
+        else f"its keys: {', '.join(keys)}." if keys else "it has none."
+    )
     target = node.get("_target_")
     if target is not None:  # an argument of the target that the config leaves out is the user's to add
         hint += f" To pass {target} an argument the config leaves out: +{key}=..."

@@ -127,8 +127,8 @@ def _final_line(trainer: pl.Trainer, metrics: dict[str, float]) -> str:
 def build_checked(node: DictConfig, name: str, **arguments: Any) -> Any:
     """``instantiate(node, **arguments)``, with a ``ValueError`` of the target raised as itself (it
     names the option and the value), not inside Hydra's ``InstantiationException``; a key the target
-    does not take (``+trainer.max_epoch=5``), or Lightning's refusal of a value, as a ``ValueError``
-    naming ``name``'s key."""
+    does not take (``+trainer.max_epoch=5``), Lightning's refusal of a value, a value of the wrong
+    kind or a target that does not exist, as a ``ValueError`` naming ``name``'s key."""
     try:
         return instantiate(node, _convert_="all", **arguments)
     except InstantiationException as error:
@@ -140,6 +140,10 @@ def build_checked(node: DictConfig, name: str, **arguments: Any) -> Any:
             raise ValueError(_not_an_argument(name, unexpected.group(1), node)) from None
         if isinstance(cause, (ValueError, MisconfigurationException)):  # the target's own words (Lightning's)
             raise ValueError(_refused_by_the_target(name, node, cause)) from None
+        if isinstance(cause, TypeError):  # a value of the wrong kind (logger.csv.save_dir=null)
+            raise ValueError(f"{name}: {node.get('_target_')} refused its arguments: {cause}") from None
+        if isinstance(cause, ImportError):  # a _target_ Hydra cannot find
+            raise ValueError(f"{name}._target_={node.get('_target_')!r} is invalid: expected an importable class or function.") from None
         raise
 
 

@@ -63,6 +63,8 @@ def schemas():
          "config leaves out: +callbacks.model_checkpoint.save_top_k=..."),
         (["trainer.fast_dev_run=true"], "To pass lightning.pytorch.Trainer an argument the config leaves out: "
                                         "+trainer.fast_dev_run=..."),
+        (["callbacks.run_summary.foo=1"], "callbacks.run_summary.foo is not a key of callbacks.run_summary: it has none. "
+                                          "To pass lit_dp_recipes.callbacks.RunSummary an argument"),
         (["monitor_mode=maxx"], "monitor_mode='maxx' is invalid: expected min (the least monitor is best, a loss) or max"),
         (["sed=1"], "sed is not a key of the config: did you mean seed?"),
         (["hydra.run.dirr=x"], "hydra.run.dirr is not a key of hydra.run: did you mean hydra.run.dir?"),
@@ -172,6 +174,10 @@ def test_a_correct_command_line_passes(arguments):
         # Lightning's own words, after the key they are about.
         ("gpt", "callbacks.lr_monitor.logging_interval=stepp",
          "callbacks.lr_monitor.logging_interval='stepp' is invalid: logging_interval should be `step` or `epoch` or `None`."),
+        ("digits", "logger.csv.save_dir=null",
+         "logger.csv: lightning.pytorch.loggers.CSVLogger refused its arguments: expected str, bytes or os.PathLike object"),
+        ("digits", "logger.csv._target_=lightning.pytorch.loggers.CSVLogga",
+         "logger.csv._target_='lightning.pytorch.loggers.CSVLogga' is invalid: expected an importable class or function."),
         # ModelCheckpoint would find a misspelt metric at the first validation, in every rank.
         ("digits", "monitor=val_accc",
          "monitor='val_accc' is invalid: the model logs train_loss, val_loss, val_acc; did you mean monitor=val_acc?"),
