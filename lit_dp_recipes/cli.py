@@ -229,7 +229,9 @@ def _unknown_key(key: str, cfg: DictConfig) -> str | None:
         else f"its keys: {', '.join(keys)}." if keys else "it has none."
     )
     target = node.get("_target_")
-    if target is not None:  # an argument of the target that the config leaves out is the user's to add
+    if target is not None and not close:
+        # Unlike any key, maybe an argument of the target that the config leaves out: the user's to add.
+        # Not offered for a near miss (trainer.max_epoch), where `+` would only pass the typo on.
         hint += f" To pass {target} an argument the config leaves out: +{key}=..."
     return f"{key} is not a key of {where}: {hint}"
 

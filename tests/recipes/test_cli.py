@@ -56,11 +56,11 @@ def schemas():
         (["callbacks.model_checkpoint.monitr=x"],
          "callbacks.model_checkpoint.monitr is not a key of callbacks.model_checkpoint: did you mean "
          "callbacks.model_checkpoint.monitor?"),
-        # A key the config leaves out may still be an argument of the node's target: how to pass it.
-        (["callbacks.model_checkpoint.save_top_k=3"],
-         "callbacks.model_checkpoint.save_top_k is not a key of callbacks.model_checkpoint: did you mean "
-         "callbacks.model_checkpoint.save_last? To pass lightning.pytorch.callbacks.ModelCheckpoint an argument the "
-         "config leaves out: +callbacks.model_checkpoint.save_top_k=..."),
+        # A key unlike any the config has may be an argument of the node's target that it leaves out.
+        (["callbacks.model_checkpoint.every_n_epochs=3"],
+         "callbacks.model_checkpoint.every_n_epochs is not a key of callbacks.model_checkpoint: its keys: dirpath, "
+         "enable_version_counter, mode, monitor, save_last. To pass lightning.pytorch.callbacks.ModelCheckpoint an "
+         "argument the config leaves out: +callbacks.model_checkpoint.every_n_epochs=..."),
         (["trainer.fast_dev_run=true"], "To pass lightning.pytorch.Trainer an argument the config leaves out: "
                                         "+trainer.fast_dev_run=..."),
         (["callbacks.run_summary.foo=1"], "callbacks.run_summary.foo is not a key of callbacks.run_summary: it has none. "
