@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 # Lightning's tips for its other products ("Tip: ... try installing litlogger"), and who logs them.
 LIGHTNING_TIP = "\N{ELECTRIC LIGHT BULB} Tip:"
 LIGHTNING_TIP_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+CHECKPOINTS_EXIST = r"Checkpoint directory .* exists and is not empty"  # ModelCheckpoint's warning
 SEED_LOGGER = "lightning.fabric.utilities.seed"  # where Lightning's seed_everything says "Seed set to N"
 # How Python names a keyword argument a callable does not take.
 UNEXPECTED_ARGUMENT = re.compile(r"unexpected keyword argument '(\w+)'")
@@ -89,6 +90,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
         ckpt_path = run.resolve(cfg.get("ckpt_path"))
     except (ValueError, NoUsableCheckpoint) as error:
         raise CommandLineMistake(str(error)) from None
+    if ckpt_path is not None:
+        # Resuming: the folder's checkpoints are what the run resumes from, not a folder reused by mistake
+        # (Lightning's warning stays for a run that starts over in a folder that has some: ckpt_path=null).
+        warnings.filterwarnings("ignore", message=CHECKPOINTS_EXIST)
     use_job_launcher(trainer.strategy)
     with sweep_job(), run.fitting(ckpt_path):
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
