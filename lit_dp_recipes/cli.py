@@ -61,6 +61,7 @@ from lit_dp_recipes.config import (
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 HYDRA_VERSION_BASE = "1.3"
 STRATEGY_GROUP = "strategy"
+EXPERIMENT_GROUP = "experiment"
 MULTIRUN_FLAGS = ("-m", "--multirun")
 ERROR = "error: "
 HYDRA_GRAMMAR = "https://hydra.cc/docs/1.3/advanced/override_grammar/basic"
@@ -165,6 +166,13 @@ def _job_mistakes(config_name: str, job: list[Override]) -> list[str]:
                 base = compose(config_name, overrides=[o.input_line for o in choices], return_hydra_config=True)
             except (HydraException, OmegaConfBaseException) as error:
                 return [_first_line(error)]
+            experiment = [o for o in choices if o.key_or_group == EXPERIMENT_GROUP]
+            if experiment:
+                rest = [o.input_line for o in choices if o not in experiment]
+                without = compose(config_name, overrides=rest, return_hydra_config=True)
+                mistake = _foreign_experiment(experiment[0], config_name, base, without)
+                if mistake:
+                    return [mistake]
             keys = [o for o in job if _changes(o) and o.key_or_group not in groups]
             mistakes = [m for m in (_unknown_key(o.key_or_group, base) for o in keys) if m]
             if mistakes:
@@ -179,6 +187,37 @@ def _job_mistakes(config_name: str, job: list[Override]) -> list[str]:
         if owned:
             GlobalHydra.instance().clear()
     return _value_mistakes(cfg)
+
+
+def _foreign_experiment(choice: Override, recipe: str, chosen: DictConfig, without: DictConfig) -> str | None:
+    """An experiment written for another recipe (``experiment=gpt_tiny`` for the digits) sets keys that
+    this recipe's nodes lack; the model or data would refuse them only once built, by another name.
+    Keys of a group the experiment switches (``override /trainer: gpu``) are that group's own."""
+    choices, before = chosen.hydra.runtime.choices, without.hydra.runtime.choices
+    kept = {group for group in without if group != "hydra" and choices.get(group) == before.get(group)}
+    known = set(_leaf_keys(OmegaConf.to_container(without, resolve=False)))
+    added = [
+        key
+        for key in _leaf_keys(OmegaConf.to_container(chosen, resolve=False))
+        if key not in known and key.split(".")[0] in kept
+    ]
+    if not added:
+        return None
+    shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+    return (
+        f"{choice.input_line} is not an experiment of the {recipe} recipe: it sets {shown}, which its config lacks; "
+        f"expected one written for it (each conf/experiment/*.yaml names its recipe in its first lines)."
+    )
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            keys += _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(prefix + str(key))
+    return keys
 
 
 def _groups(loader: Any, parent: str = "") -> set[str]:
@@ -197,9 +236,11 @@ def _changes(override: Override) -> bool:
 
 def _unknown_choice(override: Override, options: list[str]) -> str | None:
     value = override.value()
-    if value is None or value in options:  # null: the group left out, as `experiment: null` does
-        return None
     group = override.key_or_group
+    if value is None:  # Hydra takes no null for a group on the command line (a ValueError, with a traceback)
+        return f"{group}=null is not a choice of {group}: expected ~{group} to leave the group out, or one of {', '.join(options)}."
+    if value in options:
+        return None
     close = difflib.get_close_matches(str(value), options, n=3, cutoff=0.6)
     hint = "did you mean " + " or ".join(f"{group}={c}" for c in close) + "? " if close else ""
     return f"{group}={value} is not a choice of {group}: {hint}expected one of {', '.join(options)}."

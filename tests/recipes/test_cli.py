@@ -70,6 +70,11 @@ def schemas():
         (["hydra.run.dirr=x"], "hydra.run.dirr is not a key of hydra.run: did you mean hydra.run.dir?"),
         (["strategy=dpp"], "strategy=dpp is not a choice of strategy: did you mean strategy=ddp? expected one of ddp, paddle_dp."),
         (["experiment=smal_buckets"], "experiment=smal_buckets is not a choice of experiment: did you mean experiment=small_buckets?"),
+        (["experiment=null"], "experiment=null is not a choice of experiment: expected ~experiment to leave the group out"),
+        # An experiment of another recipe: the MLP and the digits would refuse its keys only once built.
+        (["experiment=gpt_tiny"],
+         "experiment=gpt_tiny is not an experiment of the digits recipe: it sets model.n_layer, model.n_embd, "
+         "model.n_head and 4 more, which its config lacks; expected one written for it"),
         (["-m", "trainer=cpu,gpuu"], "trainer=gpuu is not a choice of trainer: did you mean trainer=gpu?"),
         # Wrong types, and values the checks made before anything starts refuse.
         (["trainer.max_steps=abc"], "trainer.max_steps=abc is invalid: Value 'abc' of type 'str' could not be converted to Integer."),
@@ -144,6 +149,8 @@ def test_a_required_key_left_out_is_named():
         ["strategy=ddp", "strategy.comm_hook=powersgd", "strategy.powersgd.start_iter=2"],
         ["strategy.comm_buffer_size=1,5", "-m"],
         ["experiment=small_buckets", "trainer=gpu", "callbacks.model_checkpoint=null"],
+        ["experiment=local_sgd"],
+        ["~experiment"],
         # What Lightning's launcher adds to each rank's command line (lit_dp_recipes.launch.rank_command).
         ["hydra.mode=RUN", 'hydra.run.dir="/tmp/a b"', "hydra.job.name=train_ddp_process_1", "hydra.output_subdir=null"],
         ["--cfg", "job", "anything_goes=1"],  # Hydra's own flags: Hydra checks
