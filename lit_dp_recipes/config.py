@@ -257,6 +257,8 @@ def check_epoch_against_trainer(trainer: DictConfig, datamodule: Any) -> None:
     if train_batches is None:
         return
     ranks = world_size(trainer)
+    if ranks < 1:
+        return  # trainer=gpu on a machine without one: Lightning refuses the accelerator, by name
     batches = train_batches(ranks)
     interval = trainer.get("val_check_interval")
     if isinstance(interval, float) and interval > 1 and interval.is_integer():

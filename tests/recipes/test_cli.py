@@ -236,6 +236,7 @@ def test_what_the_data_and_the_trainer_check_together_is_refused_before_any_rank
         ("digits", ["trainer.val_check_interval=1000", "trainer.check_val_every_n_epoch=null"]),
         ("digits", ["trainer.val_check_interval=1000", "trainer.limit_val_batches=0"]),
         ("gpt", ["trainer.val_check_interval=100000"]),  # across epochs (the recipe's default); validates at the last step
+        ("digits", ["trainer=gpu"]),  # every GPU, none on a CPU machine: Lightning's to refuse
     ],
 )
 def test_an_interval_lightning_accepts_is_not_refused(recipe, overrides, tmp_path, monkeypatch):
