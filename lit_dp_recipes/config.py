@@ -382,6 +382,22 @@ def check_cpu_devices(accelerator: Any, devices: Any, cores: int | None = None) 
         )
 
 
+def check_accelerator_available(accelerator: Any) -> None:
+    """A GPU accelerator where torch sees none: Lightning's refusal ("No supported gpu backend found!")
+    names neither the key nor what to use. Checked as the run starts, not on the command line, so
+    that a GPU command still composes on a CPU machine (tests/test_documented_commands.py)."""
+    available = {
+        "gpu": torch.cuda.is_available() or torch.backends.mps.is_available(),  # Lightning's "gpu": CUDA or Apple's MPS
+        "cuda": torch.cuda.is_available(),
+        "mps": torch.backends.mps.is_available(),
+    }
+    if not available.get(str(accelerator), True):
+        raise ValueError(
+            f"trainer.accelerator={accelerator!r} is invalid here: torch {torch.__version__} sees no such device on "
+            "this machine; expected trainer=cpu (or trainer.accelerator=cpu), or a torch built for the GPU."
+        )
+
+
 def _on_cpu(accelerator: Any) -> bool:
     return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
 

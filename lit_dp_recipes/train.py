@@ -23,6 +23,7 @@ from lit_dp_recipes.callbacks import CompileModel, ProgressLines
 from lit_dp_recipes.cli import CommandLineMistake
 from lit_dp_recipes.config import (
     build_strategy,
+    check_accelerator_available,
     check_checkpoint_every_n_steps,
     check_epoch_against_trainer,
     check_model_against_data,
@@ -60,6 +61,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     try:  # every refusal here comes before any rank starts: one line, no traceback (lit_dp_recipes.cli)
         strategy = use_atomic_checkpoints(build_strategy(cfg.strategy))
         validate_trainer(cfg)
+        check_accelerator_available(cfg.trainer.get("accelerator"))
         check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps"))
         check_ckpt_path(cfg.get("ckpt_path"))
         check_seed(cfg.seed)

@@ -229,6 +229,13 @@ def test_what_the_data_and_the_trainer_check_together_is_refused_before_any_rank
         train(compose_config(recipe, overrides, tmp_path))
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="needs a machine without a GPU")
+def test_a_gpu_trainer_on_a_machine_without_one_is_refused_naming_the_key(tmp_path, monkeypatch):
+    monkeypatch.setattr(pl, "Trainer", lambda *a, **k: pytest.fail("the Trainer was built"))
+    with pytest.raises(CommandLineMistake, match=r"^trainer.accelerator='gpu' is invalid here: torch .* sees no such device"):
+        train(compose_config("digits", ["trainer=gpu"], tmp_path))
+
+
 @pytest.mark.parametrize(
     ("recipe", "overrides"),
     [
@@ -236,7 +243,6 @@ def test_what_the_data_and_the_trainer_check_together_is_refused_before_any_rank
         ("digits", ["trainer.val_check_interval=1000", "trainer.check_val_every_n_epoch=null"]),
         ("digits", ["trainer.val_check_interval=1000", "trainer.limit_val_batches=0"]),
         ("gpt", ["trainer.val_check_interval=100000"]),  # across epochs (the recipe's default); validates at the last step
-        ("digits", ["trainer=gpu"]),  # every GPU, none on a CPU machine: Lightning's to refuse
     ],
 )
 def test_an_interval_lightning_accepts_is_not_refused(recipe, overrides, tmp_path, monkeypatch):
