@@ -321,8 +321,10 @@ def _composition_mistake(error: ConfigCompositionException, job: list[Override])
     typed = next((o.input_line for o in job if o.key_or_group == full_key), None)
     if typed is None or cause is None:
         return _first_line(error)
-    why = getattr(cause, "msg", None) or _first_line(cause)
-    return f"{typed} is invalid: {why.splitlines()[0].rstrip('.')}."
+    why = (getattr(cause, "msg", None) or _first_line(cause)).splitlines()[0].rstrip(".")
+    if "is not a ListConfig, list or tuple" in why:  # OmegaConf's words for a scalar given for a list
+        why = "expected a list in brackets, such as [1,4]"
+    return f"{typed} is invalid: {why}."
 
 
 def _value_mistakes(cfg: DictConfig) -> list[str]:

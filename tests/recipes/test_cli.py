@@ -79,6 +79,7 @@ def schemas():
         # Wrong types, and values the checks made before anything starts refuse.
         (["trainer.max_steps=abc"], "trainer.max_steps=abc is invalid: Value 'abc' of type 'str' could not be converted to Integer."),
         (["strategy.comm_buffer_size=-1"], "strategy.comm_buffer_size=-1 is invalid: expected a positive number of megabytes"),
+        (["strategy.trace.steps=4"], "strategy.trace.steps=4 is invalid: expected a list in brackets, such as [1,4]."),
         (["trainer.devices=0"], "trainer.devices=0 is invalid: expected a positive integer"),
         (["-m", "trainer.devices=2,0"], "trainer.devices=0 is invalid: expected a positive integer"),
         # Values Lightning refuses only once the Trainer is built, or never and then fails in each rank.
