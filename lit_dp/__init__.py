@@ -5,10 +5,12 @@
 (``lit_dp.PaddleDPStrategy``) and in Fabric's (``lit_dp.fabric.PaddleDPStrategy``) as soon as
 both ``lit_dp`` and ``lightning`` are imported, in either order.
 
-``import lit_dp`` itself imports torch and lit_dp only: the Lightning layer
-(``lit_dp.strategies``) loads when Lightning does, or when one of its names is first used.
-Importing Lightning costs seconds and, through torchmetrics, loads matplotlib wherever it is
-installed; a user of ``DataParallel`` alone pays for neither.
+``import lit_dp`` itself imports torch and lit_dp's options only; each other public name loads
+its module when it is first used. The Lightning layer (``lit_dp.strategies``) loads when
+Lightning does, or when one of its names is first used. Importing Lightning costs seconds and,
+through torchmetrics, loads matplotlib wherever it is installed; a user of ``DataParallel``
+alone pays for neither. ``DataParallel``'s module loads torch's compiler (dynamo, about a second
+more): a recipe's check of its command line, which needs only the options, pays for none of it.
 """
 
 from __future__ import annotations
@@ -21,19 +23,23 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from lit_dp.data_parallel import DataParallel, fused_allreduce_gradients
-from lit_dp.gradients.broadcast import sync_params_buffers
-from lit_dp.gradients.buckets import assign_group_by_size
-from lit_dp.gradients.reducer import Reducer
-from lit_dp.job.env import ParallelEnv
-from lit_dp.job.process_group import destroy_parallel_env, get_rings, init_parallel_env
-from lit_dp.local_sgd import LocalSGD
 from lit_dp.options import Options
-from lit_dp.fault_tolerance.replica_data import ReplicaBatches
-from lit_dp.sharding import ShardedOptimizer
 
-# Public names of the Lightning layer, loaded on first use (PEP 562).
-_LIGHTNING_LAYER = {
+# The other public names, each loaded with its module on first use (PEP 562); the Lightning
+# layer's among them.
+_LAZY = {
+    "DataParallel": ("lit_dp.data_parallel", "DataParallel"),
+    "fused_allreduce_gradients": ("lit_dp.data_parallel", "fused_allreduce_gradients"),
+    "sync_params_buffers": ("lit_dp.gradients.broadcast", "sync_params_buffers"),
+    "assign_group_by_size": ("lit_dp.gradients.buckets", "assign_group_by_size"),
+    "Reducer": ("lit_dp.gradients.reducer", "Reducer"),
+    "ParallelEnv": ("lit_dp.job.env", "ParallelEnv"),
+    "destroy_parallel_env": ("lit_dp.job.process_group", "destroy_parallel_env"),
+    "get_rings": ("lit_dp.job.process_group", "get_rings"),
+    "init_parallel_env": ("lit_dp.job.process_group", "init_parallel_env"),
+    "LocalSGD": ("lit_dp.local_sgd", "LocalSGD"),
+    "ReplicaBatches": ("lit_dp.fault_tolerance.replica_data", "ReplicaBatches"),
+    "ShardedOptimizer": ("lit_dp.sharding", "ShardedOptimizer"),
     "PaddleDPStrategy": ("lit_dp.strategies.trainer", "PaddleDPStrategy"),
     "PaddleEnvironment": ("lit_dp.job.cluster_environment", "PaddleEnvironment"),
     "fabric": ("lit_dp.fabric", None),
@@ -44,11 +50,15 @@ _REGISTERING_MODULES = ("lit_dp.strategies.trainer", "lit_dp.strategies.fabric",
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LIGHTNING_LAYER:
+    if name not in _LAZY:
         raise AttributeError(f"module 'lit_dp' has no attribute {name!r}")
-    module_name, attribute = _LIGHTNING_LAYER[name]
+    module_name, attribute = _LAZY[name]
     module = importlib.import_module(module_name)
     return module if attribute is None else getattr(module, attribute)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def _load_lightning_layer() -> None:

@@ -17,9 +17,10 @@ each job's config as Hydra will (each value of a sweep), and answers:
 - a value of the wrong type (``trainer.max_steps=abc``) and a value the strategy, the trainer
   section or the run's own options refuse (``strategy.comm_buffer_size=-1``, ``trainer.devices=0``).
 
-It imports neither Lightning nor the task, so that a refusal costs the imports of torch and
-lit_dp only. What only building the data or the model can check (``data.batch_size=0``) is
-refused by the task before any rank starts: ``train`` raises ``CommandLineMistake``, which
+It imports neither Lightning nor the task, so that a refusal costs the imports of torch, Hydra
+and lit_dp's options only (``import lit_dp`` loads its other names, and torch's compiler with
+``DataParallel``, on first use). What only building the data or the model can check
+(``data.batch_size=0``) is refused by the task before any rank starts: ``train`` raises ``CommandLineMistake``, which
 ``recipe_main`` prints the same way.
 """
 
@@ -49,6 +50,7 @@ from lit_dp_recipes.config import (
     check_checkpoint_every_n_steps,
     check_ckpt_path,
     check_compile,
+    check_monitor_mode,
     check_seed,
     register_configs,
     strategy_arguments,
@@ -59,6 +61,7 @@ from lit_dp_recipes.config import (
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 HYDRA_VERSION_BASE = "1.3"
 STRATEGY_GROUP = "strategy"
+EXPERIMENT_GROUP = "experiment"
 MULTIRUN_FLAGS = ("-m", "--multirun")
 ERROR = "error: "
 HYDRA_GRAMMAR = "https://hydra.cc/docs/1.3/advanced/override_grammar/basic"
@@ -163,6 +166,13 @@ def _job_mistakes(config_name: str, job: list[Override]) -> list[str]:
                 base = compose(config_name, overrides=[o.input_line for o in choices], return_hydra_config=True)
             except (HydraException, OmegaConfBaseException) as error:
                 return [_first_line(error)]
+            experiment = [o for o in choices if o.key_or_group == EXPERIMENT_GROUP]
+            if experiment:
+                rest = [o.input_line for o in choices if o not in experiment]
+                without = compose(config_name, overrides=rest, return_hydra_config=True)
+                mistake = _foreign_experiment(experiment[0], config_name, base, without)
+                if mistake:
+                    return [mistake]
             keys = [o for o in job if _changes(o) and o.key_or_group not in groups]
             mistakes = [m for m in (_unknown_key(o.key_or_group, base) for o in keys) if m]
             if mistakes:
@@ -177,6 +187,37 @@ def _job_mistakes(config_name: str, job: list[Override]) -> list[str]:
         if owned:
             GlobalHydra.instance().clear()
     return _value_mistakes(cfg)
+
+
+def _foreign_experiment(choice: Override, recipe: str, chosen: DictConfig, without: DictConfig) -> str | None:
+    """An experiment written for another recipe (``experiment=gpt_tiny`` for the digits) sets keys that
+    this recipe's nodes lack; the model or data would refuse them only once built, by another name.
+    Keys of a group the experiment switches (``override /trainer: gpu``) are that group's own."""
+    choices, before = chosen.hydra.runtime.choices, without.hydra.runtime.choices
+    kept = {group for group in without if group != "hydra" and choices.get(group) == before.get(group)}
+    known = set(_leaf_keys(OmegaConf.to_container(without, resolve=False)))
+    added = [
+        key
+        for key in _leaf_keys(OmegaConf.to_container(chosen, resolve=False))
+        if key not in known and key.split(".")[0] in kept
+    ]
+    if not added:
+        return None
+    shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+    return (
+        f"{choice.input_line} is not an experiment of the {recipe} recipe: it sets {shown}, which its config lacks; "
+        f"expected one written for it (each conf/experiment/*.yaml names its recipe in its first lines)."
+    )
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            keys += _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(prefix + str(key))
+    return keys
 
 
 def _groups(loader: Any, parent: str = "") -> set[str]:
@@ -195,9 +236,11 @@ def _changes(override: Override) -> bool:
 
 def _unknown_choice(override: Override, options: list[str]) -> str | None:
     value = override.value()
-    if value is None or value in options:  # null: the group left out, as `experiment: null` does
-        return None
     group = override.key_or_group
+    if value is None:  # Hydra takes no null for a group on the command line (a ValueError, with a traceback)
+        return f"{group}=null is not a choice of {group}: expected ~{group} to leave the group out, or one of {', '.join(options)}."
+    if value in options:
+        return None
     close = difflib.get_close_matches(str(value), options, n=3, cutoff=0.6)
     hint = "did you mean " + " or ".join(f"{group}={c}" for c in close) + "? " if close else ""
     return f"{group}={value} is not a choice of {group}: {hint}expected one of {', '.join(options)}."
@@ -221,7 +264,16 @@ def _unknown_key(key: str, cfg: DictConfig) -> str | None:
     close = difflib.get_close_matches(name, keys, n=3, cutoff=0.6)
     where = _where(parent, cfg)
     dotted = f"{parent}." if parent else ""
-    hint = "did you mean " + " or ".join(f"{dotted}{c}" for c in close) + "?" if close else f"its keys: {', '.join(keys)}."
+    hint = (
+        "did you mean " + " or ".join(f"{dotted}{c}" for c in close) + "?"
+        if close
+        else f"its keys: {', '.join(keys)}." if keys else "it has none."
+    )
+    target = node.get("_target_")
+    if target is not None and not close:
+        # Unlike any key, maybe an argument of the target that the config leaves out: the user's to add.
+        # Not offered for a near miss (trainer.max_epoch), where `+` would only pass the typo on.
+        hint += f" To pass {target} an argument the config leaves out: +{key}=..."
     return f"{key} is not a key of {where}: {hint}"
 
 
@@ -269,14 +321,16 @@ def _composition_mistake(error: ConfigCompositionException, job: list[Override])
     typed = next((o.input_line for o in job if o.key_or_group == full_key), None)
     if typed is None or cause is None:
         return _first_line(error)
-    why = getattr(cause, "msg", None) or _first_line(cause)
-    return f"{typed} is invalid: {why.splitlines()[0].rstrip('.')}."
+    why = (getattr(cause, "msg", None) or _first_line(cause)).splitlines()[0].rstrip(".")
+    if "is not a ListConfig, list or tuple" in why:  # OmegaConf's words for a scalar given for a list
+        why = "expected a list in brackets, such as [1,4]"
+    return f"{typed} is invalid: {why}."
 
 
 def _value_mistakes(cfg: DictConfig) -> list[str]:
     """The checks ``train`` makes before anything starts, on the composed ``cfg``: the strategy's
     options, the trainer section, and the run's own keys (``checkpoint_every_n_steps``,
-    ``compile``, ``seed``, ``ckpt_path``)."""
+    ``compile``, ``seed``, ``ckpt_path``, ``monitor_mode``)."""
     cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # Hydra's own: set as the job runs
     if "paths" in cfg:  # Hydra's run folder is known only once the job runs; no check reads it
         OmegaConf.update(cfg, "paths.output_dir", str(Path.cwd()), force_add=True)
@@ -291,6 +345,8 @@ def _value_mistakes(cfg: DictConfig) -> list[str]:
         checks.append(lambda: check_seed(cfg.seed))
     if "ckpt_path" in cfg:
         checks.append(lambda: check_ckpt_path(cfg.ckpt_path))
+    if "monitor_mode" in cfg:
+        checks.append(lambda: check_monitor_mode(cfg.monitor_mode))
     mistakes = [
         f"{key} has no value: expected {key}=... on the command line."
         for key in sorted(OmegaConf.missing_keys(cfg))

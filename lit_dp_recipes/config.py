@@ -24,6 +24,7 @@ starts: DDP would run without it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +33,23 @@ from typing import Any, Optional
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_method, instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dp.ddp_arguments import ddp_strategy_arguments
 from lit_dp.options import TRAINER, Declared, Options, declared_options
 from lit_dp_recipes.run_folder import register_resolvers
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+# Lightning's values of ``precision`` (its ``_PRECISION_INPUT``; a test keeps them equal), written
+# here so that the command line is checked before Lightning loads.
+PRECISIONS = (
+    "16-mixed", "bf16-mixed", "32-true", "16-true", "bf16-true", "64-true",
+    "transformer-engine", "transformer-engine-float16", "64", "32", "16", "bf16",
+)
 # CPU ranks per core beyond which a run is refused: past it every rank waits for a core most of
 # each step, and its memory (a model, an optimizer, a process) adds up for nothing.
 MAX_CPU_RANKS_PER_CORE = 4
+MONITOR_MODES = ("min", "max")
 PADDLE_DP_TARGET = "lit_dp.PaddleDPStrategy"
 DDP_TARGET = "lit_dp_recipes.ddp_peer.ddp_strategy"
 DDP_PEER = "lit_dp_recipes.ddp_peer.DDPPeer"
@@ -132,6 +140,33 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{option}={value!r} is invalid: expected an integer >= 1.")
         if self.max_epochs is not None and self.max_epochs < -1:
             raise ValueError(f"trainer.max_epochs={self.max_epochs!r} is invalid: expected >= -1 (or null).")
+        # What Lightning refuses only once the Trainer is built, or not at all and then fails in each
+        # rank (a log interval or a validation every 0 epochs), refused here in the check of the command line.
+        if self.max_steps < -1:
+            raise ValueError(
+                f"trainer.max_steps={self.max_steps!r} is invalid: expected a number of steps >= 0, or -1 (no limit)."
+            )
+        if str(self.precision) not in PRECISIONS:
+            raise ValueError(
+                f"trainer.precision={self.precision!r} is invalid: expected one of {', '.join(PRECISIONS)}."
+            )
+        if self.log_every_n_steps < 1:
+            raise ValueError(
+                f"trainer.log_every_n_steps={self.log_every_n_steps!r} is invalid: expected an integer >= 1."
+            )
+        every = self.check_val_every_n_epoch
+        if every is not None and every < 1:
+            raise ValueError(
+                f"trainer.check_val_every_n_epoch={every!r} is invalid: expected an integer >= 1, "
+                "or null (trainer.val_check_interval then counts batches across epochs)."
+            )
+        clip = self.gradient_clip_val
+        if clip is not None and clip < 0:
+            raise ValueError(f"trainer.gradient_clip_val={clip!r} is invalid: expected a norm >= 0, or null (no clipping).")
+        between = "the training batches between validations"
+        _check_batches("trainer.val_check_interval", self.val_check_interval, least=1, what=between)
+        for option in ("limit_train_batches", "limit_val_batches"):
+            _check_batches(f"trainer.{option}", getattr(self, option), least=0, what="the batches of an epoch to use")
 
 
 def register_configs() -> None:
@@ -188,6 +223,94 @@ def validate_trainer(cfg: DictConfig) -> None:
     check_cpu_devices(accelerator, devices)
     strategy = cfg.get("strategy") or {}
     check_sharded_precision((strategy.get("sharding") or {}).get("stage"), cfg.trainer.get("precision"))
+
+
+def world_size(trainer: DictConfig) -> int:
+    """The ranks the trainer section starts, counted as Lightning does: ``devices`` per node (a
+    number, a list of ids, or ``auto``: every GPU on a GPU accelerator, one process on a CPU)
+    times ``num_nodes``."""
+    devices, accelerator = trainer.get("devices", "auto"), str(trainer.get("accelerator", "auto"))
+    if devices == "auto":
+        on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+        per_node = torch.cuda.device_count() if on_gpu else 1
+    else:
+        per_node = len(devices) if isinstance(devices, (list, ListConfig)) else int(devices)
+    return per_node * trainer.get("num_nodes", 1)
+
+
+def epoch_batches(batches: int, limit: Any) -> int:
+    """An epoch's training batches under ``trainer.limit_train_batches`` (null: all; an integer: at most
+    that many; a fraction: that share, rounded down), as Lightning counts them."""
+    if limit is None:
+        return batches
+    if isinstance(limit, float) and not (limit > 1 and limit.is_integer()):
+        return int(batches * limit)
+    return min(batches, int(limit))
+
+
+def check_epoch_against_trainer(trainer: DictConfig, datamodule: Any) -> None:
+    """What Lightning checks only in each rank, once the data is set up and with a traceback, checked
+    before any rank starts for a datamodule that says how many batches a rank draws in an epoch
+    (``train_batches(ranks)``; the recipes' do, and raise where a rank would draw none): that
+    ``trainer.val_check_interval``, in batches counted within an epoch, is at most an epoch's."""
+    train_batches = getattr(datamodule, "train_batches", None)
+    if train_batches is None:
+        return
+    ranks = world_size(trainer)
+    if ranks < 1:
+        return  # trainer=gpu on a machine without one: Lightning refuses the accelerator, by name
+    batches = train_batches(ranks)
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, float) and interval > 1 and interval.is_integer():
+        interval = int(interval)  # Lightning's reading of 100.0
+    counts_within_an_epoch = trainer.get("check_val_every_n_epoch", 1) is not None
+    if not isinstance(interval, int) or isinstance(interval, bool) or not counts_within_an_epoch:
+        return
+    if trainer.get("limit_val_batches") == 0:
+        return  # no validation, so no interval: Lightning does not check it either
+    limit = trainer.get("limit_train_batches")
+    epoch = epoch_batches(batches, limit)
+    if interval > epoch:
+        limited = f", trainer.limit_train_batches={limit}" if epoch < batches else ""
+        raise ValueError(
+            f"trainer.val_check_interval={interval} is invalid: an epoch is {epoch} training batches per rank here "
+            f"(data.batch_size={datamodule.batch_size}, {ranks} ranks{limited}); expected at most {epoch}, a fraction "
+            "of an epoch (0.5: twice an epoch), or trainer.check_val_every_n_epoch=null to count batches across epochs."
+        )
+
+
+def check_model_against_data(datamodule: Any, model: Any) -> None:
+    """A model that does not fit the data (the digits' 64 pixels, the tokens' window and vocabulary)
+    fails at its first batch in every rank: a datamodule that can tell (``check_model(model)``; the
+    recipes' can) refuses it before any rank starts."""
+    check = getattr(datamodule, "check_model", None)
+    if check is not None:
+        check(model)
+
+
+def check_monitor(monitor: Any, model: Any) -> None:
+    """``monitor`` spelt like a metric the model logs (its ``METRICS``; the recipes' models declare
+    them) but none of them: a typo that ``ModelCheckpoint`` would find only at the first
+    validation, in every rank. A name unlike them all may be a callback's (``tokens_per_sec``),
+    and is left to Lightning."""
+    metrics = getattr(model, "METRICS", ())
+    if monitor is None or not metrics or monitor in metrics:
+        return
+    close = difflib.get_close_matches(str(monitor), metrics, n=3, cutoff=0.6)
+    if close:
+        raise ValueError(
+            f"monitor={monitor!r} is invalid: the model logs {', '.join(metrics)}; "
+            f"did you mean {' or '.join(f'monitor={name}' for name in close)}?"
+        )
+
+
+def check_monitor_mode(mode: Any) -> str:
+    """``monitor_mode``: whether the best checkpoint has the least (``min``) or the most (``max``) of ``monitor``."""
+    if mode not in MONITOR_MODES:
+        raise ValueError(
+            f"monitor_mode={mode!r} is invalid: expected min (the least monitor is best, a loss) or max (an accuracy)."
+        )
+    return mode
 
 
 def check_checkpoint_every_n_steps(value: Any) -> int | None:
@@ -259,6 +382,22 @@ def check_cpu_devices(accelerator: Any, devices: Any, cores: int | None = None) 
         )
 
 
+def check_accelerator_available(accelerator: Any) -> None:
+    """A GPU accelerator where torch sees none: Lightning's refusal ("No supported gpu backend found!")
+    names neither the key nor what to use. Checked as the run starts, not on the command line, so
+    that a GPU command still composes on a CPU machine (tests/test_documented_commands.py)."""
+    available = {
+        "gpu": torch.cuda.is_available() or torch.backends.mps.is_available(),  # Lightning's "gpu": CUDA or Apple's MPS
+        "cuda": torch.cuda.is_available(),
+        "mps": torch.backends.mps.is_available(),
+    }
+    if not available.get(str(accelerator), True):
+        raise ValueError(
+            f"trainer.accelerator={accelerator!r} is invalid here: torch {torch.__version__} sees no such device on "
+            "this machine; expected trainer=cpu (or trainer.accelerator=cpu), or a torch built for the GPU."
+        )
+
+
 def _on_cpu(accelerator: Any) -> bool:
     return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
 
@@ -278,6 +417,21 @@ def is_number(value: object) -> bool:
 def is_fraction(value: object) -> bool:
     """A number strictly between 0 and 1 (not a string such as ``abc``, not a bool): a ``val_fraction``."""
     return is_number(value) and 0 < value < 1
+
+
+def _check_batches(option: str, value: Any, least: int, what: str) -> None:
+    """A count of batches as Lightning reads one: null, an integer (a float such as 100.0 is one), or
+    a fraction of an epoch's; ``least`` is the smallest count (and the fraction is above 0 when it is 1)."""
+    if value is None:
+        return
+    whole = is_number(value) and (isinstance(value, int) or (value > 1 and float(value).is_integer()))
+    fraction = is_number(value) and not isinstance(value, int) and (least <= value <= 1 if least == 0 else 0 < value <= 1)
+    if (whole and value >= least) or fraction:
+        return
+    share = "[0, 1]" if least == 0 else "(0, 1]"
+    raise ValueError(
+        f"{option}={value!r} is invalid: expected {what}: an integer >= {least}, a share of an epoch in {share}, or null."
+    )
 
 
 def _check_choice(option: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import math
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -10,6 +14,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_dp_recipes.config import is_fraction, is_number
+
+
+@functools.cache
+def _digits() -> Any:
+    """scikit-learn's digits, read once a process (the checks before the ranks start read them too)."""
+    return load_digits()
 
 
 class DigitsDataModule(pl.LightningDataModule):
@@ -22,13 +32,15 @@ class DigitsDataModule(pl.LightningDataModule):
                 raise ValueError(f"data.{option}={value!r} is invalid: expected an integer >= {least}.")
         if not is_fraction(val_fraction):
             raise ValueError(f"data.val_fraction={val_fraction!r} is invalid: expected a number in (0, 1).")
+        if isinstance(split_seed, bool) or not isinstance(split_seed, int):
+            raise ValueError(f"data.split_seed={split_seed!r} is invalid: expected an integer.")
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.split_seed = split_seed
         self.num_workers = num_workers
 
     def setup(self, stage: str | None = None) -> None:
-        digits = load_digits()
+        digits = _digits()
         images = torch.tensor(digits.data, dtype=torch.float32) / 16.0
         labels = torch.tensor(digits.target, dtype=torch.long)
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.split_seed))
@@ -36,6 +48,26 @@ class DigitsDataModule(pl.LightningDataModule):
         val, train = order[:n_val], order[n_val:]
         self.train_set = TensorDataset(images[train], labels[train])
         self.val_set = TensorDataset(images[val], labels[val])
+
+    def train_batches(self, ranks: int) -> int:
+        """The batches each of ``ranks`` ranks draws in an epoch, known before any rank starts: Lightning's
+        ``DistributedSampler`` gives each rank ceil(samples / ranks) of the training split, and the last
+        batch may be partial."""
+        samples = len(_digits().target)
+        per_rank = math.ceil((samples - int(samples * self.val_fraction)) / ranks)
+        return math.ceil(per_rank / self.batch_size)
+
+    def check_model(self, model: pl.LightningModule) -> None:
+        """Before any rank starts: a model of ``in_features``/``num_classes`` (the MLP's) takes these images
+        and their classes (it would fail at its first batch in every rank)."""
+        digits = _digits()
+        expected = {"in_features": digits.data.shape[1], "num_classes": len(set(digits.target.tolist()))}
+        for key, value in expected.items():
+            if key in model.hparams and model.hparams[key] != value:
+                raise ValueError(
+                    f"model.{key}={model.hparams[key]!r} is invalid with data=digits: expected {value} "
+                    f"(the digits are {expected['in_features']} pixels in {expected['num_classes']} classes)."
+                )
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
@@ -46,6 +78,8 @@ class DigitsDataModule(pl.LightningDataModule):
 
 class MLPClassifier(pl.LightningModule):
     """A plain MLP; ``hidden_sizes`` scales it from a toy to a communication-heavy benchmark model."""
+
+    METRICS = ("train_loss", "val_loss", "val_acc")  # what it logs (a test keeps them equal): the names `monitor` may take
 
     def __init__(self, in_features: int = 64, num_classes: int = 10, hidden_sizes: tuple[int, ...] = (128, 128), lr: float = 3e-3):
         super().__init__()

@@ -56,6 +56,8 @@ class Block(nn.Module):
 class GPT(pl.LightningModule):
     """nanoGPT's GPT and its training recipe (see the module docstring)."""
 
+    METRICS = ("train_loss", "val_loss")  # what it logs (a test keeps them equal): the names `monitor` may take
+
     def __init__(
         self,
         block_size: int = 64,

@@ -177,22 +177,45 @@ class TokenDataModule(pl.LightningDataModule):
         return checked[0], checked[1]
 
     def setup(self, stage: str | None = None) -> None:
+        ranks = self.trainer.world_size if self.trainer is not None else 1
+        self.train_set, self.val_set = self._windows(ranks)
+
+    def train_batches(self, ranks: int) -> int:
+        """The batches each of ``ranks`` ranks draws in an epoch, known before any rank starts (the
+        sampler and the loader drop what does not fill a batch); a ``ValueError`` where a split
+        gives a rank less than one batch."""
+        train, _ = self._windows(ranks)
+        return len(train) // ranks // self.batch_size
+
+    def check_model(self, model: pl.LightningModule) -> None:
+        """Before any rank starts: a model of ``block_size``/``vocab_size`` (the GPT's) has a position for
+        each input of a window and an embedding for each token id the data holds (it would fail at its
+        first batch in every rank)."""
+        for key in ("block_size", "vocab_size"):
+            value, data = model.hparams.get(key), getattr(self, key)
+            if value is not None and value < data:
+                raise ValueError(
+                    f"model.{key}={value!r} is invalid with data.{key}={data}: expected at least data.{key} "
+                    f"(model.{key} follows data.{key} unless set)."
+                )
+
+    def _windows(self, ranks: int) -> tuple[TokenWindows, TokenWindows]:
+        """The training and validation windows, each split giving each of ``ranks`` ranks a batch at least."""
         if self.train_shards:
-            self.train_set = TokenWindows(self.train_shards, self.block_size, self.vocab_size)
-            self.val_set = TokenWindows(self.val_shards, self.block_size, self.vocab_size)
+            train = TokenWindows(self.train_shards, self.block_size, self.vocab_size)
+            val = TokenWindows(self.val_shards, self.block_size, self.vocab_size)
         else:
             data = np.frombuffer(stdlib_text(self.max_bytes), dtype=np.uint8)
             split = int(len(data) * (1 - self.val_fraction))
-            self.train_set = TokenWindows([data[:split]], self.block_size)
-            self.val_set = TokenWindows([data[split:]], self.block_size)
-        ranks = self.trainer.world_size if self.trainer is not None else 1
-        for split, windows, shards in (("train", self.train_set, self.train_shards), ("val", self.val_set, self.val_shards)):
+            train, val = TokenWindows([data[:split]], self.block_size), TokenWindows([data[split:]], self.block_size)
+        for split, windows, shards in (("train", train, self.train_shards), ("val", val, self.val_shards)):
             if len(windows) // ranks < self.batch_size:
                 source = f"data.{split}_shards ({len(shards)} files)" if shards else f"the stdlib text's {split} split"
                 raise ValueError(
                     f"{source} gives {len(windows)} windows of data.block_size + 1 = {self.block_size + 1} tokens: "
                     f"fewer than one batch (data.batch_size={self.batch_size}) for each of the {ranks} ranks."
                 )
+        return train, val
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

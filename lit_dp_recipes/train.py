@@ -23,7 +23,12 @@ from lit_dp_recipes.callbacks import CompileModel, ProgressLines
 from lit_dp_recipes.cli import CommandLineMistake
 from lit_dp_recipes.config import (
     build_strategy,
+    check_accelerator_available,
     check_checkpoint_every_n_steps,
+    check_epoch_against_trainer,
+    check_model_against_data,
+    check_monitor,
+    check_monitor_mode,
     check_ckpt_path,
     check_compile,
     check_seed,
@@ -37,6 +42,8 @@ log = logging.getLogger(__name__)
 # Lightning's tips for its other products ("Tip: ... try installing litlogger"), and who logs them.
 LIGHTNING_TIP = "\N{ELECTRIC LIGHT BULB} Tip:"
 LIGHTNING_TIP_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+CHECKPOINTS_EXIST = r"Checkpoint directory .* exists and is not empty"  # ModelCheckpoint's warning
+SEED_LOGGER = "lightning.fabric.utilities.seed"  # where Lightning's seed_everything says "Seed set to N"
 # How Python names a keyword argument a callable does not take.
 UNEXPECTED_ARGUMENT = re.compile(r"unexpected keyword argument '(\w+)'")
 
@@ -54,15 +61,22 @@ def train(cfg: DictConfig) -> dict[str, float]:
     try:  # every refusal here comes before any rank starts: one line, no traceback (lit_dp_recipes.cli)
         strategy = use_atomic_checkpoints(build_strategy(cfg.strategy))
         validate_trainer(cfg)
+        check_accelerator_available(cfg.trainer.get("accelerator"))
         check_checkpoint_every_n_steps(cfg.get("checkpoint_every_n_steps"))
         check_ckpt_path(cfg.get("ckpt_path"))
         check_seed(cfg.seed)
+        if "monitor_mode" in cfg:
+            check_monitor_mode(cfg.monitor_mode)
         compile_callbacks = _compile_callbacks(cfg)
         _code_warnings_from_rank_zero_only()
-        pl.seed_everything(cfg.seed, workers=True, verbose=rank_zero_only.rank == 0)
+        # Said below, once everything is checked: a refusal is the only line a mistake prints.
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
         _validate_by_the_last_step(cfg)
         datamodule = build_checked(cfg.data, "data")
+        check_epoch_against_trainer(cfg.trainer, datamodule)
         model = build_checked(cfg.model, "model")
+        check_model_against_data(datamodule, model)
+        check_monitor(cfg.get("monitor"), model)
         trainer = build_checked(
             cfg.trainer,
             "trainer",
@@ -71,11 +85,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
             logger=_loggers(cfg.get("logger")),
             callbacks=_callbacks(cfg) + compile_callbacks,
         )
+        if rank_zero_only.rank == 0:
+            logging.getLogger(SEED_LOGGER).info(f"Seed set to {cfg.seed}")  # Lightning's line, where it logs it
         run = ResumableRun(cfg)
         run.announce()
         ckpt_path = run.resolve(cfg.get("ckpt_path"))
     except (ValueError, NoUsableCheckpoint) as error:
         raise CommandLineMistake(str(error)) from None
+    if ckpt_path is not None:
+        # Resuming: the folder's checkpoints are what the run resumes from, not a folder reused by mistake
+        # (Lightning's warning stays for a run that starts over in a folder that has some: ckpt_path=null).
+        warnings.filterwarnings("ignore", message=CHECKPOINTS_EXIST)
     use_job_launcher(trainer.strategy)
     with sweep_job(), run.fitting(ckpt_path):
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -114,8 +134,8 @@ def _final_line(trainer: pl.Trainer, metrics: dict[str, float]) -> str:
 def build_checked(node: DictConfig, name: str, **arguments: Any) -> Any:
     """``instantiate(node, **arguments)``, with a ``ValueError`` of the target raised as itself (it
     names the option and the value), not inside Hydra's ``InstantiationException``; a key the target
-    does not take (``+trainer.max_epoch=5``), or Lightning's refusal of a value, as a ``ValueError``
-    naming ``name``'s key."""
+    does not take (``+trainer.max_epoch=5``), Lightning's refusal of a value, a value of the wrong
+    kind or a target that does not exist, as a ``ValueError`` naming ``name``'s key."""
     try:
         return instantiate(node, _convert_="all", **arguments)
     except InstantiationException as error:
@@ -126,8 +146,23 @@ def build_checked(node: DictConfig, name: str, **arguments: Any) -> Any:
         if unexpected:
             raise ValueError(_not_an_argument(name, unexpected.group(1), node)) from None
         if isinstance(cause, (ValueError, MisconfigurationException)):  # the target's own words (Lightning's)
-            raise ValueError(f"{name}: {cause}") from None
+            raise ValueError(_refused_by_the_target(name, node, cause)) from None
+        if isinstance(cause, TypeError):  # a value of the wrong kind (logger.csv.save_dir=null)
+            raise ValueError(f"{name}: {node.get('_target_')} refused its arguments: {cause}") from None
+        if isinstance(cause, ImportError):  # a _target_ Hydra cannot find
+            raise ValueError(f"{name}._target_={node.get('_target_')!r} is invalid: expected an importable class or function.") from None
         raise
+
+
+def _refused_by_the_target(name: str, node: DictConfig, refusal: Exception) -> str:
+    """The target's own words, after the key and value they are about where they name one key of
+    ``node`` (Lightning's "logging_interval should be `step` or `epoch`" is about
+    ``callbacks.lr_monitor.logging_interval``)."""
+    words = str(refusal).strip()
+    named = [key for key in node if not str(key).startswith("_") and re.search(rf"\b{re.escape(str(key))}\b", words)]
+    if len(named) != 1:
+        return f"{name}: {words}"
+    return f"{name}.{named[0]}={node[named[0]]!r} is invalid: {words}"
 
 
 def _not_an_argument(name: str, key: str, node: DictConfig) -> str:

@@ -79,7 +79,9 @@ class CommStatsMonitor(pl.Callback):
             logger.log_metrics(metrics, step=step)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        means = {f"comm/{name}_mean": value for name, value in self._means(trainer).items()}
+        # A group of one rank communicates nothing: its means (0 ms, overlap 1.0) would say nothing true.
+        measured = self._means(trainer)
+        means = {f"comm/{name}_mean": value for name, value in measured.items()} if _communicated(measured) else {}
         tuned = trainer.strategy.tuned_comm_buffer_size
         if tuned is not None:
             means["comm/tuned_buffer_mb"] = float(tuned)  # the same on every rank
@@ -96,7 +98,7 @@ class CommStatsMonitor(pl.Callback):
         # A group of one rank communicates nothing: "0.000 MB in 0 buckets, overlap 1.00" says nothing.
         if last is not None and last.buckets:
             parts.append(f"{last.bytes / 2**20:.3f} MB in {last.buckets} bucket{'s' * (last.buckets != 1)} per step")
-        if means and (means["time_ms"] or means["exposed_ms"]):
+        if _communicated(means):
             parts.append(
                 f"time {means['time_ms']:.3f} ms, exposed {means['exposed_ms']:.3f} ms, "
                 f"overlap {means['overlap']:.2f} (rank 0, means over the steps after the first)"
@@ -134,3 +136,8 @@ class CommStatsMonitor(pl.Callback):
     def _means(trainer: pl.Trainer) -> dict[str, float]:
         model = trainer.strategy.model
         return model.comm_stats_mean() if isinstance(model, DataParallel) and trainer.strategy.options.comm_stats else {}
+
+
+def _communicated(means: dict[str, float]) -> bool:
+    """Whether the mean figures of ``CommStats.mean`` measured any communication."""
+    return bool(means) and bool(means["time_ms"] or means["exposed_ms"])

@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -280,6 +281,17 @@ def test_ckpt_path_null_starts_fresh_even_when_checkpoints_exist(tmp_path, capsy
     assert "resuming from" not in capsys.readouterr().out
     train(compose_config("digits", [*overrides, "trainer.max_epochs=2"], tmp_path))  # auto, the default
     assert f"[lit_dp] resuming from {tmp_path / 'checkpoints' / 'last.ckpt'} (step 4," in capsys.readouterr().out
+
+
+def test_a_resume_does_not_warn_that_the_checkpoints_it_resumes_from_exist(tmp_path):
+    overrides = [*QUIET, "trainer.devices=1", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
+                 "trainer.limit_val_batches=1", "~logger"]
+    train(compose_config("digits", overrides, tmp_path))
+    for more, warned in (["trainer.max_epochs=2"], False), (["ckpt_path=null"], True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(compose_config("digits", [*overrides, *more], tmp_path))
+        assert any("exists and is not empty" in str(w.message) for w in caught) == warned, (more, caught)
 
 
 @pytest.mark.parametrize("mode", ["RUN", "MULTIRUN"])

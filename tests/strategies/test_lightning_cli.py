@@ -71,6 +71,17 @@ def test_the_class_path_form_checks_types_and_values_before_any_rank_starts(give
     assert re.search(expected, capsys.readouterr().err + str(raised.value))
 
 
+def test_the_documented_scripts_refusal_of_a_value_is_one_line(tmp_path):
+    command = [sys.executable, "-m", "lit_dp_recipes.lightning_cli", "fit", "--trainer.strategy=paddle_dp"]
+    command += ["--trainer.strategy.comm_buffer_size=-1", *CPU, "--trainer.max_steps=1"]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=environment)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: trainer.strategy.comm_buffer_size=-1.0 is invalid: expected a positive number of megabytes or 'auto'."
+    )
+
+
 def test_the_string_form_takes_options_as_flags_or_init_args(tmp_path):
     assert cli(["--trainer.strategy=paddle_dp"]).trainer.strategy.options.comm_buffer_size == 25.0  # the registry's
     flags = cli(["--trainer.strategy=paddle_dp_spawn", "--trainer.strategy.comm_buffer_size=5"]).trainer.strategy

@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from lit_dp import PaddleDPStrategy
+from tests.helpers.lightning import Regressor, trainer
 from tests.helpers.recipes import QUIET, run_recipe
 
 
@@ -33,3 +35,12 @@ def test_recipe_logs_comm_columns_and_a_resumed_run_keeps_the_tuned_size(tmp_pat
     )  # fmt: skip
     assert "comm_buffer_size=auto: 1 MB, tuned before" in resumed
     assert "comm_buffer_size=auto chose" not in resumed
+
+
+def test_one_rank_logs_no_communication_means(tmp_path, capsys):
+    # A group of one rank communicates nothing: its means (0 ms, overlap 1.0) would say nothing true,
+    # and would end a sweep's one-device job's final line.
+    run = trainer(PaddleDPStrategy(comm_stats=True), tmp_path, devices=1, max_epochs=1, limit_train_batches=4)
+    run.fit(Regressor())
+    assert not [name for name in run.callback_metrics if name.startswith("comm/")], run.callback_metrics
+    assert "[lit_dp] comm:" not in capsys.readouterr().out
