@@ -59,7 +59,8 @@ class FaultToleranceBenchmarkConfig:
     """What to run (benchmarks/conf/fault_tolerance.yaml)."""
 
     replicas: int = 3
-    min_replicas: int = 1  # the lighthouse's and strategy.ft.min_replicas: 1, so a lone survivor of two failures goes on
+    # The lighthouse's and strategy.ft.min_replicas: 1, so a lone survivor of two failures goes on.
+    min_replicas: int = 1
     steps: int = 1500  # trainer.max_steps of each run
     chaos_seconds: float = 240.0  # how long failures go on
     kill_every: float = 12.0  # seconds between failures
@@ -72,7 +73,14 @@ class FaultToleranceBenchmarkConfig:
     compare: bool = True  # also the fault-free runs, one per seed (validation loss)
     recipe: tuple[str, ...] = ()  # overrides of recipes/gpt.py (none: its small CPU GPT, 2 layers x 128)
     max_restarts: int = 100  # each torchrun's --max-restarts: one restart per failure of its group
-    lighthouse: tuple[str, ...] = ("--quorum_tick_ms", "10", "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1000")
+    lighthouse: tuple[str, ...] = (
+        "--quorum_tick_ms",
+        "10",
+        "--join_timeout_ms",
+        "500",
+        "--heartbeat_timeout_ms",
+        "1000",
+    )
     stall_bar: float = 2.0  # issue 34's bars: the stall of each failure, steps discarded per failure
     discard_bar: int = 1
     wedged_after: float = 20.0  # a live worker this long without a step is wedged
@@ -91,10 +99,15 @@ class StepLog(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         ft = trainer.strategy.fault_tolerance
         line = {
-            "time": time.time(), "pid": os.getpid(), "committed_steps": ft.committed_steps,
-            "committed": ft.last_committed, "replicas": ft.manager.num_participants(), "samples": len(batch[0]),
-            "recovery_s": ft.recovery_seconds, "hash": parameters_hash(pl_module),
-        }  # fmt: skip
+            "time": time.time(),
+            "pid": os.getpid(),
+            "committed_steps": ft.committed_steps,
+            "committed": ft.last_committed,
+            "replicas": ft.manager.num_participants(),
+            "samples": len(batch[0]),
+            "recovery_s": ft.recovery_seconds,
+            "hash": parameters_hash(pl_module),
+        }
         self._write(line)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,24 +160,40 @@ def launch(config: FaultToleranceBenchmarkConfig, run: Run, seed: int, address: 
     """One torchrun per replica group: a killed worker is restarted by its own launcher only."""
     for group in range(config.replicas):
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-            f"--max-restarts={config.max_restarts}", str(ROOT / "recipes" / "gpt.py"),
-            "strategy.fault_tolerance=torchft", f"strategy.ft.min_replicas={config.min_replicas}",
-            "trainer.devices=1", f"trainer.max_steps={config.steps}",
-            f"trainer.val_check_interval={config.steps}", "trainer.limit_val_batches=null",
-            "trainer.enable_progress_bar=false", f"seed={seed}", f"hydra.run.dir={run.folder / f'replica{group}'}",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            f"--max-restarts={config.max_restarts}",
+            str(ROOT / "recipes" / "gpt.py"),
+            "strategy.fault_tolerance=torchft",
+            f"strategy.ft.min_replicas={config.min_replicas}",
+            "trainer.devices=1",
+            f"trainer.max_steps={config.steps}",
+            f"trainer.val_check_interval={config.steps}",
+            "trainer.limit_val_batches=null",
+            "trainer.enable_progress_bar=false",
+            f"seed={seed}",
+            f"hydra.run.dir={run.folder / f'replica{group}'}",
             "+callbacks.steplog._target_=benchmarks.fault_tolerance.StepLog",
-            f"+callbacks.steplog.path={run.folder / f'replica{group}.jsonl'}", *config.recipe,
-        ]  # fmt: skip
+            f"+callbacks.steplog.path={run.folder / f'replica{group}.jsonl'}",
+            *config.recipe,
+        ]
         environ = {
             # RUST_LOG: torchft's Rust side logs every quorum at INFO otherwise.
-            **os.environ, "TORCHFT_LIGHTHOUSE": address, "REPLICA_GROUP_ID": str(group), "OMP_NUM_THREADS": "1",
+            **os.environ,
+            "TORCHFT_LIGHTHOUSE": address,
+            "REPLICA_GROUP_ID": str(group),
+            "OMP_NUM_THREADS": "1",
             "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        }  # fmt: skip
+        }
         with (run.folder / f"replica{group}.log").open("w") as log:
             run.launchers.append(
-                subprocess.Popen(command, cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                subprocess.Popen(
+                    command, cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
             )
 
 
@@ -190,7 +219,9 @@ def kill(run: Run, group: int, paired: bool) -> bool:
     except ProcessLookupError:
         return False
     run.kills.append({"group": group, "time": time.time(), "pid": pid, "paired": paired})
-    print(f"[benchmark] {run.name}: killed replica group {group} (pid {pid}){' with the one before' * paired}", flush=True)
+    print(
+        f"[benchmark] {run.name}: killed replica group {group} (pid {pid}){' with the one before' * paired}", flush=True
+    )
     return True
 
 
@@ -247,11 +278,15 @@ def execute(config: FaultToleranceBenchmarkConfig, name: str, seed: int, failure
             try:
                 launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{name}: replica group {group}'s torchrun did not end within {config.timeout:.0f} s:\n"
-                                   + run.output(group)[-3000:]) from None  # fmt: skip
+                raise RuntimeError(
+                    f"{name}: replica group {group}'s torchrun did not end within {config.timeout:.0f} s:\n"
+                    + run.output(group)[-3000:]
+                ) from None
             if launcher.returncode != 0:
-                raise RuntimeError(f"{name}: replica group {group}'s torchrun exited {launcher.returncode}:\n"
-                                   + run.output(group)[-3000:])  # fmt: skip
+                raise RuntimeError(
+                    f"{name}: replica group {group}'s torchrun exited {launcher.returncode}:\n"
+                    + run.output(group)[-3000:]
+                )
     finally:
         for launcher in run.launchers:
             if launcher.poll() is None:
@@ -310,13 +345,19 @@ def analyse(config: FaultToleranceBenchmarkConfig, free: list[Run], chaotic: Run
             for s in chaotic.steps(g)
             if s["committed"]
         }
-        failures.append({
-            "group": group, "at": at - chaotic.started, "paired": kill["paired"],
-            "stall": gap_around(commits, at), "rejoin_stall": gap_around(commits, until - 1e-6) if first else float("nan"),
-            "discarded": len(discarded), "down": until - at if first else float("nan"),
-            "transfer": first["recovery_s"] if first else None,
-            "bitwise": bool(first) and first["hash"] == peers.get(first["committed_steps"]),
-        })  # fmt: skip
+        failures.append(
+            {
+                "group": group,
+                "at": at - chaotic.started,
+                "paired": kill["paired"],
+                "stall": gap_around(commits, at),
+                "rejoin_stall": gap_around(commits, until - 1e-6) if first else float("nan"),
+                "discarded": len(discarded),
+                "down": until - at if first else float("nan"),
+                "transfer": first["recovery_s"] if first else None,
+                "bitwise": bool(first) and first["hash"] == peers.get(first["committed_steps"]),
+            }
+        )
     wedged = []
     for group in range(config.replicas):
         steps = chaotic.steps(group)
@@ -374,8 +415,12 @@ def report(config: FaultToleranceBenchmarkConfig, result: dict[str, Any]) -> str
         f"{config.stall_bar:.0f} s); most steps discarded by one failure: {worst_discards} "
         f"({'within' if worst_discards <= config.discard_bar else 'OVER'} {config.discard_bar})",
         f"recovered bitwise at the first commit: {sum(f['bitwise'] for f in failures)} of {len(failures)}",
-        "wedged: " + ("never" if not result["wedged"] else ", ".join(
-            f"group {g} at step {s} for {t:.0f} s" for g, s, t in result["wedged"])),  # fmt: skip
+        "wedged: "
+        + (
+            "never"
+            if not result["wedged"]
+            else ", ".join(f"group {g} at step {s} for {t:.0f} s" for g, s, t in result["wedged"])
+        ),
         "the job ended by itself: yes (every torchrun exited 0)",
         f"final parameters bitwise equal across groups: {'yes' if result['finals_equal'] else 'NO'}",
     ]
@@ -396,10 +441,16 @@ def report(config: FaultToleranceBenchmarkConfig, result: dict[str, Any]) -> str
 def run_and_report(config: FaultToleranceBenchmarkConfig) -> str:
     if config.replicas < 2:
         raise ValueError(f"replicas={config.replicas} is invalid: expected at least 2 (one is killed).")
-    free = [execute(config, f"fault_free_seed{seed}", seed, failures=False) for seed in config.seeds] if config.compare else []
+    free = (
+        [execute(config, f"fault_free_seed{seed}", seed, failures=False) for seed in config.seeds]
+        if config.compare
+        else []
+    )
     chaotic = execute(config, f"chaos_seed{config.seeds[0]}", config.seeds[0], failures=True)
     if not chaotic.kills:
-        raise RuntimeError(f"no replica group was killed: steps={config.steps} is too few for kill_every={config.kill_every}")
+        raise RuntimeError(
+            f"no replica group was killed: steps={config.steps} is too few for kill_every={config.kill_every}"
+        )
     return report(config, analyse(config, free, chaotic))
 
 

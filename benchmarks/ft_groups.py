@@ -90,13 +90,22 @@ class FTGroupsConfig:
     timing_from: int = 32  # steps left out of the timing (a multiple of local_steps)
     rounds: int = 1  # each run this many times, the order rotated
     extra: tuple[str, ...] = ()  # recipe overrides for every run
-    lighthouse: tuple[str, ...] = ("--quorum_tick_ms", "10", "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1000")
+    lighthouse: tuple[str, ...] = (
+        "--quorum_tick_ms",
+        "10",
+        "--join_timeout_ms",
+        "500",
+        "--heartbeat_timeout_ms",
+        "1000",
+    )
     timeout: float = 1200.0  # seconds a run may take
     output_dir: str = "."
 
     def __post_init__(self) -> None:
         if self.groups < 2:
-            raise ValueError(f"groups={self.groups} is invalid: expected at least 2 replica groups (one sends nothing across).")
+            raise ValueError(
+                f"groups={self.groups} is invalid: expected at least 2 replica groups (one sends nothing across)."
+            )
         if self.ranks < 1:
             raise ValueError(f"ranks={self.ranks} is invalid: expected at least 1 rank per replica group.")
         unknown = [mode for mode in self.modes if mode not in MODES]
@@ -165,7 +174,9 @@ def comm_figures(output: str, label: str) -> tuple[float, float]:
         r"data parallelism's ([\d.]+) MB", line or ""
     )
     if line is None or gradients is None:
-        raise RuntimeError(f"{label}: no '[lit_dp] comm:' line with the gradients' bytes in its output:\n{output[-3000:]}")
+        raise RuntimeError(
+            f"{label}: no '[lit_dp] comm:' line with the gradients' bytes in its output:\n{output[-3000:]}"
+        )
     local = re.search(r"([\d.]+) MB per local step", line)
     return float((local or gradients).group(1)), float(gradients.group(1))
 
@@ -174,21 +185,29 @@ def environment(**variables: str) -> dict[str, str]:
     return {
         **os.environ,
         # The ranks share the cores; RUST_LOG: torchft's Rust side logs every quorum at INFO otherwise.
-        "OMP_NUM_THREADS": "1", "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+        "OMP_NUM_THREADS": "1",
+        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
         # benchmarks.ft_groups.StepClock must import in the recipe's processes.
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         **variables,
-    }  # fmt: skip
+    }
 
 
 def recipe(config: FTGroupsConfig, overrides: list[str], folder: Path, clock: Path) -> list[str]:
     return [
-        str(ROOT / "recipes" / "gpt.py"), f"trainer.max_steps={config.max_steps}",
-        f"trainer.val_check_interval={config.max_steps}", "trainer.limit_val_batches=null",
-        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "strategy.comm_stats=true",
-        f"hydra.run.dir={folder}", "+callbacks.clock._target_=benchmarks.ft_groups.StepClock",
-        f"+callbacks.clock.path={clock}", *config.extra, *overrides,
-    ]  # fmt: skip
+        str(ROOT / "recipes" / "gpt.py"),
+        f"trainer.max_steps={config.max_steps}",
+        f"trainer.val_check_interval={config.max_steps}",
+        "trainer.limit_val_batches=null",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "strategy.comm_stats=true",
+        f"hydra.run.dir={folder}",
+        "+callbacks.clock._target_=benchmarks.ft_groups.StepClock",
+        f"+callbacks.clock.path={clock}",
+        *config.extra,
+        *overrides,
+    ]
 
 
 def torchrun(ranks: int) -> list[str]:
@@ -209,11 +228,15 @@ def run_all(commands: list[tuple[list[str], dict[str, str], Path]], timeout: flo
             try:
                 launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{label}: {' '.join(argv)} did not end within {timeout:.0f} s; its output ends:\n"
-                                   + log.read_text(errors="replace")[-3000:]) from None  # fmt: skip
+                raise RuntimeError(
+                    f"{label}: {' '.join(argv)} did not end within {timeout:.0f} s; its output ends:\n"
+                    + log.read_text(errors="replace")[-3000:]
+                ) from None
             if launcher.returncode != 0:
-                raise RuntimeError(f"{label}: {' '.join(argv)} exited {launcher.returncode}; its output ends:\n"
-                                   + log.read_text(errors="replace")[-3000:])  # fmt: skip
+                raise RuntimeError(
+                    f"{label}: {' '.join(argv)} exited {launcher.returncode}; its output ends:\n"
+                    + log.read_text(errors="replace")[-3000:]
+                )
     finally:
         for launcher in launchers:
             if launcher.poll() is None:
@@ -245,9 +268,12 @@ def run_groups(config: FTGroupsConfig, overrides: list[str], folder: Path) -> Re
     commands = []
     for group in range(config.groups):
         argv = [
-            *torchrun(config.ranks), *recipe(config, overrides, folder / f"group{group}", folder / f"clock{group}.json"),
-            "strategy.fault_tolerance=torchft", f"strategy.ft.min_replicas={config.groups}", f"trainer.devices={config.ranks}",
-        ]  # fmt: skip
+            *torchrun(config.ranks),
+            *recipe(config, overrides, folder / f"group{group}", folder / f"clock{group}.json"),
+            "strategy.fault_tolerance=torchft",
+            f"strategy.ft.min_replicas={config.groups}",
+            f"trainer.devices={config.ranks}",
+        ]
         env = environment(TORCHFT_LIGHTHOUSE=address, REPLICA_GROUP_ID=str(group))
         commands.append((argv, env, folder / f"group{group}.log"))
     began = time.monotonic()
@@ -284,7 +310,10 @@ def run(config: FTGroupsConfig) -> dict[tuple[str, str], list[Result]]:
 
 def report(results: dict[tuple[str, str], list[Result]], config: FTGroupsConfig) -> str:
     ranks = config.groups * config.ranks
-    names = {"one job": f"one job of {ranks} ranks", "groups": f"{config.groups} groups of {config.ranks} ranks (torchft)"}
+    names = {
+        "one job": f"one job of {ranks} ranks",
+        "groups": f"{config.groups} groups of {config.ranks} ranks (torchft)",
+    }
     lines = [
         (
             f"recipes/gpt.py {' '.join(config.extra)} on CPU: {config.groups} replica groups of {config.ranks} ranks "
@@ -303,10 +332,12 @@ def report(results: dict[tuple[str, str], list[Result]], config: FTGroupsConfig)
         for job in JOBS:
             runs = results[mode, job]
             figures[job] = {
-                "across": runs[0].across_mb, "of_p": runs[0].across_mb / runs[0].gradient_mb,
-                "step": statistics.median(r.step_s for r in runs), "loss": statistics.mean(r.val_loss for r in runs),
+                "across": runs[0].across_mb,
+                "of_p": runs[0].across_mb / runs[0].gradient_mb,
+                "step": statistics.median(r.step_s for r in runs),
+                "loss": statistics.mean(r.val_loss for r in runs),
                 "wall": statistics.median(r.wall_s for r in runs),
-            }  # fmt: skip
+            }
         flat, grouped = figures["one job"], figures["groups"]
         for job in JOBS:
             f = figures[job]

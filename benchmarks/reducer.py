@@ -68,9 +68,13 @@ def _wrap(mode: str, model: torch.nn.Module, config: ReducerBenchmarkConfig, as_
         return wrap(mode, model, config.comm_buffer_size, gradient_as_bucket_view=as_view)
     watching = WATCHING_OFF if mode == UNWATCHED else {}
     return wrap(
-        "lit_dp", model, config.comm_buffer_size, last_comm_buffer_size=config.last_comm_buffer_size,
-        gradient_as_bucket_view=as_view, **watching,
-    )  # fmt: skip
+        "lit_dp",
+        model,
+        config.comm_buffer_size,
+        last_comm_buffer_size=config.last_comm_buffer_size,
+        gradient_as_bucket_view=as_view,
+        **watching,
+    )
 
 
 def _speed_worker(rank: int, config: ReducerBenchmarkConfig, port: int, results: dict) -> None:

@@ -40,7 +40,14 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.common import MODELS, benchmark_main, fixed_malloc_thresholds, init_gloo_rank, interleaved_times, run_ranks
+from benchmarks.common import (
+    MODELS,
+    benchmark_main,
+    fixed_malloc_thresholds,
+    init_gloo_rank,
+    interleaved_times,
+    run_ranks,
+)
 
 SPEED_MODES = ("lit_dp", "zero", "zero_view", "stage1", "stage1_overlap", "stage2", "stage2_overlap")
 MEMORY_MODES = ("lit_dp", "zero", "stage1", "stage2")
@@ -70,15 +77,20 @@ def build(mode: str, base: nn.Module, config: ShardingBenchmarkConfig) -> tuple[
     if mode.startswith("zero"):
         wrapped = DistributedDataParallel(model, bucket_cap_mb=config.comm_buffer_size)
         optimizer = ZeroRedundancyOptimizer(
-            wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=config.lr,
+            wrapped.parameters(),
+            optimizer_class=torch.optim.Adam,
+            lr=config.lr,
             parameters_as_bucket_view=mode == "zero_view",
-        )  # fmt: skip
+        )
         return wrapped, optimizer
     stage = {"lit_dp": None, "stage1": 1, "stage2": 2}[mode.removesuffix("_overlap")]
     wrapped = lit_dp.DataParallel(
-        model, comm_buffer_size=config.comm_buffer_size, last_comm_buffer_size=config.last_comm_buffer_size,
-        sharding_stage=stage, sharding_overlap=mode.endswith("_overlap"),
-    )  # fmt: skip
+        model,
+        comm_buffer_size=config.comm_buffer_size,
+        last_comm_buffer_size=config.last_comm_buffer_size,
+        sharding_stage=stage,
+        sharding_overlap=mode.endswith("_overlap"),
+    )
     optimizer = torch.optim.Adam(wrapped.parameters(), lr=config.lr)
     if stage is not None:
         optimizer = lit_dp.ShardedOptimizer(optimizer, wrapped)
