@@ -48,7 +48,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from benchmarks.common import benchmark_main, start_lighthouse
+from benchmarks.common import LIGHTHOUSE_FLAGS, benchmark_main, start_lighthouse
 
 ROOT = Path(__file__).resolve().parents[1]
 FINAL = re.compile(r"^\[lit_dp\] final .*?val_loss=([-\d.]+)", re.MULTILINE)
@@ -73,14 +73,7 @@ class FaultToleranceBenchmarkConfig:
     compare: bool = True  # also the fault-free runs, one per seed (validation loss)
     recipe: tuple[str, ...] = ()  # overrides of recipes/gpt.py (none: its small CPU GPT, 2 layers x 128)
     max_restarts: int = 100  # each torchrun's --max-restarts: one restart per failure of its group
-    lighthouse: tuple[str, ...] = (
-        "--quorum_tick_ms",
-        "10",
-        "--join_timeout_ms",
-        "500",
-        "--heartbeat_timeout_ms",
-        "1000",
-    )
+    lighthouse: tuple[str, ...] = LIGHTHOUSE_FLAGS
     stall_bar: float = 2.0  # issue 34's bars: the stall of each failure, steps discarded per failure
     discard_bar: int = 1
     wedged_after: float = 20.0  # a live worker this long without a step is wedged

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from benchmarks.common import benchmark_main, start_lighthouse
+from benchmarks.common import LIGHTHOUSE_FLAGS, benchmark_main, start_lighthouse
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ("one job", "groups")
@@ -90,14 +90,7 @@ class FTGroupsConfig:
     timing_from: int = 32  # steps left out of the timing (a multiple of local_steps)
     rounds: int = 1  # each run this many times, the order rotated
     extra: tuple[str, ...] = ()  # recipe overrides for every run
-    lighthouse: tuple[str, ...] = (
-        "--quorum_tick_ms",
-        "10",
-        "--join_timeout_ms",
-        "500",
-        "--heartbeat_timeout_ms",
-        "1000",
-    )
+    lighthouse: tuple[str, ...] = LIGHTHOUSE_FLAGS
     timeout: float = 1200.0  # seconds a run may take
     output_dir: str = "."
 
