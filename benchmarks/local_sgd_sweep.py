@@ -27,6 +27,7 @@ import copy
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -49,6 +50,15 @@ class SweepConfig:
     block_size: int = 64
     val_batches: int = 20
     seed: int = 7
+    lr: float = 3e-3  # the inner AdamW's schedule: conf/model/gpt.yaml's (lr == min_lr, warmup_steps=0: constant)
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    lr_decay_steps: Optional[int] = None  # the step the inner cosine reaches min_lr; None: steps
+    clip: Optional[float] = 1.0  # trainer.gradient_clip_val; None: no clipping
+    dp_steps: int = 0  # local_sgd.warmup_steps: data-parallel steps before the local phase
+    outer_lr_end: Optional[float] = None  # the outer lr at the last sync, cosine from each pair's lr; None: constant
+    outer_momentum_end: Optional[float] = None  # the same for the outer momentum
+    curve_batches: int = 0  # > 0: also the loss after every sync (K of the first local_steps), on this many batches per worker
     threads: int = 1
     modes_from: int = 0  # run modes[modes_from:modes_to] of the list (dp, then per K: average, nesterov...)
     modes_to: int | None = None
@@ -81,35 +91,65 @@ def _batches(loader: DataLoader):
         yield from loader
 
 
-def train(mode: tuple, config: SweepConfig) -> float:
-    """One mode; returns the final model's validation loss."""
+def train(mode: tuple, config: SweepConfig) -> dict[str, float]:
+    """One mode; returns the final model's validation loss (``val``), and for LocalSGD the mean of the
+    workers' own losses just before the last sync (``local``)."""
     torch.manual_seed(config.seed)
-    base = GPT(block_size=config.block_size, n_layer=2, n_head=4, n_embd=128, vocab_size=256, warmup_steps=30)
+    base = GPT(block_size=config.block_size, n_layer=2, n_head=4, n_embd=128, vocab_size=256, warmup_steps=config.warmup_steps)
     workers = [copy.deepcopy(base) for _ in range(config.world_size)]
-    optimizers = [adamw(w, 3e-3, 0.1, (0.9, 0.95), torch.device("cpu")) for w in workers]
+    optimizers = [adamw(w, config.lr, 0.1, (0.9, 0.95), torch.device("cpu")) for w in workers]
     train_loaders, val_loaders = _loaders(config)
     streams = [_batches(loader) for loader in train_loaders]
     snapshot = [p.detach().clone() for p in base.parameters()]
     momentum = [torch.zeros_like(p) for p in snapshot]
+    decay_steps = config.lr_decay_steps if config.lr_decay_steps is not None else config.steps
+    result: dict[str, float] = {}
     for step in range(1, config.steps + 1):
-        lr = lr_at(step - 1, 3e-3, 3e-4, 30, config.steps)
+        lr = lr_at(step - 1, config.lr, config.min_lr, config.warmup_steps, decay_steps)
+        synchronous = mode[0] == "dp" or step <= config.dp_steps
         for worker, optimizer, stream in zip(workers, optimizers, streams):
             inputs, targets = next(stream)
             worker(inputs, targets).backward()
-        if mode[0] == "dp":
+        if synchronous:
             for params in zip(*(w.parameters() for w in workers)):
                 mean = torch.stack([p.grad for p in params]).mean(dim=0)
                 for p in params:
                     p.grad.copy_(mean)
         for worker, optimizer in zip(workers, optimizers):
-            torch.nn.utils.clip_grad_norm_(worker.parameters(), 1.0)
+            if config.clip is not None:
+                torch.nn.utils.clip_grad_norm_(worker.parameters(), config.clip)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if mode[0] != "dp" and (step % mode[1] == 0 or step == config.steps):
-            _sync(mode, workers, snapshot, momentum)
-    return _validate(workers[0], val_loaders, config.val_batches)
+        if mode[0] == "dp" and config.curve_batches and step % config.local_steps[0] == 0 and step < config.steps:
+            result[f"step {step}"] = _validate(workers[0], val_loaders, config.curve_batches)
+        if synchronous:
+            if step == config.dp_steps:  # the local phase starts from here
+                for index, p in enumerate(workers[0].parameters()):
+                    snapshot[index].copy_(p.detach())
+            continue
+        if step == config.steps:
+            result["local"] = float(np.mean([_validate(w, val_loaders, config.val_batches) for w in workers]))
+        if (step - config.dp_steps) % mode[1] == 0 or step == config.steps:
+            _sync(_outer_at(mode, step, config), workers, snapshot, momentum)
+            if config.curve_batches and step < config.steps:
+                result[f"step {step}"] = _validate(workers[0], val_loaders, config.curve_batches)
+    result["val"] = _validate(workers[0], val_loaders, config.val_batches)
+    return result
+
+
+def _outer_at(mode: tuple, step: int, config: SweepConfig) -> tuple:
+    """The mode with its outer lr and momentum at ``step``: a cosine from the pair's to the ``_end`` values."""
+    if mode[0] != "nesterov":
+        return mode
+    progress = 0.5 * (1 - math.cos(math.pi * (step - config.dp_steps) / (config.steps - config.dp_steps)))
+    lr, momentum = mode[2], mode[3]
+    if config.outer_lr_end is not None:
+        lr += progress * (config.outer_lr_end - lr)
+    if config.outer_momentum_end is not None:
+        momentum += progress * (config.outer_momentum_end - momentum)
+    return (*mode[:2], lr, momentum)
 
 
 @torch.no_grad()
@@ -142,11 +182,24 @@ def _name(mode: tuple) -> str:
 
 def run_and_report(config: SweepConfig) -> str:
     torch.set_num_threads(config.threads)
-    lines = [f"| mode | val loss after {config.steps} steps |", "|---|---|"]
+    lines = [
+        f"| mode | val loss after {config.steps} steps | workers' own, before the last sync | of averaging's gap closed |",
+        "|---|---|---|---|",
+    ]
+    losses: dict[tuple, float] = {}
     for mode in _modes(config):
-        loss = train(mode, config)
-        lines.append(f"| {_name(mode)} | {loss:.4f} |")
+        result = train(mode, config)
+        losses[mode[:2]] = result["val"]
+        gap = ""
+        if mode[0] == "nesterov" and ("dp",) in losses and ("average", mode[1]) in losses:
+            dp, average = losses[("dp",)], losses[("average", mode[1])]
+            gap = f"{(average - result['val']) / (average - dp):.2f}"
+        local = f"{result['local']:.4f}" if "local" in result else ""
+        lines.append(f"| {_name(mode)} | {result['val']:.4f} | {local} | {gap} |")
         print(lines[-1], flush=True)
+        curve = {key: value for key, value in result.items() if key.startswith("step")}
+        if curve:
+            print("  after each sync: " + ", ".join(f"{key.split()[1]}: {value:.3f}" for key, value in curve.items()), flush=True)
     assert all(math.isfinite(float(line.split("|")[2])) for line in lines[2:])
     return "\n".join(lines)
 
