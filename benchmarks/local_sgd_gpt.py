@@ -22,7 +22,10 @@ validation loss and tokens/s of its ``[lit_dp] final`` line, the bytes per step 
 ``[lit_dp] comm:`` line (data parallelism: the gradient bytes all-reduced per step; LocalSGD:
 the bytes of its averages per local step, from rank 0's ``LocalSGD.traffic``), and the largest
 single sync (data parallelism: a step's gradients; LocalSGD: a whole-model average, or with
-fragments one fragment). Wall time: the whole command, start-up and validation included.
+fragments one fragment). Wall time: the whole command, start-up and validation included. For each
+DiLoCo mode, with averaging at its K: the fraction of averaging's gap to data parallelism it closes,
+``(average - DiLoCo) / (average - data parallel)`` in validation loss (1: as data parallelism; 0: as
+averaging; below 0: worse than averaging).
 """
 
 from __future__ import annotations
@@ -105,16 +108,29 @@ def run(config: LocalSGDGPTConfig) -> dict[str, dict[str, float]]:
         return {name: run_mode(overrides, config, f"{folder}/{index}") for index, (name, overrides) in enumerate(_modes(config))}
 
 
+def gap_closed(results: dict[str, dict[str, float]], name: str) -> float | None:
+    """The fraction of averaging's gap to data parallelism (in validation loss) that a DiLoCo mode closes at
+    its K: ``(average - mode) / (average - data parallel)``; None for the other modes, or without averaging."""
+    match = re.fullmatch(r"nesterov.* K=(\d+)", name)
+    average = results.get(f"average K={match.group(1)}") if match else None
+    if average is None:
+        return None
+    return (average["val_loss"] - results[name]["val_loss"]) / (average["val_loss"] - results["data parallel"]["val_loss"])
+
+
 def report(results: dict[str, dict[str, float]], config: LocalSGDGPTConfig) -> str:
     baseline = results["data parallel"]
     lines = [
-        f"| mode ({config.devices} CPU ranks, {config.max_steps} steps) | val loss | MB sent per step | vs DP "
-        "| MB per sync, at most | wall (s) | vs DP | tokens/s | vs DP |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| mode ({config.devices} CPU ranks, {config.max_steps} steps) | val loss | above DP's | of averaging's gap closed "
+        "| MB sent per step | vs DP | MB per sync, at most | wall (s) | vs DP | tokens/s | vs DP |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
+        above = f"{row['val_loss'] - baseline['val_loss']:.4f}" if row is not baseline else ""
+        closed = gap_closed(results, name)
         lines.append(
-            f"| {name} | {row['val_loss']:.4f} | {row['mb_per_step']:.4f} | {row['mb_per_step'] / baseline['mb_per_step']:.4f} "
+            f"| {name} | {row['val_loss']:.4f} | {above} | {'' if closed is None else f'{closed:.2f}'} "
+            f"| {row['mb_per_step']:.4f} | {row['mb_per_step'] / baseline['mb_per_step']:.4f} "
             f"| {row['mb_per_sync']:.3f} | {row['wall_s']:.0f} | {row['wall_s'] / baseline['wall_s']:.3f} "
             f"| {row['tokens_per_sec']:.0f} | {row['tokens_per_sec'] / baseline['tokens_per_sec']:.3f} |"
         )

@@ -56,7 +56,7 @@ class SweepConfig:
     lr_decay_steps: Optional[int] = None  # the step the inner cosine reaches min_lr; None: steps
     clip: Optional[float] = 1.0  # trainer.gradient_clip_val; None: no clipping
     dp_steps: int = 0  # local_sgd.warmup_steps: data-parallel steps before the local phase
-    outer_lr_end: Optional[float] = None  # the outer lr at the last sync, cosine from each pair's lr; None: constant
+    outer_lr_end: Optional[float] = None  # local_sgd.outer_lr_end: the outer lr moves from each pair's towards it as the inner lr falls; None: constant
     outer_momentum_end: Optional[float] = None  # the same for the outer momentum
     curve_batches: int = 0  # > 0: also the loss after every sync (K of the first local_steps), on this many batches per worker
     threads: int = 1
@@ -104,8 +104,10 @@ def train(mode: tuple, config: SweepConfig) -> dict[str, float]:
     momentum = [torch.zeros_like(p) for p in snapshot]
     decay_steps = config.lr_decay_steps if config.lr_decay_steps is not None else config.steps
     result: dict[str, float] = {}
+    peak_lr = 0.0
     for step in range(1, config.steps + 1):
         lr = lr_at(step - 1, config.lr, config.min_lr, config.warmup_steps, decay_steps)
+        peak_lr = max(peak_lr, lr)
         synchronous = mode[0] == "dp" or step <= config.dp_steps
         for worker, optimizer, stream in zip(workers, optimizers, streams):
             inputs, targets = next(stream)
@@ -132,24 +134,26 @@ def train(mode: tuple, config: SweepConfig) -> dict[str, float]:
         if step == config.steps:
             result["local"] = float(np.mean([_validate(w, val_loaders, config.val_batches) for w in workers]))
         if (step - config.dp_steps) % mode[1] == 0 or step == config.steps:
-            _sync(_outer_at(mode, step, config), workers, snapshot, momentum)
+            _sync(_outer_at(mode, lr, peak_lr, config), workers, snapshot, momentum)
             if config.curve_batches and step < config.steps:
                 result[f"step {step}"] = _validate(workers[0], val_loaders, config.curve_batches)
     result["val"] = _validate(workers[0], val_loaders, config.val_batches)
     return result
 
 
-def _outer_at(mode: tuple, step: int, config: SweepConfig) -> tuple:
-    """The mode with its outer lr and momentum at ``step``: a cosine from the pair's to the ``_end`` values."""
+def _outer_at(mode: tuple, lr: float, peak_lr: float, config: SweepConfig) -> tuple:
+    """The mode with its outer lr and momentum at a sync where the inner lr is ``lr`` and was at most
+    ``peak_lr`` so far: each moves from the pair's value towards its ``_end`` one as the inner lr falls
+    (``local_sgd.outer_lr_end``'s rule: ``end + (start - end) * lr / peak_lr``)."""
     if mode[0] != "nesterov":
         return mode
-    progress = 0.5 * (1 - math.cos(math.pi * (step - config.dp_steps) / (config.steps - config.dp_steps)))
-    lr, momentum = mode[2], mode[3]
+    ratio = lr / peak_lr
+    lr_out, momentum = mode[2], mode[3]
     if config.outer_lr_end is not None:
-        lr += progress * (config.outer_lr_end - lr)
+        lr_out = config.outer_lr_end + (lr_out - config.outer_lr_end) * ratio
     if config.outer_momentum_end is not None:
-        momentum += progress * (config.outer_momentum_end - momentum)
-    return (*mode[:2], lr, momentum)
+        momentum = config.outer_momentum_end + (momentum - config.outer_momentum_end) * ratio
+    return (*mode[:2], lr_out, momentum)
 
 
 @torch.no_grad()
