@@ -58,6 +58,7 @@ class SweepConfig:
     dp_steps: int = 0  # local_sgd.warmup_steps: data-parallel steps before the local phase
     outer_lr_end: Optional[float] = None  # local_sgd.outer_lr_end: the outer lr moves from each pair's towards it as the inner lr falls; None: constant
     outer_momentum_end: Optional[float] = None  # the same for the outer momentum
+    last_average: bool = False  # the run's last sync a plain average rather than an outer step (nesterov modes)
     curve_batches: int = 0  # > 0: also the loss after every sync (K of the first local_steps), on this many batches per worker
     threads: int = 1
     modes_from: int = 0  # run modes[modes_from:modes_to] of the list (dp, then per K: average, nesterov...)
@@ -134,7 +135,8 @@ def train(mode: tuple, config: SweepConfig) -> dict[str, float]:
         if step == config.steps:
             result["local"] = float(np.mean([_validate(w, val_loaders, config.val_batches) for w in workers]))
         if (step - config.dp_steps) % mode[1] == 0 or step == config.steps:
-            _sync(_outer_at(mode, lr, peak_lr, config), workers, snapshot, momentum)
+            last = step == config.steps and config.last_average
+            _sync(("average",) if last else _outer_at(mode, lr, peak_lr, config), workers, snapshot, momentum)
             if config.curve_batches and step < config.steps:
                 result[f"step {step}"] = _validate(workers[0], val_loaders, config.curve_batches)
     result["val"] = _validate(workers[0], val_loaders, config.val_batches)
