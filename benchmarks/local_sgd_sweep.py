@@ -16,8 +16,16 @@ tokens per worker and step. Modes:
   parameters of the last sync, which every worker then takes.
 
 Reported: the validation loss of the final (synchronised) model on the recipe's validation
-batches (``val_batches`` per worker, as ``trainer.limit_val_batches``). Deterministic: the same
-command prints the same table. Runs one mode after another on one thread per process; pass
+batches (``val_batches`` per worker, as ``trainer.limit_val_batches``); for LocalSGD the mean of
+the workers' own losses just before the last sync; for DiLoCo, when data parallelism and
+averaging at its K ran in the same command, the fraction of averaging's gap to data parallelism
+it closes; with ``curve_batches``, the loss after every sync. At ``steps=320`` the data-parallel
+and DiLoCo losses are ``benchmarks/local_sgd_gpt.py``'s to the fourth decimal (the same initial
+weights, data order and schedule). What else can move: the inner schedule (``lr``, ``min_lr``,
+``warmup_steps``, ``lr_decay_steps``), clipping (``clip``), data-parallel steps before the local
+phase (``dp_steps``), an outer schedule (``outer_lr_end``, ``outer_momentum_end``: each moves from
+the pair's value towards its end one as the inner lr falls below its peak so far) and a plain
+average for the last sync (``last_average``). Deterministic: the same command prints the same table. Runs one mode after another on one thread per process; pass
 ``modes_from``/``modes_to`` to split the list over processes.
 """
 
