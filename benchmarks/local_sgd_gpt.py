@@ -110,12 +110,13 @@ def run(config: LocalSGDGPTConfig) -> dict[str, dict[str, float]]:
 
 def gap_closed(results: dict[str, dict[str, float]], name: str) -> float | None:
     """The fraction of averaging's gap to data parallelism (in validation loss) that a DiLoCo mode closes at
-    its K: ``(average - mode) / (average - data parallel)``; None for the other modes, or without averaging."""
+    its K: ``(average - mode) / (average - data parallel)``; None for the other modes, without averaging or without a gap."""
     match = re.fullmatch(r"nesterov.* K=(\d+)", name)
     average = results.get(f"average K={match.group(1)}") if match else None
-    if average is None:
+    gap = average["val_loss"] - results["data parallel"]["val_loss"] if average is not None else 0.0
+    if not gap:  # no averaging at this K, or no gap to close
         return None
-    return (average["val_loss"] - results[name]["val_loss"]) / (average["val_loss"] - results["data parallel"]["val_loss"])
+    return (average["val_loss"] - results[name]["val_loss"]) / gap
 
 
 def report(results: dict[str, dict[str, float]], config: LocalSGDGPTConfig) -> str:

@@ -205,8 +205,8 @@ def run_and_report(config: SweepConfig) -> str:
         result = train(mode, config)
         losses[mode[:2]] = result["val"]
         gap = ""
-        if mode[0] == "nesterov" and ("dp",) in losses and ("average", mode[1]) in losses:
-            dp, average = losses[("dp",)], losses[("average", mode[1])]
+        dp, average = losses.get(("dp",)), losses.get(("average", mode[1])) if mode[0] == "nesterov" else None
+        if dp is not None and average is not None and average != dp:  # both ran in this command, and there is a gap
             gap = f"{(average - result['val']) / (average - dp):.2f}"
         local = f"{result['local']:.4f}" if "local" in result else ""
         lines.append(f"| {_name(mode)} | {result['val']:.4f} | {local} | {gap} |")

@@ -66,5 +66,9 @@ def test_sweep_reports_every_mode(tmp_path):
     output = run_benchmark(
         "local_sgd_sweep", "steps=4", "local_steps=[2]", "outer=[[0.8,0.5]]", "val_batches=1", f"hydra.run.dir={tmp_path}"
     )
-    for mode in ("data parallel", "averaging K=2", "nesterov K=2 lr=0.8 momentum=0.5"):
-        assert re.search(rf"^\| {mode} \| \d+\.\d{{4}} \|$", output, re.M), output
+    loss = r"\d+\.\d{4}"
+    assert re.search(rf"^\| data parallel \| {loss} \|  \|  \|$", output, re.M), output
+    assert re.search(rf"^\| averaging K=2 \| {loss} \| {loss} \|  \|$", output, re.M), output  # the workers' own too
+    # DiLoCo: also the fraction of averaging's gap closed, from the two rows above.
+    row = re.search(rf"^\| nesterov K=2 lr=0.8 momentum=0.5 \| ({loss}) \| {loss} \| (-?\d+\.\d\d) \|$", output, re.M)
+    assert row is not None, output
