@@ -24,8 +24,9 @@ and DiLoCo losses are ``benchmarks/local_sgd_gpt.py``'s to the fourth decimal (t
 weights, data order and schedule). What else can move: the inner schedule (``lr``, ``min_lr``,
 ``warmup_steps``, ``lr_decay_steps``), clipping (``clip``), data-parallel steps before the local
 phase (``dp_steps``), an outer schedule (``outer_lr_end``, ``outer_momentum_end``: each moves from
-the pair's value towards its end one as the inner lr falls below its peak so far) and a plain
-average for the last sync (``last_average``). Deterministic: the same command prints the same table. Runs one mode after another on one thread per process; pass
+the pair's value towards its end one as the inner lr falls below its peak so far; the library has
+no such schedule) and a plain average for the last sync (``last_average``). Deterministic: the
+same command prints the same table. Runs one mode after another on one thread per process; pass
 ``modes_from``/``modes_to`` to split the list over processes.
 """
 
@@ -64,8 +65,9 @@ class SweepConfig:
     lr_decay_steps: Optional[int] = None  # the step the inner cosine reaches min_lr; None: steps
     clip: Optional[float] = 1.0  # trainer.gradient_clip_val; None: no clipping
     dp_steps: int = 0  # local_sgd.warmup_steps: data-parallel steps before the local phase
-    outer_lr_end: Optional[float] = None  # local_sgd.outer_lr_end: the outer lr moves from each pair's towards it as the inner lr falls; None: constant
-    outer_momentum_end: Optional[float] = None  # the same for the outer momentum
+    # An outer schedule the library does not have: from each pair's value towards these as the inner lr falls; None: constant.
+    outer_lr_end: Optional[float] = None
+    outer_momentum_end: Optional[float] = None
     last_average: bool = False  # the run's last sync a plain average rather than an outer step (nesterov modes)
     curve_batches: int = 0  # > 0: also the loss after every sync (K of the first local_steps), on this many batches per worker
     threads: int = 1
@@ -153,8 +155,8 @@ def train(mode: tuple, config: SweepConfig) -> dict[str, float]:
 
 def _outer_at(mode: tuple, lr: float, peak_lr: float, config: SweepConfig) -> tuple:
     """The mode with its outer lr and momentum at a sync where the inner lr is ``lr`` and was at most
-    ``peak_lr`` so far: each moves from the pair's value towards its ``_end`` one as the inner lr falls
-    (``local_sgd.outer_lr_end``'s rule: ``end + (start - end) * lr / peak_lr``)."""
+    ``peak_lr`` so far: each moves from the pair's value towards its ``_end`` one as the inner lr falls,
+    ``end + (start - end) * lr / peak_lr``."""
     if mode[0] != "nesterov":
         return mode
     ratio = lr / peak_lr
