@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks.local_sgd_gpt import LocalSGDGPTConfig, gap_closed, report
+from benchmarks.local_sgd_gpt import LocalSGDGPTConfig, _modes, gap_closed, report, with_warmup_traffic
 from tests.helpers.recipes import run_benchmark
 
 TINY = '["data.max_bytes=30000","data.block_size=32","data.batch_size=4","model.n_layer=1","model.n_embd=32","model.n_head=2","model.warmup_steps=1","callbacks.throughput.warmup=1","trainer.limit_val_batches=1"]'
@@ -58,6 +58,20 @@ def test_report_computes_the_fraction_of_averagings_gap_closed():
     expected = {"nesterov K=16": "0.50", "nesterov F=4 K=16": "-0.20"}
     assert closed == {name: expected.get(name, "") for name in results}, table
     assert gap_closed(results, "nesterov K=16") == pytest.approx(0.5)
+
+
+def test_a_warm_up_reaches_every_localsgd_mode_and_counts_in_its_bytes_per_step():
+    config = LocalSGDGPTConfig(local_steps=(16,), bf16=False, warmup_steps=64)
+    assert dict(_modes(config)) == {
+        "data parallel": [],
+        "average K=16": ["strategy.local_sgd.steps=16", "strategy.local_sgd.warmup_steps=64"],
+        "nesterov K=16": ["strategy.local_sgd.steps=16", "strategy.local_sgd.warmup_steps=64", "strategy.local_sgd.outer=nesterov"],
+    }
+    results = with_warmup_traffic({"data parallel": {"mb_per_step": 1.6}, "average K=16": {"mb_per_step": 0.1}}, config)
+    assert results["average K=16"]["mb_per_step"] == pytest.approx((64 * 1.6 + 256 * 0.1) / 320)
+    assert results["data parallel"]["mb_per_step"] == 1.6
+    with pytest.raises(ValueError, match=r"max_steps=320 is invalid with local_steps K=64 and warmup_steps=32"):
+        _modes(LocalSGDGPTConfig(local_steps=(64,), warmup_steps=32))
 
 
 @pytest.mark.slow
