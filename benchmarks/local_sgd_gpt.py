@@ -139,7 +139,7 @@ def gap_closed(results: dict[str, dict[str, float]], name: str) -> float | None:
 
 
 def _warmup(config: LocalSGDGPTConfig) -> str:
-    return f", LocalSGD after {config.warmup_steps} data-parallel" if config.warmup_steps else ""
+    return f", LocalSGD after {config.warmup_steps} data-parallel steps" if config.warmup_steps else ""
 
 
 def report(results: dict[str, dict[str, float]], config: LocalSGDGPTConfig) -> str:
