@@ -22,7 +22,11 @@ validation loss and tokens/s of its ``[lit_dp] final`` line, the bytes per step 
 ``[lit_dp] comm:`` line (data parallelism: the gradient bytes all-reduced per step; LocalSGD:
 the bytes of its averages per local step, from rank 0's ``LocalSGD.traffic``), and the largest
 single sync (data parallelism: a step's gradients; LocalSGD: a whole-model average, or with
-fragments one fragment). Wall time: the whole command, start-up and validation included.
+fragments one fragment); with ``warmup_steps`` (W, for every LocalSGD mode alike) the bytes per
+step count the W data-parallel steps too. Wall time: the whole command, start-up and validation included. For each
+DiLoCo mode, with averaging at its K: the fraction of averaging's gap to data parallelism it closes,
+``(average - DiLoCo) / (average - data parallel)`` in validation loss (1: as data parallelism; 0: as
+averaging; below 0: worse than averaging).
 """
 
 from __future__ import annotations
@@ -52,14 +56,20 @@ class LocalSGDGPTConfig:
     average: bool = True  # also LocalSGD's plain averaging at every K
     fragments: tuple[int, ...] = ()  # also streaming DiLoCo with each of these numbers of fragments
     extra: tuple[str, ...] = ()  # more recipe overrides for every mode, e.g. experiment=gpt_tiny
+    warmup_steps: int = 0  # W: every LocalSGD mode's data-parallel steps before its local phase (local_sgd.warmup_steps)
 
 
 def _modes(config: LocalSGDGPTConfig) -> list[tuple[str, list[str]]]:
     modes: list[tuple[str, list[str]]] = [("data parallel", [])]
     for k in config.local_steps:
-        if config.max_steps % k:
-            raise ValueError(f"max_steps={config.max_steps} is invalid with local_steps K={k}: expected a multiple of every K.")
+        if (config.max_steps - config.warmup_steps) % k or config.max_steps <= config.warmup_steps:
+            raise ValueError(
+                f"max_steps={config.max_steps} is invalid with local_steps K={k} and warmup_steps={config.warmup_steps}: "
+                "expected warmup_steps plus a multiple of every K (the last step syncs)."
+            )
         period = [f"strategy.local_sgd.steps={k}"]
+        if config.warmup_steps:
+            period.append(f"strategy.local_sgd.warmup_steps={config.warmup_steps}")
         if config.average:
             modes.append((f"average K={k}", period))
         modes.append((f"nesterov K={k}", [*period, "strategy.local_sgd.outer=nesterov"]))
@@ -107,19 +117,49 @@ def run_mode(overrides: list[str], config: LocalSGDGPTConfig, folder: str) -> di
 
 def run(config: LocalSGDGPTConfig) -> dict[str, dict[str, float]]:
     with tempfile.TemporaryDirectory() as folder:
-        return {name: run_mode(overrides, config, f"{folder}/{index}") for index, (name, overrides) in enumerate(_modes(config))}
+        results = {name: run_mode(overrides, config, f"{folder}/{index}") for index, (name, overrides) in enumerate(_modes(config))}
+    return with_warmup_traffic(results, config)
+
+
+def with_warmup_traffic(results: dict[str, dict[str, float]], config: LocalSGDGPTConfig) -> dict[str, dict[str, float]]:
+    """Each LocalSGD mode's bytes per step over the whole run: the recipe counts them per local step, and
+    the W data-parallel steps before send a data-parallel step's gradients each."""
+    data_parallel = results["data parallel"]["mb_per_step"]
+    local = config.max_steps - config.warmup_steps
+    for name, row in results.items():
+        if name != "data parallel":
+            row["mb_per_step"] = (config.warmup_steps * data_parallel + local * row["mb_per_step"]) / config.max_steps
+    return results
+
+
+def gap_closed(results: dict[str, dict[str, float]], name: str) -> float | None:
+    """The fraction of averaging's gap to data parallelism (in validation loss) that a DiLoCo mode closes at
+    its K: ``(average - mode) / (average - data parallel)``; None for the other modes, without averaging or without a gap."""
+    match = re.fullmatch(r"nesterov.* K=(\d+)", name)
+    average = results.get(f"average K={match.group(1)}") if match else None
+    gap = average["val_loss"] - results["data parallel"]["val_loss"] if average is not None else 0.0
+    if not gap:  # no averaging at this K, or no gap to close
+        return None
+    return (average["val_loss"] - results[name]["val_loss"]) / gap
+
+
+def _warmup(config: LocalSGDGPTConfig) -> str:
+    return f", LocalSGD after {config.warmup_steps} data-parallel steps" if config.warmup_steps else ""
 
 
 def report(results: dict[str, dict[str, float]], config: LocalSGDGPTConfig) -> str:
     baseline = results["data parallel"]
     lines = [
-        f"| mode ({config.devices} CPU ranks, {config.max_steps} steps) | val loss | MB sent per step | vs DP "
-        "| MB per sync, at most | wall (s) | vs DP | tokens/s | vs DP |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| mode ({config.devices} CPU ranks, {config.max_steps} steps{_warmup(config)}) | val loss | above DP's | of averaging's gap closed "
+        "| MB sent per step | vs DP | MB per sync, at most | wall (s) | vs DP | tokens/s | vs DP |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
+        above = f"{row['val_loss'] - baseline['val_loss']:.4f}" if row is not baseline else ""
+        closed = gap_closed(results, name)
         lines.append(
-            f"| {name} | {row['val_loss']:.4f} | {row['mb_per_step']:.4f} | {row['mb_per_step'] / baseline['mb_per_step']:.4f} "
+            f"| {name} | {row['val_loss']:.4f} | {above} | {'' if closed is None else f'{closed:.2f}'} "
+            f"| {row['mb_per_step']:.4f} | {row['mb_per_step'] / baseline['mb_per_step']:.4f} "
             f"| {row['mb_per_sync']:.3f} | {row['wall_s']:.0f} | {row['wall_s'] / baseline['wall_s']:.3f} "
             f"| {row['tokens_per_sec']:.0f} | {row['tokens_per_sec'] / baseline['tokens_per_sec']:.3f} |"
         )
