@@ -82,6 +82,42 @@ def test_the_documented_scripts_refusal_of_a_value_is_one_line(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        (
+            ["--trainer.strategy=paddle_dp", "--trainer.strategy.comm_bufer_size=5"],
+            "error: trainer.strategy.comm_bufer_size is not an option of paddle_dp: did you mean "
+            "trainer.strategy.comm_buffer_size or trainer.strategy.last_comm_buffer_size? (docs/options.md lists them all)",
+        ),
+        (
+            ["--trainer.strategy=lit_dp.PaddleDPStrategy", "--trainer.strategy.init_args.local_sgd_step", "4"],
+            "error: trainer.strategy.local_sgd_step is not an option of lit_dp.PaddleDPStrategy: did you mean "
+            "trainer.strategy.local_sgd_steps or trainer.strategy.local_sgd_outer or "
+            "trainer.strategy.local_sgd_warmup_steps? (docs/options.md lists them all)",
+        ),
+        (
+            ["--trainer.strategy=paddle_dp_spawn", "--trainer.strategy.zzz=1"],
+            "error: trainer.strategy.zzz is not an option of paddle_dp_spawn (docs/options.md lists them all)",
+        ),
+    ],
+)
+def test_a_misspelt_strategy_option_is_one_line_naming_the_near_ones(arguments, expected, monkeypatch):
+    from lit_dp_recipes import lightning_cli
+
+    monkeypatch.setattr(sys, "argv", ["lightning_cli", "fit", *arguments])
+    with pytest.raises(SystemExit) as exited:
+        lightning_cli.main()
+    assert exited.value.code == expected
+
+
+def test_another_strategys_options_are_left_to_jsonargparse():
+    from lit_dp_recipes.lightning_cli import strategy_option_mistake
+
+    assert strategy_option_mistake(["--trainer.strategy=ddp", "--trainer.strategy.comm_bufer_size=5"]) is None
+    assert strategy_option_mistake(["--trainer.strategy=paddle_dp", "--trainer.strategy.comm_buffer_size=5"]) is None
+
+
 def test_the_string_form_takes_options_as_flags_or_init_args(tmp_path):
     assert cli(["--trainer.strategy=paddle_dp"]).trainer.strategy.options.comm_buffer_size == 25.0  # the registry's
     flags = cli(["--trainer.strategy=paddle_dp_spawn", "--trainer.strategy.comm_buffer_size=5"]).trainer.strategy
