@@ -56,7 +56,8 @@ class LocalSGDGPTConfig:
     average: bool = True  # also LocalSGD's plain averaging at every K
     fragments: tuple[int, ...] = ()  # also streaming DiLoCo with each of these numbers of fragments
     extra: tuple[str, ...] = ()  # more recipe overrides for every mode, e.g. experiment=gpt_tiny
-    warmup_steps: int = 0  # W: every LocalSGD mode's data-parallel steps before its local phase (local_sgd.warmup_steps)
+    # W: every LocalSGD mode's data-parallel steps before its local phase (local_sgd.warmup_steps).
+    warmup_steps: int = 0
 
 
 def _modes(config: LocalSGDGPTConfig) -> list[tuple[str, list[str]]]:
@@ -74,7 +75,12 @@ def _modes(config: LocalSGDGPTConfig) -> list[tuple[str, list[str]]]:
             modes.append((f"average K={k}", period))
         modes.append((f"nesterov K={k}", [*period, "strategy.local_sgd.outer=nesterov"]))
         if config.bf16:
-            modes.append((f"nesterov+bf16 K={k}", [*period, "strategy.local_sgd.outer=nesterov", "strategy.local_sgd.sync_dtype=bf16"]))
+            modes.append(
+                (
+                    f"nesterov+bf16 K={k}",
+                    [*period, "strategy.local_sgd.outer=nesterov", "strategy.local_sgd.sync_dtype=bf16"],
+                )
+            )
         for fragments in config.fragments:
             streaming = [*period, "strategy.local_sgd.outer=nesterov", f"strategy.local_sgd.fragments={fragments}"]
             modes.append((f"nesterov F={fragments} K={k}", streaming))
@@ -83,11 +89,18 @@ def _modes(config: LocalSGDGPTConfig) -> list[tuple[str, list[str]]]:
 
 def run_mode(overrides: list[str], config: LocalSGDGPTConfig, folder: str) -> dict[str, float]:
     command = [
-        sys.executable, str(ROOT / "recipes" / "gpt.py"), f"trainer.devices={config.devices}",
-        f"trainer.max_steps={config.max_steps}", f"trainer.val_check_interval={config.max_steps}",
-        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "strategy.comm_stats=true",
-        f"hydra.run.dir={folder}", *config.extra, *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "recipes" / "gpt.py"),
+        f"trainer.devices={config.devices}",
+        f"trainer.max_steps={config.max_steps}",
+        f"trainer.val_check_interval={config.max_steps}",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "strategy.comm_stats=true",
+        f"hydra.run.dir={folder}",
+        *config.extra,
+        *overrides,
+    ]
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     began = time.monotonic()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
@@ -105,11 +118,16 @@ def run_mode(overrides: list[str], config: LocalSGDGPTConfig, folder: str) -> di
     peak = re.search(r"at most ([\d.]+) MB", comm) or re.search(r"averages of ([\d.]+) MB", comm) or data_parallel
     assert sent is not None and peak is not None, comm
     row = {
-        "val_loss": metrics["val_loss"], "tokens_per_sec": metrics["tokens_per_sec"], "mb_per_step": float(sent.group(1)),
-        "mb_per_sync": float(peak.group(1)), "wall_s": wall,
-    }  # fmt: skip
+        "val_loss": metrics["val_loss"],
+        "tokens_per_sec": metrics["tokens_per_sec"],
+        "mb_per_step": float(sent.group(1)),
+        "mb_per_sync": float(peak.group(1)),
+        "wall_s": wall,
+    }
     # LocalSGD's syncs before the fit's final one, rank 0's: their number, mean bytes, time in flight and exposed.
-    syncs = re.search(r"(\d+) (?:fragment syncs|averages) of ([\d.]+) MB.*time ([\d.]+) ms, exposed ([\d.]+) ms each", comm)
+    syncs = re.search(
+        r"(\d+) (?:fragment syncs|averages) of ([\d.]+) MB.*time ([\d.]+) ms, exposed ([\d.]+) ms each", comm
+    )
     if syncs is not None:
         row |= dict(zip(("syncs", "mb_mean_per_sync", "sync_time_ms", "sync_exposed_ms"), map(float, syncs.groups())))
     return row
@@ -117,7 +135,10 @@ def run_mode(overrides: list[str], config: LocalSGDGPTConfig, folder: str) -> di
 
 def run(config: LocalSGDGPTConfig) -> dict[str, dict[str, float]]:
     with tempfile.TemporaryDirectory() as folder:
-        results = {name: run_mode(overrides, config, f"{folder}/{index}") for index, (name, overrides) in enumerate(_modes(config))}
+        results = {
+            name: run_mode(overrides, config, f"{folder}/{index}")
+            for index, (name, overrides) in enumerate(_modes(config))
+        }
     return with_warmup_traffic(results, config)
 
 
