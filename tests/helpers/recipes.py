@@ -53,6 +53,17 @@ def _read_until_closed(descriptor: int, chunks: list[bytes]) -> None:
         chunks.append(chunk)
 
 
+def torchrun_recipe(name: str, *overrides: str, cwd: Path, max_restarts: int, timeout: float) -> str:
+    """``torchrun --standalone --nproc-per-node=2 --max-restarts=N recipes/<name>.py overrides...`` run
+    from ``cwd``; its output, whose end the failure shows (torchrun's report names the failed rank)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command = [*launcher, f"--max-restarts={max_restarts}", str(ROOT / "recipes" / f"{name}.py"), *overrides]
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{output[-4000:]}"
+    return output
+
+
 def run_benchmark(name: str, *overrides: str, timeout: float = 240) -> str:
     """``python -m benchmarks.<name> overrides...`` from the repository root; its output."""
     return _run([sys.executable, "-m", f"benchmarks.{name}", *overrides], f"benchmarks/{name}.py", timeout, None)

@@ -9,15 +9,13 @@ of step 8: the ranks' models differ there, so resuming every rank from rank 0's 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers.recipes import QUIET, ROOT, model_metrics
+from tests.helpers.recipes import QUIET, model_metrics, torchrun_recipe
 
 TORCHRUN_TIMEOUT = 400  # two attempts of a 2-process job on a loaded 2-core machine
 DILOCO = [
@@ -28,12 +26,7 @@ KILL = ["+callbacks.kill._target_=lit_dp_recipes.faults.KillRankOnce", "+callbac
 
 
 def _torchrun(*overrides: str, cwd: Path, max_restarts: int) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               f"--max-restarts={max_restarts}", str(ROOT / "recipes" / "gpt.py"), *overrides]
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{output[-4000:]}"
-    return output
+    return torchrun_recipe("gpt", *overrides, cwd=cwd, max_restarts=max_restarts, timeout=TORCHRUN_TIMEOUT)
 
 
 def _rank_states(checkpoint: Path) -> dict[int, dict[str, Any]]:

@@ -37,7 +37,7 @@ from lit_dp_recipes.resume import (
     newest_checkpoint,
 )
 from lit_dp_recipes.train import train
-from tests.helpers.recipes import CONF, QUIET, ROOT, compose_config, model_metrics
+from tests.helpers.recipes import CONF, QUIET, ROOT, compose_config, model_metrics, torchrun_recipe
 
 TORCHRUN_TIMEOUT = 300  # two attempts of a 2-process job on a loaded 2-core machine
 RECIPE_TIMEOUT = 240
@@ -379,12 +379,7 @@ KILL = ["+callbacks.kill._target_=lit_dp_recipes.faults.KillRankOnce", "+callbac
 
 
 def _torchrun(*overrides: str, cwd: Path, max_restarts: int = 1) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               f"--max-restarts={max_restarts}", str(ROOT / "recipes" / "digits.py"), *overrides]
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{output[-4000:]}"
-    return output
+    return torchrun_recipe("digits", *overrides, cwd=cwd, max_restarts=max_restarts, timeout=TORCHRUN_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
