@@ -26,7 +26,6 @@ and lit_dp's options only (``import lit_dp`` loads its other names, and torch's 
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import sys
 import warnings
@@ -56,6 +55,7 @@ from lit_dp_recipes.config import (
     strategy_arguments,
     validate_trainer,
 )
+from lit_dp_recipes.spelling import did_you_mean
 
 # The configs, shipped in the package; in the repository this folder is a link to conf/.
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -241,9 +241,8 @@ def _unknown_choice(override: Override, options: list[str]) -> str | None:
         return f"{group}=null is not a choice of {group}: expected ~{group} to leave the group out, or one of {', '.join(options)}."
     if value in options:
         return None
-    close = difflib.get_close_matches(str(value), options, n=3, cutoff=0.6)
-    hint = "did you mean " + " or ".join(f"{group}={c}" for c in close) + "? " if close else ""
-    return f"{group}={value} is not a choice of {group}: {hint}expected one of {', '.join(options)}."
+    hint = did_you_mean(value, options, lambda c: f"{group}={c}")
+    return f"{group}={value} is not a choice of {group}: {hint + ' ' if hint else ''}expected one of {', '.join(options)}."
 
 
 def _unknown_key(key: str, cfg: DictConfig) -> str | None:
@@ -261,16 +260,12 @@ def _unknown_key(key: str, cfg: DictConfig) -> str | None:
     if name in node.keys():
         return None
     keys = sorted(k for k in node.keys() if not str(k).startswith("_") and (parent or k != "hydra"))
-    close = difflib.get_close_matches(name, keys, n=3, cutoff=0.6)
     where = _where(parent, cfg)
     dotted = f"{parent}." if parent else ""
-    hint = (
-        "did you mean " + " or ".join(f"{dotted}{c}" for c in close) + "?"
-        if close
-        else f"its keys: {', '.join(keys)}." if keys else "it has none."
-    )
+    near = did_you_mean(name, keys, lambda c: f"{dotted}{c}")
+    hint = near or (f"its keys: {', '.join(keys)}." if keys else "it has none.")
     target = node.get("_target_")
-    if target is not None and not close:
+    if target is not None and not near:
         # Unlike any key, maybe an argument of the target that the config leaves out: the user's to add.
         # Not offered for a near miss (trainer.max_epoch), where `+` would only pass the typo on.
         hint += f" To pass {target} an argument the config leaves out: +{key}=..."
@@ -296,12 +291,7 @@ def _strategy_mistake(option: str, cfg: DictConfig) -> str:
             f"strategy={name}, or strategy=paddle_dp (docs/configs.md, the ddp peer)."
         )
     candidates = sorted(o for o in options if not o.startswith("_"))
-    close = difflib.get_close_matches(option, candidates, n=3, cutoff=0.6)
-    hint = (
-        "did you mean " + " or ".join(f"strategy.{c}" for c in close) + "?"
-        if close
-        else "its options: " + ", ".join(candidates) + "."
-    )
+    hint = did_you_mean(option, candidates, lambda c: f"strategy.{c}") or "its options: " + ", ".join(candidates) + "."
     return f"strategy.{option} is not an option of strategy={name}: {hint} (docs/options.md lists them all)"
 
 

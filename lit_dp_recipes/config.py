@@ -24,7 +24,6 @@ starts: DDP would run without it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lit_dp.ddp_arguments import ddp_strategy_arguments
 from lit_dp.options import TRAINER, Declared, Options, declared_options
 from lit_dp_recipes.run_folder import register_resolvers
+from lit_dp_recipes.spelling import did_you_mean
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 # Lightning's values of ``precision`` (its ``_PRECISION_INPUT``; a test keeps them equal), written
@@ -296,12 +296,8 @@ def check_monitor(monitor: Any, model: Any) -> None:
     metrics = getattr(model, "METRICS", ())
     if monitor is None or not metrics or monitor in metrics:
         return
-    close = difflib.get_close_matches(str(monitor), metrics, n=3, cutoff=0.6)
-    if close:
-        raise ValueError(
-            f"monitor={monitor!r} is invalid: the model logs {', '.join(metrics)}; "
-            f"did you mean {' or '.join(f'monitor={name}' for name in close)}?"
-        )
+    if hint := did_you_mean(monitor, metrics, lambda name: f"monitor={name}"):
+        raise ValueError(f"monitor={monitor!r} is invalid: the model logs {', '.join(metrics)}; {hint}")
 
 
 def check_monitor_mode(mode: Any) -> str:

@@ -9,7 +9,6 @@ registers ``paddle_dp`` (docs/strategy.md, "LightningCLI").
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import re
 import sys
@@ -19,6 +18,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
 import lit_dp  # noqa: F401 - registers "paddle_dp" and its families with the Trainer
+from lit_dp_recipes.spelling import did_you_mean
 
 # The strategy's refusal of a value (``comm_buffer_size=-1.0 is invalid: ...``) as jsonargparse
 # reports it: one of its tries of each type ``trainer.strategy`` may take, in a traceback.
@@ -40,9 +40,8 @@ def strategy_option_mistake(arguments: Sequence[str]) -> str | None:
         option = match.group(1)
         if option in accepted or option in ("class_path", "init_args"):
             continue
-        close = difflib.get_close_matches(option, accepted, n=3, cutoff=0.6)
-        hint = ": did you mean " + " or ".join(f"trainer.strategy.{c}" for c in close) + "?" if close else ""
-        return f"error: trainer.strategy.{option} is not an option of {chosen}{hint} (docs/options.md lists them all)"
+        hint = did_you_mean(option, accepted, lambda c: f"trainer.strategy.{c}")
+        return f"error: trainer.strategy.{option} is not an option of {chosen}{': ' + hint if hint else ''} (docs/options.md lists them all)"
     return None
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import inspect
 import logging
@@ -25,18 +24,19 @@ from lit_dp_recipes.config import (
     build_strategy,
     check_accelerator_available,
     check_checkpoint_every_n_steps,
+    check_ckpt_path,
+    check_compile,
     check_epoch_against_trainer,
     check_model_against_data,
     check_monitor,
     check_monitor_mode,
-    check_ckpt_path,
-    check_compile,
     check_seed,
     validate_trainer,
 )
 from lit_dp_recipes.launch import sweep_job, use_job_launcher
 from lit_dp_recipes.report import say
 from lit_dp_recipes.resume import NoUsableCheckpoint, ResumableRun, use_atomic_checkpoints
+from lit_dp_recipes.spelling import did_you_mean
 
 log = logging.getLogger(__name__)
 # Lightning's tips for its other products ("Tip: ... try installing litlogger"), and who logs them.
@@ -168,8 +168,7 @@ def _refused_by_the_target(name: str, node: DictConfig, refusal: Exception) -> s
 def _not_an_argument(name: str, key: str, node: DictConfig) -> str:
     target = node.get("_target_")
     accepted = [p for p in inspect.signature(get_class(target)).parameters if p not in ("self", "args", "kwargs")]
-    close = difflib.get_close_matches(key, accepted, n=3, cutoff=0.6)
-    hint = "did you mean " + " or ".join(f"{name}.{c}" for c in close) + "?" if close else f"it takes {', '.join(accepted)}."
+    hint = did_you_mean(key, accepted, lambda c: f"{name}.{c}") or f"it takes {', '.join(accepted)}."
     return f"{name}.{key} is not an argument of {target}: {hint}"
 
 

@@ -8,13 +8,13 @@ merges them onto it; no run folder is made.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import sys
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_dp_recipes.sample import SampleConfig, sample
+from lit_dp_recipes.spelling import did_you_mean
 
 
 def main(arguments: list[str] | None = None) -> None:
@@ -25,9 +25,8 @@ def main(arguments: list[str] | None = None) -> None:
         if key in keys and "=" not in argument:
             sys.exit(f"error: {argument} has no value: expected {key}=... (docs/gpt.md, 'Sampling').")
         if key not in keys:
-            close = difflib.get_close_matches(key, keys, n=2, cutoff=0.6)
-            hint = "did you mean " + " or ".join(close) + "? " if close else ""
-            sys.exit(f"error: {argument} is not a key=value of the sampler: {hint}expected one of {', '.join(keys)} "
+            hint = did_you_mean(key, keys, most=2)
+            sys.exit(f"error: {argument} is not a key=value of the sampler: {hint + ' ' if hint else ''}expected one of {', '.join(keys)} "
                      "(docs/gpt.md, 'Sampling').")
     try:
         config = OmegaConf.merge(OmegaConf.structured(SampleConfig), OmegaConf.from_dotlist(arguments))
