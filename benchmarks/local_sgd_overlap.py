@@ -64,7 +64,7 @@ class _SlowWork:
 
 
 class SlowLink:
-    """``torch.distributed`` as ``lit_dp.local_sgd`` sees it, its collectives carried by one link in turn."""
+    """``torch.distributed`` as ``lit_dp.local_sgd.transport`` sees it, its collectives carried by one link in turn."""
 
     def __init__(self, mbit: float, world_size: int) -> None:
         self._bytes_per_second = mbit * 1e6 / 8
@@ -101,20 +101,20 @@ class SlowSyncLink(pl.Callback):
         self._real_dist: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        import lit_dp.local_sgd
+        import lit_dp.local_sgd.transport
 
-        self._real_dist, lit_dp.local_sgd.dist = lit_dp.local_sgd.dist, SlowLink(self.mbit, trainer.world_size)
+        self._real_dist, lit_dp.local_sgd.transport.dist = lit_dp.local_sgd.transport.dist, SlowLink(self.mbit, trainer.world_size)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        import lit_dp.local_sgd
+        import lit_dp.local_sgd.transport
 
         if self._real_dist is not None:
-            lit_dp.local_sgd.dist, self._real_dist = self._real_dist, None
+            lit_dp.local_sgd.transport.dist, self._real_dist = self._real_dist, None
 
 
 def _train(delay: int, config: OverlapBenchmarkConfig, data: DigitsDataModule, rank: int) -> dict[str, Any]:
     import lit_dp
-    import lit_dp.local_sgd
+    import lit_dp.local_sgd.transport
 
     torch.manual_seed(0)
     model = lit_dp.DataParallel(digits_mlp())
@@ -125,7 +125,7 @@ def _train(delay: int, config: OverlapBenchmarkConfig, data: DigitsDataModule, r
     images, labels = data.train_set.tensors
     images, labels = images[rank :: config.world_size], labels[rank :: config.world_size]
     times = []
-    real_dist, lit_dp.local_sgd.dist = lit_dp.local_sgd.dist, SlowLink(config.link_mbit, config.world_size)
+    real_dist, lit_dp.local_sgd.transport.dist = lit_dp.local_sgd.transport.dist, SlowLink(config.link_mbit, config.world_size)
     try:
         for epoch in range(config.epochs):
             order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch))
@@ -140,7 +140,7 @@ def _train(delay: int, config: OverlapBenchmarkConfig, data: DigitsDataModule, r
         traffic = local_sgd.traffic()  # before finish(): the run's own syncs
         local_sgd.finish()
     finally:
-        lit_dp.local_sgd.dist = real_dist
+        lit_dp.local_sgd.transport.dist = real_dist
     val_images, val_labels = data.val_set.tensors
     with torch.no_grad():
         logits = model(val_images)

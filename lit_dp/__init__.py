@@ -29,7 +29,7 @@ from lit_dp.options import Options
 # layer's among them.
 _LAZY = {
     "DataParallel": ("lit_dp.data_parallel", "DataParallel"),
-    "fused_allreduce_gradients": ("lit_dp.data_parallel", "fused_allreduce_gradients"),
+    "fused_allreduce_gradients": ("lit_dp.gradients.fused", "fused_allreduce_gradients"),
     "sync_params_buffers": ("lit_dp.gradients.broadcast", "sync_params_buffers"),
     "assign_group_by_size": ("lit_dp.gradients.buckets", "assign_group_by_size"),
     "Reducer": ("lit_dp.gradients.reducer", "Reducer"),

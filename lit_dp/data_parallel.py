@@ -17,6 +17,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.utils._pytree import tree_map
 
 import lit_dp.gradients.group as groups
+from lit_dp.buffers import BufferBroadcasts
 from lit_dp.ddp_arguments import (
     checked_devices,
     chosen_group,
@@ -24,39 +25,28 @@ from lit_dp.ddp_arguments import (
     refuse_a_launched_job_without_a_group,
     refuse_what_cannot_work,
 )
+from lit_dp.ddp_surface import DDPSurface, default_group
 from lit_dp.fault_tolerance.replica_group import (
-    JOIN_REFUSED,
-    check_comm_hook,
     refuse_an_asynchronous_quorum,
     replica_group,
 )
 from lit_dp.gradients.broadcast import (
-    _check_same_structure,
     ddp_ignored,
     synced_buffers,
     synced_parameters,
-    sync_params_buffers,
     trainable_parameters,
 )
-from lit_dp.gradients.buckets import MB, assign_group_by_size, assign_owners, megabytes_to_bytes
-from lit_dp.gradients.coalesced import broadcast_coalesced
+from lit_dp.gradients.buckets import MB, megabytes_to_bytes, shard_owners
 from lit_dp.gradients.compile import bucket_graph_breaks
-from lit_dp.gradients.dense import DenseBucket
 from lit_dp.gradients.gather import ParameterGatherer
 from lit_dp.gradients.hooks import CommHook
 from lit_dp.gradients.plan import Participation, StepPlan
 from lit_dp.gradients.reducer import Reducer
-from lit_dp.gradients.waiting import UNWATCHED, Waiter
+from lit_dp.gradients.sparse import sparse_gradient_parameters
+from lit_dp.gradients.waiting import Waiter
 from lit_dp.job.process_group import get_rings
-from lit_dp.join import DataParallelJoin, DataParallelJoinHook, JoinState, notify
-from lit_dp.join import active as in_join_context
-from lit_dp.observability.autotune import BucketAutotuner, settled_step
-from lit_dp.observability.consistency import ReplicaConsistency
-from lit_dp.observability.observers import ModelObservers
-from lit_dp.observability.stats import CommStats
-from lit_dp.observability.step_clock import StepClock
-from lit_dp.observability.straggler import StragglerReport, WindowReport
-from lit_dp.observability.watchdog import HangWatchdog
+from lit_dp.join import JoinMethods, JoinState, notify
+from lit_dp.observability.observers import ModelObservers, ObservedModel
 from lit_dp.options import AUTO, DEFAULT_BUCKET_MB, MODULE, Options, resolve_comm_hook
 from lit_dp.options.comm_hooks import declared_stateless
 from lit_dp.options.docs import options_doc
@@ -65,27 +55,7 @@ from lit_dp.options.signature import takes_options
 
 log = logging.getLogger(__name__)
 
-# What a pickled or deep-copied DataParallel leaves behind and rebuilds (torch DDP drops its
-# process group, reducer and logger the same way): the process group, the reducer and its hooks,
-# and the observers, which hold threads, files and the rendezvous store.
-_RUNTIME_STATE = (
-    "_rings",
-    "_reducer",
-    "_waiter",
-    "_comm_hook",
-    "_observers",
-    "_gradients_local",
-    "_parameter_gathers",
-    "_buffer_group",
-)
-
-
-_MOVED_TO_JOIN_STATE = (
-    "{} is deprecated: a LocalSGD tells its model its phase (keep_gradients_local); use model.join_state.local_sgd."
-)
-
-
-class DataParallel(nn.Module, Joinable):
+class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.Module, Joinable):
     """Run ``module`` data-parallel: the first rank's state is broadcast, gradients are averaged.
 
     The constructor is torch DDP's (``torch.nn.parallel.DistributedDataParallel``), so that
@@ -244,8 +214,8 @@ class DataParallel(nn.Module, Joinable):
             # torchft (lit_dp.fault_tolerance): the group is the replica groups of the Manager's quorum,
             # hierarchically when this replica group has several ranks of its own.
             refuse_what_replicas_cannot_follow(options, UNDER_MANAGER)
-            within = group if group is not None else _default_group()
-            rings = [replica_group(manager, within, bool(_sparse_gradient_parameters(module)))]
+            within = group if group is not None else default_group()
+            rings = [replica_group(manager, within, bool(sparse_gradient_parameters(module)))]
             if within is not None and within.size() > 1:
                 # Inside its replica group a model is DDP's: one start, the buffers of the group's first rank.
                 refuse_an_asynchronous_quorum(manager, within)
@@ -291,8 +261,8 @@ class DataParallel(nn.Module, Joinable):
                 )
             device = named[0][1].device
             names = [name for name, _ in named]
-            sparse_ids = _sparse_gradient_parameters(self.module)
-            owners = _shard_owners(named, sparse_ids, options.sharding.stage, rings[0].size())
+            sparse_ids = sparse_gradient_parameters(self.module)
+            owners = shard_owners(named, sparse_ids, options.sharding.stage, rings[0].size())
             self._owners = {id(param): owner for (_, param), owner in zip(named, owners or ())}
             self._reducer = Reducer(
                 [param for _, param in named],
@@ -329,24 +299,6 @@ class DataParallel(nn.Module, Joinable):
         if registration is not None:
             self._register_comm_hook(*registration, declared_stateless=declared_stateless(self._options))
 
-    def _broadcast_initial_state(self, group: dist.ProcessGroup, with_buffers: bool) -> None:
-        """The group's first rank's parameters (and buffers) to every rank, once the ranks agree
-        on the model's structure (torch's own groups; a group written in Python is trusted)."""
-        if with_buffers and groups.is_registered(group):
-            sync_params_buffers(
-                self.module,
-                group=group,
-                src_rank=dist.get_global_rank(group, 0),
-                params_and_buffers_to_ignore=self.parameters_to_ignore,
-            )
-            return
-        named = [(name, p.data) for name, p in synced_parameters(self.module, self.parameters_to_ignore)]
-        if with_buffers:
-            named += list(synced_buffers(self.module, self.parameters_to_ignore))
-        if groups.is_registered(group):
-            ranks = dist.get_process_group_ranks(group)
-            _check_same_structure(named, group, ranks, ranks[0])
-        broadcast_coalesced([t for _, t in named], group, 0, UNWATCHED, "the initial broadcast of the model")
 
     @property
     def _layers(self) -> nn.Module:
@@ -363,14 +315,6 @@ class DataParallel(nn.Module, Joinable):
         """The communicators buckets are spread over, ``process_group`` first (all span the same ranks)."""
         return list(self._rings)
 
-    @property
-    def broadcast_buffers(self) -> bool:
-        """Whether buffers are broadcast before forwards (torch DDP's attribute; ``forward_sync_buffers``)."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
 
     @property
     def find_unused_parameters(self) -> bool:
@@ -382,55 +326,6 @@ class DataParallel(nn.Module, Joinable):
         """torch DDP's attribute (the option of that name)."""
         return self._options.gradient_as_bucket_view
 
-    def _set_static_graph(self) -> None:
-        """torch DDP's way to set ``static_graph`` after construction; like DDP, only before training."""
-        with self._logging_errors():
-            if self._trained:
-                raise RuntimeError(
-                    "lit_dp.DataParallel._set_static_graph(): it should be called before training loop starts "
-                    "(torch DDP's rule); pass static_graph=True to the constructor instead."
-                )
-        self.static_graph = True
-        if self._reducer is not None:
-            self._reducer.set_static_graph()
-
-    @contextmanager
-    def _logging_errors(self) -> Iterator[None]:
-        """Keep the message of an error raised inside for ``_get_ddp_logging_data`` (as DDP logs its own)."""
-        try:
-            yield
-        except (TypeError, ValueError, RuntimeError) as error:
-            self._logged_error = str(error)
-            raise
-
-    def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """torch DDP's debugging summary, under DDP's keys, for what lit_dp has: the construction's
-        choices, the parameters, the synchronised iterations so far and the last error raised by an
-        API call (``has_error``, ``error``). DDP's environment and per-iteration timing keys are absent."""
-        params = [param for param in self.module.parameters() if param.requires_grad]
-        group = self.process_group
-        reducer = self._reducer
-        return {
-            "module_name": type(self.module).__name__,
-            "world_size": group.size() if group is not None else 1,
-            "rank": group.rank() if group is not None else 0,
-            "backend_name": groups.backend_name(group) if group is not None else "",
-            "device_ids": ",".join(map(str, self.device_ids or [])),
-            "output_device": -1 if self.output_device is None else self.output_device,
-            "broadcast_buffers": int(self.forward_sync_buffers),
-            "bucket_cap_bytes": megabytes_to_bytes("comm_buffer_size", self.comm_buffer_size),
-            "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-            "static_graph": int(self.static_graph),
-            "is_multi_device_module": int(self.is_multi_device_module),
-            "num_parameter_tensors": len(params),
-            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
-            "dtypes": ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
-            "bucket_sizes": ", ".join(map(str, reducer.bucket_bytes)) if reducer is not None else "",
-            "iteration": reducer.step + 1 if reducer is not None else 0,
-            "has_error": int(self._logged_error is not None),
-            "error": self._logged_error or "",
-        }
 
     @property
     def reducer(self) -> Reducer | None:
@@ -464,17 +359,6 @@ class DataParallel(nn.Module, Joinable):
             return
         self._gradients_local = local
 
-    @property
-    def local_sgd(self) -> Any:
-        """Deprecated: ``model.join_state.local_sgd`` (the model itself no longer reads its LocalSGD)."""
-        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.local_sgd"), DeprecationWarning, stacklevel=2)
-        return self.join_state.local_sgd
-
-    def use_local_sgd(self, local_sgd: Any) -> None:
-        """Deprecated: a ``lit_dp.LocalSGD`` tells its model itself (``join_state.driven_by``, ``keep_gradients_local``)."""
-        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.use_local_sgd"), DeprecationWarning, stacklevel=2)
-        self.join_state.driven_by(local_sgd)
-        self.keep_gradients_local(local_sgd.in_local_phase)
 
     def arm_at_backward(self) -> None:
         """Let ``prepare_for_backward`` alone decide each step: forwards no longer do (the Trainer
@@ -482,32 +366,6 @@ class DataParallel(nn.Module, Joinable):
         forwards a ``training_step`` runs)."""
         self._arms_at_forward = False
 
-    @property
-    def watchdog(self) -> HangWatchdog | None:
-        """The hang watchdog (``hang_timeout``); set its ``directory`` to choose where stacks go, and
-        mark what this rank alone does on purpose with ``phase(name)``."""
-        return self._observers.watchdog
-
-    @property
-    def step_clock(self) -> StepClock | None:
-        """The step clock (``lit_dp.observability.step_clock``) its observers share; the Trainer
-        strategy tells it where batches start and end. None when nothing observes the steps."""
-        return self._observers.clock
-
-    @property
-    def straggler(self) -> StragglerReport | None:
-        """The straggler report (``straggler_every_n_steps``): ``last``, ``summary()``; None when off."""
-        return self._observers.straggler
-
-    def straggler_report(self) -> WindowReport | None:
-        """The latest window the ranks judged (``lit_dp.observability.straggler``): which rank is
-        slowest, its lag and its cause, every rank's timings; None before the first, or when off."""
-        return self._observers.straggler.last if self._observers.straggler is not None else None
-
-    @property
-    def consistency(self) -> ReplicaConsistency | None:
-        """The replica-consistency check (``consistency_every_n_steps``); None when off."""
-        return self._observers.consistency
 
     def register_parameter_gather(self, gather: ParameterGatherer) -> None:
         """``gather`` (a ``lit_dp.ShardedOptimizer`` with ``sharding_overlap``) may leave updated
@@ -519,41 +377,6 @@ class DataParallel(nn.Module, Joinable):
         weight is read outside a forward (the replica-consistency check does)."""
         for gather in list(self._parameter_gathers):
             gather.wait_for_parameters()
-
-    @property
-    def comm_hook(self) -> CommHook | None:
-        """The registered communication hook, if any."""
-        return self._comm_hook
-
-    def register_comm_hook(self, state: object, hook: Callable) -> None:
-        """Reduce each dense bucket with ``hook(state, bucket)``, torch DDP's communication hook contract.
-
-        The hook returns a ``torch.futures.Future`` whose value is the bucket's averaged flat
-        gradient; ``bucket`` offers ``buffer()``, ``gradients()``, ``parameters()``, ``index()``,
-        ``is_last()`` and ``set_buffer()``. As in DDP, gradients reach the hook undivided, and a
-        hook can be registered once, before the first synchronised backward. Sparse gradients
-        are reduced without it. See docs/comm_hooks.md.
-        """
-        self._register_comm_hook(state, hook, declared_stateless=False)
-
-    def _register_comm_hook(self, state: object, hook: Callable, declared_stateless: bool) -> None:
-        """``register_comm_hook``; ``declared_stateless``: the options chose named hooks that declare it."""
-        with self._logging_errors():
-            if self._manager is not None:
-                state = check_comm_hook(state, hook, self._rings[0], UNDER_MANAGER, declared_stateless)
-            comm_hook = CommHook(state, hook, self._waiter)
-            if self._comm_hook is not None:
-                raise RuntimeError(
-                    "register_comm_hook or register_builtin_comm_hook can only be called once. lit_dp.DataParallel: "
-                    f"{self._comm_hook.name} is already registered, {comm_hook.name} cannot be added."
-                )
-            if self._observers.tuner is not None and self._observers.tuner.chosen_mb is None:
-                comm_hook.check_layout_settled_by(settled_step())
-            if self._reducer is not None:
-                self._reducer.register_comm_hook(comm_hook)
-        self._comm_hook = comm_hook
-        if self._rings and self._rings[0].rank() == 0:
-            log.info("lit_dp.DataParallel: communication hook %s", comm_hook.name)
 
     @property
     def options(self) -> Options:
@@ -569,26 +392,6 @@ class DataParallel(nn.Module, Joinable):
         size = self._options.comm_buffer_size
         return DEFAULT_BUCKET_MB if size == AUTO else size
 
-    @property
-    def autotuner(self) -> BucketAutotuner | None:
-        """The bucket-size autotuner (``comm_buffer_size="auto"``), with its sweep once decided."""
-        return self._observers.tuner
-
-    def comm_stats(self) -> CommStats | None:
-        """This rank's statistics for the last synchronised step whose measurements are complete.
-
-        None before the first step or without ``comm_stats=True``/``trace_dir``. Never waits for
-        the device: on CUDA the step before the last is returned while the last is in flight.
-        """
-        return self._observers.stats.last() if self._observers.stats is not None else None
-
-    def comm_stats_mean(self) -> dict[str, float]:
-        """Mean ``time_ms`` and ``exposed_ms`` over the steps so far (the first excluded), and their overlap."""
-        return self._observers.stats.mean() if self._observers.stats is not None else {}
-
-    def flush_comm_stats(self) -> None:
-        """Resolve every finished step (waiting for the device) and write the trace collected so far."""
-        self._observers.flush()
 
     # Not traced by dynamo: under `torch.compile(DataParallel(model))` the module call below is
     # compiled as its own frame, inside `bucket_graph_breaks`, and the reducer runs eagerly.
@@ -671,71 +474,11 @@ class DataParallel(nn.Module, Joinable):
         if self._reducer is not None:
             self._forward_communication(None)
 
-    def will_sync_module_buffers(self) -> bool:
-        """Whether the next forward broadcasts the buffers (torch DDP's method of that name)."""
-        return (
-            self.require_forward_param_sync
-            and self.forward_sync_buffers
-            and self._has_buffers
-            and self._buffer_group is not None
-            and not groups.trivially_alone(self._buffer_group)
-        )
-
-    def _forward_communication(self, plan: StepPlan | None) -> None:
-        """A forward's own collective, the buffer broadcast (``broadcast_buffers``), and the flag
-        that says whether the next forward takes one: this forward's backward synchronises.
-
-        Under torch's ``Join`` only synchronising forwards broadcast, from the highest rank still
-        in (agreed in one all-reduce that a joined rank matches, ``shadow_buffer_broadcast``):
-        a joined rank hears of those forwards only.
-        """
-        if in_join_context(self):
-            if plan is not None and plan.participation is Participation.SYNC and self._joins_buffers():
-                self._broadcast_buffers(self._agree_on_buffer_source(self._rings[0].rank()))
-                self._buffers_synced()
-        elif self.will_sync_module_buffers():
-            self._broadcast_buffers(self._buffer_source)  # the group's first rank, as on DDP, by default
-            self._buffers_synced()
-        self.require_forward_param_sync = torch.is_grad_enabled() and self._syncs_gradients()
-
-    def _buffers_synced(self) -> None:
-        """The buffers as every rank holds them now, before the forward updates them: the consistency
-        check fingerprints them, when the coming step is one it checks."""
-        if self._observers.consistency is not None:
-            self._observers.consistency.buffers_synced(self._reducer.step + 1)
 
     def _syncs_gradients(self) -> bool:
         """Whether a backward now synchronises: ``require_backward_grad_sync``, outside LocalSGD's local phase."""
         return self.require_backward_grad_sync and not self._gradients_local
 
-    def buffers_from(self, group_rank: int) -> None:
-        """Which rank of the group the following forwards broadcast buffers from (``broadcast_buffers``):
-        the group's first, as on DDP, unless the Trainer's ``uneven_inputs`` names the lowest rank
-        that took the last step with a batch of its own (a rank without one updated no buffer).
-        Every rank must name the same, as they do from the batch plans they agreed."""
-        self._buffer_source = group_rank
-
-    def shadow_buffer_broadcast(self) -> None:
-        """On a rank that joined (``lit_dp.join``): take part in the buffer broadcast of a
-        synchronising forward of the ranks still in, and adopt the buffers it sends."""
-        if self._joins_buffers():
-            self._broadcast_buffers(self._agree_on_buffer_source(-1))
-
-    def _joins_buffers(self) -> bool:
-        return self.forward_sync_buffers and self._has_buffers and not groups.trivially_alone(self._rings[0])
-
-    def _agree_on_buffer_source(self, candidate: int) -> int:
-        """The highest candidate rank of the group (a joined rank offers -1), as DDP's ``_find_common_rank``."""
-        agreed = torch.tensor([candidate], device=self.join_device)
-        group = self._rings[0]
-        work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        groups.wait(self._waiter, work, group, "the choice of the rank whose buffers are broadcast")
-        return int(agreed.item())
-
-    def _broadcast_buffers(self, source: int) -> None:
-        # Collected at each broadcast: a module may have replaced a buffer since (DDP does the same).
-        buffers = [buffer for _, buffer in synced_buffers(self.module, self.parameters_to_ignore)]
-        broadcast_coalesced(buffers, self._buffer_group, source, self._waiter, "the broadcast of the module's buffers")
 
     def step_plan(self, participation: Participation) -> StepPlan:
         """The step's plan: the one place every ``StepPlan`` is decided, for every way a rank takes part.
@@ -764,50 +507,6 @@ class DataParallel(nn.Module, Joinable):
         log.debug("lit_dp.DataParallel: step %d plan %s", self._reducer.step + 1, plan)
         return plan
 
-    def join(
-        self,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> DataParallelJoin:
-        """Train on uneven inputs inside this context, as with torch DDP's ``join()`` (see ``lit_dp.join``).
-
-        Ranks that run out of inputs shadow the others' synchronised steps with zeros until all
-        have; then every rank holds the parameters and buffers of the last rank to join.
-        Gradients are divided by the world size, or with ``divide_by_initial_world_size=False``
-        by the ranks still in. ``throw_on_early_termination``: every rank raises instead, at
-        the first step a rank misses, naming it.
-        """
-        return DataParallelJoin(
-            self,
-            enable=enable,
-            throw_on_early_termination=throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
-        """The hook ``torch.distributed.algorithms.join.Join`` runs on a rank that has run out of inputs."""
-        if self._manager is not None:
-            raise ValueError(JOIN_REFUSED)
-        if self._reducer is not None and not groups.is_registered(self._reducer.group):
-            # torch's Join reads this rank through dist.get_rank(group), as under DDP, whose join()
-            # fails on such a group with "Group ... is not registered".
-            raise ValueError(
-                f"join() on a process group written in Python ({type(self._reducer.group).__name__}) is not "
-                "supported: torch's Join finds the ranks through torch's group bookkeeping, as DDP's join() does; "
-                "expected a group made by init_process_group or new_group."
-            )
-        return DataParallelJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        """Where the Join context's own all-reduces run: the parameters' device."""
-        return self.device if self._reducer is not None else torch.device("cpu")
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        """The group whose ranks join: the reducer's."""
-        return self._reducer.group if self._reducer is not None else dist.group.WORLD
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -827,77 +526,6 @@ class DataParallel(nn.Module, Joinable):
             return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def __getstate__(self) -> dict[str, Any]:
-        """As torch DDP: only a model on the default group can be pickled or deep-copied; the
-        process group, the reducer and the observers stay behind (``__setstate__`` rebuilds)."""
-        if self._manager is not None:
-            raise RuntimeError(
-                f"lit_dp.DataParallel: pickling and copy.deepcopy of a {UNDER_MANAGER} are not supported: the copy "
-                "would average over the default process group instead of the replica groups. Copy the inner module "
-                "(model.module) and wrap the copy instead."
-            )
-        if self._rings and self._given_group is not None and self._given_group is not _default_group():
-            raise RuntimeError(
-                "lit_dp.DataParallel: pickling and copy.deepcopy need the default process group, as in torch DDP "
-                "(DDP Pickling/Unpickling are only supported when using DDP with the default process group); this "
-                f"model averages over a group of {self._rings[0].size()} given as process_group/group. Copy "
-                "the inner module (model.module) and wrap the copy instead."
-            )
-        state = dict(self.__dict__)
-        state["_had_group"] = bool(self._rings)
-        if self._options.comm_buffer_size == AUTO:
-            state["_options"] = self._options.replace(comm_buffer_size=self.comm_buffer_size)  # what tuning chose
-        for name in _RUNTIME_STATE:
-            state.pop(name, None)
-        state["_given_group"] = None  # the default group, found again when unpickled
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        had_group = state.pop("_had_group")
-        super().__setstate__(state)
-        if had_group and not dist.is_initialized():
-            raise RuntimeError(
-                "lit_dp.DataParallel: unpickling a model trained data-parallel needs the default process group; "
-                "call init_process_group (or lit_dp.init_parallel_env) first, or unpickle the inner module."
-            )
-        # A copy averages its own gradients (a second reducer over its own parameters), as DDP's does.
-        self._build_runtime(get_rings() if had_group else [], copy=True)
-        self._buffer_group = self._rings[0] if self._rings else None
-
-
-def fused_allreduce_gradients(
-    parameters: Iterable[nn.Parameter],
-    group: dist.ProcessGroup | None = None,
-    comm_buffer_size: float = DEFAULT_BUCKET_MB,
-) -> None:
-    """Average the dense gradients of ``parameters`` over ``group`` in coalesced buckets (large ones in place).
-
-    For manual synchronisation after ``no_sync()``. Every rank must pass the same parameters.
-    A gradient that is None on some ranks counts as zeros there; one None on every rank stays None.
-    """
-    params = list(dict.fromkeys(p for p in parameters if p.requires_grad))
-    if not params or dist.get_world_size(group) < 2:
-        return
-    sparse = [position for position, p in enumerate(params) if p.grad is not None and p.grad.is_sparse]
-    if sparse:
-        raise ValueError(
-            f"fused_allreduce_gradients: parameters at positions {sparse} have sparse gradients: "
-            "expected dense gradients (lit_dp.DataParallel reduces sparse ones)."
-        )
-    ring = group or dist.group.WORLD
-    groups = assign_group_by_size(params, [False] * len(params), [megabytes_to_bytes("comm_buffer_size", comm_buffer_size)])
-    buckets = [DenseBucket(indices, [params[i] for i in indices], ring) for indices in groups]
-    has_grad = bytearray(p.grad is not None for p in params)
-    # "Used here" flags: a flag sum of 0 says no rank had a gradient.
-    plan = StepPlan.decide(Participation.SYNC, find_unused_parameters=True, divisor=dist.get_world_size(group))
-    for bucket in buckets:
-        bucket.start(plan, has_grad)
-    for bucket in buckets:
-        bucket.wait()
-        # A flag sum of 0: no rank had a gradient, so .grad stays None.
-        no_gradient = {k for k, total in enumerate(bucket.flags.tolist()) if total == 0}
-        bucket.write_back(as_view=False, skipped=no_gradient)
-
 
 def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
     """``method`` without keeping its object alive (an observer of the reducer would close a cycle)."""
@@ -909,35 +537,6 @@ def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
             bound()
 
     return call
-
-
-def _default_group() -> dist.ProcessGroup | None:
-    return dist.group.WORLD if dist.is_initialized() else None
-
-
-def _shard_owners(
-    named: list[tuple[str, nn.Parameter]], sparse_ids: set[int], stage: int | None, world_size: int
-) -> list[int] | None:
-    """Each parameter's owning rank, balanced by bytes (``assign_owners``); None without sharding."""
-    if stage is None:
-        return None
-    sparse = [name for name, param in named if id(param) in sparse_ids]
-    if stage == 2 and sparse:
-        raise ValueError(
-            f"sharding_stage=2 with sparse gradients (parameter {sparse[0]!r}, an embedding built with sparse=True) "
-            "is invalid: a sparse gradient has no fixed layout to reduce to its owner's segment; expected "
-            "sharding_stage=1, or sparse=False."
-        )
-    return assign_owners([param.numel() * param.element_size() for _, param in named], world_size)
-
-
-def _sparse_gradient_parameters(module: nn.Module) -> set[int]:
-    """Ids of parameters whose gradients are sparse: embeddings built with ``sparse=True``."""
-    return {
-        id(sub.weight)
-        for sub in module.modules()
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
-    }
 
 
 DataParallel.__doc__ = DataParallel.__doc__.format(options=options_doc(MODULE))

@@ -52,6 +52,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
+import lit_dp.gradients.group as groups
+from lit_dp.fault_tolerance.replica_group import JOIN_REFUSED
 from lit_dp.gradients.broadcast import synced_buffers, synced_parameters
 from lit_dp.gradients.coalesced import broadcast_coalesced
 from lit_dp.gradients.plan import Participation, StepPlan
@@ -325,3 +327,53 @@ def _ranks_that_ran_out(context: int, group: dist.ProcessGroup, still_in: int) -
         time.sleep(_POLL_SECONDS)
     ranks = dist.get_process_group_ranks(group)
     return [r for r in ranks if not store.check([f"{prefix}/in/{r}"])]
+
+
+class JoinMethods:
+    """``DataParallel``'s side of torch's ``Joinable`` (a mixin): ``join()``, ``join_hook``, the device
+    and the group of the context's own collectives."""
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> DataParallelJoin:
+        """Train on uneven inputs inside this context, as with torch DDP's ``join()`` (see ``lit_dp.join``).
+
+        Ranks that run out of inputs shadow the others' synchronised steps with zeros until all
+        have; then every rank holds the parameters and buffers of the last rank to join.
+        Gradients are divided by the world size, or with ``divide_by_initial_world_size=False``
+        by the ranks still in. ``throw_on_early_termination``: every rank raises instead, at
+        the first step a rank misses, naming it.
+        """
+        return DataParallelJoin(
+            self,
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
+        """The hook ``torch.distributed.algorithms.join.Join`` runs on a rank that has run out of inputs."""
+        if self._manager is not None:
+            raise ValueError(JOIN_REFUSED)
+        if self._reducer is not None and not groups.is_registered(self._reducer.group):
+            # torch's Join reads this rank through dist.get_rank(group), as under DDP, whose join()
+            # fails on such a group with "Group ... is not registered".
+            raise ValueError(
+                f"join() on a process group written in Python ({type(self._reducer.group).__name__}) is not "
+                "supported: torch's Join finds the ranks through torch's group bookkeeping, as DDP's join() does; "
+                "expected a group made by init_process_group or new_group."
+            )
+        return DataParallelJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the Join context's own all-reduces run: the parameters' device."""
+        return self.device if self._reducer is not None else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The group whose ranks join: the reducer's."""
+        return self._reducer.group if self._reducer is not None else dist.group.WORLD

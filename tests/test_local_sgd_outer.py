@@ -395,7 +395,7 @@ def test_between_syncs_localsgd_holds_a_snapshot_and_a_momentum_and_no_payload()
 
 
 def test_the_state_of_cuda_parameters_goes_to_the_cpu_when_offloaded():
-    from lit_dp.local_sgd import _state_device
+    from lit_dp.local_sgd.transport import state_device as _state_device
 
     cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
     assert _state_device(cuda, offload=True) == cpu

@@ -129,3 +129,19 @@ def assign_fragments(nbytes: list[int], fragments: int) -> list[list[int]]:
         start = end
     groups.append(list(range(start, len(nbytes))))
     return groups
+
+
+def shard_owners(
+    named: list[tuple[str, torch.nn.Parameter]], sparse_ids: set[int], stage: int | None, world_size: int
+) -> list[int] | None:
+    """Each parameter's owning rank, balanced by bytes (``assign_owners``); None without sharding."""
+    if stage is None:
+        return None
+    sparse = [name for name, param in named if id(param) in sparse_ids]
+    if stage == 2 and sparse:
+        raise ValueError(
+            f"sharding_stage=2 with sparse gradients (parameter {sparse[0]!r}, an embedding built with sparse=True) "
+            "is invalid: a sparse gradient has no fixed layout to reduce to its owner's segment; expected "
+            "sharding_stage=1, or sparse=False."
+        )
+    return assign_owners([param.numel() * param.element_size() for _, param in named], world_size)

@@ -111,3 +111,12 @@ def allgather_sparse_sum(gradient: torch.Tensor, group: dist.ProcessGroup) -> to
         torch.cat([part[:n] for part, n in zip(all_values, sizes)]),
         gradient.shape,
     ).coalesce()
+
+
+def sparse_gradient_parameters(module: nn.Module) -> set[int]:
+    """Ids of parameters whose gradients are sparse: embeddings built with ``sparse=True``."""
+    return {
+        id(sub.weight)
+        for sub in module.modules()
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
+    }

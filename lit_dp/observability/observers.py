@@ -24,9 +24,9 @@ from lit_dp.gradients.reducer import Reducer
 from lit_dp.gradients.waiting import Waiter
 from lit_dp.observability.autotune import BucketAutotuner
 from lit_dp.observability.consistency import ReplicaConsistency
-from lit_dp.observability.stats import CommObserver
+from lit_dp.observability.stats import CommObserver, CommStats
 from lit_dp.observability.step_clock import StepClock
-from lit_dp.observability.straggler import StragglerReport
+from lit_dp.observability.straggler import StragglerReport, WindowReport
 from lit_dp.observability.watchdog import HangWatchdog
 from lit_dp.options import AUTO, Options
 
@@ -140,3 +140,57 @@ class ModelObservers:
             self.stats.flush()
         if self.trace is not None:
             self.trace.write()
+
+
+class ObservedModel:
+    """What a model's observers show its user (a mixin of ``DataParallel``, which holds ``_observers``)."""
+
+    _observers: ModelObservers
+
+    @property
+    def watchdog(self) -> HangWatchdog | None:
+        """The hang watchdog (``hang_timeout``); set its ``directory`` to choose where stacks go, and
+        mark what this rank alone does on purpose with ``phase(name)``."""
+        return self._observers.watchdog
+
+    @property
+    def step_clock(self) -> StepClock | None:
+        """The step clock (``lit_dp.observability.step_clock``) its observers share; the Trainer
+        strategy tells it where batches start and end. None when nothing observes the steps."""
+        return self._observers.clock
+
+    @property
+    def straggler(self) -> StragglerReport | None:
+        """The straggler report (``straggler_every_n_steps``): ``last``, ``summary()``; None when off."""
+        return self._observers.straggler
+
+    def straggler_report(self) -> WindowReport | None:
+        """The latest window the ranks judged (``lit_dp.observability.straggler``): which rank is
+        slowest, its lag and its cause, every rank's timings; None before the first, or when off."""
+        return self._observers.straggler.last if self._observers.straggler is not None else None
+
+    @property
+    def consistency(self) -> ReplicaConsistency | None:
+        """The replica-consistency check (``consistency_every_n_steps``); None when off."""
+        return self._observers.consistency
+
+    @property
+    def autotuner(self) -> BucketAutotuner | None:
+        """The bucket-size autotuner (``comm_buffer_size="auto"``), with its sweep once decided."""
+        return self._observers.tuner
+
+    def comm_stats(self) -> CommStats | None:
+        """This rank's statistics for the last synchronised step whose measurements are complete.
+
+        None before the first step or without ``comm_stats=True``/``trace_dir``. Never waits for
+        the device: on CUDA the step before the last is returned while the last is in flight.
+        """
+        return self._observers.stats.last() if self._observers.stats is not None else None
+
+    def comm_stats_mean(self) -> dict[str, float]:
+        """Mean ``time_ms`` and ``exposed_ms`` over the steps so far (the first excluded), and their overlap."""
+        return self._observers.stats.mean() if self._observers.stats is not None else {}
+
+    def flush_comm_stats(self) -> None:
+        """Resolve every finished step (waiting for the device) and write the trace collected so far."""
+        self._observers.flush()
