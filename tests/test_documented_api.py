@@ -95,16 +95,6 @@ def instance_of(cls: type) -> Any:
     return cls()
 
 
-def exposing_feature(cls: type, link: str) -> type | None:
-    """The feature class that exposes ``link`` as an attribute of the strategy ``cls``, if any."""
-    from lit_dp.strategies.base import DataParallelStrategyMixin
-    from lit_dp.strategies.registry import FEATURES
-
-    if not issubclass(cls, DataParallelStrategyMixin):
-        return None
-    return next((feature for feature, _ in FEATURES if link in feature.exposes), None)
-
-
 def declared_type(owner: Any, annotation: Any) -> Any:
     """The class an annotation names, without ``None`` (a value unset until ``setup``)."""
     if isinstance(annotation, str):
@@ -134,8 +124,6 @@ def resolve_link(current: Any, link: str, chain: str) -> Any:
         found = inspect.getattr_static(cls, link)
     except AttributeError:
         found = None
-        if (exposer := exposing_feature(cls, link)) is not None:
-            return resolve_link(exposer, link, chain)
     else:
         if isinstance(found, property):
             return declared_type(found.fget, found.fget.__annotations__.get("return") if found.fget else None)

@@ -6,7 +6,8 @@ Lightning base classes, as Lightning's two ``DDPStrategy`` classes do; what lit_
 lives here once: the registered names, the constructor (the options, torch DDP's own arguments,
 which Lightning's ``DDPStrategy`` passes through to ``DistributedDataParallel``, and the
 features, ``lit_dp.strategies.registry``), the process layout, the strategy's own collectives
-and what the features expose (``Feature.exposes``). The strategies keep front-door glue only: the
+and the class's attributes that the features expose (``Feature.exposes``, made by
+``lit_dp.strategies.exposed`` as the class is defined). The strategies keep front-door glue only: the
 process group is brought up by ``lit_dp.strategies.process_group``, a model wrapped by
 ``lit_dp.strategies.wrapping``, and everything else is a feature's.
 """
@@ -27,10 +28,11 @@ from lit_dp.options.backends import AUTO
 from lit_dp.options.signature import takes_options
 from lit_dp.strategies import process_group
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
+from lit_dp.strategies.exposed import expose
 from lit_dp.strategies.feature import Feature
 from lit_dp.strategies.lightning_private import StrategyRegistryType, WrappingCheckpointIO
 from lit_dp.strategies.process_group import default_backend, default_cluster_environment, process_group_timeout
-from lit_dp.strategies.registry import build_features
+from lit_dp.strategies.registry import build_features, serving
 from lit_dp.strategies.wrapping import DDP_ARGUMENTS, Wrapping
 
 # Lightning's `ddp`, `ddp_spawn`, `ddp_fork`, `ddp_notebook` with their start methods
@@ -110,19 +112,6 @@ class DataParallelStrategyMixin:
         # What the strategy does beside wrapping, each doing nothing until the run sets it up.
         self._features = build_features(options, self._options_scope)
 
-    def __getattr__(self, name: str) -> Any:
-        """What a feature exposes (``Feature.exposes``) reads as the strategy's own attribute, with no strategy
-        edit: ``strategy.local_sgd``, ``comm_buffer_size``, ``tuned_comm_buffer_size``, ``fault_tolerance``,
-        ``joined``, ``wait_for_parameters()``, Fabric's ``join(model)``; the value for options that leave the
-        feature off where it is not built."""
-        features = self.__dict__.get("_features")  # absent while unpickling, before __init__ set it
-        try:
-            if features is None:
-                raise KeyError(name)
-            return features.exposed(name)
-        except KeyError:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
-
     @property
     def checkpoint_io(self) -> Any:
         """The user's plugin as given (``plugins=[...]`` or ``checkpoint_io=``), else ``AtomicCheckpointIO``,
@@ -141,7 +130,8 @@ class DataParallelStrategyMixin:
     def feature(self, kind: type[Feature]) -> Any:
         """This strategy's feature of class ``kind`` (``lit_dp.strategies.registry``), None when its options
         leave it off or its front door has none: what a feature offers is read on it, with no strategy edit
-        (``strategy.feature(LocalSGDSchedule).local_sgd``)."""
+        (``strategy.feature(LocalSGDSchedule).local_sgd``), or on the strategy where the feature exposes it
+        (``strategy.local_sgd``)."""
         return self._features.find(kind)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -218,10 +208,12 @@ Strategy = TypeVar("Strategy", bound=type)
 
 
 def front_door(cls: Strategy) -> Strategy:
-    """Give a front door's constructor (its own, else the shared one) the signature its options make: its
-    Lightning base's name for the precision plugin (which it takes through ``**values``) and every option of
-    its scope as a typed keyword (``lit_dp.options.signature``): what ``inspect.signature``, ``help()`` and
-    LightningCLI read."""
+    """Give a front door's class the attributes its features expose (``lit_dp.strategies.exposed``), and its
+    constructor (its own, else the shared one) the signature its options make: its Lightning base's name for
+    the precision plugin (which it takes through ``**values``) and every option of its scope as a typed keyword
+    (``lit_dp.options.signature``): what ``inspect.signature``, ``help()`` and LightningCLI read."""
+    # Before __init__ is replaced by the one below: the names the class's own __init__ sets are taken.
+    expose(cls, serving(cls._options_scope))
     own: Callable[..., None] = cls.__init__
 
     def __init__(self: DataParallelStrategyMixin, *args: Any, **values: Any) -> None:

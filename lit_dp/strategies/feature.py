@@ -6,7 +6,8 @@ size, fault tolerance, the monitors. Each is one ``Feature``: hooks named after 
 lifecycle (its ``Callback`` and ``Strategy``), every one doing nothing by default, and a
 ``state_dict``/``load_state_dict`` pair (torchtitan's ``Stateful``) stored under the feature's own
 ``key`` in the strategy's checkpoint entry. What a feature offers reads as the strategy's own
-attribute where it names it in ``exposes`` (``strategy.local_sgd``), with no strategy edit.
+attribute where it names it in ``exposes`` (``strategy.local_sgd``), with no strategy edit: each
+strategy class it serves gets the attribute as it is defined (``lit_dp.strategies.exposed``).
 ``lit_dp.strategies.registry`` builds them from the options, in an order that is part of the
 contract; the strategies call ``Features``, which calls every feature in that order, and name
 none of them.
@@ -44,7 +45,7 @@ class Run:
     """What a strategy hands its features at ``setup``.
 
     Attributes:
-        strategy: the strategy (its options, ranks, device and ``joined``), read, never written.
+        strategy: the strategy (its options, ranks and device), read, never written.
         model: the wrapped model (the one set up last under Fabric); None outside a fit.
         trainer: the Trainer running it; None under Fabric.
         features: the strategy's features (fault tolerance hands a recovering replica group theirs).
@@ -72,8 +73,10 @@ class Feature:
     """
 
     key: ClassVar[str | None] = None
-    # Attributes of the feature that read as the strategy's own (``strategy.local_sgd``), with no strategy edit:
-    # each name with the value the strategy gives while the options leave the feature off (``Features.exposed``).
+    # Properties and methods of the feature (each with a docstring and a return annotation) that are attributes of
+    # the strategy classes it serves too (``strategy.local_sgd``; ``lit_dp.strategies.exposed``), with no strategy
+    # edit: each name with what the strategy gives while the options leave the feature off (a value; for a method,
+    # the function called in its place, or None where ``build`` never leaves the feature off).
     exposes: ClassVar[dict[str, Any]] = {}
     # Whether a replica group that recovers under fault tolerance takes this feature's state from a peer
     # (``Features.replica_state``): state that must be the same on every group, as LocalSGD's schedule.
@@ -168,9 +171,8 @@ class Feature:
 class Features(Sequence[Feature]):
     """The strategy's features in the registry's order, each hook called on all of them (see the module docstring)."""
 
-    def __init__(self, features: list[Feature], kinds: Sequence[type[Feature]] = ()) -> None:
+    def __init__(self, features: list[Feature]) -> None:
         self._features = features
-        self._kinds = kinds  # every class that could have been built (the registry's): what they expose when off
 
     def __getitem__(self, index: Any) -> Any:
         return self._features[index]
@@ -181,17 +183,6 @@ class Features(Sequence[Feature]):
     def find(self, kind: type[Feature]) -> Any:
         """The feature of type ``kind``, if built (``strategy.feature(kind)``)."""
         return next((feature for feature in self._features if isinstance(feature, kind)), None)
-
-    def exposed(self, name: str) -> Any:
-        """The attribute ``name`` of the feature that exposes it (``Feature.exposes``); its value for the
-        options that leave that feature off when none is built; ``KeyError`` when no feature exposes it."""
-        for feature in self._features:
-            if name in type(feature).exposes:
-                return getattr(feature, name)
-        for kind in self._kinds:
-            if name in kind.exposes:
-                return kind.exposes[name]
-        raise KeyError(name)
 
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
         for feature in self._features:

@@ -40,24 +40,16 @@ log = logging.getLogger(__name__)
 _REPLICAS = "replicas"
 
 
-def _never_joined() -> bool:
-    return False
-
-
 class LocalSGDSchedule(Feature):
     """The averager while fitting with ``local_sgd_steps`` (``local_sgd``), and its state, every rank's, in checkpoints."""
 
     key = "local_sgd"
-    exposes = {"local_sgd": None}  # strategy.local_sgd: the averager while fitting, else None
-    local_sgd: LocalSGD | None
+    exposes = {"local_sgd": None}  # strategy.local_sgd, None without local_sgd_steps
     shared_by_replicas = True  # across torchft's replica groups a recovering one takes a peer's schedule and snapshot
 
     def __init__(self, options: LocalSGDOptions) -> None:
         self._options = options
-        # The strategy's: this rank replays the step. A module-level function until setup, so that a
-        # spawning launcher can pickle the strategy with its features.
-        self._joined: Callable[[], bool] = _never_joined
-        self.local_sgd: LocalSGD | None = None  # from setup to teardown
+        self._local_sgd: LocalSGD | None = None  # from setup to teardown
         self._run: Run | None = None  # from setup to teardown: the model and (Trainer) optimizers
         self._optimizers: list[Any] = []  # Fabric's, as each is set up
         self._resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
@@ -68,11 +60,17 @@ class LocalSGDSchedule(Feature):
     def build(cls, options: Options) -> LocalSGDSchedule | None:
         return cls(options.local_sgd) if options.local_sgd.steps is not None else None
 
+    @property
+    def local_sgd(self) -> LocalSGD | None:
+        """The averager (``lit_dp.LocalSGD``: its schedule, ``sync_count``, ``state_dict()``) while fitting with
+        ``local_sgd_steps``, from setup to teardown; None before and after, and without the option."""
+        return self._local_sgd
+
     @override
     def setup(self, run: Run) -> None:
         if run.model is None or not run.fitting:
             return
-        if self.local_sgd is not None:  # Fabric: a second model set up in the same run
+        if self._local_sgd is not None:  # Fabric: a second model set up in the same run
             raise ValueError(
                 f"local_sgd_steps={self._options.steps} averages one model, and fabric.setup was given a second one "
                 "before fabric.strategy.teardown(): expected one model per run, or lit_dp.LocalSGD(model, ...) "
@@ -85,8 +83,7 @@ class LocalSGDSchedule(Feature):
                 "training loss, which only automatic optimization hands to the strategy. Use a fixed local_sgd_steps."
             )
         self._run = run
-        self._joined = lambda: run.strategy.joined
-        self.local_sgd = LocalSGD(
+        self._local_sgd = LocalSGD(
             run.model,
             options.steps,
             options.warmup_steps,
@@ -103,11 +100,11 @@ class LocalSGDSchedule(Feature):
         )
         log.debug(
             "LocalSGD on: parameters averaged after optimizer steps (lit_dp.LocalSGD), in %d fragment(s)",
-            self.local_sgd.fragments,
+            self._local_sgd.fragments,
         )
         if self._resumed is not None:  # a Trainer's resume: this rank's own states wait for its first step
             log.debug("LocalSGD: schedule restored from the checkpoint")
-            self.local_sgd.load_state_dict(self._resumed)
+            self._local_sgd.load_state_dict(self._resumed)
             self._resumed = None
 
     @override
@@ -125,31 +122,32 @@ class LocalSGDSchedule(Feature):
     @override
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
         output = step(closure)
-        if self.local_sgd is not None:
+        if self._local_sgd is not None:
+            assert self._run is not None and self._run.features is not None  # both strategies' setup hands them
             loss = output if self._options.adaptive else None
-            self.local_sgd.step(loss, optimizer.param_groups[0]["lr"], joined=self._joined())
+            # Joined: this rank replays the step without a batch (the Trainer's uneven inputs).
+            self._local_sgd.step(loss, optimizer.param_groups[0]["lr"], joined=self._run.features.joined)
         return output
 
     @override
     def on_train_end(self) -> None:
-        if self.local_sgd is not None:
-            self.local_sgd.finish()
+        if self._local_sgd is not None:
+            self._local_sgd.finish()
 
     @override
     def teardown(self) -> None:
-        self.local_sgd = None
+        self._local_sgd = None
         self._run = None
         self._optimizers = []
         self._replica = None
-        self._joined = _never_joined
 
     @override
     def state_dict(self) -> dict[str, Any] | None:
         """``LocalSGD.state_dict()``, and in the local phase ``replicas``: every rank's model and optimizer
         states, gathered to global rank 0 (a collective: every rank calls it, as every rank saves)."""
-        if self.local_sgd is None:
+        if self._local_sgd is None:
             return None
-        state = self.local_sgd.state_dict()
+        state = self._local_sgd.state_dict()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._replicas_differ(state):
             state[_REPLICAS] = self._gather_replicas()
         return state
@@ -162,11 +160,11 @@ class LocalSGDSchedule(Feature):
         fault tolerance) takes it at once, this rank's own model and optimizer states with it."""
         self._replica = None if state is None else self._own_replica(state)
         schedule = None if state is None else {key: value for key, value in state.items() if key != _REPLICAS}
-        if self.local_sgd is None or schedule is None:
+        if self._local_sgd is None or schedule is None:
             self._resumed = schedule  # the others' states go
             return
         log.debug("LocalSGD: schedule restored from the checkpoint")
-        self.local_sgd.load_state_dict(schedule)
+        self._local_sgd.load_state_dict(schedule)
         self._resumed = None
         self.restore_replica()
 

@@ -2,7 +2,9 @@
 
 Each line is a feature class (``lit_dp.strategies.feature.Feature``) and the front doors it
 serves. ``build_features`` makes those that the options turn on (``Feature.build``), once per
-strategy, when it is built: a checkpoint is loaded before the run is set up.
+strategy, when it is built: a checkpoint is loaded before the run is set up. What a feature
+exposes (``Feature.exposes``) becomes an attribute of the strategy classes of the doors it
+serves as they are defined (``lit_dp.strategies.exposed``).
 
 The order is part of the contract. Hooks that pass a value on go down the list, hooks that wrap
 a call nest with the first outermost, teardown goes up it:
@@ -53,7 +55,13 @@ FEATURES: tuple[tuple[type[Feature], tuple[str, ...]], ...] = (
 )
 
 
+def serving(door: str) -> list[type[Feature]]:
+    """The features of ``FEATURES`` that serve ``door`` (``TRAINER`` or ``FABRIC``), in order: those its strategy
+    builds, and whose exposed attributes its class has (``lit_dp.strategies.exposed``)."""
+    return [feature for feature, doors in FEATURES if door in doors]
+
+
 def build_features(options: Options, door: str) -> Features:
-    """The features of ``FEATURES`` that serve ``door`` (``TRAINER`` or ``FABRIC``) and that ``options`` turn on."""
-    built = (feature.build(options) for feature, doors in FEATURES if door in doors)
-    return Features([feature for feature in built if feature is not None], [feature for feature, _ in FEATURES])
+    """The features that serve ``door`` and that ``options`` turn on."""
+    built = (feature.build(options) for feature in serving(door))
+    return Features([feature for feature in built if feature is not None])

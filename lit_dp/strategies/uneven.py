@@ -103,7 +103,7 @@ class UnevenInputs(Feature):
         enabled: the ``uneven_inputs`` option.
     """
 
-    exposes = {"joined": False}  # strategy.joined; False where no strategy has the feature (Fabric)
+    exposes = {"joined": False}  # the Trainer's strategy.joined; built for every option: never off
 
     def __init__(self, enabled: bool) -> None:
         self._enabled = enabled
@@ -276,18 +276,10 @@ class UnevenInputs(Feature):
             self._exchange.reset("val")
 
 
-def _join_is_fabrics(*args: Any, **kwargs: Any) -> DataParallelJoin:
-    """``strategy.join`` where the strategy has no ``FabricUnevenInputs``: the Trainer's."""
-    raise TypeError(
-        "strategy.join(model) is the Fabric strategy's way to train on uneven inputs; under the Trainer, build "
-        "the strategy with uneven_inputs=True (lit_dp.PaddleDPStrategy(uneven_inputs=True))."
-    )
-
-
 class FabricUnevenInputs(Feature):
     """Uneven inputs in a Fabric loop: ``with fabric.strategy.join(model):`` (torch's ``Join``), exposed on the strategy."""
 
-    exposes = {"join": _join_is_fabrics}
+    exposes = {"join": None}  # built for every option: never off
 
     def join(
         self,

@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import ParallelStrategy as TrainerParallelStra
 
 from lit_dp import PaddleDPStrategy, fabric
 from lit_dp.strategies.base import register_families
+from lit_dp.strategies.exposed import exposed
 from lit_dp.strategies.feature import Run
 from lit_dp.strategies.process_group import default_backend, lightning_parallel_env
 from tests.helpers.groups import one_rank_group
@@ -158,14 +159,17 @@ def test_a_live_group_of_another_size_is_refused_with_the_remedy(strategy_type):
 
 def own_members(cls: type, lightning_base: type) -> set[str]:
     """The methods, properties, static and class methods the classes of ``cls``'s MRO define that are not in
-    ``lightning_base``'s: what the strategy adds to the Lightning class it derives from."""
+    ``lightning_base``'s: what the strategy adds to the Lightning class it derives from. The attributes its
+    features expose are the features' (``lit_dp.strategies.exposed`` writes each from the feature's own property
+    or method, and the strategy's source has none of them), as they were when ``__getattr__`` forwarded them."""
     names: set[str] = set()
     for klass in cls.__mro__:
         if klass not in lightning_base.__mro__:
             names |= {
                 name
                 for name, value in vars(klass).items()
-                if callable(value) or isinstance(value, (property, staticmethod, classmethod))
+                if (callable(value) or isinstance(value, (property, staticmethod, classmethod)))
+                and name not in exposed(klass)
             }
     return names
 

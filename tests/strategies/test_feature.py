@@ -136,29 +136,6 @@ def _register(feature: type[Feature]) -> tuple:
     return (*features[:-1], (feature, registry.BOTH), features[-1])
 
 
-class _Answering(Feature):
-    """Exposes ``answer`` on the strategy, built unless ``comm_stats`` is on (standing for an option turning it off)."""
-
-    exposes = {"answer": "off"}
-
-    @classmethod
-    def build(cls, options: Options) -> _Answering | None:
-        return None if options.comm_stats else cls()
-
-    @property
-    def answer(self) -> int:
-        return 42
-
-
-@pytest.mark.parametrize("door", [lit_dp.PaddleDPStrategy, lit_dp.fabric.PaddleDPStrategy], ids=["trainer", "fabric"])
-def test_a_feature_exposes_an_attribute_on_both_strategies_without_a_strategy_edit(monkeypatch, door):
-    monkeypatch.setattr(registry, "FEATURES", _register(_Answering))
-    assert door().answer == 42
-    assert door(comm_stats=True).answer == "off"  # the feature's value while it is off
-    with pytest.raises(AttributeError, match="'PaddleDPStrategy' object has no attribute 'question'"):
-        door().question  # noqa: B018 - the attribute read is what is tested
-
-
 @pytest.fixture
 def step_count(monkeypatch):
     feature = _documented_example()

@@ -335,10 +335,11 @@ def test_fabric_strategy_join_trains_uneven_inputs_in_a_hand_written_loop():
         torch.testing.assert_close(torch.tensor(ours), expected)
 
 
-def test_join_takes_what_fabric_setup_returned_and_under_the_trainer_names_uneven_inputs():
+def test_join_takes_what_fabric_setup_returned_and_is_no_attribute_under_the_trainer():
+    """The Trainer's way is ``uneven_inputs=True``: its strategy has no ``join``, as Lightning's ``DDPStrategy``."""
     from lit_dp import fabric
 
     with pytest.raises(TypeError, match=r"expects the module returned by fabric.setup .* got Linear"):
         fabric.PaddleDPStrategy().join(nn.Linear(1, 1))
-    with pytest.raises(TypeError, match=r"under the Trainer, build the strategy with uneven_inputs=True"):
+    with pytest.raises(AttributeError, match=r"^'PaddleDPStrategy' object has no attribute 'join'$"):
         PaddleDPStrategy().join(nn.Linear(1, 1))
