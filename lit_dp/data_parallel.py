@@ -62,6 +62,7 @@ from lit_dp.options.comm_hooks import declared_stateless
 from lit_dp.options.docs import options_doc
 from lit_dp.options.fault_tolerance import UNDER_MANAGER, refuse_what_replicas_cannot_follow
 from lit_dp.options.signature import takes_options
+from lit_dp.options.warning import LitDPDeprecationWarning, LitDPFutureWarning, LitDPWarning
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ class DataParallel(nn.Module, Joinable):
             warnings.warn(
                 "DataParallel(check_reduction=True): deprecated in torch DDP and without effect there or here; "
                 "lit_dp raises on every rank when a parameter got no gradient (see find_unused_parameters).",
-                FutureWarning,
+                LitDPFutureWarning,
                 stacklevel=2,
             )
         group = chosen_group(process_group, group, device_mesh)
@@ -260,8 +261,9 @@ class DataParallel(nn.Module, Joinable):
         if not rings:
             refuse_a_launched_job_without_a_group()
             warnings.warn(
-                "lit_dp.DataParallel: world size is 1 and no process group exists; "
+                "DataParallel: world size is 1 and no process group exists; "
                 "the module runs unchanged without gradient synchronisation.",
+                LitDPWarning,
                 stacklevel=2,
             )
         elif init_sync and manager is None:
@@ -467,12 +469,12 @@ class DataParallel(nn.Module, Joinable):
     @property
     def local_sgd(self) -> Any:
         """Deprecated: ``model.join_state.local_sgd`` (the model itself no longer reads its LocalSGD)."""
-        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.local_sgd"), DeprecationWarning, stacklevel=2)
+        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.local_sgd"), LitDPDeprecationWarning, stacklevel=2)
         return self.join_state.local_sgd
 
     def use_local_sgd(self, local_sgd: Any) -> None:
         """Deprecated: a ``lit_dp.LocalSGD`` tells its model itself (``join_state.driven_by``, ``keep_gradients_local``)."""
-        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.use_local_sgd"), DeprecationWarning, stacklevel=2)
+        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.use_local_sgd"), LitDPDeprecationWarning, stacklevel=2)
         self.join_state.driven_by(local_sgd)
         self.keep_gradients_local(local_sgd.in_local_phase)
 
