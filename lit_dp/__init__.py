@@ -23,6 +23,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from lit_dp.job.orphans import bind_to_launcher as _bind_to_launcher
 from lit_dp.options import Options
 from lit_dp.options.warning import install as _install_warning_format
 
@@ -93,6 +94,7 @@ class _AfterLightningLoads(importlib.abc.MetaPathFinder):
 
 
 _install_warning_format()  # lit_dp's warnings read as its other lines, one `[lit_dp] ...` line each
+_bind_to_launcher()  # a rank lit_dp's launcher started ends with it (lit_dp.job.orphans)
 
 if "lightning" in sys.modules:
     _load_lightning_layer()

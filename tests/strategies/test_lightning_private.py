@@ -302,3 +302,13 @@ def test_the_scan_finds_each_kind_of_use(tmp_path, monkeypatch):
         "trainer._signal_connector",
         "getattr(module, '_trainer')",
     ], uses
+
+
+def test_the_ranks_a_script_launcher_starts_are_started_by_lightnings_own_method(monkeypatch):
+    from lit_dp.strategies.lightning_private import FabricScriptLauncher, TrainerScriptLauncher, start_script_ranks
+
+    for launcher_class in (TrainerScriptLauncher, FabricScriptLauncher):
+        started = []
+        monkeypatch.setattr(launcher_class, "_call_children_scripts", lambda launcher: started.append(launcher))
+        start_script_ranks("the launcher", launcher_class)
+        assert started == ["the launcher"]
