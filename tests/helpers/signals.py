@@ -55,7 +55,7 @@ class PauseIn(pl.Callback):
         self._done = False
         setattr(self, hook, self._pause)
 
-    def _pause(self, trainer: pl.Trainer, *args) -> None:
+    def _pause(self, trainer: pl.Trainer, *args, **kwargs) -> None:
         if trainer.sanity_checking or trainer.global_rank != 0 or self._done:
             return
         self._done = True
