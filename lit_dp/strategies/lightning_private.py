@@ -173,6 +173,15 @@ def replace_signal_connector(trainer: Any, connector: Any) -> None:
     _replace(trainer, "_signal_connector", connector)
 
 
+def replace_saved_signal_handlers(trainer: Any, replace: Callable[[int, Any], Any]) -> None:
+    """What the Trainer's signal connector puts back at its teardown (``_original_handlers``, saved as
+    the run stage began; empty once it has put them back): each ``handler`` of ``signum`` becomes
+    ``replace(signum, handler)``."""
+    connector = signal_connector(trainer)
+    saved = _read(connector, "_original_handlers")
+    _replace(connector, "_original_handlers", {signum: replace(signum, handler) for signum, handler in saved.items()})
+
+
 def skip_sigterm_broadcast(epoch_loop: Any) -> None:
     """Before every training batch Lightning's loop broadcasts rank 0's SIGTERM flag: a blocking
     collective, and on CUDA a host synchronisation, on every step. Its signal connector sets that

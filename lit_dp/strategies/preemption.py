@@ -76,6 +76,7 @@ from lit_dp.strategies.lightning_private import (
     TrainerMultiProcessingLauncher,
     TrainerScriptLauncher,
     cluster_environment,
+    replace_saved_signal_handlers,
     replace_signal_connector,
     restore_sigterm_broadcast,
     signal_connector,
@@ -432,6 +433,10 @@ class BoundScriptLauncher(TrainerScriptLauncher):
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            if trainer is not None:
+                # After a fit that raised, Lightning tears the Trainer down once this returns, and its signal
+                # connector would put back what it saved as the run stage began: this handler, for good.
+                replace_saved_signal_handlers(trainer, lambda signum, handler: previous[signum] if handler is stop else handler)
 
     @override
     def _call_children_scripts(self) -> None:

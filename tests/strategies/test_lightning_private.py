@@ -95,6 +95,24 @@ def test_attached_trainer_is_none_until_a_trainer_holds_the_module(tmp_path):
     assert private.attached_trainer(module) is trainer
 
 
+def test_what_the_signal_connector_puts_back_at_teardown_is_replaced(tmp_path):
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    trainer = tiny_trainer(tmp_path)
+    connector = private.signal_connector(trainer)
+    before = signal.getsignal(signal.SIGTERM)
+    connector.register_signal_handlers()
+    try:
+        private.replace_saved_signal_handlers(trainer, lambda signum, handler: mine if signum == signal.SIGTERM else handler)
+        connector.teardown()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_the_signal_connector_is_read_and_replaced_where_the_trainer_keeps_it(tmp_path):
     trainer = tiny_trainer(tmp_path)
     connector = private.signal_connector(trainer)
