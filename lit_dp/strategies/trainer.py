@@ -45,9 +45,16 @@ from lit_dp.strategies import process_group
 from lit_dp.strategies.base import DataParallelStrategyMixin, front_door
 from lit_dp.strategies.checkpoint_io import save_checkpoint
 from lit_dp.strategies.feature import CHECKPOINT_KEY, Run
-from lit_dp.strategies.lightning_private import attached_trainer, optimizers_to_device, sync_ddp_if_available
+from lit_dp.strategies.lightning_private import (
+    attached_trainer,
+    optimizers_to_device,
+    sync_ddp_if_available,
+)
 from lit_dp.strategies.precision import DataParallelPrecision, for_data_parallel
-from lit_dp.strategies.preemption import BoundScriptLauncher, ForwardingMultiProcessingLauncher
+from lit_dp.strategies.preemption import (
+    BoundScriptLauncher,
+    ForwardingMultiProcessingLauncher,
+)
 
 log = logging.getLogger(__name__)
 
