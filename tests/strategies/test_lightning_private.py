@@ -327,6 +327,6 @@ def test_the_ranks_a_script_launcher_starts_are_started_by_lightnings_own_method
 
     for launcher_class in (TrainerScriptLauncher, FabricScriptLauncher):
         started = []
-        monkeypatch.setattr(launcher_class, "_call_children_scripts", lambda launcher: started.append(launcher))
+        monkeypatch.setattr(launcher_class, "_call_children_scripts", started.append)
         start_script_ranks("the launcher", launcher_class)
         assert started == ["the launcher"]
