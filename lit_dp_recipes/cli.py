@@ -290,14 +290,8 @@ def _foreign_experiment(choice: Override, recipe: str, chosen: DictConfig, witho
     )
 
 
-def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
-    keys = []
-    for key, value in node.items():
-        if isinstance(value, dict) and value:
-            keys += _leaf_keys(value, f"{prefix}{key}.")
-        else:
-            keys.append(prefix + str(key))
-    return keys
+def _leaf_keys(node: Any) -> list[str]:
+    return [key for key, _ in _leaf_items(node)]
 
 
 def _groups(loader: Any, parent: str = "") -> set[str]:
