@@ -23,7 +23,9 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from lit_dp.job.orphans import bind_to_launcher as _bind_to_launcher
 from lit_dp.options import Options
+from lit_dp.options.warning import install as _install_warning_format
 
 # The other public names, each loaded with its module on first use (PEP 562); the Lightning
 # layer's among them.
@@ -90,6 +92,9 @@ class _AfterLightningLoads(importlib.abc.MetaPathFinder):
         spec.loader.exec_module = execute_then_load_ours  # type: ignore[method-assign]
         return spec
 
+
+_install_warning_format()  # lit_dp's warnings read as its other lines, one `[lit_dp] ...` line each
+_bind_to_launcher()  # a rank lit_dp's launcher started ends with it (lit_dp.job.orphans)
 
 if "lightning" in sys.modules:
     _load_lightning_layer()

@@ -52,6 +52,7 @@ from lit_dp.options.comm_hooks import declared_stateless
 from lit_dp.options.docs import options_doc
 from lit_dp.options.fault_tolerance import UNDER_MANAGER, refuse_what_replicas_cannot_follow
 from lit_dp.options.signature import takes_options
+from lit_dp.options.warning import LitDPFutureWarning, LitDPWarning
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
             warnings.warn(
                 "DataParallel(check_reduction=True): deprecated in torch DDP and without effect there or here; "
                 "lit_dp raises on every rank when a parameter got no gradient (see find_unused_parameters).",
-                FutureWarning,
+                LitDPFutureWarning,
                 stacklevel=2,
             )
         group = chosen_group(process_group, group, device_mesh)
@@ -230,8 +231,9 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
         if not rings:
             refuse_a_launched_job_without_a_group()
             warnings.warn(
-                "lit_dp.DataParallel: world size is 1 and no process group exists; "
+                "DataParallel: world size is 1 and no process group exists; "
                 "the module runs unchanged without gradient synchronisation.",
+                LitDPWarning,
                 stacklevel=2,
             )
         elif init_sync and manager is None:

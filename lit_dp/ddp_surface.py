@@ -24,6 +24,7 @@ from lit_dp.job.process_group import get_rings
 from lit_dp.observability.autotune import settled_step
 from lit_dp.options import AUTO
 from lit_dp.options.fault_tolerance import UNDER_MANAGER
+from lit_dp.options.warning import LitDPDeprecationWarning
 
 log = logging.getLogger("lit_dp.data_parallel")  # the model's own lines, under its logger
 
@@ -137,12 +138,12 @@ class DDPSurface:
     @property
     def local_sgd(self) -> Any:
         """Deprecated: ``model.join_state.local_sgd`` (the model itself no longer reads its LocalSGD)."""
-        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.local_sgd"), DeprecationWarning, stacklevel=2)
+        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.local_sgd"), LitDPDeprecationWarning, stacklevel=2)
         return self.join_state.local_sgd
 
     def use_local_sgd(self, local_sgd: Any) -> None:
         """Deprecated: a ``lit_dp.LocalSGD`` tells its model itself (``join_state.driven_by``, ``keep_gradients_local``)."""
-        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.use_local_sgd"), DeprecationWarning, stacklevel=2)
+        warnings.warn(_MOVED_TO_JOIN_STATE.format("DataParallel.use_local_sgd"), LitDPDeprecationWarning, stacklevel=2)
         self.join_state.driven_by(local_sgd)
         self.keep_gradients_local(local_sgd.in_local_phase)
 

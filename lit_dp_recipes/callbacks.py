@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from typing import Any
 
@@ -14,7 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lit_dp.options import TRAINER
 from lit_dp.strategies.lightning_private import ddp_comm_hook, ddp_kwargs
 from lit_dp.strategies.trainer import PaddleDPStrategy
-from lit_dp_recipes.report import say
+from lit_dp_recipes.report import metric, say
 
 
 def describe_strategy(strategy: Strategy, world_size: int) -> str:
@@ -44,22 +46,49 @@ class RunSummary(pl.Callback):
             say(describe_strategy(trainer.strategy, trainer.world_size))
 
 
-class ProgressLines(pl.Callback):
-    """Where the output is not a terminal (a log file, a pipe), one line per validation instead of a progress bar.
+def draws_a_bar(stream: Any = None) -> bool:
+    """Whether a progress bar written to ``stream`` (default standard output, where Lightning's bar
+    writes) is seen: only on a terminal that reports its width. A file or a pipe keeps each redraw
+    (a digits run piped to a file wrote 136 KB of carriage returns), and on a terminal of width 0
+    (a pseudo-terminal nobody sized: ``script`` started without a terminal, some containers and CI
+    consoles) tqdm draws nothing at all, so that a run showed no progress from start to end."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor, or a closed one
+        return False
 
-    A progress bar redraws itself with carriage returns, which a file keeps: a digits run piped
-    to a file wrote 136 KB of them. ``train`` puts this callback in the bar's place when standard
-    error is not a terminal: rank 0 prints ``[lit_dp] epoch E, step S: name=value ...`` with the
-    metrics logged so far, after each validation (the sanity check's aside).
+
+class ProgressLines(pl.Callback):
+    """Where no bar is seen (``draws_a_bar``), one line per validation instead of a progress bar.
+
+    ``train`` puts this callback in the bar's place: rank 0 prints ``[lit_dp] epoch E, step S:
+    name=value ... (R steps/s)`` after each validation (the sanity check's aside): the metrics
+    logged so far but the ``comm/*`` statistics (those go to the loggers), and the optimizer steps
+    per second since the previous line, validation and checkpoints included: the pace a reader of
+    the log sees. One line per epoch for the digits, per ``trainer.val_check_interval`` for the GPT.
     """
+
+    def __init__(self) -> None:
+        self._since: float | None = None  # when the previous line was printed (the fit's start)
+        self._step = 0  # the optimizer step it reported
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._since, self._step = time.perf_counter(), trainer.global_step
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero:
             return
         metrics = " ".join(
-            f"{name}={float(value):.4f}" for name, value in sorted(trainer.callback_metrics.items()) if "/" not in name
+            f"{name}={metric(float(value))}" for name, value in sorted(trainer.callback_metrics.items()) if "/" not in name
         )
-        say(f"epoch {trainer.current_epoch}, step {trainer.global_step}: {metrics}".rstrip(": "))
+        now, steps = time.perf_counter(), trainer.global_step - self._step
+        pace = ""
+        if self._since is not None and steps > 0 and now > self._since:
+            rate = steps / (now - self._since)
+            pace = f" ({rate:.1f} steps/s)" if rate >= 10 else f" ({rate:.2f} steps/s)"
+        self._since, self._step = now, trainer.global_step
+        say(f"epoch {trainer.current_epoch}, step {trainer.global_step}: {metrics}".rstrip(": ") + pace)
 
 
 class StepThroughput(pl.Callback):

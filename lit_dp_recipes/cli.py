@@ -63,6 +63,13 @@ HYDRA_VERSION_BASE = "1.3"
 STRATEGY_GROUP = "strategy"
 EXPERIMENT_GROUP = "experiment"
 MULTIRUN_FLAGS = ("-m", "--multirun")
+# Hydra's own command-line flags (its argparse parser, hydra._internal.utils.get_args_parser): everything
+# else that starts with a dash is an argparse habit (`--devices=2`), answered with the override to type.
+HYDRA_FLAGS = (
+    "--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p", "--run", "-r",
+    "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
+    "--config-dir", "-cd", "--experimental-rerun", "--info", "-i",
+)
 ERROR = "error: "
 HYDRA_GRAMMAR = "https://hydra.cc/docs/1.3/advanced/override_grammar/basic"
 
@@ -97,9 +104,15 @@ def recipe_main(task: str, config_name: str) -> Callable[[], None]:
 def command_line_mistakes(config_name: str, arguments: Sequence[str]) -> list[str]:
     """One message per mistake in the overrides ``arguments`` of ``config_name``; none when all is well.
 
-    Hydra's own flags other than ``-m`` (``--cfg``, ``--help``, ``-cn``, ...) and a
-    ``hydra.searchpath`` (config folders of the user's) leave the checking to Hydra. Keys added with ``+`` or removed with ``~`` are the user's business and not looked up.
+    A flag that is not Hydra's (``--devices=2``, typed from argparse habit) is answered with the
+    override to type instead (``argparse_habits``). Hydra's own flags other than ``-m``
+    (``--cfg``, ``--help``, ``-cn``, ...) and a ``hydra.searchpath`` (config folders of the
+    user's) leave the checking to Hydra. Keys added with ``+`` or removed with ``~`` are the
+    user's business and not looked up.
     """
+    habits = argparse_habits(config_name, arguments)
+    if habits:
+        return habits
     if any(argument.startswith("-") and argument not in MULTIRUN_FLAGS for argument in arguments):
         return []
     if any(argument.lstrip("+").startswith("hydra.searchpath") for argument in arguments):
@@ -115,6 +128,73 @@ def command_line_mistakes(config_name: str, arguments: Sequence[str]) -> list[st
             if mistake not in mistakes:
                 mistakes.append(mistake)
     return mistakes
+
+
+def argparse_habits(config_name: str, arguments: Sequence[str]) -> list[str]:
+    """One line per flag of ``arguments`` that Hydra does not take (``--devices=2``, ``--max-epochs 3``,
+    ``--fast_dev_run``), naming the override that sets it (``trainer.devices=2``): Hydra would answer
+    with its usage screen and "unrecognized arguments". Hydra's flags, and the abbreviations of its
+    long ones that argparse accepts (``--conf``), are left to it."""
+    flagged = [(i, a) for i, a in enumerate(arguments) if a.startswith("-") and a != "-" and not _hydra_flag(a.split("=", 1)[0])]
+    if not flagged:
+        return []
+    values = _config_values(config_name)
+    habits = []
+    for index, argument in flagged:
+        flag, given, value = argument.partition("=")
+        following = arguments[index + 1] if index + 1 < len(arguments) else None
+        if not given and following is not None and not following.startswith("-") and "=" not in following:
+            argument, value, given = f"{argument} {following}", following, "="  # `--devices 2`
+        habits.append(f"{argument}: the recipes take Hydra overrides, key=value without dashes: "
+                      f"{_hydra_spelling(flag, value if given else None, values)}")
+    return habits
+
+
+def _hydra_flag(flag: str) -> bool:
+    if flag in HYDRA_FLAGS:
+        return True
+    # argparse takes an unambiguous start of a long flag (allow_abbrev), and refuses an ambiguous one itself.
+    return flag.startswith("--") and len(flag) > 2 and any(f.startswith(flag) for f in HYDRA_FLAGS if f.startswith("--"))
+
+
+def _hydra_spelling(flag: str, value: str | None, values: dict[str, Any]) -> str:
+    """The override ``flag`` meant: ``trainer.devices=2`` (``--devices=2``, ``--trainer.devices=2``); the
+    keys ending so where there are several; the near ones, or how to list them, where there is none."""
+    name = flag.lstrip("-").replace("-", "_")
+    keys = [name] if name in values else [key for key in values if key.endswith("." + name)]
+
+    def override(key: str) -> str:
+        if value is not None:
+            return f"{key}={value}"
+        return f"{key}=true" if isinstance(values.get(key), bool) else f"{key}=..."
+
+    if keys:
+        return " or ".join(map(override, keys))
+    last = {key.rsplit(".", 1)[-1]: key for key in reversed(values)}  # the first key of each last name
+    near = did_you_mean(name, list(last), lambda c: override(last[c]))
+    return (near or f"the config has no key {name}") + " (--cfg job prints the config)"
+
+
+def _config_values(config_name: str) -> dict[str, Any]:
+    """The config's keys, dotted, with their values (as written: interpolations unresolved); Hydra's own left out."""
+    owned = not GlobalHydra.instance().is_initialized()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=HYDRA_VERSION_BASE):
+            cfg = OmegaConf.to_container(compose(config_name), resolve=False)
+    finally:
+        if owned:
+            GlobalHydra.instance().clear()
+    return {key: value for key, value in _leaf_items(cfg) if not any(part.startswith("_") for part in key.split("."))}
+
+
+def _leaf_items(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    items = []
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            items += _leaf_items(value, f"{prefix}{key}.")
+        else:
+            items.append((prefix + str(key), value))
+    return items
 
 
 def _unreadable(argument: str) -> str | None:
@@ -210,14 +290,8 @@ def _foreign_experiment(choice: Override, recipe: str, chosen: DictConfig, witho
     )
 
 
-def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
-    keys = []
-    for key, value in node.items():
-        if isinstance(value, dict) and value:
-            keys += _leaf_keys(value, f"{prefix}{key}.")
-        else:
-            keys.append(prefix + str(key))
-    return keys
+def _leaf_keys(node: Any) -> list[str]:
+    return [key for key, _ in _leaf_items(node)]
 
 
 def _groups(loader: Any, parent: str = "") -> set[str]:

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_dp.ddp_arguments import ddp_strategy_arguments
 from lit_dp.options import TRAINER, Declared, Options, declared_options
+from lit_dp.options.warning import LitDPWarning
 from lit_dp_recipes.run_folder import register_resolvers
 from lit_dp_recipes.spelling import did_you_mean
 
@@ -274,7 +275,7 @@ def check_epoch_against_trainer(trainer: DictConfig, datamodule: Any) -> None:
         limited = f", trainer.limit_train_batches={limit}" if epoch < batches else ""
         raise ValueError(
             f"trainer.val_check_interval={interval} is invalid: an epoch is {epoch} training batches per rank here "
-            f"(data.batch_size={datamodule.batch_size}, {ranks} ranks{limited}); expected at most {epoch}, a fraction "
+            f"(data.batch_size={datamodule.batch_size}, {ranks} rank{'s' * (ranks != 1)}{limited}); expected at most {epoch}, a fraction "
             "of an epoch (0.5: twice an epoch), or trainer.check_val_every_n_epoch=null to count batches across epochs."
         )
 
@@ -374,7 +375,8 @@ def check_cpu_devices(accelerator: Any, devices: Any, cores: int | None = None) 
 
         rank_zero_warn(
             f"trainer.devices={devices} starts more CPU processes than the {cores} cores this machine gives: "
-            f"they share the cores, so each step takes longer (at most {bound} are accepted)."
+            f"they share the cores, so each step takes longer (at most {bound} are accepted).",
+            category=LitDPWarning,
         )
 
 

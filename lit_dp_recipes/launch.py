@@ -37,7 +37,9 @@ from hydra.utils import get_original_cwd, to_absolute_path
 from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
+from lit_dp.job.orphans import launcher_environment
 from lit_dp.strategies.lightning_private import TrainerScriptLauncher, replace_launcher
+from lit_dp.strategies.preemption import BoundScriptLauncher
 
 # What Lightning's script launcher exports into the launching process (_call_children_scripts).
 LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -69,15 +71,17 @@ def sweep_job() -> Iterator[None]:
 def use_job_launcher(strategy: Strategy) -> None:
     """Start ``strategy``'s ranks with ``JobScriptLauncher`` where Lightning would re-run ``sys.argv`` under Hydra."""
     launcher = getattr(strategy, "launcher", None)
-    if type(launcher) is TrainerScriptLauncher and HydraConfig.initialized():
+    if type(launcher) in (TrainerScriptLauncher, BoundScriptLauncher) and HydraConfig.initialized():
         # The launcher is used when the Trainer runs, so replacing it before `fit` is enough.
-        replace_launcher(
-            strategy, JobScriptLauncher(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
-        )
+        job_launcher = JobScriptLauncher(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+        # Lightning's own (strategy=ddp) leaves stop signals outside the fit to the default, as Lightning does.
+        job_launcher.stops_outside_the_fit = isinstance(launcher, BoundScriptLauncher)
+        replace_launcher(strategy, job_launcher)
 
 
-class JobScriptLauncher(TrainerScriptLauncher):
-    """Lightning's script launcher, with each rank's command line taken from the Hydra job, not ``sys.argv``."""
+class JobScriptLauncher(BoundScriptLauncher):
+    """lit_dp's script launcher, with each rank's command line taken from the Hydra job, not ``sys.argv``;
+    its ranks end with it (``lit_dp.job.orphans``), under any strategy."""
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -104,7 +108,7 @@ class JobScriptLauncher(TrainerScriptLauncher):
         os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
         for local_rank in range(1, self.num_processes):
-            env = {**os.environ, "LOCAL_RANK": str(local_rank)}
+            env = launcher_environment({**os.environ, "LOCAL_RANK": str(local_rank)})
             if os.environ.get("PL_GLOBAL_SEED") is None:
                 env.pop("PL_GLOBAL_SEED", None)
             self.procs.append(subprocess.Popen(rank_command(local_rank), env=env, cwd=get_original_cwd()))

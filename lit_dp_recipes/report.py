@@ -18,6 +18,15 @@ PREFIX = "[lit_dp] "
 log = logging.getLogger(__name__)
 
 
+def metric(value: float) -> str:
+    """A metric as a line shows it: four decimals for a loss or an accuracy (``val_acc=0.9722``), one
+    from 100 up and none from 1000 up, where more digits are noise (``tokens_per_sec=24101``)."""
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:.0f}"
+    return f"{value:.1f}" if magnitude >= 100 else f"{value:.4f}"
+
+
 def say(message: str) -> None:
     """Print ``[lit_dp] message`` on rank 0 and write it to the job's log file."""
     if rank_zero_only.rank != 0:

@@ -211,9 +211,10 @@ class TokenDataModule(pl.LightningDataModule):
         for split, windows, shards in (("train", train, self.train_shards), ("val", val, self.val_shards)):
             if len(windows) // ranks < self.batch_size:
                 source = f"data.{split}_shards ({len(shards)} files)" if shards else f"the stdlib text's {split} split"
+                whose = f"for each of the {ranks} ranks" if ranks != 1 else "for its one rank"
                 raise ValueError(
                     f"{source} gives {len(windows)} windows of data.block_size + 1 = {self.block_size + 1} tokens: "
-                    f"fewer than one batch (data.batch_size={self.batch_size}) for each of the {ranks} ranks."
+                    f"fewer than one batch (data.batch_size={self.batch_size}) {whose}."
                 )
         return train, val
 

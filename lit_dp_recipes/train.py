@@ -6,7 +6,6 @@ import importlib.util
 import inspect
 import logging
 import re
-import sys
 import warnings
 from typing import Any
 
@@ -18,7 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig
 
-from lit_dp_recipes.callbacks import CompileModel, ProgressLines
+from lit_dp_recipes.callbacks import CompileModel, ProgressLines, draws_a_bar
 from lit_dp_recipes.cli import CommandLineMistake
 from lit_dp_recipes.config import (
     build_strategy,
@@ -34,7 +33,7 @@ from lit_dp_recipes.config import (
     validate_trainer,
 )
 from lit_dp_recipes.launch import sweep_job, use_job_launcher
-from lit_dp_recipes.report import say
+from lit_dp_recipes.report import metric, say
 from lit_dp_recipes.resume import NoUsableCheckpoint, ResumableRun, use_atomic_checkpoints
 from lit_dp_recipes.spelling import did_you_mean
 
@@ -121,7 +120,7 @@ def _validate_by_the_last_step(cfg: DictConfig) -> None:
 def _final_line(trainer: pl.Trainer, metrics: dict[str, float]) -> str:
     """``final name=value ...``; for a fit that had nothing left to do, why not."""
     if metrics:
-        return "final " + " ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items()))
+        return "final " + " ".join(f"{name}={metric(value)}" for name, value in sorted(metrics.items()))
     limits = [f"trainer.max_steps={trainer.max_steps}"] if trainer.max_steps > 0 else []
     limits += [f"trainer.max_epochs={trainer.max_epochs}"] if trainer.max_epochs not in (None, -1) else []
     return (
@@ -181,7 +180,7 @@ def _compile_callbacks(cfg: DictConfig) -> list[pl.Callback]:
 def _callbacks(cfg: DictConfig) -> list[pl.Callback]:
     """``cfg.callbacks``, less a progress bar when ``trainer.enable_progress_bar=false`` (Lightning
     refuses a progress-bar callback then: the switch turns the recipe's own bar off too), and with
-    ``ProgressLines`` in the bar's place where standard error is not a terminal (``_progress_bar``)."""
+    ``ProgressLines`` in the bar's place where no bar would be seen (``_progress_bar``)."""
     nodes = (cfg.get("callbacks") or {}).items()
     callbacks = [build_checked(node, f"callbacks.{name}") for name, node in nodes if node is not None]
     if not _progress_bar(cfg):
@@ -192,9 +191,10 @@ def _callbacks(cfg: DictConfig) -> list[pl.Callback]:
 
 
 def _progress_bar(cfg: DictConfig) -> bool:
-    """Whether the run draws a progress bar: where asked, and only on a terminal (a bar's carriage
-    returns fill a log file)."""
-    return cfg.trainer.get("enable_progress_bar", True) is not False and sys.stderr.isatty()
+    """Whether the run draws a progress bar: where asked, and only where it is seen, standard output
+    on a terminal that reports its width (``draws_a_bar``; Lightning's bars write there, not to
+    standard error)."""
+    return cfg.trainer.get("enable_progress_bar", True) is not False and draws_a_bar()
 
 
 def _quiet_lightning() -> None:

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from lit_dp_recipes.cli import command_line_mistakes
+from lit_dp_recipes.cli import argparse_habits, command_line_mistakes
 from lit_dp_recipes.config import build_strategy, register_configs, validate_trainer
 from tests.helpers.documented import (
     NOT_RUN,
@@ -71,12 +71,16 @@ def test_every_not_run_reason_still_matches_a_documented_command():
     assert not stale, f"NOT_RUN entries that match no documented command: {stale}"
 
 
+def script_arguments(command: DocumentedCommand) -> list[str]:
+    """What ``command`` gives its script, but arguments naming a run the test has not made
+    (ckpt_path=outputs/digits/<run>/...) and the docs' "..." for options left out."""
+    start = command.argv.index(next(a for a in command.argv if a.endswith(".py") or a.startswith(("benchmarks.", "lit_dp_recipes.run.")))) + 1
+    return [a for a in command.argv[start:] if "<run>" not in a and a != "..."]
+
+
 def overrides_of(command: DocumentedCommand) -> list[list[str]]:
     """The overrides of each job ``command`` starts: one list, or one per element of a ``-m`` sweep."""
-    start = command.argv.index(next(a for a in command.argv if a.endswith(".py") or a.startswith(("benchmarks.", "lit_dp_recipes.run.")))) + 1
-    # Not options: flags, arguments naming a run the test has not made (ckpt_path=outputs/digits/<run>/...),
-    # and the docs' "..." for options left out.
-    arguments = [a for a in command.argv[start:] if not a.startswith("-") and "<run>" not in a and a != "..."]
+    arguments = [a for a in script_arguments(command) if not a.startswith("-")]  # flags are no overrides
     parsed = OverridesParser.create().parse_overrides(arguments)
     choices = [
         [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
@@ -94,8 +98,8 @@ def test_recipe_commands_pass_the_checks_made_before_any_process_starts(command,
         monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
         monkeypatch.setenv("REPLICA_GROUP_ID", "0")
     register_configs()
-    for overrides in overrides_of(command):
-        mistakes = command_line_mistakes(command.script, overrides)
+    habits = argparse_habits(command.script, script_arguments(command))  # `--devices=2`: refused before any job
+    for mistakes in [habits] if habits else (command_line_mistakes(command.script, o) for o in overrides_of(command)):
         if mistakes:
             refusal = "\n".join(f"error: {mistake}" for mistake in mistakes)  # what the recipe exits with
             assert command.expects_failure, f"{command.source}: {command.text}: {refusal}"

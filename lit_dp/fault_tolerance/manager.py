@@ -319,9 +319,10 @@ class FaultTolerance:
         if traffic is None or not steps or not traffic.reduced_bytes:
             return None
         share = traffic.across_bytes / traffic.reduced_bytes
+        groups = f"replica groups of {self.group_size} rank{'s' * (self.group_size != 1)}"
         return (
             f"each rank sent {traffic.across_bytes / steps / MB:.3f} MB per step across replica groups, {share:.2f} of "
-            f"the {traffic.reduced_bytes / steps / MB:.3f} MB it reduced (replica groups of {self.group_size} ranks)"
+            f"the {traffic.reduced_bytes / steps / MB:.3f} MB it reduced ({groups})"
         )
 
     def close(self) -> None:

@@ -56,6 +56,7 @@ from lit_dp.gradients.layout import Bucket, BucketFactory, BucketLayout, launch_
 from lit_dp.gradients.plan import FlagMeaning, StepPlan
 from lit_dp.gradients.unused import PendingFlags, UnusedParametersError, reached_parameters, tensors_in, unused_members
 from lit_dp.gradients.waiting import Waiter
+from lit_dp.options.warning import LitDPWarning
 
 
 class _ArmedStep:
@@ -548,6 +549,7 @@ def _warn_create_graph() -> None:
         "torch DDP, the average is not differentiable: a second-order term computed from .grad sees no "
         "communication (backpropagation does not run through the all-reduce). Gradient penalties taken with "
         "torch.autograd.grad(..., create_graph=True) on inputs are unaffected.",
+        LitDPWarning,
         stacklevel=2,
     )
 

@@ -35,6 +35,7 @@ from lit_dp.job.launcher import Launch, detect_launch
 from lit_dp.job.restart import JobAttempt
 from lit_dp.options.backends import AUTO, check_backend, uses_nccl
 from lit_dp.options.declare import parse_timeout
+from lit_dp.options.warning import LitDPWarning
 
 _ARRIVED = "lit_dp/arrived/{}"
 _ARRIVED_COUNT = "lit_dp/arrived"
@@ -126,6 +127,7 @@ def init_parallel_env(
         warnings.warn(
             f"init_parallel_env: world size is 1 ({described}); "
             "no process group is created and training runs in this single process.",
+            LitDPWarning,
             stacklevel=2,
         )
         return None

@@ -261,7 +261,7 @@ def summarize(windows: int, lagged: int, worst: WindowReport | None, every_n_ste
     """
     if not windows:
         return None
-    judged = f"{windows} window{'s' * (windows != 1)} of {every_n_steps} steps"
+    judged = f"{windows} window{'s' * (windows != 1)} of {every_n_steps} step{'s' * (every_n_steps != 1)}"
     if not lagged or worst is None:
         return f"no rank lagged in {judged}"
     return (

@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
+from lit_dp.job.orphans import binding_started_ranks
 from lit_dp.options import FABRIC
 from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
@@ -41,11 +42,21 @@ from lit_dp.strategies.lightning_private import (
     BackwardSyncControl,
     FabricMultiProcessingLauncher,
     FabricScriptLauncher,
+    start_script_ranks,
     sync_ddp_if_available,
 )
 from lit_dp.strategies.precision import unscale_for_clipping
 
 log = logging.getLogger(__name__)
+
+
+class _BoundFabricScriptLauncher(FabricScriptLauncher):
+    """Fabric's script launcher, whose ranks end with it whatever ends it (``lit_dp.job.orphans``)."""
+
+    @override
+    def _call_children_scripts(self) -> None:
+        with binding_started_ranks():
+            start_script_ranks(self, FabricScriptLauncher)
 
 
 @front_door
@@ -63,7 +74,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     as under Fabric's ``"ddp"``.
     """
 
-    _launchers = (FabricScriptLauncher, FabricMultiProcessingLauncher)
+    _launchers = (_BoundFabricScriptLauncher, FabricMultiProcessingLauncher)
     _options_scope = FABRIC
     _precision_argument = "precision"
 

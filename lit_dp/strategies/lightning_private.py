@@ -116,8 +116,11 @@ SUBCLASSED: dict[type, tuple[str, ...]] = {
     # Its handlers, saved and restored around the run stage, and how it installs one.
     SignalConnector: ("_original_handlers", "_get_current_signal_handlers", "_register_signal"),
     # The recipes' launcher under Hydra (lit_dp_recipes.launch) starts the ranks with its own
-    # command line: the launcher's check and its child-starting method, overridden.
+    # command line: the launcher's check and its child-starting method, overridden; lit_dp's
+    # script launchers (Trainer and Fabric) bind the ranks they start to themselves around it
+    # (lit_dp.strategies.preemption.BoundScriptLauncher, lit_dp.strategies.fabric).
     TrainerScriptLauncher: ("_call_children_scripts", "_check_can_spawn_children"),
+    FabricScriptLauncher: ("_call_children_scripts",),
     # The recipes' progress bar (lit_dp_recipes.callbacks) refreshes on optimizer steps.
     TQDMProgressBar: ("_should_update",),
     # The recipes' torch DDP peer (lit_dp_recipes.config.DDPPeer) registers the communication hook
@@ -138,6 +141,12 @@ def attached_trainer(module: Any) -> Any:
 def forward_module(module: Any) -> Any:
     """The module inside Fabric's wrapper (what the strategy's ``setup_module`` returned); ``module`` itself otherwise."""
     return _read(module, "_forward_module") if isinstance(module, _FabricModule) else module
+
+
+def start_script_ranks(launcher: Any, launcher_class: type) -> None:
+    """``launcher_class``'s own start of ranks 1..N-1 (a script launcher's ``_call_children_scripts``),
+    for lit_dp's script launchers, which bind those ranks to this process around it."""
+    _read(launcher_class, "_call_children_scripts")(launcher)
 
 
 def replace_launcher(strategy: Any, launcher: Any) -> None:
@@ -162,6 +171,15 @@ def signal_connector(trainer: Any) -> Any:
 
 def replace_signal_connector(trainer: Any, connector: Any) -> None:
     _replace(trainer, "_signal_connector", connector)
+
+
+def replace_saved_signal_handlers(trainer: Any, replace: Callable[[int, Any], Any]) -> None:
+    """What the Trainer's signal connector puts back at its teardown (``_original_handlers``, saved as
+    the run stage began; empty once it has put them back): each ``handler`` of ``signum`` becomes
+    ``replace(signum, handler)``."""
+    connector = signal_connector(trainer)
+    saved = _read(connector, "_original_handlers")
+    _replace(connector, "_original_handlers", {signum: replace(signum, handler) for signum, handler in saved.items()})
 
 
 def skip_sigterm_broadcast(epoch_loop: Any) -> None:

@@ -33,6 +33,7 @@ from typing_extensions import override
 from lit_dp.local_sgd import LocalSGD
 from lit_dp.options import Options
 from lit_dp.options.local_sgd import LocalSGDOptions
+from lit_dp.options.warning import LitDPWarning
 from lit_dp.strategies.feature import Feature, Run
 
 log = logging.getLogger(__name__)
@@ -177,15 +178,17 @@ class LocalSGDSchedule(Feature):
         replicas = state.get(_REPLICAS)
         if replicas is None:
             rank_zero_warn(
-                f"lit_dp LocalSGD: the checkpoint was written at optimizer step {state['step']}, in the local phase, "
+                f"LocalSGD: the checkpoint was written at optimizer step {state['step']}, in the local phase, "
                 "without every rank's model and optimizer state (a checkpoint from before lit_dp kept them): every "
-                "rank resumes from rank 0's, and the other ranks' work since their last sync is lost."
+                "rank resumes from rank 0's, and the other ranks' work since their last sync is lost.",
+                category=LitDPWarning,
             )
             return None
         if replicas["world_size"] != world_size:
             rank_zero_warn(
-                f"lit_dp LocalSGD: the checkpoint holds the states of {replicas['world_size']} ranks, this run has "
-                f"{world_size}: every rank resumes from rank 0's model and optimizer state."
+                f"LocalSGD: the checkpoint holds the states of {replicas['world_size']} ranks, this run has "
+                f"{world_size}: every rank resumes from rank 0's model and optimizer state.",
+                category=LitDPWarning,
             )
             return None
         return replicas["ranks"].get(dist.get_rank())  # none for rank 0: the checkpoint's own

@@ -32,6 +32,15 @@ run, ``ForwardingMultiProcessingLauncher`` (Lightning's launcher for those) pass
 SIGUSR1 on to them, and exits with their status 128 + signal once they have stopped, where
 Lightning's would die at once and leave the ranks to their parent-death signal, unsaved.
 
+Under ``start_method="popen"`` (the default) the launching process is rank 0, and
+``BoundScriptLauncher`` (Lightning's script launcher) makes sure no rank outlives it: each rank
+it starts is bound to it (``lit_dp.job.orphans``: the kernel kills the rank when rank 0 exits,
+however it exits), and outside the fit's run stage (start-up, the rendezvous, teardown), where
+there is no step to stop at and the default would end rank 0 silently, SIGTERM or SIGUSR1 makes
+rank 0 say so in one line, end the ranks it started and exit with 128 + the signal
+(``StoppedOutsideTraining``); a second signal while it does ends it at once. Ctrl-C (SIGINT) is
+Lightning's: a ``KeyboardInterrupt``, on which it kills the ranks it started.
+
 A signal received after the last optimizer step of the fit changes nothing: the fit has
 completed and saved what its callbacks save. Lightning's connector is replaced where the
 Trainer keeps it (the one place Lightning reads it; ``lit_dp.strategies.lightning_private``), by a
@@ -43,6 +52,7 @@ requeue.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -59,16 +69,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lit_dp import join
+from lit_dp.job.orphans import binding_started_ranks
 from lit_dp.strategies.feature import Feature, Run
 from lit_dp.strategies.lightning_private import (
     SignalConnector,
     TrainerMultiProcessingLauncher,
+    TrainerScriptLauncher,
     cluster_environment,
+    replace_saved_signal_handlers,
     replace_signal_connector,
     restore_sigterm_broadcast,
     signal_connector,
     skip_sigterm_broadcast,
     slurm_requeue,
+    start_script_ranks,
 )
 
 log = logging.getLogger(__name__)
@@ -101,6 +115,24 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return self.reason
+
+
+class StoppedOutsideTraining(Preempted):
+    """A stop signal to the launching process outside the fit's run stage: the ranks it started are
+    ended and nothing is saved (no step to stop at); ``code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int, rank: int, started: int) -> None:
+        super().__init__(signum, [rank], 0, None, None)
+        self.started = started
+
+    @property
+    def reason(self) -> str:
+        name = signal.Signals(self.signum).name
+        ended = f"the {self.started} rank{'s' * (self.started != 1)} it started ended" if self.started else "no rank started yet"
+        return (
+            f"{name} received by rank {self.ranks[0]}, the launching process, outside the training loop (start-up, "
+            f"rendezvous or teardown): nothing saved, {ended}"
+        )
 
 
 class _Agreement:
@@ -363,6 +395,53 @@ class _StopAtStepBoundary(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._preemption.at_train_end()
+
+
+class BoundScriptLauncher(TrainerScriptLauncher):
+    """Lightning's script launcher (``start_method="popen"``), whose ranks never outlive it (see the
+    module docstring): the ranks it starts are bound to it, and outside the fit a stop signal is
+    answered with ``StoppedOutsideTraining`` rather than a silent death.
+
+    ``stops_outside_the_fit``: whether it answers stop signals outside the fit; a launcher that
+    stands in for Lightning's own under another strategy (the recipes' ``strategy=ddp``) leaves them
+    to that strategy, as Lightning does.
+    """
+
+    stops_outside_the_fit = True
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        starts_ranks = not self.cluster_environment.creates_processes_externally
+        if not (starts_ranks and self.stops_outside_the_fit) or threading.current_thread() is not threading.main_thread():
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        stopping: list[int] = []
+
+        def stop(signum: int, frame: FrameType | None) -> None:
+            if stopping:  # a second signal while the first unwinds (a teardown that waits): at once
+                self.kill(signal.SIGKILL)
+                os._exit(128 + signum)
+            stopping.append(signum)
+            self.kill(signal.SIGKILL)  # the ranks started so far: without rank 0 they cannot go on
+            stopped = StoppedOutsideTraining(signum, self.cluster_environment.global_rank(), len(self.procs))
+            print(f"[lit_dp] {stopped.reason}; exiting with status {stopped.code}", flush=True)
+            raise stopped
+
+        # In place until the fit's run stage, whose signal connector saves them and puts them back after it.
+        previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            if trainer is not None:
+                # After a fit that raised, Lightning tears the Trainer down once this returns, and its signal
+                # connector would put back what it saved as the run stage began: this handler, for good.
+                replace_saved_signal_handlers(trainer, lambda signum, handler: previous[signum] if handler is stop else handler)
+
+    @override
+    def _call_children_scripts(self) -> None:
+        with binding_started_ranks():
+            start_script_ranks(self, TrainerScriptLauncher)
 
 
 class ForwardingMultiProcessingLauncher(TrainerMultiProcessingLauncher):

@@ -196,4 +196,6 @@ def _continue_in_new_layout(
 
 
 def _describe(layout: dict[str, Any]) -> str:
-    return f"{layout['batch_size']} samples on each of {layout['world_size']} ranks"
+    """``4 samples on each of 2 ranks``; ``4 samples on 1 rank``."""
+    ranks = layout["world_size"]
+    return f"{layout['batch_size']} samples on " + (f"each of {ranks} ranks" if ranks != 1 else "1 rank")

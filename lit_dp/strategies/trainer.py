@@ -46,13 +46,15 @@ from lit_dp.strategies.base import DataParallelStrategyMixin, front_door
 from lit_dp.strategies.checkpoint_io import save_checkpoint
 from lit_dp.strategies.feature import CHECKPOINT_KEY, Run
 from lit_dp.strategies.lightning_private import (
-    TrainerScriptLauncher,
     attached_trainer,
     optimizers_to_device,
     sync_ddp_if_available,
 )
 from lit_dp.strategies.precision import DataParallelPrecision, for_data_parallel
-from lit_dp.strategies.preemption import ForwardingMultiProcessingLauncher
+from lit_dp.strategies.preemption import (
+    BoundScriptLauncher,
+    ForwardingMultiProcessingLauncher,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     strategy_name = "paddle_dp"
     # Read by Lightning for strategies it does not know, e.g. to add a ``DistributedSampler``.
     is_distributed = True
-    _launchers = (TrainerScriptLauncher, ForwardingMultiProcessingLauncher)  # lit_dp.strategies.preemption
+    _launchers = (BoundScriptLauncher, ForwardingMultiProcessingLauncher)  # lit_dp.strategies.preemption
     _options_scope = TRAINER
     _precision_argument = "precision_plugin"
 

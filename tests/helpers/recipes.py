@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,21 +28,29 @@ def run_recipe(name: str, *overrides: str, timeout: float = 240, env: dict[str, 
     return _run([sys.executable, str(ROOT / "recipes" / f"{name}.py"), *overrides], f"recipes/{name}.py", timeout, env)
 
 
-def run_recipe_on_a_terminal(name: str, *overrides: str, timeout: float = 240) -> str:
-    """``run_recipe`` with standard error on a pseudo-terminal, where the recipes draw progress bars
-    (piped, they print a line per validation instead: ``lit_dp_recipes.callbacks.ProgressLines``)."""
+def run_recipe_on_a_terminal(name: str, *overrides: str, columns: int = 120, timeout: float = 240) -> str:
+    """``run_recipe`` with standard output and error on a pseudo-terminal ``columns`` wide, as in a
+    user's terminal; ``columns=0``: a terminal nobody sized (``script`` started without a terminal).
+    Where the recipes see its width they draw progress bars; piped, or on a terminal of no width,
+    they print a line per validation instead (``lit_dp_recipes.callbacks.ProgressLines``)."""
     master, terminal = pty.openpty()
+    set_terminal_size(terminal, columns)
     chunks: list[bytes] = []
     reader = threading.Thread(target=_read_until_closed, args=(master, chunks), daemon=True)
     reader.start()
     try:
-        output = _run([sys.executable, str(ROOT / "recipes" / f"{name}.py"), *overrides], f"recipes/{name}.py", timeout,
-                      None, stderr=terminal)
+        _run([sys.executable, str(ROOT / "recipes" / f"{name}.py"), *overrides], f"recipes/{name}.py", timeout,
+             None, stdout=terminal, stderr=terminal, output=lambda: b"".join(chunks).decode(errors="replace"))
     finally:
         os.close(terminal)
         reader.join(timeout=30)
         os.close(master)
-    return output + b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+def set_terminal_size(descriptor: int, columns: int, rows: int = 40) -> None:
+    """The size a (pseudo-)terminal reports; ``columns=0``: none (rows 0 too, as an unsized one reports)."""
+    fcntl.ioctl(descriptor, termios.TIOCSWINSZ, struct.pack("HHHH", rows if columns else 0, columns, 0, 0))
 
 
 def _read_until_closed(descriptor: int, chunks: list[bytes]) -> None:
@@ -69,22 +80,24 @@ def run_benchmark(name: str, *overrides: str, timeout: float = 240) -> str:
     return _run([sys.executable, "-m", f"benchmarks.{name}", *overrides], f"benchmarks/{name}.py", timeout, None)
 
 
-def _run(command: list[str], label: str, timeout: float, env: dict[str, str] | None, stderr: Any = subprocess.PIPE) -> str:
+def _run(command: list[str], label: str, timeout: float, env: dict[str, str] | None, stdout: Any = subprocess.PIPE,
+         stderr: Any = subprocess.PIPE, output: Any = None) -> str:
+    """``command`` from the repository root; its output (``output()`` where it goes elsewhere than a pipe)."""
     # The repository root on the path, so that a recipe's `+callbacks.probe._target_=tests.helpers...`
     # finds the test helpers (a script's own path is its folder, recipes/).
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         command,
         cwd=ROOT,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=stderr,
         text=True,
         timeout=timeout,
         env={**os.environ, **(env or {}), "PYTHONPATH": path},
     )
-    output = result.stdout + (result.stderr or "")
-    assert result.returncode == 0, f"{label} failed ({result.returncode}):\n{output[-4000:]}"
-    return output
+    printed = (result.stdout or "") + (result.stderr or "") if output is None else output()
+    assert result.returncode == 0, f"{label} failed ({result.returncode}):\n{printed[-4000:]}"
+    return printed
 
 
 def final_metrics(output: str) -> dict[str, float]:

@@ -45,6 +45,24 @@ class AnnouncePids(pl.Callback):
         time.sleep(self.pause)
 
 
+class PauseIn(pl.Callback):
+    """On rank 0, the first time the fit reaches ``hook`` (``on_validation_start``, ``on_save_checkpoint``):
+    write ``<folder>/<hook>`` and sleep ``seconds`` there, so that a signal the test sends on seeing
+    the file arrives at that moment of the fit."""
+
+    def __init__(self, folder: str, hook: str, seconds: float = 3.0) -> None:
+        self.folder, self.hook, self.seconds = Path(folder), hook, seconds
+        self._done = False
+        setattr(self, hook, self._pause)
+
+    def _pause(self, trainer: pl.Trainer, *args, **kwargs) -> None:
+        if trainer.sanity_checking or trainer.global_rank != 0 or self._done:
+            return
+        self._done = True
+        (self.folder / self.hook).write_text(str(trainer.global_step))
+        time.sleep(self.seconds)
+
+
 class RecipeRun:
     """``python recipes/<name>.py overrides...`` run from ``cwd``, its output in ``cwd/output.txt``."""
 
@@ -90,6 +108,30 @@ class RecipeRun:
             f"{self.output[-4000:]}"
         )
 
+    def wait_for_file(self, name: str, timeout: float = 180) -> None:
+        """Until ``<cwd>/<name>`` exists (a ``PauseIn`` marker); fails with the end of the output."""
+        deadline = time.monotonic() + timeout
+        while not (self.cwd / name).exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"{name} never appeared (exit status {self.process.returncode}):\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def wait_for_started_ranks(self, count: int, timeout: float = 180) -> dict[int, int]:
+        """``{rank: pid}`` of the ``count`` ranks the launcher (rank 0) starts, as soon as their processes exist."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            started = _children(self.process.pid)
+            if len(started) >= count:
+                self.pids = {0: self.process.pid, **{rank: pid for rank, pid in enumerate(started[:count], start=1)}}
+                return self.pids
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.02)
+        self.kill()
+        raise AssertionError(f"the launcher started no {count} ranks (exit status {self.process.returncode}):\n"
+                             f"{self.output[-4000:]}")
+
     def send(self, rank: int, signum: int) -> None:
         """``signum`` to rank ``rank``'s process (rank 0 is the launcher under Lightning's script launcher)."""
         os.kill(self.pids[rank], signum)
@@ -128,6 +170,19 @@ class RecipeRun:
             except ProcessLookupError:
                 pass
         self.process.wait(timeout=30)
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes, oldest first (``/proc``)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append((int(fields[19]), int(stat.parent.name)))
+    return [child for _, child in sorted(found)]
 
 
 def _exists(pid: int) -> bool:

@@ -82,6 +82,7 @@ def test_the_runs_line_alarms_only_about_a_lag_and_a_run_too_short_gets_none():
     assert summarize(0, 0, None, 10) is None
     assert summarize(1, 0, below, 10) == "no rank lagged in 1 window of 10 steps"
     assert summarize(6, 0, below, 10) == "no rank lagged in 6 windows of 10 steps"
+    assert summarize(3, 0, below, 1) == "no rank lagged in 3 windows of 1 step"
     slow = judge([0, 1], [times(exposed=51), times(data=51)])
     assert summarize(6, 2, slow, 10) == (
         "2 of 6 windows of 10 steps had a rank lagging; the largest lag: rank 1, 50.0 ms per step "

@@ -84,3 +84,29 @@ def test_recompiles_after_the_warmup_are_counted(tmp_path, train_samples, recomp
     # The validation graph (no grad) is compiled by the first validation batch: its warm-up.
     assert counter.recompiles == recompiles
     assert trainer.callback_metrics["dynamo_recompiles"] == recompiles
+
+
+def test_a_line_per_validation_has_the_step_the_metrics_to_sensible_precision_and_the_pace(capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from lit_dp_recipes import callbacks
+    from lit_dp_recipes.callbacks import ProgressLines
+
+    clock = iter([100.0, 110.0])
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: next(clock))
+    trainer = SimpleNamespace(sanity_checking=False, is_global_zero=True, current_epoch=0, global_step=0, callback_metrics={})
+    lines = ProgressLines()
+    lines.on_train_start(trainer, None)
+    trainer.global_step = 25
+    trainer.callback_metrics = {"train_loss": torch.tensor(2.123456), "tokens_per_sec": torch.tensor(24100.7129),
+                                "val_loss": torch.tensor(1.5), "comm/time_ms": torch.tensor(1.0)}
+    lines.on_validation_end(trainer, None)
+    assert capsys.readouterr().out == (
+        "[lit_dp] epoch 0, step 25: tokens_per_sec=24101 train_loss=2.1235 val_loss=1.5000 (2.50 steps/s)\n"
+    )
+
+
+def test_metrics_are_printed_to_the_digits_that_mean_something():
+    from lit_dp_recipes.report import metric
+
+    assert [metric(v) for v in (0.97222, 24100.7129, 512.345, -3.14159, 0.0)] == ["0.9722", "24101", "512.3", "-3.1416", "0.0000"]

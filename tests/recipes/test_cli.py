@@ -113,6 +113,39 @@ def test_each_mistake_is_one_message_naming_it_and_what_is_expected(arguments, m
 
 
 @pytest.mark.parametrize(
+    ("recipe", "arguments", "spelling"),
+    [
+        ("digits", ["--devices=2"], "--devices=2: the recipes take Hydra overrides, key=value without dashes: trainer.devices=2"),
+        ("digits", ["--max-epochs", "3"], "--max-epochs 3: the recipes take Hydra overrides, key=value without dashes: "
+                                          "trainer.max_epochs=3"),
+        ("digits", ["--trainer.devices=2", "seed=1"], "--trainer.devices=2: the recipes take Hydra overrides, key=value "
+                                                      "without dashes: trainer.devices=2"),
+        ("digits", ["--lr=0.1"], "model.lr=0.1"),
+        ("digits", ["--comm_buffer_size=5"], "strategy.comm_buffer_size=5"),
+        ("digits", ["--enable_progress_bar"], "trainer.enable_progress_bar=true"),  # a boolean switch
+        ("digits", ["--seed"], "seed=..."),
+        ("gpt", ["--warmup=3"], "callbacks.throughput.warmup=3 or callbacks.recompiles.warmup=3"),
+        ("digits", ["--max_epoch=3"], "did you mean trainer.max_epochs=3 or trainer.max_steps=3? (--cfg job prints the config)"),
+        ("digits", ["--nothing_alike=1"], "the config has no key nothing_alike (--cfg job prints the config)"),
+    ],
+)
+def test_an_argparse_flag_is_answered_with_the_override_that_sets_it(recipe, arguments, spelling):
+    [mistake] = command_line_mistakes(recipe, arguments)
+    assert mistake.endswith(spelling), mistake
+
+
+def test_hydras_own_flags_and_their_abbreviations_are_left_to_hydra():
+    from hydra._internal.utils import get_args_parser  # Hydra's parser, private: read here only to check the list
+
+    from lit_dp_recipes.cli import HYDRA_FLAGS
+
+    assert set(HYDRA_FLAGS) == {flag for action in get_args_parser()._actions for flag in action.option_strings}
+    for arguments in (["--cfg", "job"], ["-cn", "gpt"], ["--info"], ["--config-n=digits"], ["-m", "seed=1,2"]):
+        assert command_line_mistakes("digits", arguments) == [], arguments
+    assert len(command_line_mistakes("digits", ["--devices=2", "--lr", "0.1"])) == 2  # one line per flag
+
+
+@pytest.mark.parametrize(
     ("model", "batch"),
     [
         (MLPClassifier(hidden_sizes=[8]), (torch.randn(4, 64), torch.randint(0, 10, (4,)))),
@@ -287,6 +320,8 @@ def test_a_key_a_target_does_not_take_names_the_ones_it_does(tmp_path):
          "error: trainer.max_epoch is not a key of trainer=cpu: did you mean trainer.max_epochs or trainer.max_steps?"),
         (["strategy.comm_buffer_size=-1"],
          "error: strategy.comm_buffer_size=-1 is invalid: expected a positive number of megabytes or 'auto'."),
+        # Issue 52: argparse's habit, which Hydra answered with its usage screen and "unrecognized arguments".
+        (["--devices=2"], "error: --devices=2: the recipes take Hydra overrides, key=value without dashes: trainer.devices=2"),
     ],
 )
 def test_a_refusal_is_one_line_without_lightning_torchs_compiler_or_a_traceback(arguments, message, tmp_path):

@@ -39,6 +39,29 @@ def test_a_sweep_jobs_ranks_run_that_job_alone_in_its_folder(tmp_path, monkeypat
     ]
 
 
+@pytest.mark.parametrize(("strategy", "answers"), [("paddle_dp", True), ("ddp", False)])
+def test_the_job_launcher_binds_the_ranks_and_answers_stop_signals_outside_the_fit_as_the_strategy_does(strategy, answers):
+    # Under Hydra every strategy's ranks are started by the job launcher, bound to it (lit_dp.job.orphans);
+    # outside the fit it answers SIGTERM itself for lit_dp's strategy only: Lightning's DDP keeps its own handling.
+    import lightning.pytorch as pl
+
+    import lit_dp  # noqa: F401 - registers "paddle_dp"
+    from lit_dp.strategies.preemption import BoundScriptLauncher
+    from lit_dp_recipes.launch import JobScriptLauncher, use_job_launcher
+
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        HydraConfig.instance().set_config(compose("digits", return_hydra_config=True))
+    try:
+        use_job_launcher(trainer.strategy)
+    finally:
+        HydraConfig.instance().cfg = None
+    launcher = trainer.strategy.launcher
+    assert type(launcher) is JobScriptLauncher and isinstance(launcher, BoundScriptLauncher)
+    assert launcher.stops_outside_the_fit is answers
+
+
 def test_config_flags_keep_the_config_choice_and_drop_the_sweep():
     assert config_flags(["-m", "--config-name=gpt", "a=1", "-cd", "/x", "--multirun", "b=1,2"]) == [
         "--config-name=gpt", "-cd", "/x"

@@ -52,6 +52,7 @@ def test_bytes_shards_hold_each_files_text_split_train_then_val(tmp_path):
     assert [s.path for s in data.train_shards] == prepared.train
 
 
+@pytest.mark.slow  # end to end: the script run as a user runs it
 def test_the_script_runs_as_a_user_types_it_from_a_fresh_folder(tmp_path):
     # A fresh process from a fresh working directory, with the run folder Hydra names itself
     # (conf/hydra/default.yaml's lit_dp.job_folder resolver): the documented tests run the

@@ -7,15 +7,28 @@ whose multirun needs the spawn launcher).
 from __future__ import annotations
 
 import importlib
+import os
+import pty
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import lit_dp_recipes as lit_dp_recipes
-from tests.helpers.recipes import QUIET, ROOT, compose_config, final_metrics, run_recipe, run_recipe_on_a_terminal
+from tests.helpers.recipes import (
+    QUIET,
+    ROOT,
+    compose_config,
+    final_metrics,
+    run_recipe,
+    run_recipe_on_a_terminal,
+    set_terminal_size,
+)
 
 
 @pytest.mark.slow
@@ -86,24 +99,44 @@ def test_a_gpt_run_says_each_thing_once_and_its_bar_shows_steps_loss_and_tokens_
 # --- What a run prints (issue 47; docs/conventions.md: every line true, short, worth reading) ---------
 
 
-@pytest.mark.parametrize("terminal", [True, False])
-def test_a_progress_bar_is_drawn_on_a_terminal_only_and_a_line_per_validation_goes_to_a_file(terminal, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stdout", ["terminal", "unsized terminal", "pipe"])
+def test_a_progress_bar_is_drawn_where_it_is_seen_and_a_line_per_validation_elsewhere(stdout, tmp_path, monkeypatch):
     from lightning.pytorch.callbacks import ProgressBar
 
     from lit_dp_recipes import train as train_module
     from lit_dp_recipes.callbacks import ProgressLines, StepProgressBar
 
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
-    for recipe in ("digits", "gpt"):
-        cfg = compose_config(recipe, [], tmp_path)
-        callbacks = train_module._callbacks(cfg)
-        assert train_module._progress_bar(cfg) is terminal
-        assert any(isinstance(c, ProgressBar) for c in callbacks) is (terminal and recipe == "gpt")  # digits: Lightning's own
-        assert any(isinstance(c, ProgressLines) for c in callbacks) is not terminal
-        if recipe == "gpt" and not terminal:
-            assert not any(isinstance(c, StepProgressBar) for c in callbacks)
-    switched_off = compose_config("digits", ["trainer.enable_progress_bar=false"], tmp_path)
-    assert not any(isinstance(c, (ProgressBar, ProgressLines)) for c in train_module._callbacks(switched_off))
+    # Lightning's bar writes to standard output: what it is decides, whatever standard error is. A
+    # terminal of no width (`script` without a terminal) showed nothing from tqdm for the whole run.
+    with output_stream(stdout) as stream:
+        monkeypatch.setattr(sys, "stdout", stream)
+        bar = stdout == "terminal"
+        for recipe in ("digits", "gpt"):
+            cfg = compose_config(recipe, [], tmp_path)
+            callbacks = train_module._callbacks(cfg)
+            assert train_module._progress_bar(cfg) is bar
+            assert any(isinstance(c, ProgressBar) for c in callbacks) is (bar and recipe == "gpt")  # digits: Lightning's own
+            assert any(isinstance(c, ProgressLines) for c in callbacks) is not bar
+            if recipe == "gpt" and not bar:
+                assert not any(isinstance(c, StepProgressBar) for c in callbacks)
+        switched_off = compose_config("digits", ["trainer.enable_progress_bar=false"], tmp_path)
+        assert not any(isinstance(c, (ProgressBar, ProgressLines)) for c in train_module._callbacks(switched_off))
+
+
+@contextmanager
+def output_stream(kind: str) -> Iterator[Any]:
+    """A writable text stream on a pseudo-terminal 120 columns wide, on one of no width, or on a pipe."""
+    if kind == "pipe":
+        reading, writing = os.pipe()
+    else:
+        reading, writing = pty.openpty()
+        set_terminal_size(writing, 120 if kind == "terminal" else 0)
+    stream = os.fdopen(writing, "w")
+    try:
+        yield stream
+    finally:
+        stream.close()
+        os.close(reading)
 
 
 def test_lightnings_tips_and_its_torch_deprecation_are_left_out(caplog):
@@ -184,6 +217,19 @@ def test_a_run_piped_to_a_file_reads_well_and_its_rerun_says_there_is_nothing_le
     rerun = run_recipe("digits", *run)  # the same folder: a finished run
     final = next(line for line in rerun.splitlines() if line.startswith("[lit_dp] final"))
     assert final.startswith("[lit_dp] final: nothing trained: the checkpoint resumed is at step "), final
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("columns", [120, 0], ids=["sized", "unsized"])
+def test_a_terminal_shows_progress_a_bar_where_it_reports_a_width_else_a_line_per_epoch(columns, tmp_path):
+    output = run_recipe_on_a_terminal("digits", "trainer.max_epochs=2", "trainer.enable_model_summary=false",
+                                      f"hydra.run.dir={tmp_path}", columns=columns)
+    lines = output.replace("\r", "\n").splitlines()
+    epochs = [line for line in lines if re.match(r"\[lit_dp\] epoch \d, step \d+: train_loss=.* val_acc=.* \([\d.]+ steps/s\)$", line)]
+    if columns:
+        assert "Epoch 1: 100%" in output and not epochs, output[-3000:]
+    else:  # tqdm draws nothing there: the lines a pipe gets
+        assert len(epochs) == 2 and "%|" not in output, output
 
 
 @pytest.mark.slow

@@ -113,14 +113,17 @@ def test_same_weights_as_ddp_with_and_without_accumulation(tmp_path):
 def test_one_device_is_a_one_rank_group_and_unused_parameters_raise(tmp_path):
     run = Fabric(strategy="paddle_dp", accelerator="cpu", devices=1)
     run.launch()
-    assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
-    weights = train_both_ways(run, str(tmp_path / "one.ckpt"))
-    for key, value in plain_sgd().state_dict().items():
-        torch.testing.assert_close(torch.tensor(weights[1][key]), value, msg=lambda m: f"{key}: {m}")
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
+        weights = train_both_ways(run, str(tmp_path / "one.ckpt"))
+        for key, value in plain_sgd().state_dict().items():
+            torch.testing.assert_close(torch.tensor(weights[1][key]), value, msg=lambda m: f"{key}: {m}")
 
-    model, _ = setup(run, Net(unused=True))
-    with pytest.raises(UnusedParametersError) as error:
-        run.backward(model(torch.randn(2, 6)).sum())
+        model, _ = setup(run, Net(unused=True))
+        with pytest.raises(UnusedParametersError) as error:
+            run.backward(model(torch.randn(2, 6)).sum())
+    finally:
+        run.strategy.teardown()  # Fabric leaves it to the user: it gives back the SIGTERM and SIGUSR1 handlers
     message = str(error.value)
     assert "spare.weight (missing on 1 of 1 ranks, including this one)" in message
     assert "strategy='paddle_dp_find_unused_parameters_true' (Trainer or Fabric)" in message
@@ -171,7 +174,10 @@ def test_comm_hooks_and_statistics_through_fabric():
     strategy = fabric.PaddleDPStrategy(ddp_comm_hook=allreduce_hook, comm_stats=True)
     run = Fabric(strategy=strategy, accelerator="cpu", devices=1)
     run.launch()
-    model, _ = train(run, 1)
+    try:
+        model, _ = train(run, 1)
+    finally:
+        run.strategy.teardown()
     module = model._forward_module
     assert module.comm_hook.name.endswith("allreduce_hook") and module.comm_stats().bytes > 0
     for key, value in plain_sgd().state_dict().items():

@@ -71,6 +71,7 @@ def test_the_class_path_form_checks_types_and_values_before_any_rank_starts(give
     assert re.search(expected, capsys.readouterr().err + str(raised.value))
 
 
+@pytest.mark.slow  # end to end: the script run as a user runs it; the refusal itself is checked in process above
 def test_the_documented_scripts_refusal_of_a_value_is_one_line(tmp_path):
     command = [sys.executable, "-m", "lit_dp_recipes.lightning_cli", "fit", "--trainer.strategy=paddle_dp"]
     command += ["--trainer.strategy.comm_buffer_size=-1", *CPU, "--trainer.max_steps=1"]

@@ -95,6 +95,24 @@ def test_attached_trainer_is_none_until_a_trainer_holds_the_module(tmp_path):
     assert private.attached_trainer(module) is trainer
 
 
+def test_what_the_signal_connector_puts_back_at_teardown_is_replaced(tmp_path):
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    trainer = tiny_trainer(tmp_path)
+    connector = private.signal_connector(trainer)
+    before = signal.getsignal(signal.SIGTERM)
+    connector.register_signal_handlers()
+    try:
+        private.replace_saved_signal_handlers(trainer, lambda signum, handler: mine if signum == signal.SIGTERM else handler)
+        connector.teardown()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_the_signal_connector_is_read_and_replaced_where_the_trainer_keeps_it(tmp_path):
     trainer = tiny_trainer(tmp_path)
     connector = private.signal_connector(trainer)
@@ -302,3 +320,13 @@ def test_the_scan_finds_each_kind_of_use(tmp_path, monkeypatch):
         "trainer._signal_connector",
         "getattr(module, '_trainer')",
     ], uses
+
+
+def test_the_ranks_a_script_launcher_starts_are_started_by_lightnings_own_method(monkeypatch):
+    from lit_dp.strategies.lightning_private import FabricScriptLauncher, TrainerScriptLauncher, start_script_ranks
+
+    for launcher_class in (TrainerScriptLauncher, FabricScriptLauncher):
+        started = []
+        monkeypatch.setattr(launcher_class, "_call_children_scripts", started.append)
+        start_script_ranks("the launcher", launcher_class)
+        assert started == ["the launcher"]

@@ -76,6 +76,7 @@ def _assert_same_weights(resumed: list, uninterrupted: list) -> None:
         assert got == want, f"parameter {index}: the resumed run's weights differ from the uninterrupted run's"
 
 
+@pytest.mark.slow  # end to end: two Fabric runs on 2 forked ranks, with a checkpoint
 def test_diloco_in_a_fabric_loop_resumes_from_a_checkpoint_saved_at_a_sync(tmp_path):
     # Saved right after the sync of step 8: the ranks hold the same model, and SGD keeps no state of its
     # own; the checkpoint's lit_dp entry carries the schedule and the outer optimizer (snapshot, momentum).

@@ -22,7 +22,7 @@ from lit_dp.strategies.lost_ranks import _describe_status
 from lit_dp.strategies.preemption import Preempted
 from tests.helpers.distributed import run_ranks
 from tests.helpers.lightning import Regressor, trainer
-from tests.helpers.signals import RecipeRun
+from tests.helpers.signals import PauseIn, RecipeRun
 
 # Far below hang_timeout (300 s), which is how long a signal to one worker used to stall the job;
 # generous for a loaded 2-core machine, where the run's own teardown takes seconds.
@@ -127,6 +127,69 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_a_rerun_of_the_comma
     assert rerun.wait(240) == 0, rerun.output[-4000:]
     assert f"[lit_dp] resuming from {last} (step {step}, the newest run of this command, {folder}, did not finish)" \
         in rerun.output
+
+
+# Issue 52: a signal to the launcher at any moment ends every rank within seconds (a SIGTERM before
+# training used to end rank 0 alone, and rank 1 ran on for minutes), and rank 0 says so in one line.
+STOPPED_OUTSIDE = "[lit_dp] SIGTERM received by rank 0, the launching process, outside the training loop"
+MOMENTS = {  # what the test waits for before it signals: rank 1's process, or rank 0 paused in a hook
+    "start-up": None,  # rank 1 just started: rank 0 waits for it in the rendezvous
+    "setup": "setup",  # the process group is up, training has not begun
+    "validation": "on_validation_start",
+    "checkpoint write": "on_save_checkpoint",  # the checkpoint every 4 steps, inside its write
+}
+ENDS_AFTER_THE_SIGNAL_WITHIN = 60  # seconds; a few on an idle machine, a 3 s pause in the hook included
+
+
+def _signal_the_launcher_at(moment: str, signum: int, tmp_path) -> tuple[RecipeRun, int, float]:
+    hook = MOMENTS[moment]
+    pause = [f"+callbacks.pause._target_={PauseIn.__module__}.PauseIn", f"+callbacks.pause.folder={tmp_path}",
+             f"+callbacks.pause.hook={hook}"] if hook else []
+    run = RecipeRun("digits", tmp_path, *RUN, *pause)
+    run.wait_for_started_ranks(1)
+    if hook:
+        run.wait_for_file(hook)
+    signalled = time.monotonic()
+    os.kill(run.process.pid, signum)
+    status = run.wait(ENDS_WITHIN)
+    run.assert_all_gone(timeout=15)
+    return run, status, time.monotonic() - signalled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_sigterm_to_the_launcher_at_any_moment_ends_every_rank_within_seconds_and_rank_0_says_so(moment, tmp_path):
+    run, status, took = _signal_the_launcher_at(moment, signal.SIGTERM, tmp_path)
+    output = run.output
+    assert status == 143, output[-4000:]
+    assert took < ENDS_AFTER_THE_SIGNAL_WITHIN, f"{took:.0f} s"
+    if moment in ("start-up", "setup"):  # no step to stop at: nothing saved, the ranks ended
+        said = [line for line in output.splitlines() if line.startswith(STOPPED_OUTSIDE)]
+        assert said == [f"{STOPPED_OUTSIDE} (start-up, rendezvous or teardown): nothing saved, the 1 rank it started "
+                        "ended; exiting with status 143"], output[-4000:]
+        assert "Traceback" not in output, output[-4000:]
+    else:  # inside the fit: every rank stops after the same step, with a checkpoint
+        step = _stopped_step(output, "SIGTERM", FORWARDED)
+        [last] = (tmp_path / "outputs" / "digits").glob("*/checkpoints/last.ckpt")
+        assert torch.load(last, weights_only=False)["global_step"] == step
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_launcher_alone_during_start_up_ends_every_rank(tmp_path):
+    # `kill -INT <launcher>`: Lightning's KeyboardInterrupt handling, which kills the ranks it started.
+    run, status, took = _signal_the_launcher_at("start-up", signal.SIGINT, tmp_path)
+    assert status == 1 and took < ENDS_AFTER_THE_SIGNAL_WITHIN, run.output[-4000:]
+    assert "[lit_dp] the run stopped: interrupted: Ctrl-C" in run.output
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path):
+    # SIGKILL (the OOM killer, kill -9): nothing runs in rank 0; the kernel ends rank 1 (lit_dp.job.orphans).
+    run = RecipeRun("digits", tmp_path, *RUN)
+    run.wait_for_ranks(2)
+    run.send(0, signal.SIGKILL)
+    assert run.wait(ENDS_WITHIN) == -signal.SIGKILL
+    run.assert_all_gone(timeout=15)
 
 
 @pytest.mark.slow

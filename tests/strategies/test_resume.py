@@ -150,7 +150,8 @@ def test_a_resume_on_another_number_of_ranks_trains_the_rest_of_the_epochs_order
     lines = resumed[0][1]
     assert len(lines) == 1 and lines[0].startswith(
         f"[lit_dp] epoch 1 continues after the first 32 samples of its shuffled order, trained as 4 batches of "
-        f"{BATCH} samples on each of 2 ranks; here {BATCH} samples on each of {devices} ranks, each rank skips "
+        f"{BATCH} samples on each of 2 ranks; here {BATCH} samples on {'each of 3 ranks' if devices == 3 else '1 rank'}, "
+        "each rank skips "
         f"{32 // devices} samples"
     )
     assert ("trained a second time" in lines[0]) == bool(again)
@@ -187,3 +188,10 @@ def test_lightnings_not_resumable_warning_stays_where_lit_dp_does_not_restore_th
     assert fit(_Indexed()) == []
     assert fit(_Indexed(), tmp_path / "last.ckpt") == []  # continued by lit_dp: silenced
     assert not any("dataloader is not resumable" in str(f[1].pattern) for f in warnings.filters if f[1] is not None)
+
+
+def test_a_layout_of_one_rank_says_rank_once():
+    from lit_dp.strategies.resume import _describe
+
+    assert _describe({"batch_size": 4, "world_size": 1}) == "4 samples on 1 rank"
+    assert _describe({"batch_size": 4, "world_size": 2}) == "4 samples on each of 2 ranks"

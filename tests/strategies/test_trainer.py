@@ -46,6 +46,7 @@ def test_manual_optimization_matches_ddp(tmp_path):
     assert_same_weights(ours, theirs)
 
 
+@pytest.mark.slow  # end to end: a Lightning fit on 2 spawned ranks
 def test_sync_dist_logging_averages_over_ranks(tmp_path):
     run = trainer("paddle_dp_spawn", tmp_path, max_epochs=1, limit_train_batches=2)
     run.fit(Regressor())
@@ -178,6 +179,7 @@ def fit_test_and_fit_again_under_paddle_launcher(rank, tmp_path):
     return weights, run.callback_metrics["test_loss"].item()
 
 
+@pytest.mark.slow  # end to end: a fit, a test and a second fit on 2 ranks started with Paddle's variables
 def test_paddle_launcher_variables_drive_lightning_and_the_group_outlives_each_run(tmp_path):
     results = run_ranks(fit_test_and_fit_again_under_paddle_launcher, 2, str(tmp_path), timeout=180)
     assert results[0] == results[1]

@@ -262,6 +262,7 @@ def failing_fits(rank: int, tmp_path: str) -> dict[str, str]:
     return errors
 
 
+@pytest.mark.slow  # end to end: three Lightning fits on 2 ranks, each failing
 def test_unequal_lengths_manual_optimization_and_step_level_sync_in_the_tail_fail_at_once(tmp_path):
     results = run_ranks(failing_fits, WORLD, str(tmp_path), timeout=120)
     for rank, errors in results.items():
