@@ -53,6 +53,7 @@ from lit_dp.join import active as in_join_context
 from lit_dp.observability.autotune import BucketAutotuner, settled_step
 from lit_dp.observability.consistency import ReplicaConsistency
 from lit_dp.observability.observers import ModelObservers
+from lit_dp.observability.profile import CommProfile
 from lit_dp.observability.stats import CommStats
 from lit_dp.observability.step_clock import StepClock
 from lit_dp.observability.straggler import StragglerReport, WindowReport
@@ -585,6 +586,12 @@ class DataParallel(nn.Module, Joinable):
     def comm_stats_mean(self) -> dict[str, float]:
         """Mean ``time_ms`` and ``exposed_ms`` over the steps so far (the first excluded), and their overlap."""
         return self._observers.stats.mean() if self._observers.stats is not None else {}
+
+    @property
+    def comm_profile(self) -> CommProfile | None:
+        """The run's communication profile (``lit_dp.observability.profile``), what ``lit_dp.forecast``
+        predicts from: ``comm_profile.record()``; None without ``comm_stats``."""
+        return self._observers.profile
 
     def flush_comm_stats(self) -> None:
         """Resolve every finished step (waiting for the device) and write the trace collected so far."""
