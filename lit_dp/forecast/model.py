@@ -154,17 +154,16 @@ def predict(
     fitted = measured.link
     hop = fitted.latency_s if latency is None else _latency(latency)
     between = None if inter_node is None else _bandwidth("inter_node", inter_node)
+    asked = bandwidth if isinstance(bandwidth, (list, tuple)) else [bandwidth]
     links = [
-        Link(value, hop, ranks_per_node, between, measured=value is None)
-        for value in (
-            [_bandwidth("bandwidth", b) for b in (bandwidth if isinstance(bandwidth, (list, tuple)) else [bandwidth])]
-            if bandwidth is not None
-            else [None]
+        Link(
+            fitted.bandwidth if value is None else _bandwidth("bandwidth", value),
+            hop,
+            ranks_per_node,
+            between,
+            measured=value is None,
         )
-    ]
-    links = [
-        Link(fitted.bandwidth, link.latency, ranks_per_node, between, measured=True) if link.measured else link
-        for link in links
+        for value in asked
     ]
     for size in bucket_sizes:
         if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
