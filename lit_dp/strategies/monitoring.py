@@ -103,15 +103,15 @@ class Monitors(Feature):
         if model.comm_profile is None:
             return None
         model.flush_comm_stats()
+        profile = model.comm_profile.record()
         extra = {}
         report = model.straggler_report()
-        rank = model.comm_profile.record().rank
-        if report is not None and rank in report.ranks:
-            extra["window"] = dataclasses.asdict(report.times_of(rank))
+        if report is not None and profile.rank in report.ranks:
+            extra["window"] = dataclasses.asdict(report.times_of(profile.rank))
         local_sgd = self._run.strategy.local_sgd if self._run is not None else None
         if local_sgd is not None and local_sgd.traffic():
             extra["local_sgd"] = local_sgd.traffic()
-        return model.comm_profile.record().with_extra(**extra)
+        return profile.with_extra(**extra)
 
     def _say_forecast(self, profile: Profile | None, folder: str | None) -> None:
         if self._forecast.ranks is None or profile is None or profile.rank != 0:
