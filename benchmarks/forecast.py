@@ -27,8 +27,10 @@ Measured: each run's rank 0 notes when each training batch starts and when valid
 validation between them. For data parallelism the median over the steps after the first five;
 for DiLoCo, after the first ``local_steps``, the median local step plus a ``local_steps``-th of
 what the median syncing step (every ``local_steps``-th) takes beyond it: the mean step with
-the syncs spread over their period, with neither kind's outliers (an epoch's end) weighing in. Each row also has the machine's 1-minute load when its run ended (``os.getloadavg``): the
-runs share the machine's cores with whatever else runs.
+the syncs spread over their period, with neither kind's outliers (an epoch's end) weighing in.
+Each row also has the machine's 1-minute load (``os.getloadavg``) when its run ended and when
+the base run its forecast comes from ended: the runs share the machine's cores with whatever
+else runs, and a prediction carries its base run's load as a measurement carries its own.
 """
 
 from __future__ import annotations
@@ -202,17 +204,18 @@ def run(config: ForecastBenchmarkConfig, root: Path) -> list[dict[str, Any]]:
 
     rows = []
     bases: dict[tuple[str, int], Path] = {}
+    base_loads: dict[tuple[str, int], float] = {}
     for case in cases(config):
         key = (case.recipe, case.ranks)
         if key not in bases:
             base = Case(case.recipe, case.ranks, 0.0, f"dp {_buckets(config, case.recipe)[0]:g}", case.contended)
             bases[key] = root / f"base-{base.name}"
-            run_case(case.recipe, _overrides(base, config), bases[key])
+            base_loads[key] = run_case(case.recipe, _overrides(base, config), bases[key])
         folder = root / case.name
         load = run_case(case.recipe, _overrides(case, config), folder)
         window = config.local_steps if case.setting == "diloco" else 1
         measured = median_step_ms(json.loads((folder / TIMES_FILE).read_text()), window)
-        row = {"case": case, "measured": measured, "load": load}
+        row = {"case": case, "measured": measured, "load": load, "base_load": base_loads[key]}
         row["predicted"] = _predicted(predict, bases[key], case, config)
         two_ranks = bases.get((case.recipe, config.ranks))
         if case.contended and two_ranks is not None:
@@ -265,7 +268,7 @@ def report(rows: list[dict[str, Any]], config: ForecastBenchmarkConfig) -> str:
         f"{config.ranks}-rank base run",
         "",
         "| recipe | ranks | link | setting | measured | predicted | error | from the "
-        f"{config.ranks}-rank run | error | load |",
+        f"{config.ranks}-rank run | error | load (its run, the base run) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -276,7 +279,7 @@ def report(rows: list[dict[str, Any]], config: ForecastBenchmarkConfig) -> str:
             f"| {_setting(case, config)} | {row['measured']:.2f} | {row['predicted']:.2f} "
             f"| {_error(row['predicted'], row['measured'])} "
             f"| {'' if from_base is None else f'{from_base:.2f}'} "
-            f"| {'' if from_base is None else _error(from_base, row['measured'])} | {row['load']:.1f} |"
+            f"| {'' if from_base is None else _error(from_base, row['measured'])} | {row['load']:.1f}, {row['base_load']:.1f} |"
         )
     errors = [abs(row["predicted"] / row["measured"] - 1) for row in rows if not row["case"].contended]
     if errors:

@@ -84,14 +84,36 @@ def test_the_link_holds_a_gradient_all_reduce_until_it_has_carried_its_bytes():
 def test_the_table_has_every_row_and_beside_a_contended_one_the_forecast_from_fewer_ranks():
     config = ForecastBenchmarkConfig(recipes=("digits",), links_mbit=(100.0,), contended_ranks=(3,))
     rows = [
-        {"case": Case("digits", 2, 100.0, "dp 25", False), "measured": 20.0, "predicted": 21.0, "load": 3.5},
-        {"case": Case("digits", 2, 100.0, "diloco", False), "measured": 10.0, "predicted": 8.0, "load": 3.0},
-        {"case": Case("digits", 3, 100.0, "dp 25", True), "measured": 30.0, "predicted": 27.0, "from_base": 21.0, "load": 4.0},
+        {
+            "case": Case("digits", 2, 100.0, "dp 25", False),
+            "measured": 20.0,
+            "predicted": 21.0,
+            "load": 3.5,
+            "base_load": 2.0,
+        },
+        {
+            "case": Case("digits", 2, 100.0, "diloco", False),
+            "measured": 10.0,
+            "predicted": 8.0,
+            "load": 3.0,
+            "base_load": 2.0,
+        },
+        {
+            "case": Case("digits", 3, 100.0, "dp 25", True),
+            "measured": 30.0,
+            "predicted": 27.0,
+            "from_base": 21.0,
+            "load": 4.0,
+            "base_load": 5.0,
+        },
     ]
     lines = report(rows, config).splitlines()
-    assert "| digits | 2 | 100 Mbit/s | DP, 25 MB buckets | 20.00 | 21.00 | +5.0% |  |  | 3.5 |" in lines
-    assert "| digits | 2 | 100 Mbit/s | DiLoCo K=16 | 10.00 | 8.00 | -20.0% |  |  | 3.0 |" in lines
-    assert "| digits | 3 (contended) | 100 Mbit/s | DP, 25 MB buckets | 30.00 | 27.00 | -10.0% | 21.00 | -30.0% | 4.0 |" in lines
+    assert "| digits | 2 | 100 Mbit/s | DP, 25 MB buckets | 20.00 | 21.00 | +5.0% |  |  | 3.5, 2.0 |" in lines
+    assert "| digits | 2 | 100 Mbit/s | DiLoCo K=16 | 10.00 | 8.00 | -20.0% |  |  | 3.0, 2.0 |" in lines
+    assert (
+        "| digits | 3 (contended) | 100 Mbit/s | DP, 25 MB buckets | 30.00 | 27.00 | -10.0% | 21.00 | -30.0% | 4.0, 5.0 |"
+        in lines
+    )
     assert lines[-1] == "1 of 2 rows with a core per rank within 10%; mean |error| 12.5%"
 
 
