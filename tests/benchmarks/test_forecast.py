@@ -84,37 +84,22 @@ def test_the_link_holds_a_gradient_all_reduce_until_it_has_carried_its_bytes():
 def test_the_table_has_every_row_and_beside_a_contended_one_the_forecast_from_fewer_ranks():
     config = ForecastBenchmarkConfig(recipes=("digits",), links_mbit=(100.0,), contended_ranks=(3,))
     rows = [
-        {
-            "case": Case("digits", 2, 100.0, "dp 25", False),
-            "measured": 20.0,
-            "predicted": 21.0,
-            "load": 3.5,
-            "base_load": 2.0,
-        },
-        {
-            "case": Case("digits", 2, 100.0, "diloco", False),
-            "measured": 10.0,
-            "predicted": 8.0,
-            "load": 3.0,
-            "base_load": 2.0,
-        },
-        {
-            "case": Case("digits", 3, 100.0, "dp 25", True),
-            "measured": 30.0,
-            "predicted": 27.0,
-            "from_base": 21.0,
-            "load": 4.0,
-            "base_load": 5.0,
-        },
+        {"case": Case("digits", 2, 100.0, "dp 25", False), "measured": 20.0, "predicted": 21.0, "own": 19.0},
+        {"case": Case("digits", 2, 100.0, "diloco", False), "measured": 10.0, "predicted": 8.0},
+        {"case": Case("digits", 3, 100.0, "dp 25", True), "measured": 30.0, "predicted": 27.0, "from_base": 21.0},
     ]
+    for row, loads in zip(rows, [(3.5, 2.0), (3.0, 2.0), (4.0, 5.0)]):
+        row["load"], row["base_load"] = loads
     lines = report(rows, config).splitlines()
-    assert "| digits | 2 | 100 Mbit/s | DP, 25 MB buckets | 20.00 | 21.00 | +5.0% |  |  | 3.5, 2.0 |" in lines
-    assert "| digits | 2 | 100 Mbit/s | DiLoCo K=16 | 10.00 | 8.00 | -20.0% |  |  | 3.0, 2.0 |" in lines
-    assert (
-        "| digits | 3 (contended) | 100 Mbit/s | DP, 25 MB buckets | 30.00 | 27.00 | -10.0% | 21.00 | -30.0% | 4.0, 5.0 |"
-        in lines
+    own = "| digits | 2 | 100 Mbit/s | DP, 25 MB buckets | 20.00 | 21.00 | +5.0% | 19.00 | -5.0% |  |  | 3.5, 2.0 |"
+    assert own in lines
+    assert "| digits | 2 | 100 Mbit/s | DiLoCo K=16 | 10.00 | 8.00 | -20.0% |  |  |  |  | 3.0, 2.0 |" in lines
+    contended = "| 30.00 | 27.00 | -10.0% |  |  | 21.00 | -30.0% | 4.0, 5.0 |"
+    assert f"| digits | 3 (contended) | 100 Mbit/s | DP, 25 MB buckets {contended}" in lines
+    assert lines[-1] == (
+        "A core per rank: 1 of 2 within 10%, mean |error| 12.5% from the base run; data parallelism from its own run: "
+        "1 of 1 within 10%, mean |error| 5.0%"
     )
-    assert lines[-1] == "1 of 2 rows with a core per rank within 10%; mean |error| 12.5%"
 
 
 @pytest.mark.slow
@@ -131,7 +116,8 @@ def test_the_benchmark_prints_every_row_against_its_prediction(tmp_path):
     assert set(rows) == {"DP, 25 MB buckets", "DiLoCo K=4"}, output
     for measured, predicted, error in rows.values():
         assert error == pytest.approx((predicted / measured - 1) * 100, abs=0.06)
-    assert re.search(r"^\d of 2 rows with a core per rank within 10%; mean \|error\| [\d.]+%$", output, re.M), output
+    summary = r"^A core per rank: \d of 2 within 10%, mean \|error\| [\d.]+% from the base run; data parallelism from its own run: "
+    assert re.search(summary + r"\d of 1 within 10%", output, re.M), output
     assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == [
         "base-digits-2-0-dp25", "digits-2-100-diloco", "digits-2-100-dp25",
     ]  # fmt: skip
