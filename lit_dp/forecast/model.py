@@ -310,12 +310,15 @@ def _sizes(m: Measured) -> str:
     return f"{len(mb)} of {shown} MB"
 
 
-def _buckets(m: Measured, bucket_mb: float, last_mb: float) -> list[list[int]]:
-    """The buckets lit_dp would cut with these limits, as positions in ready order, in launch order."""
+def _buckets(m: Measured, bucket_mb: float, last_mb: float) -> Sequence[Sequence[int]]:
+    """The buckets lit_dp would cut with these limits, as positions in ready order, in launch order;
+    the run's own (the same object) where they are the run's, so that they are re-timed as they ran."""
     tensors = [torch.empty(nbytes, dtype=torch.uint8, device="meta") for nbytes in m.parameter_bytes]
     forward = list(reversed(range(len(tensors))))
     limits = (max(1, int(last_mb * MB)), max(1, int(bucket_mb * MB)))
-    return launch_order(tensors, [False] * len(tensors), forward, limits)  # type: ignore[arg-type]
+    cut = launch_order(tensors, [False] * len(tensors), forward, limits)  # type: ignore[arg-type]
+    same = [sorted(bucket) for bucket in cut] == [sorted(bucket) for bucket in m.bucket_sizes]
+    return m.bucket_sizes if same else cut
 
 
 def _dp_step(

@@ -213,13 +213,17 @@ def _sample(step: StepRecord, buckets: Sequence[Sequence[int]], parameter_bytes:
 
 def _measure(profile: Profile) -> Measured:
     steps = _steps(profile)
-    samples = [_sample(step, profile.bucket_indices, profile.parameter_bytes) for step in steps]
+    # A bucket's members are kept in forward order: backward readies them last to first, so the
+    # ready order is each bucket's members reversed, the buckets in launch order (and the forward
+    # order, which buckets are cut from, that order reversed).
+    buckets = [tuple(reversed(bucket)) for bucket in profile.bucket_indices]
+    samples = [_sample(step, buckets, profile.parameter_bytes) for step in steps]
     median = statistics.median
     sizes = [bucket.bytes for bucket in steps[0].buckets]
     host = [median(sample.launch_ms[b] for sample in samples) for b in range(len(sizes))]
     link = [median(sample.link_ms[b] for sample in samples) for b in range(len(sizes))]
     launch_ms, launch_per_byte = _fit_line(sizes, host)
-    order = [i for bucket in profile.bucket_indices for i in bucket]
+    order = [i for bucket in buckets for i in bucket]
     return Measured(
         rank=profile.rank,
         ranks=profile.world_size,
@@ -230,7 +234,7 @@ def _measure(profile: Profile) -> Measured:
         launch_ms_per_mb=launch_per_byte * MB,
         link=_fit_link(sizes, link, profile.world_size),
         parameter_bytes=tuple(profile.parameter_bytes[i] for i in order),
-        bucket_sizes=_positions(profile.bucket_indices),
+        bucket_sizes=_positions(buckets),
         settings=dict(profile.settings),
         optimizer_ms=_optimizer_ms(profile),
         local_sgd=dict(profile.extra.get("local_sgd") or {}),

@@ -245,3 +245,10 @@ def test_the_fixture_is_a_recorded_run():
     for path in sorted(RUN.rglob("lit_dp_profile.rank*.json")):
         profile = Profile.read(path)
         assert profile.world_size == 2 and len(profile.steps) == 31 and profile.extra["window"]["optimizer_ms"] > 0
+
+
+def test_a_bucket_size_that_cuts_the_run_s_buckets_is_predicted_as_the_run(measured):
+    # The recorded run: comm_buffer_size=0.02 and last_comm_buffer_size=0.02.
+    rows = rows_of(predict(measured, bucket_sizes=[0.02]))
+    assert rows["data parallelism, buckets of 0.02 MB"].step_ms == pytest.approx(measured.period_ms, rel=1e-6)
+    assert rows["data parallelism, buckets of 0.02 MB"].options == {"comm_buffer_size": 0.02}
