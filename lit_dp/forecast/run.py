@@ -17,8 +17,8 @@ said otherwise):
   to its end), and over the run, fitted as a latency plus bytes over a bandwidth with a ring's
   ``2(N-1)/N``.
 
-Each step is kept in these parts (``StepSample``, the latest ``KEPT_SAMPLES``), so that the model
-re-times every one and reports the median.
+Each step is kept in these parts (``StepSample``), so that the model re-times every one the
+profile kept and reports the median.
 
 The rank whose own compute is the longest is the one taken: the others wait for it, so its
 buckets' times are the link's, not a wait for a slower peer.
@@ -39,8 +39,6 @@ from lit_dp.observability.profile import FILE_GLOB, Profile, StepRecord
 # buffers allocate memory and warm caches.
 SETTLING_STEPS = 2
 ENOUGH_STEPS = 10
-# The latest steps the model re-times (each prediction is the median over them).
-KEPT_SAMPLES = 100
 MB = 2**20
 # How far bucket sizes must spread for a latency and a bandwidth to be told apart.
 SPREAD = 1.5
@@ -177,7 +175,7 @@ def _steps(profile: Profile) -> list[StepRecord]:
             "or LocalSGD without local_sgd.warmup_steps, synchronises no gradients): run data parallelism on 2 or more "
             f"ranks first, e.g. {WHAT_TO_RUN}."
         )
-    return steps[-KEPT_SAMPLES:]
+    return steps
 
 
 def _sample(step: StepRecord, buckets: Sequence[Sequence[int]], parameter_bytes: Sequence[int]) -> StepSample:
