@@ -11,7 +11,8 @@ the same digits shards in the same 2 gloo processes, with DiLoCo in ``fragments`
 The slow link is the benchmark's own: LocalSGD's collectives are handed to gloo as usual, and
 each one is reported complete no sooner than the link, shared by all of them in turn, would
 have carried its bytes at ``link_mbit`` Mbit/s (a ring all-reduce's ``2(n-1)/n`` of the payload
-per rank); a wait before that sleeps. So the sync's time in flight is set by the bandwidth, and
+per rank); a wait before that sleeps. (``SlowSyncLink(gradients=True)`` puts the reducer's
+gradient all-reduces on the same link, for ``benchmarks.forecast``.) So the sync's time in flight is set by the bandwidth, and
 what the delay hides of it is what the inner steps in between take. Reported per mode: the sync
 time exposed per local step (``LocalSGD.traffic``: the wait when a sync is applied, and applying
 it), the mean step time, and the final model's validation loss and accuracy.
@@ -20,8 +21,10 @@ it), the mean step time, and the final model's validation loss and accuracy.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -50,21 +53,52 @@ class OverlapBenchmarkConfig:
 
 
 class _SlowWork:
-    """A collective's work, complete no sooner than ``ready`` (``time.monotonic``)."""
+    """A collective's work, complete no sooner than ``ready`` (``time.monotonic``).
+
+    What lit_dp asks of a work, as torch's own: ``is_completed``, ``wait()`` and ``wait(timeout)``
+    (the hang watchdog's bounded slices, a ``RuntimeError`` when one runs out first), and a future
+    (the reducer's observers time a bucket by it) that completes when the link has carried it.
+    """
 
     def __init__(self, work: dist.Work, ready: float) -> None:
         self._work, self._ready = work, ready
+        self._future: torch.futures.Future | None = None
 
     def is_completed(self) -> bool:
         return time.monotonic() >= self._ready and self._work.is_completed()
 
-    def wait(self, *args: Any) -> bool:
-        time.sleep(max(0.0, self._ready - time.monotonic()))
-        return self._work.wait(*args)
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        remaining = self._ready - time.monotonic()
+        if timeout is not None and timeout.total_seconds() > 0 and remaining > timeout.total_seconds():
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("the simulated link is still carrying this collective (wait timed out)")
+        time.sleep(max(0.0, remaining))
+        return self._work.wait() if timeout is None else self._work.wait(timeout)
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            future: torch.futures.Future = torch.futures.Future()
+
+            def carried(done: torch.futures.Future) -> None:
+                try:
+                    value = done.value()
+                except Exception as error:  # noqa: BLE001 - the collective's own failure, passed on
+                    future.set_exception(error)
+                    return
+                delay = self._ready - time.monotonic()
+                if delay > 0:
+                    threading.Timer(delay, future.set_result, [value]).start()
+                else:
+                    future.set_result(value)
+
+            self._work.get_future().add_done_callback(carried)
+            self._future = future
+        return self._future
 
 
 class SlowLink:
-    """``torch.distributed`` as ``lit_dp.local_sgd.transport`` sees it, its collectives carried by one link in turn."""
+    """``torch.distributed`` as ``lit_dp.local_sgd.transport`` (and, with ``SlowSyncLink(gradients=True)``, the
+    reducer's dense buckets) sees it, its collectives carried by one link in turn."""
 
     def __init__(self, mbit: float, world_size: int) -> None:
         self._bytes_per_second = mbit * 1e6 / 8
@@ -88,28 +122,37 @@ class SlowLink:
 
 class SlowSyncLink(pl.Callback):
     """A recipe's LocalSGD syncs carried by a ``SlowLink`` of ``mbit`` Mbit/s in every rank, from setup to
-    teardown, for ``benchmarks.local_sgd_overlap_gpt``:
+    teardown, for ``benchmarks.local_sgd_overlap_gpt``; with ``gradients=True`` the reducer's gradient
+    all-reduces too (its dense buckets' and their in-place members'), on the same link
+    (``benchmarks.forecast``):
 
         python recipes/gpt.py ... +callbacks.slow_link._target_=benchmarks.local_sgd_overlap.SlowSyncLink
+        python recipes/gpt.py ... +callbacks.slow_link._target_=benchmarks.local_sgd_overlap.SlowSyncLink +callbacks.slow_link.gradients=true
 
-    Only LocalSGD's collectives are slowed; the Trainer's others (checkpoints, validation metrics) are not."""
+    Only these collectives are slowed; the Trainer's others (checkpoints, validation metrics, the
+    buffer broadcast), a communication hook's and sharding's are not."""
 
-    def __init__(self, mbit: float = 100.0) -> None:
+    def __init__(self, mbit: float = 100.0, gradients: bool = False) -> None:
         if not mbit > 0:
             raise ValueError(f"SlowSyncLink(mbit={mbit!r}) is invalid: expected a bandwidth in Mbit/s above 0.")
         self.mbit = mbit
-        self._real_dist: Any = None
+        self.gradients = gradients
+        self._real: list[tuple[Any, Any]] = []  # (module, its own dist) while slowed
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import lit_dp.gradients.dense
         import lit_dp.local_sgd.transport
 
-        self._real_dist, lit_dp.local_sgd.transport.dist = lit_dp.local_sgd.transport.dist, SlowLink(self.mbit, trainer.world_size)
+        link = SlowLink(self.mbit, trainer.world_size)
+        modules = [lit_dp.local_sgd.transport] + ([lit_dp.gradients.dense] if self.gradients else [])
+        for module in modules:
+            self._real.append((module, module.dist))
+            module.dist = link
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        import lit_dp.local_sgd.transport
-
-        if self._real_dist is not None:
-            lit_dp.local_sgd.transport.dist, self._real_dist = self._real_dist, None
+        while self._real:
+            module, real = self._real.pop()
+            module.dist = real
 
 
 def _train(delay: int, config: OverlapBenchmarkConfig, data: DigitsDataModule, rank: int) -> dict[str, Any]:

@@ -45,6 +45,7 @@ _LAZY = {
     "PaddleDPStrategy": ("lit_dp.strategies.trainer", "PaddleDPStrategy"),
     "PaddleEnvironment": ("lit_dp.job.cluster_environment", "PaddleEnvironment"),
     "fabric": ("lit_dp.fabric", None),
+    "forecast": ("lit_dp.forecast", None),
 }
 # Each registers its strategy families when it is imported; the last gives each registered name
 # of the Trainer's a class of that name, for LightningCLI (``--trainer.strategy=paddle_dp`` with options).

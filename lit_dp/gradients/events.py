@@ -1,4 +1,4 @@
-"""What the reducer tells its observers: a step started, a bucket launched, backward ended, the step ended.
+"""What the reducer tells its observers: a step started, a bucket ready and launched, backward ended, the step ended.
 
 Statistics, traces, bucket-size autotuning and the hang watchdog subscribe with
 ``Reducer.add_observer``. The reducer calls this interface and knows none of its listeners;
@@ -39,6 +39,15 @@ class ReducerObserver:
 
     def backward_started(self, step: int) -> None:
         """The first gradient of this backward is ready."""
+
+    def bucket_ready(self, step: int, position: int) -> None:
+        """The last gradient of bucket ``position`` (its place in launch order) arrived in this backward.
+
+        The bucket launches right after, unless an earlier bucket is still incomplete (buckets launch
+        in order); what lies between this moment and its launch is the host's cost of launching it
+        (the copy into its buffer, the collective enqueued). A bucket completed only by the end of
+        backward (parameters without a gradient) or a step without a backward is never ready.
+        """
 
     def bucket_launched(self, launch: BucketLaunch) -> None:
         """A bucket's collectives were started."""

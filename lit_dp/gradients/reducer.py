@@ -404,8 +404,11 @@ class Reducer:
     def _mark_ready(self, armed: _ArmedStep, index: int) -> None:
         bucket = self._layout.bucket_of[index]
         armed.pending[bucket] -= 1
-        if armed.pending[bucket] == 0 and bucket == armed.next_bucket:
-            self._launch_complete_buckets(armed)
+        if armed.pending[bucket] == 0:
+            for observer in self._observers:
+                observer.bucket_ready(armed.step, bucket)
+            if bucket == armed.next_bucket:
+                self._launch_complete_buckets(armed)
 
     # Without grad mode: under `backward(create_graph=True)` gradients require grad themselves, and
     # copying them into the buckets must not record a graph (as in torch DDP, see _warn_create_graph).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,13 @@ from lit_dp.gradients.reducer import Reducer
 from lit_dp.gradients.waiting import Waiter
 from lit_dp.observability.autotune import BucketAutotuner
 from lit_dp.observability.consistency import ReplicaConsistency
+from lit_dp.observability.profile import CommProfile
 from lit_dp.observability.stats import CommObserver, CommStats
 from lit_dp.observability.step_clock import StepClock
 from lit_dp.observability.straggler import StragglerReport, WindowReport
 from lit_dp.observability.watchdog import HangWatchdog
 from lit_dp.options import AUTO, Options
+from lit_dp.options.comm_hooks import describe_comm_hook
 
 if TYPE_CHECKING:
     from lit_dp.observability.trace import TraceWriter
@@ -44,6 +46,7 @@ class ModelObservers:
     trace: TraceWriter | None = None
     clock: StepClock | None = None
     stats: CommObserver | None = None
+    profile: CommProfile | None = None
     watchdog: HangWatchdog | None = None
     straggler: StragglerReport | None = None
     consistency: ReplicaConsistency | None = None
@@ -89,11 +92,22 @@ class ModelObservers:
         straggler = options.straggler.every_n_steps if among_ranks else None
         consistency = options.consistency.every_n_steps if among_ranks else None
         trace = observers.trace
-        if options.comm_stats or trace is not None or watched or straggler or consistency:
+        profiled = options.comm_stats or options.forecast.ranks is not None
+        if profiled or trace is not None or watched or straggler or consistency:
             observers.clock = clock = StepClock(device, waiter, reducer.parameters)
             reducer.add_observer(clock)
-        if options.comm_stats or trace is not None:
-            observers.stats = CommObserver(device, observers.clock, [trace.add] if trace is not None else [])
+        if profiled:
+            observers.profile = CommProfile(
+                [param.numel() * param.element_size() for param in reducer.parameters],
+                group.rank(),
+                group.size(),
+                groups.backend_name(group),
+                device,
+                {**profile_settings(options), "gradient_bits": 8 * reducer.parameters[0].element_size()},
+            )
+        if profiled or trace is not None:
+            sinks = [sink.add for sink in (trace, observers.profile) if sink is not None]
+            observers.stats = CommObserver(device, observers.clock, sinks)
             reducer.add_observer(observers.stats)
         if watched:
             # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).
@@ -140,6 +154,24 @@ class ModelObservers:
             self.stats.flush()
         if self.trace is not None:
             self.trace.write()
+
+
+def profile_settings(options: Options) -> dict[str, Any]:
+    """The options that shape a step's communication, as the profile records them for the forecast."""
+    local_sgd = options.local_sgd
+    return {
+        "comm_buffer_size": options.comm_buffer_size,
+        "last_comm_buffer_size": options.last_comm_buffer_size,
+        "comm_hook": describe_comm_hook(options),
+        "comm_dtype": options.comm_dtype,
+        "gradient_as_bucket_view": options.gradient_as_bucket_view,
+        "nrings": options.nrings,
+        "sharding_stage": options.sharding.stage,
+        "local_sgd_steps": local_sgd.steps,
+        "local_sgd_warmup_steps": local_sgd.warmup_steps,
+        "local_sgd_outer": local_sgd.outer,
+        "fault_tolerance": options.fault_tolerance,
+    }
 
 
 class ObservedModel:
@@ -190,6 +222,12 @@ class ObservedModel:
     def comm_stats_mean(self) -> dict[str, float]:
         """Mean ``time_ms`` and ``exposed_ms`` over the steps so far (the first excluded), and their overlap."""
         return self._observers.stats.mean() if self._observers.stats is not None else {}
+
+    @property
+    def comm_profile(self) -> CommProfile | None:
+        """The run's communication profile (``lit_dp.observability.profile``), what ``lit_dp.forecast``
+        predicts from: ``comm_profile.record()``; None without ``comm_stats``."""
+        return self._observers.profile
 
     def flush_comm_stats(self) -> None:
         """Resolve every finished step (waiting for the device) and write the trace collected so far."""

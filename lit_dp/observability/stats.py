@@ -1,10 +1,11 @@
 """Per-step communication statistics of the reducer, measured on every rank.
 
-For each synchronised step the reducer tells a ``CommObserver`` five moments
+For each synchronised step the reducer tells a ``CommObserver`` six moments
 (``lit_dp.gradients.events``): the step
 starts (the forward armed the reducer), the first gradient is ready (backward is under way), a
-bucket's all-reduce was launched, backward ended (the autograd engine ran the reducer's
-end-of-backward callback: the last gradient is ready) and every bucket was reduced. From them:
+bucket's last gradient is ready, its all-reduce was launched, backward ended (the autograd
+engine ran the reducer's end-of-backward callback: the last gradient is ready) and every bucket
+was reduced. From them:
 
 - ``bytes``: gradient bytes all-reduced (the parameters' own bytes; the reducer's per-parameter
   flags are not counted);
@@ -16,7 +17,10 @@ end-of-backward callback: the last gradient is ready) and every bucket was reduc
 - ``overlap``: the share of communication time hidden under backward, ``1 - exposed / time``.
 
 The step's moments are the step clock's (``lit_dp.observability.step_clock``), which takes them
-once for every observer; the buckets' launches and completions are this observer's own.
+once for every observer; the buckets' ready moments, launches and completions are this
+observer's own. The per-bucket timeline of each step goes to the sinks it is given: the trace
+writer, and the run's communication profile (``lit_dp.observability.profile``), which the
+forecast (``python -m lit_dp.forecast``) reads.
 Clocks (``lit_dp.observability.clocks``). On CPU, host time (``time.monotonic``); a bucket
 completes when its all-reduce's future runs its callback (Gloo runs it on its own thread the
 moment the collective finishes; it may wait for the interpreter lock while the main thread runs
@@ -67,13 +71,16 @@ class CommStats:
 
 @dataclass(frozen=True)
 class BucketSpan:
-    """One bucket's all-reduce in host seconds: launch (the collective was enqueued) to completion."""
+    """One bucket's all-reduce in host seconds: launch (the collective was enqueued) to completion,
+    and when its last gradient was ready (None: never in backward; it was launched at backward's
+    end, or in a step without one)."""
 
     index: int
     bytes: int
     indices: tuple[int, ...]  # the reducer's parameter indices
     launch: float
     end: float
+    ready: float | None = None
 
 
 @dataclass(frozen=True)
@@ -111,12 +118,13 @@ class StepTimeline:
 class _StepRecord:
     """One step: the step clock's marks, and the buckets' (completion marks filled in by the all-reduces' callbacks)."""
 
-    __slots__ = ("marks", "buckets")
+    __slots__ = ("marks", "buckets", "ready")
 
     def __init__(self, marks: StepMarks) -> None:
         self.marks = marks
-        # (position, bytes, parameter indices, launch mark, one completion slot per collective)
-        self.buckets: list[tuple[int, int, list[int], Any, list[Any]]] = []
+        # (position, bytes, parameter indices, launch mark, one completion slot per collective, ready mark or None)
+        self.buckets: list[tuple[int, int, list[int], Any, list[Any], Any]] = []
+        self.ready: dict[int, Any] = {}  # position -> ready mark, until the bucket launches
 
 
 class CommObserver(ReducerObserver):
@@ -148,12 +156,19 @@ class CommObserver(ReducerObserver):
         self._current = _StepRecord(marks) if marks is not None and marks.step == step else None
 
     @override
+    def bucket_ready(self, step: int, position: int) -> None:
+        record = self._current
+        if record is not None:
+            record.ready[position] = self._clock.mark()
+
+    @override
     def bucket_launched(self, launch: BucketLaunch) -> None:
         record = self._current
         if record is None or not launch.futures:  # nothing is sent in a group of one rank
             return
         slots: list[Any] = [None] * len(launch.futures)
-        record.buckets.append((launch.position, launch.nbytes, launch.indices, self._clock.mark(), slots))
+        ready = record.ready.pop(launch.position, None)
+        record.buckets.append((launch.position, launch.nbytes, launch.indices, self._clock.mark(), slots, ready))
         for slot, future in enumerate(launch.futures):
             future.then(_completion_callback(slots, slot, self._clock.mark))
 
@@ -199,6 +214,7 @@ class CommObserver(ReducerObserver):
             step = record.marks
             marks = [step.start, step.backward_start, step.backward_end, step.reduced]
             marks += [bucket[3] for bucket in record.buckets]
+            marks += [bucket[5] for bucket in record.buckets if bucket[5] is not None]
             marks += [slot for bucket in record.buckets for slot in bucket[4]]
             if not all(clock.done(mark) for mark in marks):
                 return
@@ -212,11 +228,13 @@ class CommObserver(ReducerObserver):
             return self._clock.to_host(mark, step.start, step.start_host)
 
         spans = []
-        for position, nbytes, indices, launch, slots in record.buckets:
+        for position, nbytes, indices, launch, slots, ready in record.buckets:
             launched = host(launch)
             # A tiny all-reduce can finish before the launch mark is taken, right after it was enqueued.
             end = max(launched, max(host(slot) for slot in slots))
-            spans.append(BucketSpan(position, nbytes, tuple(indices), launched, end))
+            spans.append(
+                BucketSpan(position, nbytes, tuple(indices), launched, end, None if ready is None else host(ready))
+            )
         return StepTimeline(
             step=step.step,
             start=step.start_host,

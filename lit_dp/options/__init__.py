@@ -7,6 +7,7 @@ defaults and checks from here. One module per feature:
 - ``core``: ``Options``, the core options composed with the groups, ``Options.build``;
 - ``trace``, ``local_sgd``, ``sharding``: the groups ``trace.*``, ``local_sgd.*``, ``sharding.*``;
 - ``straggler``, ``consistency``: the health checks' groups ``straggler.*`` and ``consistency.*``;
+- ``forecast``: the end-of-run forecast's group ``forecast.*``, and how bandwidths and latencies are written;
 - ``fault_tolerance``: ``fault_tolerance`` and its group ``ft.*`` (torchft), with what they refuse;
 - ``comm_hooks``: the registry of named communication hooks; ``compress`` (``fp16``, ``bf16``)
   and ``powersgd`` are lit_dp's own;
@@ -23,6 +24,7 @@ from lit_dp.options.core import AUTO, DEFAULT_BUCKET_MB, Declared, Options, decl
 from lit_dp.options.consistency import ConsistencyOptions
 from lit_dp.options.declare import EVERYWHERE, FABRIC, MODULE, STRATEGIES, TRAINER, option
 from lit_dp.options.fault_tolerance import FaultToleranceOptions
+from lit_dp.options.forecast import ForecastOptions
 from lit_dp.options.local_sgd import LocalSGDOptions
 from lit_dp.options.powersgd import PowerSGDOptions
 from lit_dp.options.sharding import ShardingOptions
@@ -40,6 +42,7 @@ __all__ = [
     "TRAINER",
     "Declared",
     "FaultToleranceOptions",
+    "ForecastOptions",
     "LocalSGDOptions",
     "NamedHook",
     "Options",

@@ -52,6 +52,8 @@ from lit_dp.options.consistency import RULES as CONSISTENCY_RULES
 from lit_dp.options.consistency import ConsistencyOptions
 from lit_dp.options.fault_tolerance import RULES as FAULT_TOLERANCE_RULES
 from lit_dp.options.fault_tolerance import ENGINES, FaultToleranceOptions, check_engine, check_fault_tolerance
+from lit_dp.options.forecast import RULES as FORECAST_RULES
+from lit_dp.options.forecast import ForecastOptions
 from lit_dp.options.local_sgd import RULES as LOCAL_SGD_RULES
 from lit_dp.options.local_sgd import LocalSGDOptions
 from lit_dp.options.rules import Rule
@@ -305,6 +307,7 @@ class Options:
     ft: FaultToleranceOptions = group(FaultToleranceOptions, FAULT_TOLERANCE_RULES)
     straggler: StragglerOptions = group(StragglerOptions)
     consistency: ConsistencyOptions = group(ConsistencyOptions, CONSISTENCY_RULES)
+    forecast: ForecastOptions = group(ForecastOptions, FORECAST_RULES)
     # The options of every registered named hook, by its name (lit_dp.options.comm_hooks): spelt
     # <name>.<field> like a group's, e.g. powersgd.rank. Read only.
     hooks: dict[str, Any] = dataclasses.field(

@@ -23,6 +23,9 @@ class Recorder(ReducerObserver):
     def backward_started(self, step: int) -> None:
         self.moments.append(("backward_started", step))
 
+    def bucket_ready(self, step: int, position: int) -> None:
+        self.moments.append(("bucket_ready", step, position))
+
     def bucket_launched(self, launch: BucketLaunch) -> None:
         self.moments.append(("bucket_launched", launch.step, launch.position, tuple(launch.indices), launch.nbytes))
 
@@ -63,12 +66,50 @@ def test_every_moment_in_order_with_each_bucket_once():
     step(reducer, model)
     kinds = [moment[0] for moment in recorder.moments]
     buckets = len(reducer.bucket_indices)
-    assert kinds == ["step_started", "backward_started", *["bucket_launched"] * buckets, "backward_ended", "step_ended"]
+    # Buckets complete in launch order here (registration order is backward's reverse): each is
+    # ready, then launched at once.
+    each_bucket = ["bucket_ready", "bucket_launched"] * buckets
+    assert kinds == ["step_started", "backward_started", *each_bucket, "backward_ended", "step_ended"]
+    ready = [moment[2] for moment in recorder.moments if moment[0] == "bucket_ready"]
+    assert ready == list(range(buckets))
     launched = [moment for moment in recorder.moments if moment[0] == "bucket_launched"]
     assert [moment[2] for moment in launched] == list(range(buckets))
     assert sorted(i for moment in launched for i in moment[3]) == list(range(6))
     assert sum(moment[4] for moment in launched) == sum(p.numel() * 4 for p in model.parameters())
     assert reducer.step == 0
+
+
+class UsedInReverse(nn.Module):
+    """Registered a, b; used b then a: backward reaches a's gradients first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.tanh(self.b(inputs)))
+
+
+def test_a_bucket_complete_before_an_earlier_one_is_ready_at_once_and_launched_in_turn():
+    # Before the rebuild buckets follow registration: bucket 0 holds b (registered last), bucket 1
+    # holds a, whose gradients backward computes first. Bucket 1 is ready first, and waits for 0.
+    torch.manual_seed(0)
+    model = UsedInReverse()
+    reducer = Reducer(
+        list(model.parameters()),
+        [name for name, _ in model.named_parameters()],
+        [one_rank_group()],
+        bucket_bytes=288,  # a bucket closes once it holds a layer's weight (256 bytes) and bias (32)
+        last_bucket_bytes=288,
+        sparse=[False] * 4,
+        waiter=Waiter(),
+    )
+    recorder = Recorder()
+    reducer.add_observer(recorder)
+    step(reducer, model)
+    order = [(moment[0], moment[2]) for moment in recorder.moments if moment[0] in ("bucket_ready", "bucket_launched")]
+    assert order == [("bucket_ready", 1), ("bucket_ready", 0), ("bucket_launched", 0), ("bucket_launched", 1)]
 
 
 def test_requested_limits_apply_at_the_next_step_start_before_arming():

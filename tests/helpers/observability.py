@@ -1,6 +1,6 @@
-"""The 2-rank run that the statistics, trace and autotune tests share (spawning ranks costs seconds).
+"""The 2-rank run that the statistics, profile, trace and autotune tests share (spawning ranks costs seconds).
 
-Statistics and a trace on 4 KB buckets, then an autotuned wrapper whose rank 1 is slow except
+Statistics, the communication profile and a trace on 4 KB buckets, then an autotuned wrapper whose rank 1 is slow except
 with one bucket size, which the tuner must therefore pick.
 """
 
@@ -61,6 +61,8 @@ def stats_trace_and_autotune(rank: int, trace_dir: str) -> dict:
         stats.append(wrapped.comm_stats())
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buckets = len(wrapped.reducer.bucket_indices)
+    profile = wrapped.comm_profile.record()
+    bucket_indices = wrapped.reducer.bucket_indices
 
     # Autotune: rank 1 sleeps 30 ms per step unless the buckets are those of PREFERRED, so the
     # slowest rank's step time (both ranks wait for it in the all-reduce) picks PREFERRED.
@@ -79,6 +81,8 @@ def stats_trace_and_autotune(rank: int, trace_dir: str) -> dict:
         "stats": stats,
         "gradient_bytes": gradient_bytes,
         "buckets": buckets,
+        "bucket_indices": bucket_indices,
+        "profile": profile,
         "chosen": tuned.comm_buffer_size,
         "sweep": tuned.autotuner.sweep,
         "tuning_steps": tuned.autotuner.tuning_steps,

@@ -1,5 +1,5 @@
 """A Fabric run ends as a Trainer fit does: its trace written, its hang watchdog's thread stopped,
-the straggler report's and the consistency check's summaries said.
+the straggler report's and the consistency check's summaries and the forecast said.
 
 Fabric never tears its strategy down itself: the strategy's features end at
 ``fabric.strategy.teardown()`` or, without it, when the process exits. Real processes under
@@ -39,3 +39,6 @@ def test_a_fabric_run_writes_its_trace_and_leaves_no_lit_dp_thread(tmp_path, end
     assert len(re.findall(r"^\[lit_dp\] straggler: (no rank lagged in \d+|\d+ of \d+) windows? of 2 steps", output, re.M)) == 1, output
     consistency = r"^\[lit_dp\] replica consistency: 2 checks every 2 synchronised steps; the replicas agreed at each$"
     assert len(re.findall(consistency, output, re.M)) == 1, output
+    # The forecast (forecast_ranks=[8]): rank 0's, from its profile in memory (Fabric has no log folder).
+    assert len(re.findall(r"^\[lit_dp\] forecast: fastest at 8 ranks over the run's own link: ", output, re.M)) == 1, output
+    assert re.search(r"^\[lit_dp\] forecast ZeRO-1 \(sharding\.stage=1\): 8 ranks [\d.]+ ms \(x[\d.]+\) per step$", output, re.M), output

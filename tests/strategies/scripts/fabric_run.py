@@ -2,7 +2,7 @@
 
 ``python fabric_run.py TRACE_DIR teardown|exit``: Lightning's script launcher starts rank 1
 from this file. The strategy traces steps 1 to 9 (``trace_steps=[1, 10]``), more than the run
-takes, and watches for hangs. ``teardown``: the script calls ``fabric.strategy.teardown()``,
+takes, watches for hangs, and forecasts 8 ranks when the run ends (``forecast_ranks=[8]``). ``teardown``: the script calls ``fabric.strategy.teardown()``,
 after which no lit_dp thread may be alive. ``exit``: it ends without one, as Fabric scripts do;
 each lit_dp thread left must be one Lightning's test suites can stop (a daemon with ``stop()``).
 """
@@ -26,7 +26,12 @@ def lit_dp_threads() -> list[threading.Thread]:
 
 def main(trace_dir: str, ending: str) -> None:
     strategy = PaddleDPStrategy(
-        trace_dir=trace_dir, trace_steps=[1, 10], hang_timeout=60, straggler_every_n_steps=2, consistency_every_n_steps=2
+        trace_dir=trace_dir,
+        trace_steps=[1, 10],
+        hang_timeout=60,
+        straggler_every_n_steps=2,
+        consistency_every_n_steps=2,
+        forecast_ranks=[8],
     )
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
     fabric.launch()

@@ -1,0 +1,304 @@
+"""What the forecast takes from a run: its profiles read from the run folder, and the model's parameters fitted to them.
+
+A run with ``comm_stats`` leaves one profile per rank (``lit_dp.observability.profile``). From
+the steps it kept, medians per step and per bucket (ms, from the step's first gradient unless
+said otherwise):
+
+- the step's parts: the forward (the step's start to its first gradient), the backward *without*
+  the host's bucket launches (each launch's time on the main thread taken out of the gradients
+  that became ready after it), the write-back after the last bucket ended, and the rest of the
+  period (optimizer step, data, logging); one rank's compute is forward + backward + the rest;
+- when each parameter's gradient is ready in that launch-free backward: a bucket's last member
+  at the bucket's ready moment, the others spread over the time since the previous bucket's in
+  proportion to their bytes (gradients arrive about as fast as their layers' backward runs);
+- the host's cost of launching each bucket (copying it into its buffer, enqueuing the
+  collective), and over the run, fitted as a fixed part plus a part per byte;
+- the link: each bucket's time on it (from its launch, or the previous bucket's end if later,
+  to its end), and over the run, fitted as a latency plus bytes over a bandwidth with a ring's
+  ``2(N-1)/N``.
+
+Each step is kept in these parts (``StepSample``), so that the model re-times every one the
+profile kept and reports the median.
+
+The rank whose own compute is the longest is the one taken: the others wait for it, so its
+buckets' times are the link's, not a wait for a slower peer.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lit_dp.observability.profile import FILE_GLOB, Profile, StepRecord
+
+# Steps after a layout change that are left out when more remain: the first steps in new
+# buffers allocate memory and warm caches.
+SETTLING_STEPS = 2
+ENOUGH_STEPS = 10
+MB = 2**20
+# How far bucket sizes must spread for a latency and a bandwidth to be told apart.
+SPREAD = 1.5
+WHAT_TO_RUN = "python recipes/digits.py (the recipes keep strategy.comm_stats=true), or any run with comm_stats=True on 2 or more ranks"
+
+
+class NoRunError(ValueError):
+    """The folder holds no usable profile; the message is one line that says what to run first."""
+
+
+def find_profiles(folder: str | os.PathLike) -> list[Path]:
+    """The profiles of the newest run under ``folder`` (a run folder, a log folder, or one profile file)."""
+    path = Path(folder)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise NoRunError(
+            f"{folder}: no such run folder; run training first, e.g. {WHAT_TO_RUN}, then pass its folder (outputs/<task>/<time>)."
+        )
+    found = sorted(path.rglob(FILE_GLOB))
+    if not found:
+        raise NoRunError(
+            f"{folder}: no lit_dp profile ({FILE_GLOB}) in it; it is written when training ends with comm_stats on: run "
+            f"{WHAT_TO_RUN}, then pass its folder."
+        )
+    newest = max({p.parent for p in found}, key=lambda parent: max(p.stat().st_mtime for p in parent.glob(FILE_GLOB)))
+    return sorted(newest.glob(FILE_GLOB))
+
+
+def load_profiles(folder: str | os.PathLike) -> list[Profile]:
+    """Every rank's profile of the newest run under ``folder``; ``NoRunError`` (one line) when there is none."""
+    profiles = []
+    for path in find_profiles(folder):
+        try:
+            profiles.append(Profile.read(path))
+        except ValueError as error:
+            raise NoRunError(f"{error}; run training again with comm_stats on, e.g. {WHAT_TO_RUN}.") from None
+    return profiles
+
+
+@dataclass(frozen=True)
+class FittedLink:
+    """The run's link as fitted: a latency per hop (s) and a bandwidth (bytes/s); ``note`` says how."""
+
+    latency_s: float
+    bandwidth: float
+    note: str
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One kept step of the run, in parts (ms): what the model re-times under another setting."""
+
+    period_ms: float
+    forward_ms: float
+    backward_ms: float  # without the host's bucket launches
+    rest_ms: float  # the period's part after the buckets were reduced: optimizer step, data, logging
+    writeback_ms: float  # after the last bucket ended, until the averages were in place
+    exposed_ms: float  # as measured: the end of backward to every bucket reduced
+    parameter_ready_ms: tuple[float, ...]  # in the order gradients became ready, in the launch-free backward
+    launch_ms: tuple[float, ...]  # the host's cost of each of the run's bucket launches
+    link_ms: tuple[float, ...]  # each of the run's buckets' time on the link
+
+    @property
+    def compute_ms(self) -> float:
+        """One rank's compute: the step without any communication or bucket launch."""
+        return self.forward_ms + self.backward_ms + self.rest_ms
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One rank's run, reduced to the cost model's parameters: its steps in parts, and the fits.
+
+    Figures are medians over ``samples`` (ms); the model re-times every sample and takes the
+    median of its predictions, so that a step that was slow in one part stays slow in the others.
+    """
+
+    rank: int
+    ranks: int
+    backend: str
+    device: str
+    samples: tuple[StepSample, ...]
+    launch_ms: float  # the host's cost of a bucket launch: a fixed part ...
+    launch_ms_per_mb: float  # ... and a part per MB (0 where the run's bucket sizes could not tell them apart)
+    link: FittedLink
+    parameter_bytes: tuple[int, ...]  # in the order gradients became ready
+    bucket_sizes: tuple[tuple[int, ...], ...]  # the run's buckets, as positions in that order
+    settings: dict[str, Any]
+    optimizer_ms: float | None  # the optimizer step (the step clock's last window), if known
+    local_sgd: dict[str, Any]  # LocalSGD's traffic, if the run had it
+
+    def median(self, part: str) -> float:
+        """The median of a ``StepSample`` figure over the samples (``compute_ms``, ``period_ms``, ...)."""
+        return statistics.median(getattr(sample, part) for sample in self.samples)
+
+    @property
+    def steps(self) -> int:
+        return len(self.samples)
+
+    @property
+    def compute_ms(self) -> float:
+        return self.median("compute_ms")
+
+    @property
+    def period_ms(self) -> float:
+        return self.median("period_ms")
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(self.parameter_bytes)
+
+    def launch_cost_ms(self, nbytes: float) -> float:
+        """The fitted host cost of launching a bucket of ``nbytes``."""
+        return self.launch_ms + self.launch_ms_per_mb * nbytes / MB
+
+
+def measure(profiles: Profile | Sequence[Profile]) -> Measured:
+    """The cost model's parameters from a run's profiles (one per rank, or one); the rank with the
+    longest own compute is taken. ``NoRunError`` for a profile without synchronised steps."""
+    profiles = [profiles] if isinstance(profiles, Profile) else list(profiles)
+    if not profiles:
+        raise NoRunError(f"no profile given; run training first, e.g. {WHAT_TO_RUN}.")
+    measured = [_measure(profile) for profile in profiles]
+    return max(measured, key=lambda m: m.compute_ms)
+
+
+def _steps(profile: Profile) -> list[StepRecord]:
+    steps = [step for step in profile.steps if step.period_ms is not None and step.buckets]
+    if len(steps) > ENOUGH_STEPS:
+        steps = steps[SETTLING_STEPS:]
+    if not steps:
+        raise NoRunError(
+            f"the profile of rank {profile.rank} holds no synchronised step with its successor (a run of one rank, "
+            "or LocalSGD without local_sgd.warmup_steps, synchronises no gradients): run data parallelism on 2 or more "
+            f"ranks first, e.g. {WHAT_TO_RUN}."
+        )
+    return steps
+
+
+def _sample(step: StepRecord, buckets: Sequence[Sequence[int]], parameter_bytes: Sequence[int]) -> StepSample:
+    host, ready, link = [], [], []
+    main_free = 0.0  # when the main thread finished the previous launch
+    link_free = 0.0
+    launched_in_backward = 0.0  # host time spent launching so far, in backward
+    for bucket in step.buckets:
+        cost = max(0.0, bucket.launch_ms - max(bucket.ready_ms, main_free))
+        ready.append(bucket.ready_ms - launched_in_backward)
+        if bucket.launch_ms <= step.backward_end_ms:
+            launched_in_backward += cost
+        host.append(cost)
+        main_free = bucket.launch_ms
+        # A completion's mark waits for its callback's thread to get the interpreter: it can come after
+        # the step's wait for it returned, which bounds when the collective really ended.
+        end = min(bucket.end_ms, step.reduced_ms)
+        link.append(max(0.0, end - max(bucket.launch_ms, link_free)))
+        link_free = max(link_free, end)
+    last_end = link_free
+    return StepSample(
+        period_ms=step.period_ms,  # type: ignore[arg-type]
+        forward_ms=step.backward_start_ms,
+        backward_ms=step.backward_end_ms - launched_in_backward,
+        rest_ms=max(0.0, step.period_ms - step.backward_start_ms - step.reduced_ms),  # type: ignore[operator]
+        writeback_ms=max(0.0, step.reduced_ms - max(step.backward_end_ms, last_end)),
+        exposed_ms=step.reduced_ms - step.backward_end_ms,
+        parameter_ready_ms=tuple(_spread(buckets, parameter_bytes, ready)),
+        launch_ms=tuple(host),
+        link_ms=tuple(link),
+    )
+
+
+def _measure(profile: Profile) -> Measured:
+    steps = _steps(profile)
+    # A bucket's members are kept in forward order: backward readies them last to first, so the
+    # ready order is each bucket's members reversed, the buckets in launch order (and the forward
+    # order, which buckets are cut from, that order reversed).
+    buckets = [tuple(reversed(bucket)) for bucket in profile.bucket_indices]
+    samples = [_sample(step, buckets, profile.parameter_bytes) for step in steps]
+    median = statistics.median
+    sizes = [bucket.bytes for bucket in steps[0].buckets]
+    host = [median(sample.launch_ms[b] for sample in samples) for b in range(len(sizes))]
+    link = [median(sample.link_ms[b] for sample in samples) for b in range(len(sizes))]
+    launch_ms, launch_per_byte = _fit_line(sizes, host)
+    order = [i for bucket in buckets for i in bucket]
+    return Measured(
+        rank=profile.rank,
+        ranks=profile.world_size,
+        backend=profile.backend,
+        device=profile.device,
+        samples=tuple(samples),
+        launch_ms=launch_ms,
+        launch_ms_per_mb=launch_per_byte * MB,
+        link=_fit_link(sizes, link, profile.world_size),
+        parameter_bytes=tuple(profile.parameter_bytes[i] for i in order),
+        bucket_sizes=_positions(buckets),
+        settings=dict(profile.settings),
+        optimizer_ms=_optimizer_ms(profile),
+        local_sgd=dict(profile.extra.get("local_sgd") or {}),
+    )
+
+
+def _spread(buckets: Sequence[Sequence[int]], parameter_bytes: Sequence[int], ready: Sequence[float]) -> list[float]:
+    """Each parameter's ready moment, in ready order: a bucket's last at the bucket's, the others in
+    proportion to their bytes since the previous bucket's (the first bucket's since 0, the backward's start)."""
+    moments, previous = [], 0.0
+    for members, moment in zip(buckets, ready):
+        total = sum(parameter_bytes[i] for i in members) or 1
+        done = 0
+        moment = max(moment, previous)
+        for i in members:
+            done += parameter_bytes[i]
+            moments.append(previous + (moment - previous) * done / total)
+        previous = moment
+    return moments
+
+
+def _positions(buckets: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    positions, start = [], 0
+    for members in buckets:
+        positions.append(tuple(range(start, start + len(members))))
+        start += len(members)
+    return tuple(positions)
+
+
+def _fit_line(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
+    """``times ~ fixed + per_byte * sizes``, both at least 0; where the sizes do not spread, all fixed."""
+    if len(sizes) < 2 or max(sizes) < SPREAD * max(1, min(sizes)):
+        return statistics.median(times), 0.0
+    n = len(sizes)
+    mean_s, mean_t = sum(sizes) / n, sum(times) / n
+    var = sum((s - mean_s) ** 2 for s in sizes)
+    slope = sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes, times)) / var
+    fixed = mean_t - slope * mean_s
+    if slope < 0:
+        return mean_t, 0.0
+    if fixed < 0:
+        return 0.0, sum(s * t for s, t in zip(sizes, times)) / sum(s * s for s in sizes)
+    return fixed, slope
+
+
+def ring_share(ranks: int) -> float:
+    """Of a payload, what each rank sends in a ring all-reduce: ``2(N-1)/N``."""
+    return 2 * (ranks - 1) / ranks
+
+
+def _fit_link(sizes: Sequence[int], times_ms: Sequence[float], ranks: int) -> FittedLink:
+    hops = 2 * (ranks - 1)
+    share = ring_share(ranks)
+    if len(sizes) >= 2 and max(sizes) >= SPREAD * max(1, min(sizes)):
+        fixed_ms, per_byte_ms = _fit_line(sizes, times_ms)
+        if per_byte_ms > 0:
+            note = f"fitted to {len(sizes)} bucket sizes of the run"
+            return FittedLink(fixed_ms / 1e3 / hops, share / (per_byte_ms / 1e3), note)
+    # One size (or no trend): its whole time is taken as bytes over bandwidth.
+    total_bytes, total_ms = sum(sizes), sum(times_ms)
+    bandwidth = share * total_bytes / (total_ms / 1e3) if total_ms > 0 else float("inf")
+    note = "one bucket size in the run: its time taken as bytes over bandwidth, no latency (--latency sets one)"
+    return FittedLink(0.0, bandwidth, note)
+
+
+def _optimizer_ms(profile: Profile) -> float | None:
+    window = profile.extra.get("window") or {}
+    value = window.get("optimizer_ms")
+    return float(value) if value is not None else None

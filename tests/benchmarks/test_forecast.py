@@ -1,0 +1,123 @@
+"""benchmarks/forecast.py: the measured step of a run, the simulated link's gradient all-reduces, and the table, shrunk."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.forecast import SKIP_STEPS, Case, ForecastBenchmarkConfig, cases, median_step_ms, report
+from benchmarks.local_sgd_overlap import SlowLink
+from tests.helpers.groups import one_rank_group
+from tests.helpers.recipes import run_benchmark
+
+
+def starts(periods: list[float]) -> list[float]:
+    moments = [0.0]
+    for period in periods:
+        moments.append(moments[-1] + period)
+    return moments
+
+
+def test_data_parallelism_s_step_is_the_median_after_the_first_steps_less_validation():
+    periods = [1.0] * SKIP_STEPS + [0.010, 0.012, 0.011, 0.500, 0.010]
+    times = {"starts": starts(periods), "pauses": []}
+    assert median_step_ms(times) == pytest.approx(11.0)
+    # A validation of 0.49 s inside the long step: the step is what is left.
+    moments = starts(periods)
+    times["pauses"] = [[moments[SKIP_STEPS + 3] + 0.001, moments[SKIP_STEPS + 3] + 0.491]]
+    assert median_step_ms(times) == pytest.approx(10.0)  # 10, 12, 11, 10, 10
+
+
+def test_a_period_s_sync_is_spread_over_its_steps():
+    # K=4: every 4th step ends with a 40 ms sync over 10 ms steps; one epoch's end (200 ms) among the local steps.
+    periods = ([0.010, 0.010, 0.010, 0.050] * 5)[:-1] + [0.050]
+    periods[9] = 0.200
+    times = {"starts": starts(periods), "pauses": []}
+    assert median_step_ms(times, 4) == pytest.approx(10.0 + 40.0 / 4)
+    with pytest.raises(RuntimeError, match=r"too few to measure a period of 4"):
+        median_step_ms({"starts": starts([0.01] * 6), "pauses": []}, 4)
+
+
+def test_the_cases_the_default_config_runs():
+    config = ForecastBenchmarkConfig()
+    found = cases(config)
+    full = [case for case in found if not case.contended]
+    assert len(full) == len(config.recipes) * len(config.links_mbit) * 3  # two bucket sizes and DiLoCo per link
+    contended = [case for case in found if case.contended]
+    assert {case.ranks for case in contended} == {3, 4}
+    assert len(contended) == len(config.recipes) * 2 * len(config.contended_links_mbit) * 2
+
+
+def test_the_link_holds_a_gradient_all_reduce_until_it_has_carried_its_bytes():
+    # The reducer reads a work's future (its observers time the bucket) and waits with the hang
+    # watchdog's bounded slices: both see the link, not gloo's own completion.
+    one_rank_group()
+    link = SlowLink(mbit=8.0, world_size=2)  # 1 MB/s; a ring of 2 sends the whole payload per rank
+    tensor = torch.zeros(25_000)  # 100 KB: 0.1 s on the link
+    began = time.monotonic()
+    work = link.all_reduce(tensor, async_op=True)
+    done: list[float] = []
+    work.get_future().add_done_callback(lambda _: done.append(time.monotonic()))
+    assert work.get_future() is work.get_future()
+    assert not work.is_completed()
+    with pytest.raises(RuntimeError, match="the simulated link is still carrying this collective"):
+        work.wait(timedelta(seconds=0.01))
+    work.wait()
+    assert time.monotonic() - began >= 0.1 and work.is_completed()
+    deadline = time.monotonic() + 5
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done and done[0] - began >= 0.1
+    # The next collective waits for the link to be free.
+    second = link.all_reduce(tensor, async_op=True)
+    assert not second.is_completed()
+    second.wait()
+    assert time.monotonic() - began >= 0.2
+    assert dist.is_initialized()
+
+
+def test_the_table_has_every_row_and_beside_a_contended_one_the_forecast_from_fewer_ranks():
+    config = ForecastBenchmarkConfig(recipes=("digits",), links_mbit=(100.0,), contended_ranks=(3,))
+    rows = [
+        {"case": Case("digits", 2, 100.0, "dp 25", False), "measured": 20.0, "predicted": 21.0, "own": 19.0},
+        {"case": Case("digits", 2, 100.0, "diloco", False), "measured": 10.0, "predicted": 8.0},
+        {"case": Case("digits", 3, 100.0, "dp 25", True), "measured": 30.0, "predicted": 27.0, "from_base": 21.0},
+    ]
+    for row, loads in zip(rows, [(3.5, 2.0), (3.0, 2.0), (4.0, 5.0)]):
+        row["load"], row["base_load"] = loads
+    lines = report(rows, config).splitlines()
+    own = "| digits | 2 | 100 Mbit/s | DP, 25 MB buckets | 20.00 | 21.00 | +5.0% | 19.00 | -5.0% |  |  | 3.5, 2.0 |"
+    assert own in lines
+    assert "| digits | 2 | 100 Mbit/s | DiLoCo K=16 | 10.00 | 8.00 | -20.0% |  |  |  |  | 3.0, 2.0 |" in lines
+    contended = "| 30.00 | 27.00 | -10.0% |  |  | 21.00 | -30.0% | 4.0, 5.0 |"
+    assert f"| digits | 3 (contended) | 100 Mbit/s | DP, 25 MB buckets {contended}" in lines
+    assert lines[-1] == (
+        "A core per rank: 1 of 2 within 10%, mean |error| 12.5% from the base run; data parallelism from its own run: "
+        "1 of 1 within 10%, mean |error| 5.0%"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_benchmark_prints_every_row_against_its_prediction(tmp_path):
+    # Three recipe runs: the base, then data parallelism and DiLoCo K=4 over a 100 Mbit/s link.
+    overrides = [
+        "recipes=[digits]", "links_mbit=[100]", "contended_ranks=[]", "local_steps=4", "digits_buckets=[25]",
+        "digits=['trainer.max_epochs=2']", f"folder={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path}",
+    ]  # fmt: skip
+    output = run_benchmark("forecast", *overrides, timeout=1100)
+    row = re.compile(r"^\| digits \| 2 \| 100 Mbit/s \| (.+?) \| ([\d.]+) \| ([\d.]+) \| ([-+][\d.]+)% \|", re.M)
+    rows = {match.group(1): [float(value) for value in match.groups()[1:]] for match in row.finditer(output)}
+    assert set(rows) == {"DP, 25 MB buckets", "DiLoCo K=4"}, output
+    for measured, predicted, error in rows.values():
+        assert error == pytest.approx((predicted / measured - 1) * 100, abs=0.06)
+    summary = r"^A core per rank: \d of 2 within 10%, mean \|error\| [\d.]+% from the base run; data parallelism from its own run: "
+    assert re.search(summary + r"\d of 1 within 10%", output, re.M), output
+    assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == [
+        "base-digits-2-0-dp25", "digits-2-100-diloco", "digits-2-100-dp25",
+    ]  # fmt: skip

@@ -1,0 +1,254 @@
+"""lit_dp.forecast's API and cost model on a recorded run folder (tests/forecast/recorded_run).
+
+The folder is what a recipe run left (``python recipes/digits.py trainer.max_epochs=2
+strategy.comm_buffer_size=0.02 strategy.last_comm_buffer_size=0.02``: 2 gloo ranks, the digits MLP's
+0.1 MB of gradients in 3 buckets), its profiles cut to their last 31 steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import lit_dp.forecast.model
+from lit_dp.forecast import (
+    Forecast,
+    Link,
+    Prediction,
+    end_of_run_lines,
+    load_profiles,
+    measure,
+    predict,
+    table,
+    wire_bits,
+)
+from lit_dp.forecast.model import DILOCO_QUALITY
+from lit_dp.forecast.report import options_to_type
+from lit_dp.observability.profile import Profile
+
+RUN = Path(__file__).parent / "recorded_run"
+MB = 2**20
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return measure(load_profiles(RUN))
+
+
+def rows_of(forecast: Forecast, scenario: int = 0) -> dict[str, Prediction]:
+    return {row.setting: row for row in forecast.scenarios[scenario].rows}
+
+
+def test_the_run_is_measured_from_its_slowest_rank(measured):
+    profiles = load_profiles(RUN)
+    assert sorted(profile.rank for profile in profiles) == [0, 1]
+    each = [measure(profile) for profile in profiles]
+    assert measured.rank == max(each, key=lambda m: m.compute_ms).rank
+    assert (measured.ranks, measured.backend, measured.device) == (2, "gloo", "cpu")
+    assert measured.model_bytes == sum(profiles[0].parameter_bytes)
+    assert len(measured.bucket_sizes) == 3
+    sample = measured.samples[0]
+    # Parameters in ready order, each ready no earlier than the one before; a bucket's last at its ready moment.
+    assert list(sample.parameter_ready_ms) == sorted(sample.parameter_ready_ms)
+    assert measured.compute_ms < measured.period_ms
+
+
+def test_at_its_own_ranks_and_link_the_run_is_predicted_as_measured(measured):
+    # Every sample re-timed with the run's own buckets, launches and link gives back its own step:
+    # the model adds nothing of its own where nothing changes.
+    forecast = predict(measured)
+    own = forecast.scenarios[0].rows[0]
+    assert own.setting.startswith("data parallelism, the run's buckets (3 of")
+    assert own.options == {} and own.ranks == 2 and forecast.scenarios[0].link.measured
+    assert own.step_ms == pytest.approx(measured.period_ms, rel=1e-6)
+
+
+def test_every_setting_is_a_typed_row_with_the_options_to_type(measured):
+    forecast = predict(RUN, ranks=[8, 64], bandwidth="10Gbit", latency="20us", bucket_sizes=[5], local_steps=[32])
+    assert [(s.ranks, s.link.bandwidth) for s in forecast.scenarios] == [(8, 1.25e9), (64, 1.25e9)]
+    assert all(s.link.latency == pytest.approx(20e-6) for s in forecast.scenarios)
+    rows = rows_of(forecast)
+    expected = {
+        "data parallelism, buckets of 5 MB": {"comm_buffer_size": 5.0},
+        "ZeRO-1 (sharding.stage=1)": {"sharding.stage": 1},
+        "ZeRO-2 (sharding.stage=2)": {"sharding.stage": 2},
+        "LocalSGD, averaging every 4 steps": {"local_sgd.steps": 4},
+        "DiLoCo K=16, syncs in fp32": {"local_sgd.steps": 16, "local_sgd.outer": "nesterov"},
+        "DiLoCo K=32, syncs in bf16": {"local_sgd.steps": 32, "local_sgd.outer": "nesterov", "local_sgd.sync_dtype": "bf16"},
+        "DiLoCo K=16, 4 fragments, sync_delay=1, syncs in fp32": {
+            "local_sgd.steps": 16, "local_sgd.outer": "nesterov", "local_sgd.fragments": 4, "local_sgd.sync_delay": 1,
+        },
+        "data parallelism, 0.25 MB, gradients in bf16": {"comm_buffer_size": 0.25, "comm_dtype": "bf16"},
+    }  # fmt: skip
+    for setting, options in expected.items():
+        assert rows[setting].options == options, setting
+    for row in rows.values():
+        assert row.step_ms >= row.compute_ms > 0 and row.exposed_ms >= 0 and row.cost == row.step_ms / row.compute_ms
+        assert row.exact == (
+            row.setting.startswith("data parallelism") and "gradients in" not in row.setting or "ZeRO" in row.setting
+        )
+        assert (row.note == DILOCO_QUALITY) == ("LocalSGD" in row.setting or "DiLoCo" in row.setting)
+
+
+def test_bytes_per_rank_follow_the_ring_the_period_and_the_dtype(measured):
+    rows = rows_of(predict(measured, ranks=8, bandwidth="10Gbit"))
+    ring = 2 * 7 / 8 * measured.model_bytes
+    assert rows["data parallelism, buckets of 0.25 MB (the best)"].bytes_per_step == pytest.approx(ring)
+    assert rows["data parallelism, 0.25 MB, gradients in fp16"].bytes_per_step == pytest.approx(ring / 2)
+    assert rows["LocalSGD, averaging every 4 steps"].bytes_per_step == pytest.approx(ring / 4)
+    assert rows["DiLoCo K=64, syncs in bf16"].bytes_per_step == pytest.approx(ring / 64 / 2)
+    # ZeRO-1 all-reduces the gradients and gathers the parameters; ZeRO-2 reduce-scatters them instead.
+    assert rows["ZeRO-1 (sharding.stage=1)"].bytes_per_step == pytest.approx(ring + 7 / 8 * measured.model_bytes)
+    assert rows["ZeRO-2 (sharding.stage=2)"].bytes_per_step == pytest.approx(ring)
+
+
+def test_a_slower_link_and_more_ranks_cost_data_parallelism_more(measured):
+    def step(ranks: int, bandwidth: str) -> float:
+        return rows_of(predict(measured, ranks=ranks, bandwidth=bandwidth))[
+            "data parallelism, buckets of 25 MB"
+        ].step_ms
+
+    forecast = predict(measured, ranks=[8], bandwidth=["100Gbit", "100Mbit"], bucket_sizes=[25])
+    fast, slow = (rows_of(forecast, i)["data parallelism, buckets of 25 MB"] for i in (0, 1))
+    assert slow.step_ms > fast.step_ms and slow.exposed_ms > fast.exposed_ms
+    # At 100 Mbit/s the link dominates: 2(N-1)/N of 0.1 MB is ~15 ms at 8 ranks, which no backward of
+    # a fraction of a ms hides.
+    link_ms = 2 * 7 / 8 * measured.model_bytes / (100e6 / 8) * 1e3
+    assert slow.exposed_ms == pytest.approx(link_ms, rel=0.1)
+    assert (
+        rows_of(predict(measured, ranks=64, bandwidth="100Mbit", bucket_sizes=[25]))[
+            "data parallelism, buckets of 25 MB"
+        ].step_ms
+        > slow.step_ms
+    )
+    # Syncing every K steps costs a K-th of a sync per step: DiLoCo gains on a slow link.
+    diloco = rows_of(forecast, 1)["DiLoCo K=64, syncs in fp32"]
+    assert diloco.step_ms < slow.step_ms
+
+
+def test_the_fastest_setting_and_the_fastest_with_data_parallelism_s_gradients(measured):
+    scenario = predict(measured, ranks=64, bandwidth="100Mbit").scenarios[0]
+    assert scenario.fastest == min(scenario.rows, key=lambda row: row.step_ms)
+    assert scenario.fastest_exact == min((row for row in scenario.rows if row.exact), key=lambda row: row.step_ms)
+    assert not scenario.fastest.exact and scenario.fastest.setting.startswith("DiLoCo")
+    text = table(predict(measured, ranks=64, bandwidth="100Mbit"))
+    fastest = scenario.fastest
+    assert f"fastest: {fastest.setting}, {fastest.step_ms:.2f} ms per step: {options_to_type(fastest.options)}" in text
+    assert options_to_type({"local_sgd.steps": 16, "local_sgd.outer": "nesterov"}) == (
+        "strategy.local_sgd.steps=16 strategy.local_sgd.outer=nesterov (Python: local_sgd_steps=16, local_sgd_outer='nesterov')"
+    )
+    assert "fastest with data parallelism's gradients: " in text
+    assert f"* {DILOCO_QUALITY}" in text and "docs/local_sgd.md#diloco-on-the-gpt-recipe" in text
+
+
+def test_the_best_bucket_size_is_no_slower_than_any_tried(measured):
+    sizes = list(lit_dp.forecast.model.CANDIDATE_BUCKET_MB)
+    rows = rows_of(predict(measured, ranks=8, bandwidth="1Gbit", bucket_sizes=sizes))
+    best = next(row for setting, row in rows.items() if setting.endswith("(the best)"))
+    assert all(best.step_ms <= rows[f"data parallelism, buckets of {size:g} MB"].step_ms for size in sizes)
+
+
+def test_a_sync_dtype_added_to_lit_dp_is_forecast_without_a_change_here(measured, monkeypatch):
+    # int8 and int4 syncs are being added to local_sgd.sync_dtype: the forecast reads the list, and
+    # a dtype's bits from its name.
+    monkeypatch.setattr(lit_dp.forecast.model, "SYNC_DTYPES", ("bf16", "int8", "int4"))
+    rows = rows_of(predict(measured, ranks=8, bandwidth="10Gbit"))
+    fp32 = rows["DiLoCo K=16, syncs in fp32"].bytes_per_step
+    assert rows["DiLoCo K=16, syncs in int8"].bytes_per_step == pytest.approx(fp32 / 4)
+    assert rows["DiLoCo K=16, syncs in int4"].bytes_per_step == pytest.approx(fp32 / 8)
+    assert rows["DiLoCo K=16, syncs in int8"].options["local_sgd.sync_dtype"] == "int8"
+    assert [wire_bits(name) for name in ("fp32", "bf16", "fp16", "int8", "int4")] == [32, 16, 16, 8, 4]
+    with pytest.raises(ValueError, match=r"dtype 'half': expected a name ending in its bits"):
+        wire_bits("half")
+
+
+def test_replica_groups_per_node_cross_nodes_with_a_slice_each(measured):
+    forecast = predict(measured, ranks=64, bandwidth="400Gbit", ranks_per_node=8, inter_node="10Gbit")
+    link = forecast.scenarios[0].link
+    assert (link.ranks_per_node, link.inter_node, link.nodes(64)) == (8, 1.25e9, 8)
+    rows = rows_of(forecast)
+    groups = rows["replica groups of 8 ranks, one per node (hierarchical all-reduce)"]
+    assert groups.options == {"fault_tolerance": "torchft"} and groups.exact
+    assert groups.bytes_per_step == pytest.approx(link.hierarchical_bytes(measured.model_bytes, 64))
+    across = rows["DiLoCo K=16 across replica groups of 8 ranks per node"]
+    assert across.options == {"fault_tolerance": "torchft", "local_sgd.steps": 16, "local_sgd.outer": "nesterov"}
+
+
+def test_the_link_s_collectives():
+    link = Link(bandwidth=1e9, latency=1e-5)
+    # A ring all-reduce: 2(N-1) hops of latency, 2(N-1)/N of the bytes; a reduce-scatter half of it.
+    assert link.allreduce_ms(1e9, 4) == pytest.approx((6 * 1e-5 + 1.5) * 1e3)
+    assert link.half_ms(1e9, 4) == pytest.approx((3 * 1e-5 + 0.75) * 1e3)
+    assert link.allreduce_ms(1e9, 1) == 0.0
+    nodes = Link(bandwidth=1e10, latency=0.0, ranks_per_node=4, inter_node=1e9)
+    # A flat ring across nodes goes at the slower link's pace; the hierarchical one sends a quarter across.
+    assert nodes.allreduce_ms(1e9, 8) == pytest.approx(2 * 7 / 8 * 1e3)
+    assert nodes.hierarchical_ms(1e9, 8) == pytest.approx((2 * 3 / 4 * 0.1 + 2 * 1 / 2 * 0.25) * 1e3)
+    assert nodes.hierarchical_bytes(1e9, 8) == pytest.approx(2 * 3 / 4 * 1e9 + 2 * 1 / 2 * 0.25e9)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"ranks": 1}, r"^ranks=1 is invalid: expected numbers of ranks, each at least 2\.$"),
+        (
+            {"bandwidth": "fast"},
+            r"^bandwidth='fast' is invalid: expected a positive bandwidth with its unit, e\.g\. 10Gbit",
+        ),
+        ({"latency": "soon"}, r"^latency='soon' is invalid: expected a latency with its unit, e\.g\. 20us"),
+        ({"ranks_per_node": 8}, r"^ranks_per_node=8 with inter_node=None is invalid: expected both"),
+        ({"bucket_sizes": [0]}, r"^bucket_sizes=\[0\] is invalid: expected positive sizes in MB\.$"),
+        ({"local_steps": [0]}, r"^local_steps=\[0\] is invalid: expected periods K, each at least 1\.$"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them(measured, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        predict(measured, **arguments)
+
+
+def test_a_live_model_s_profile_and_its_records_predict_alike(measured):
+    profiles = load_profiles(RUN)
+    slowest = next(profile for profile in profiles if profile.rank == measured.rank)
+    assert predict(slowest, ranks=8).scenarios[0].rows == predict(measured, ranks=8).scenarios[0].rows
+    assert predict(profiles, ranks=8).scenarios[0].rows == predict(RUN, ranks=8).scenarios[0].rows
+
+
+def test_the_end_of_run_lines_one_per_setting(measured):
+    forecast = predict(measured, ranks=[8, 64], bandwidth=["10Gbit", "1Gbit"])
+    lines = end_of_run_lines(forecast, "outputs/digits/run")
+    settings = forecast.scenarios[0].rows
+    assert lines[0].startswith("[lit_dp] forecast: from the run: 2 gloo ranks on cpu")
+    per_setting = lines[1 : 1 + len(settings)]
+    for line, row in zip(per_setting, settings):
+        assert line.startswith(f"[lit_dp] forecast {row.setting}{' *' if row.note else ''}: 8 ranks at 10 Gbit/s ")
+        assert line.count(" ms (x") == 4 and line.endswith(" per step")  # 2 sizes x 2 links
+    fastest = lines[1 + len(settings) : -1]
+    assert [line.split(" over ")[1].split(":")[0] for line in fastest] == ["10 Gbit/s", "1 Gbit/s"]
+    assert all(line.startswith("[lit_dp] forecast: fastest at 64 ranks over ") for line in fastest)
+    assert (
+        lines[-1] == f"[lit_dp] forecast: * {DILOCO_QUALITY}; the table: python -m lit_dp.forecast outputs/digits/run"
+    )
+
+
+def test_a_profile_without_synchronised_steps_says_what_to_run(measured):
+    (profile, *_) = load_profiles(RUN)
+    empty = dataclasses.replace(profile, steps=())
+    with pytest.raises(
+        lit_dp.forecast.NoRunError, match=r"holds no synchronised step .* run data parallelism on 2 or more ranks first"
+    ):
+        predict(empty)
+
+
+def test_the_fixture_is_a_recorded_run():
+    for path in sorted(RUN.rglob("lit_dp_profile.rank*.json")):
+        profile = Profile.read(path)
+        assert profile.world_size == 2 and len(profile.steps) == 31 and profile.extra["window"]["optimizer_ms"] > 0
+
+
+def test_a_bucket_size_that_cuts_the_run_s_buckets_is_predicted_as_the_run(measured):
+    # The recorded run: comm_buffer_size=0.02 and last_comm_buffer_size=0.02.
+    rows = rows_of(predict(measured, bucket_sizes=[0.02]))
+    assert rows["data parallelism, buckets of 0.02 MB"].step_ms == pytest.approx(measured.period_ms, rel=1e-6)
+    assert rows["data parallelism, buckets of 0.02 MB"].options == {"comm_buffer_size": 0.02}

@@ -1,0 +1,128 @@
+"""The communication profile: each bucket's ready moment, launch and end per step, kept across a layout, on disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lit_dp.observability.profile import KEPT_STEPS, CommProfile, Profile, file_name
+from lit_dp.observability.stats import BucketSpan, StepTimeline
+from tests.helpers.observability import STATS_STEPS
+
+
+def test_the_profile_of_two_real_ranks(two_ranks):
+    results, _ = two_ranks
+    for rank, result in results.items():
+        profile: Profile = result["profile"]
+        assert (profile.rank, profile.world_size, profile.backend, profile.device) == (rank, 2, "gloo", "cpu")
+        assert [list(bucket) for bucket in profile.bucket_indices] == result["bucket_indices"]
+        assert sum(profile.parameter_bytes) == result["gradient_bytes"]
+        # The record holds the steps of the layout after the rebuild in ready order (step 0's too where
+        # the rebuild kept its buckets), the last one without a period (no step followed it yet).
+        steps = [step.step for step in profile.steps]
+        assert steps in (list(range(STATS_STEPS)), list(range(1, STATS_STEPS))), f"rank {rank}: {steps}"
+        assert all(step.period_ms > 0 for step in profile.steps[:-1]) and profile.steps[-1].period_ms is None
+        for step in profile.steps:
+            assert step.backward_start_ms >= 0 and step.backward_end_ms <= step.reduced_ms, f"rank {rank}: {step}"
+            assert [bucket.bytes for bucket in step.buckets] == [
+                sum(profile.parameter_bytes[i] for i in bucket) for bucket in profile.bucket_indices
+            ]
+            for bucket in step.buckets:
+                # Gradients arrive from the backward's start on; a bucket launches once ready, in order.
+                assert 0 <= bucket.ready_ms <= bucket.launch_ms <= bucket.end_ms, f"rank {rank}: {step}"
+            launches = [bucket.launch_ms for bucket in step.buckets]
+            assert launches == sorted(launches)
+            assert step.buckets[-1].ready_ms <= step.backward_end_ms
+        assert profile.settings["comm_buffer_size"] == pytest.approx(4 / 1024)
+        assert profile.settings["gradient_bits"] == 32
+
+
+def timeline(step: int, start: float, layout: tuple[tuple[int, ...], ...], ready: float | None = 0.3) -> StepTimeline:
+    buckets = tuple(
+        BucketSpan(i, 16, indices, 1.0 + i, 2.0 + i, None if ready is None else ready + i)
+        for i, indices in enumerate(layout)
+    )
+    return StepTimeline(
+        step=step,
+        start=start,
+        backward_start=start + 0.1,
+        backward_end=start + 3.0,
+        reduced=start + 4.0,
+        buckets=buckets,
+    )
+
+
+def recorder() -> CommProfile:
+    return CommProfile(
+        [8, 8, 8], rank=1, world_size=2, backend="gloo", device="cpu", settings={"comm_buffer_size": 25.0}
+    )
+
+
+def test_a_step_is_kept_in_ms_from_its_first_gradient_with_the_period_to_the_next():
+    profile = recorder()
+    two = ((2,), (0, 1))
+    for step in range(3):
+        profile.add(timeline(step, 10.0 * step, two))
+    steps = profile.record().steps
+    assert [step.step for step in steps] == [0, 1, 2]
+    assert [step.period_ms for step in steps] == [10_000.0, 10_000.0, None]
+    first = steps[0]
+    assert first.backward_start_ms == pytest.approx(100.0)
+    assert (first.backward_end_ms, first.reduced_ms) == (pytest.approx(2900.0), pytest.approx(3900.0))
+    assert [(b.ready_ms, b.launch_ms, b.end_ms) for b in first.buckets] == [
+        (pytest.approx(200.0), pytest.approx(900.0), pytest.approx(1900.0)),
+        (pytest.approx(1200.0), pytest.approx(1900.0), pytest.approx(2900.0)),
+    ]
+
+
+def test_a_bucket_never_ready_in_backward_is_ready_at_its_launch():
+    profile = recorder()
+    profile.add(timeline(0, 0.0, ((0, 1, 2),), ready=None))
+    (bucket,) = profile.record().steps[0].buckets
+    assert bucket.ready_ms == bucket.launch_ms
+
+
+def test_a_new_layout_starts_the_record_afresh_and_a_missing_step_leaves_no_period():
+    profile = recorder()
+    profile.add(timeline(0, 0.0, ((0, 1, 2),)))  # registration order, before the rebuild
+    for step in (1, 2, 4):  # step 3 not synchronised (a LocalSGD local step, say)
+        profile.add(timeline(step, 10.0 * step, ((2,), (0, 1))))
+    record = profile.record()
+    assert record.bucket_indices == ((2,), (0, 1))
+    assert [(step.step, step.period_ms) for step in record.steps] == [(1, 10_000.0), (2, None), (4, None)]
+
+
+def test_only_the_latest_steps_are_kept():
+    profile = recorder()
+    for step in range(KEPT_STEPS + 10):
+        profile.add(timeline(step, float(step), ((0, 1, 2),)))
+    steps = profile.record().steps
+    assert len(steps) == KEPT_STEPS + 1 and steps[-1].step == KEPT_STEPS + 9
+
+
+def test_written_and_read_back(tmp_path):
+    profile = recorder()
+    for step in range(3):
+        profile.add(timeline(step, float(step), ((2,), (0, 1))))
+    record = profile.record().with_extra(window={"optimizer_ms": 1.5})
+    path = record.write(tmp_path / "logs")
+    assert path == tmp_path / "logs" / file_name(1) and path.name == "lit_dp_profile.rank1.json"
+    assert Profile.read(path) == record
+
+
+def test_a_damaged_or_foreign_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / file_name(0)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=rf"^{path} is damaged: "):
+        Profile.read(path)
+    path.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(
+        ValueError, match=r"is not a lit_dp communication profile of version 1 \(format='something else'"
+    ):
+        Profile.read(path)
+    data = recorder().record().to_json()
+    del data["parameter_bytes"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"^{path} is damaged: KeyError: 'parameter_bytes'$"):
+        Profile.read(path)
