@@ -99,7 +99,9 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
             quorum, step by step, instead of over a process group (``lit_dp.fault_tolerance``,
             docs/fault_tolerance.md). Nothing is broadcast then, neither at construction (the
             Manager's own ``init_sync`` gives every replica the first one's state) nor before
-            forwards (each replica group keeps its buffers, as under torchft's DDP).
+            forwards (each replica group keeps its buffers, as under torchft's DDP). The strategies
+            pass the commit protocol around their Manager
+            (``lit_dp.fault_tolerance.commit.CrossGroupCommit``) instead, which LocalSGD shares.
 
     Options (``lit_dp.options``), as keyword arguments:
 {options}
@@ -207,7 +209,7 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
         self._given_group = group  # None: the rings of init_parallel_env (the default group's)
         self.join_state = JoinState()
         self._owners: dict[int, int] = {}
-        self._manager = manager
+        self._manager = getattr(manager, "manager", manager)  # torchft's Manager (the protocol's, when given one)
         # The ranks buffers are broadcast among: the process group, or under a Manager this replica group's own.
         self._buffer_group: dist.ProcessGroup | None = None
         if manager is not None:
@@ -218,7 +220,7 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
             rings = [replica_group(manager, within, bool(sparse_gradient_parameters(module)))]
             if within is not None and within.size() > 1:
                 # Inside its replica group a model is DDP's: one start, the buffers of the group's first rank.
-                refuse_an_asynchronous_quorum(manager, within)
+                refuse_an_asynchronous_quorum(self._manager, within)
                 self._buffer_group = within
                 if init_sync:
                     self._broadcast_initial_state(within, sync_buffers_at_start)
@@ -352,10 +354,11 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
         """Whether backwards keep their gradients local from now on, as inside ``no_sync`` but until
         told otherwise: ``lit_dp.LocalSGD`` says so as its schedule moves (local after its warm-up).
         Under a torchft Manager, local is this replica group: a group of several ranks still reduces
-        its gradients inside itself (``HierarchicalGroup.keep_within``), only not across groups."""
-        keep_within = getattr(self.process_group, "keep_within", None) if self._manager is not None else None
-        if keep_within is not None:
-            keep_within(local)
+        its gradients, on its own process group (its reducer's rings from the next step on), only
+        not across groups; the commit protocol takes no quorum for such steps."""
+        within = self._buffer_group if self._manager is not None else None
+        if self._reducer is not None and within is not None and not groups.trivially_alone(within):
+            self._reducer.reduce_on([within] if local else self._rings)
             return
         self._gradients_local = local
 

@@ -181,7 +181,7 @@ def test_a_group_that_comes_back_after_the_job_ended_exits_0_saying_so(tmp_path)
         assert victim.process.returncode == 0, victim.tail()
         said = victim.tail(60)
     assert re.search(
-        r"\[lit_dp\] fault tolerance: replica group 2 \(at step \d+\) found no quorum of ft.min_replicas=2 replica groups "
+        r"\[lit_dp\] fault tolerance: \[group 2\] replica group 2 \(at step \d+\) found no quorum of ft.min_replicas=2 replica groups "
         r"at the lighthouse http://\S+ in \d+ s \(attempt 1 of 3\): the job went on without this group and ended "
         r"\(its last quorum: groups 0 at step \d+, 1 at step \d+; no other group heard from for \d+ s\); exiting", said
     ), said
