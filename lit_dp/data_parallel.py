@@ -281,15 +281,16 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
                 rebuild_buckets=self._manager is None,
             )
             if not copy:
-                # Under torchft its own timeouts discard a stuck step and drop the replica, and its replica
-                # groups come and go between steps (docs/fault_tolerance.md): no watchdog, no exchange of ours.
+                # Under torchft its own timeouts fail a stuck transaction and its replica groups come and go
+                # (docs/fault_tolerance.md): the observers compare the ranks of this replica group only.
+                ranks = self._buffer_group if self._manager is not None else self._reducer.group
                 self._observers = ModelObservers.subscribe(
                     self._reducer,
                     options,
                     device,
                     names,
                     self._waiter,
-                    under_manager=self._manager is not None,
+                    ranks=ranks,
                     parameters=list(synced_parameters(self.module, self.parameters_to_ignore)),
                     buffers=partial(synced_buffers, self.module, self.parameters_to_ignore),
                     wait_for_parameters=_weak_call(self.wait_for_parameters),

@@ -165,9 +165,10 @@ class CrossGroupCommit:
         healed = self._take_quorum()
         if transaction.name is None:  # a step: the quorum's count names it (a healed group's jumped to its peers')
             transaction = self._open = dataclasses.replace(transaction, name=f"step {self.manager.current_step()}")
-        self._took(healed, transaction.name)
         peer = self._peer
-        if healed and peer is not None and peer.sync is not None and peer != transaction:
+        joins = healed and peer is not None and peer.sync is not None and peer != transaction
+        self._took(healed, peer.name if joins else transaction.name)
+        if joins:
             if transaction.sync is not None or self._follow_sync is None:
                 raise RuntimeError(
                     f"lit_dp: replica group {self.replica_group} healed at {transaction.name} into its peers' {peer.name}, "

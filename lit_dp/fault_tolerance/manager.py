@@ -194,6 +194,26 @@ class FaultTolerance:
         self.protocol.realign_with(save, load)
 
     @property
+    def steps_discarded(self) -> int:
+        """Steps this group's vote discarded (a collective across groups failed on one of its ranks)."""
+        return self.protocol.steps_discarded if self.protocol is not None else 0
+
+    @property
+    def syncs_failed(self) -> int:
+        """LocalSGD syncs across groups this group's vote failed."""
+        return self.protocol.syncs_failed if self.protocol is not None else 0
+
+    @property
+    def membership_changes(self) -> int:
+        """Changes of the groups training seen so far (a group that left, one that joined)."""
+        return self.protocol.membership_changes if self.protocol is not None else 0
+
+    @property
+    def recovery_seconds(self) -> float | None:
+        """This group's last recovery, from its quorum's start to the state loaded; None before any."""
+        return self.protocol.recovery_seconds if self.protocol is not None else None
+
+    @property
     def committed_steps(self) -> int:
         """Transactions committed by the replica groups (torchft's count, the same on every participant):
         the steps while gradients cross groups, then LocalSGD's syncs."""
@@ -239,15 +259,14 @@ class FaultTolerance:
     def metrics(self) -> dict[str, float]:
         """The ``ft/*`` figures: replica groups in the last quorum, steps discarded, syncs failed, the
         changes of the groups, last recovery time."""
-        protocol = self.protocol
         metrics = {
             "ft/replicas": float(self.manager.num_participants()),
-            "ft/steps_discarded": float(protocol.steps_discarded),
-            "ft/syncs_failed": float(protocol.syncs_failed),
-            "ft/membership_changes": float(protocol.membership_changes),
+            "ft/steps_discarded": float(self.steps_discarded),
+            "ft/syncs_failed": float(self.syncs_failed),
+            "ft/membership_changes": float(self.membership_changes),
         }
-        if protocol.recovery_seconds is not None:
-            metrics["ft/recovery_s"] = protocol.recovery_seconds
+        if self.recovery_seconds is not None:
+            metrics["ft/recovery_s"] = self.recovery_seconds
         if self.traffic is not None and self.steps_started:
             metrics["ft/across_mb_per_step"] = self.traffic.across_bytes / self.steps_started / MB
         return metrics
@@ -265,11 +284,10 @@ class FaultTolerance:
 
     def describe_faults(self) -> str:
         """The run's failed transactions, counted: what the last line says."""
-        protocol = self.protocol
-        steps, syncs = protocol.steps_discarded, protocol.syncs_failed
+        steps, syncs, changes = self.steps_discarded, self.syncs_failed, self.membership_changes
         return (
             f"{steps} step{'s' * (steps != 1)} discarded, {syncs} failed sync{'s' * (syncs != 1)}, "
-            f"{protocol.membership_changes} change{'s' * (protocol.membership_changes != 1)} of the groups training"
+            f"{changes} change{'s' * (changes != 1)} of the groups training"
         )
 
     def close(self) -> None:

@@ -87,6 +87,7 @@ def test_the_trainer_goes_on_without_a_killed_replica_group_and_takes_it_back(tm
     replicas = [float(row["ft/replicas"]) for row in rows if row.get("ft/replicas")]
     assert 1.0 in replicas and replicas[-1] == 2.0
     assert max(float(row["ft/steps_discarded"]) for row in rows if row.get("ft/steps_discarded")) >= 1
+    assert {row["ft/syncs_failed"] for row in rows if row.get("ft/syncs_failed")} == {"0.0"}  # no LocalSGD here
 
 
 @pytest.mark.slow
