@@ -160,7 +160,9 @@ class CrossGroupCommit:
         whether this group healed (its state is then a peer's). A group that healed into a sync its peers
         started has taken part in it when this returns (``follow_syncs``), that transaction voted."""
         if self._open is not None:
-            raise RuntimeError(f"lit_dp: a transaction started across replica groups before {self._open.name} was voted on")
+            raise RuntimeError(
+                f"lit_dp: a transaction started across replica groups before {self._open.name} was voted on"
+            )
         self._open = transaction
         healed = self._take_quorum()
         if transaction.name is None:  # a step: the quorum's count names it (a healed group's jumped to its peers')
@@ -189,7 +191,9 @@ class CrossGroupCommit:
         try:
             self.manager.start_quorum()
         except TimeoutError:
-            self.say(f"no quorum within {time.monotonic() - started:.0f} s after the last step: the groups were not reconciled")
+            self.say(
+                f"no quorum within {time.monotonic() - started:.0f} s after the last step: the groups were not reconciled"
+            )
             return
         self._quorum_started = started
         self._took(self._realigned(), "after the last step")
@@ -264,7 +268,9 @@ class CrossGroupCommit:
         sizes = status.world_sizes if status is not None else {}
         sizes = {**sizes, self.replica_group: self.group_size}
         if len(set(sizes.values())) > 1:
-            each = ", ".join(f"group {group} has {size} rank{'s' * (size != 1)}" for group, size in sorted(sizes.items()))
+            each = ", ".join(
+                f"group {group} has {size} rank{'s' * (size != 1)}" for group, size in sorted(sizes.items())
+            )
             raise ValueError(
                 f"replica groups of different sizes are not supported: {each}; rank r of a group meets rank r of "
                 "the others, and the data is dealt by ranks per group: expected the same --nproc-per-node (and "

@@ -105,7 +105,9 @@ def test_a_sync_divides_by_the_groups_that_took_part():
 
 def test_with_one_group_present_diloco_still_takes_its_outer_step():
     net = nn.Linear(3, 2)
-    local_sgd = lit_dp.LocalSGD(net, local_steps=1, group=_ReplicaGroups(1), outer="nesterov", outer_lr=0.5, outer_momentum=0.5)
+    local_sgd = lit_dp.LocalSGD(
+        net, local_steps=1, group=_ReplicaGroups(1), outer="nesterov", outer_lr=0.5, outer_momentum=0.5
+    )
     before = _moved(net, 1.0)
     local_sgd.step()
     # Nesterov from zero momentum on the pseudo-gradient -1: s - lr * (g + momentum * g) = s + 0.75.

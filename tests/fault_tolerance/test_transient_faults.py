@@ -23,11 +23,19 @@ from tests.helpers.torchft import PYTHON, read_records, replica_groups  # noqa: 
 K = 2  # DiLoCo's period in these runs
 
 
-def run(tmp_path: Path, steps: int, *flags: str, groups: int = 2, ranks: int = 1, timeout: float = 300) -> dict[str, str]:
+def run(
+    tmp_path: Path, steps: int, *flags: str, groups: int = 2, ranks: int = 1, timeout: float = 300
+) -> dict[str, str]:
     """``groups`` replica groups of ``ranks`` ranks to ``steps`` optimizer steps; each group's output."""
     helper = ["-m", "tests.helpers.ft_transient", str(tmp_path), str(steps), *flags]
     if ranks > 1:
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--monitor-interval=0.1"]
+        launcher = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            "--monitor-interval=0.1",
+        ]
         command = [PYTHON, *launcher, *helper]
     else:
         command = [PYTHON, *helper]
@@ -45,7 +53,11 @@ def assert_all_equal(tmp_path: Path, groups: int, ranks: int) -> None:
     """Every rank of every group holds the parameters of group 0's rank 0, bit for bit."""
     states = finals(tmp_path, groups, ranks)
     reference = states[(0, 0)]["model"]
-    differ = sorted(where for where, state in states.items() if any(not torch.equal(reference[n], state["model"][n]) for n in reference))
+    differ = sorted(
+        where
+        for where, state in states.items()
+        if any(not torch.equal(reference[n], state["model"][n]) for n in reference)
+    )
     assert not differ, f"(group, rank) {differ} end with other parameters than group 0's rank 0"
 
 
@@ -54,7 +66,10 @@ def assert_each_group_one_model(tmp_path: Path, groups: int, ranks: int) -> None
     a group acts as one."""
     for g in range(groups):
         lines = [read_records(tmp_path / f"group{g}-rank{r}.jsonl") for r in range(ranks)]
-        seen = [[(line["steps"], line["count"], line["params"], line["optimizer"]) for line in rank_lines] for rank_lines in lines]
+        seen = [
+            [(line["steps"], line["count"], line["params"], line["optimizer"]) for line in rank_lines]
+            for rank_lines in lines
+        ]
         assert all(other == seen[0] for other in seen[1:]), f"the ranks of group {g} differ: {seen}"
 
 
@@ -70,7 +85,8 @@ def params_at(tmp_path: Path, groups: int, ranks: int) -> dict[int, set[str]]:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "collective", [pytest.param(3, marks=pytest.mark.slow, id="first_of_the_sync"), pytest.param(4, id="last_of_the_sync")]
+    "collective",
+    [pytest.param(3, marks=pytest.mark.slow, id="first_of_the_sync"), pytest.param(4, id="last_of_the_sync")],
 )
 def test_after_a_sync_fails_on_one_side_the_next_syncs_go_through_and_the_groups_end_equal(tmp_path, collective):
     # Two groups of one rank, DiLoCo with K=2 and nothing in warm-up: each sync is two all-reduces
@@ -84,11 +100,15 @@ def test_after_a_sync_fails_on_one_side_the_next_syncs_go_through_and_the_groups
     # From the next sync on, every group holds one model.
     assert all(len(held[step]) == 1 for step in range(6, 13, K)), {step: len(held[step]) for step in sorted(held)}
     said = outputs["1"]
-    assert re.search(rf"\[lit_dp\] fault tolerance: \[group 1\] the sync after step 4 failed: .*{INJECTED_RE}", said), said
+    assert re.search(rf"\[lit_dp\] fault tolerance: \[group 1\] the sync after step 4 failed: .*{INJECTED_RE}", said), (
+        said
+    )
     assert re.search(r"\[lit_dp\] fault tolerance: \[group 1\] 0 steps discarded, 1 failed sync,", said), said
     if collective == 4:
         assert len(held[4]) == 2  # group 0 applied the sync, group 1 did not
-        assert re.search(r"\[group 1\] replica group 1 recovered a peer's state in [\d.]+ s at the sync after step 6", said), said
+        assert re.search(
+            r"\[group 1\] replica group 1 recovered a peer's state in [\d.]+ s at the sync after step 6", said
+        ), said
 
 
 @pytest.mark.slow
@@ -110,7 +130,9 @@ def test_a_group_of_two_ranks_heals_from_one_peer_though_torchft_gives_its_ranks
     # next sync's quorum group 2 is behind: torchft gives its rank 0 group 0's state and its rank 1
     # group 1's, which trained apart since (their models and inner optimizers differ between syncs).
     outputs = run(tmp_path, 10, "--local-sgd", str(K), "--fail", "2:0:4", groups=3, ranks=2, timeout=600)
-    assert re.search(r"\[group 2\] replica group 2 recovered a peer's state in [\d.]+ s at the sync after step 6", outputs["2"])
+    assert re.search(
+        r"\[group 2\] replica group 2 recovered a peer's state in [\d.]+ s at the sync after step 6", outputs["2"]
+    )
     assert_each_group_one_model(tmp_path, 3, 2)
     assert_all_equal(tmp_path, 3, 2)
 
@@ -122,7 +144,9 @@ def test_with_per_step_sync_a_bucket_failed_on_one_rank_leaves_every_rank_equal(
     outputs = run(tmp_path, 8, "--fail", "1:0:5", ranks=2)
     assert_each_group_one_model(tmp_path, 2, 2)
     assert_all_equal(tmp_path, 2, 2)
-    assert re.search(rf"\[lit_dp\] fault tolerance: \[group 1\] step \d+ discarded: rank 0: .*{INJECTED_RE}", outputs["1"])
+    assert re.search(
+        rf"\[lit_dp\] fault tolerance: \[group 1\] step \d+ discarded: rank 0: .*{INJECTED_RE}", outputs["1"]
+    )
 
 
 @pytest.mark.slow
@@ -143,7 +167,15 @@ INJECTED_RE = re.escape("injected transient fault: connection reset by peer, see
 @pytest.mark.timeout(300)
 def test_groups_of_different_sizes_are_refused_before_any_rank_trains(tmp_path):
     helper = ["-m", "tests.helpers.ft_transient", str(tmp_path), "6"]
-    two_ranks = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.1", *helper]
+    two_ranks = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--monitor-interval=0.1",
+        *helper,
+    ]
     with replica_groups(two_ranks, 2, tmp_path, min_replicas=2) as replicas:
         replicas.replicas[1].command = [PYTHON, *helper]  # group 1: one rank
         replicas.start_all()
@@ -153,5 +185,7 @@ def test_groups_of_different_sizes_are_refused_before_any_rank_trains(tmp_path):
         outputs = [replica.log.read_text(errors="replace") for replica in replicas.replicas]
     assert all(replica.process.returncode != 0 for replica in replicas.replicas)
     for output in outputs:
-        assert re.search(r"replica groups of different sizes are not supported: group 0 has 2 ranks, group 1 has 1", output), output
+        assert re.search(
+            r"replica groups of different sizes are not supported: group 0 has 2 ranks, group 1 has 1", output
+        ), output
     assert not list(tmp_path.glob("group*-rank*.jsonl")), "a rank trained"

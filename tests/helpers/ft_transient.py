@@ -94,7 +94,9 @@ def main() -> None:
     group, ranks = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(group * ranks + int(os.environ.get("RANK", "0")))  # every rank differs: they must start as one
     diloco = {"local_sgd_steps": args.local_sgd, "local_sgd_outer": "nesterov"} if args.local_sgd else {}
-    strategy = lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=20, ft_min_replicas=args.min_replicas, **diloco)
+    strategy = lit_dp.fabric.PaddleDPStrategy(
+        fault_tolerance="torchft", ft_timeout=20, ft_min_replicas=args.min_replicas, **diloco
+    )
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=ranks)
     fabric.launch()
     net = Classifier().net
