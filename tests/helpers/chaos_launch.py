@@ -100,6 +100,18 @@ def launch_under_faults(
         f"+callbacks.final._target_={FIXTURE}.FinalWeights", f"+callbacks.final.folder={final_folder}", *extra,
     ]  # fmt: skip
     launched: list[LaunchedGroup] = []
+    killed = {kill.group} if kill is not None else set()
+
+    def no_restart_but_the_victims() -> None:
+        # A group that restarts its workers unasked (a wedge its ranks gave up on, a crash) fails the run now,
+        # not at the end: its torchrun would retrain it from scratch and could hide what went wrong.
+        for group in launched:
+            limit = ranks * (2 if group.number in killed else 1)
+            assert len(group.workers) <= limit, (
+                f"replica group {group.number} restarted its workers ({group.workers}; "
+                f"{'one death was planned' if group.number in killed else 'no death was planned'}):\n{group.describe()}"
+            )
+
     began = time.monotonic()
     try:
         launched = [LaunchedGroup(number, launch.modes[mode], cwd, environ, arguments) for number in range(groups)]
@@ -110,12 +122,13 @@ def launch_under_faults(
                 lambda: victim.committed() >= kill.after and len(victim.watch()) == ranks,
                 launched,
                 timeout,
+                no_restart_but_the_victims,
             )
             if kill.what == "rank":
                 victim.kill_worker()
             else:
                 victim.relaunch()
-        wait_for_groups_to_end(launched, timeout)
+        wait_for_groups_to_end(launched, timeout, no_restart_but_the_victims)
     finally:
         for group in launched:
             group.stop()

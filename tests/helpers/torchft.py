@@ -267,13 +267,16 @@ def _running(pid: int) -> bool:
         return False
 
 
-def wait_for_groups(what: str, predicate, groups: list[LaunchedGroup], timeout: float) -> None:
+def wait_for_groups(what: str, predicate, groups: list[LaunchedGroup], timeout: float, check=None) -> None:
     """Poll ``predicate()``, recording the groups' workers, until true; fail naming a launcher that exited
-    with an error, or every group's output after ``timeout`` seconds."""
+    with an error, or every group's output after ``timeout`` seconds. ``check()``, if given, runs at each
+    poll and may fail the wait sooner (an AssertionError of its own)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         for group in groups:
             group.watch()
+        if check is not None:
+            check()
             if group.launcher.poll() not in (None, 0):
                 exited = f"replica group {group.number}'s torchrun exited {group.launcher.returncode}"
                 raise AssertionError(f"waiting for {what}: {exited}:\n{group.describe()}")
@@ -306,14 +309,16 @@ def documented_lighthouse(tmp_path: Path, command, exports: dict[str, str], root
     return cwd, environ, lighthouse
 
 
-def wait_for_groups_to_end(groups: list[LaunchedGroup], timeout: float) -> None:
+def wait_for_groups_to_end(groups: list[LaunchedGroup], timeout: float, check=None) -> None:
     """Every group's torchrun exits 0 by itself within ``timeout`` seconds, its workers recorded meanwhile
     (a restart between two looks would otherwise go unseen); fail naming a group that exited with an
-    error, or those still running."""
+    error, or those still running. ``check()``, if given, runs at each poll (see ``wait_for_groups``)."""
     deadline = time.monotonic() + timeout
     while any(group.launcher.poll() is None for group in groups):
         for group in groups:
             group.watch()
+        if check is not None:
+            check()
         failed = [group for group in groups if group.launcher.poll() not in (None, 0)]
         if failed:
             raise AssertionError("\n\n".join(f"replica group {g.number}'s torchrun exited {g.launcher.returncode}:\n{g.describe()}" for g in failed))
