@@ -29,7 +29,9 @@ matching one returns a work that completes the real collective and then fails. T
 
 A fault fires at the first collective of its kind issued at ``trainer.global_step >= step``, after
 ``skip`` such collectives, and once: a restarted worker reads the log and never fires a fault
-that already fired.
+that already fired. Every worker that ends its fit also writes its collectives counted by kind and
+those that failed on it, planned or not (``read_collectives``): what a fault cost, seen from below
+the library.
 
 ``FinalWeights`` writes every rank's model (parameters and buffers), its validation loss, its
 global step and its worker's restart count at the end of the fit, for the bitwise comparison of
@@ -122,6 +124,12 @@ def read_fault_log(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def read_collectives(folder: Path) -> list[dict[str, Any]]:
+    """Every worker's cross-group collectives that ended its fit: ``group``, ``rank``, ``restarts``, ``counts``
+    (by kind) and ``failures`` (``[kind, step]`` of each that failed on that worker, planned or not)."""
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("collectives-group*-rank*-pid*.json"))]
+
+
 class TransientFaults(pl.Callback):
     """Injects the faults of ``LIT_DP_FAULTS`` planned for this worker's replica group and rank (module docstring)."""
 
@@ -156,6 +164,10 @@ class TransientFaults(pl.Callback):
         if self.injector is not None:  # LocalSGD's last sync (``finish``), if one is due
             self.injector.phase = "sync"
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.injector is not None:
+            self.injector.write_collectives(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
 
 class _Injector:
     """One worker's faults: counts its cross-group collectives by kind and fails the planned ones."""
@@ -169,6 +181,7 @@ class _Injector:
         self.matched: dict[int, int] = {}  # per planned fault: collectives of its kind seen since its step
         self.syncs: set[int] = set()  # the steps of this worker's syncs, for their ordinal
         self.healed = restarted  # the next collective is one during a heal
+        self.failures: list[tuple[str, int]] = []  # (kind, step) of every collective that failed here
         self._lock = threading.Lock()
 
     def install(self, manager: Any) -> None:
@@ -198,8 +211,9 @@ class _Injector:
         numel = sum(t.numel() for t in tensors)
         return ["sync-count" if numel == 1 else "sync-payload", "sync"]
 
-    def collective(self, tensors: list[torch.Tensor]) -> tuple[int, Fault, str, int] | None:
-        """Count this collective; the planned fault it must fail, if any: (index, fault, kind, ordinal)."""
+    def collective(self, tensors: list[torch.Tensor]) -> tuple[str, int, tuple[int, Fault, str, int] | None]:
+        """Count this collective: its kind, its step, and the planned fault it must fail if any
+        (index, fault, kind, ordinal)."""
         with self._lock:
             kinds = self.classify(tensors)
             for kind in kinds:
@@ -214,8 +228,21 @@ class _Injector:
                 seen = self.matched.get(index, 0)
                 self.matched[index] = seen + 1
                 if seen == fault.skip and not self._fired(index):
-                    return index, fault, fault.kind, self.counts[fault.kind]
-        return None
+                    return kinds[0], self.step, (index, fault, fault.kind, self.counts[fault.kind])
+        return kinds[0], self.step, None
+
+    def note_failure(self, kind: str, step: int) -> None:
+        with self._lock:
+            self.failures.append((kind, step))
+
+    def write_collectives(self, restarts: int) -> None:
+        """This worker's cross-group collectives, counted by kind, and those that failed (kind, step), to a
+        file next to the log (``read_collectives``)."""
+        path = self.log.parent / f"collectives-group{self.group}-rank{self.rank}-pid{os.getpid()}.json"
+        with self._lock:
+            record = {"group": self.group, "rank": self.rank, "restarts": restarts, "counts": self.counts,
+                      "failures": self.failures}  # fmt: skip
+        path.write_text(json.dumps(record))
 
     def _fired(self, index: int) -> bool:
         return any(record["fault"] == index for record in read_fault_log(self.log))
@@ -235,21 +262,35 @@ class _Injector:
 
 
 def _failing(name: str) -> Any:
-    """The process group's collective ``name``, failing on this rank where the plan says so."""
+    """The process group's collective ``name``, failing on this rank where the plan says so, and every failure
+    of it (planned or not: a collective on a group that was aborted, a peer that closed its connection) noted."""
 
     def collective(self: Any, *args: Any) -> dist.Work:
-        work = getattr(super(type(self), self), name)(*args)
         injector: _Injector = self._chaos
         tensors = _tensors(args)
-        hit = injector.collective(tensors)
+        kind, step, hit = injector.collective(tensors)
+        try:
+            work = getattr(super(type(self), self), name)(*args)
+        except Exception:
+            injector.note_failure(kind, step)
+            raise
         if hit is None:
+            work.get_future().add_done_callback(lambda future: _note_if_failed(future, injector, kind, step))
             return work
-        index, _, kind, ordinal = hit
-        message = injector.record(index, kind, ordinal, sum(t.numel() for t in tensors), name)
+        index, _, hit_kind, ordinal = hit
+        injector.note_failure(kind, step)
+        message = injector.record(index, hit_kind, ordinal, sum(t.numel() for t in tensors), name)
         return _FailedWork(work, RuntimeError(message))
 
     collective.__name__ = name
     return collective
+
+
+def _note_if_failed(future: torch.futures.Future, injector: _Injector, kind: str, step: int) -> None:
+    try:
+        future.wait()
+    except Exception:  # noqa: BLE001 - any failure of the collective is what is noted
+        injector.note_failure(kind, step)
 
 
 def _tensors(args: tuple[Any, ...]) -> list[torch.Tensor]:

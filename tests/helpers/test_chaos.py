@@ -17,7 +17,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.chaos import FAULTS_ENV, Fault, _Injector, random_faults, read_fault_log, read_plan
+from tests.helpers.chaos import (
+    FAULTS_ENV,
+    Fault,
+    _Injector,
+    random_faults,
+    read_collectives,
+    read_fault_log,
+    read_plan,
+)
 from tests.helpers.distributed import free_port, run_ranks
 
 pytest.importorskip("torchft")
@@ -68,6 +76,7 @@ def reduce_with_a_fault(rank: int, port: int, log: str) -> dict:
         except RuntimeError as error:
             outcomes.append(str(error))
         outcomes.append(tensor.tolist())
+    injector.write_collectives(restarts=0)
     del store
     return {"outcomes": outcomes, "heals": len(heals), "counts": injector.counts}
 
@@ -85,6 +94,9 @@ def test_a_fault_completes_the_collective_everywhere_and_fails_it_on_its_rank_on
     assert "replica group 0, rank 0: its bucket collective number 4" in rank0[6]
     assert "its heal collective number 1" in rank0[10]
     assert results[0]["heals"] == 1
+    collectives = {record["rank"]: record for record in read_collectives(tmp_path)}
+    assert collectives[0]["counts"] == collectives[1]["counts"] == {"bucket": 6, "heal": 1}
+    assert collectives[0]["failures"] == [["bucket", 3], ["bucket", 5]] and collectives[1]["failures"] == []
     records = read_fault_log(log)
     assert [(r["fault"], r["kind"], r["step"], r["ordinal"], r["rank"]) for r in records] == [
         (0, "bucket", 3, 4, 0),
@@ -97,5 +109,5 @@ def test_a_fault_already_logged_does_not_fire_again_in_a_restarted_worker(tmp_pa
     log.write_text(json.dumps({"fault": 0, "group": 1, "rank": 0, "kind": "bucket"}) + "\n")
     injector = _Injector(group=1, rank=0, plan=[Fault(group=1, rank=0, kind="bucket")], log=log, restarted=True)
     tensors = [torch.zeros(4)]
-    assert injector.collective(tensors) is None  # a restarted worker: its first collective counts as a heal too
+    assert injector.collective(tensors) == ("bucket", 0, None)  # a restarted worker: its first collective counts as a heal too
     assert injector.counts == {"bucket": 1, "heal": 1}
