@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import pytest
 
@@ -42,7 +43,10 @@ pytest.importorskip("torchft")
 
 from tests.helpers.chaos import Fault, random_faults  # noqa: E402
 from tests.helpers.chaos_launch import Kill, check_survived, launch_under_faults  # noqa: E402
+from tests.helpers.documented import ROOT  # noqa: E402
 
+MODES = ("per_step", "diloco")
+TABLE = "### What survives what, per mode"  # docs/fault_tolerance.md's section filled from these tests
 STEPS = 160  # 10 DiLoCo syncs of K=16: the run ends on one
 K = 16
 SIXTH_SYNC = 6 * K - 1  # the trainer's global_step as the step that makes the 6th sync starts
@@ -92,7 +96,7 @@ EVENTS = {
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("event", list(EVENTS))
-@pytest.mark.parametrize("mode", ["per_step", "diloco"])
+@pytest.mark.parametrize("mode", MODES)
 def test_what_survives_what(tmp_path, mode, event):
     faults, kill = EVENTS[event](mode)
     launched = launch_under_faults(tmp_path, mode, 2, 2, STEPS, faults, kill, extra=BUCKETS, timeout=900)
@@ -113,7 +117,7 @@ def chaos_plan(mode: str, seed: int) -> tuple[list[Fault], Kill]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("mode", ["per_step", "diloco"])
+@pytest.mark.parametrize("mode", MODES)
 def test_chaos(tmp_path, mode):
     faults, kill = chaos_plan(mode, CHAOS_SEED)
     plan = f"LIT_DP_CHAOS_SEED={CHAOS_SEED}: {faults}, {kill}"
@@ -127,3 +131,16 @@ def test_chaos(tmp_path, mode):
     reference = calm.finals[0, 0]["val_loss"]
     far = {key: loss for key, loss in launched.val_losses().items() if abs(loss - reference) > VAL_LOSS_TOLERANCE * reference}
     assert not far, f"{plan}\nval_loss further than 1% from the run without faults ({reference:.4f}): {far}"
+
+
+def test_the_docs_table_of_what_survives_what_names_every_test_here_and_only_these():
+    text = (ROOT / "docs" / "fault_tolerance.md").read_text()
+    assert TABLE in text, f"docs/fault_tolerance.md has no section {TABLE!r}"
+    section = text.split(TABLE, 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(test_\w+)\[([\w-]+)\]`", section))
+    tests = {
+        *(("test_one_transient_fault", row) for row in ISSUE_TABLE),
+        *(("test_what_survives_what", f"{mode}-{event}") for mode in MODES for event in EVENTS),
+        *(("test_chaos", mode) for mode in MODES),
+    }
+    assert named == tests, f"named in the docs but not a test: {named - tests}; a test the docs do not name: {tests - named}"

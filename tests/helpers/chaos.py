@@ -118,7 +118,9 @@ def random_faults(
 
 def read_fault_log(path: Path) -> list[dict[str, Any]]:
     """The faults injected, one record each: ``fault`` (its index in the plan), ``group``, ``rank``, ``kind``,
-    ``step``, ``ordinal`` (the collective's number among this worker's of that kind), ``numel``, ``pid``."""
+    ``kinds`` (every kind the collective was: a heal's may also be a sync's count), ``step``, ``ordinal`` (the
+    collective's number among this worker's of that kind), ``sync`` (the number of the sync it fell in, among
+    this worker's), ``numel``, ``collective``, ``pid``."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -182,6 +184,7 @@ class _Injector:
         self.syncs: set[int] = set()  # the steps of this worker's syncs, for their ordinal
         self.healed = restarted  # the next collective is one during a heal
         self.failures: list[tuple[str, int]] = []  # (kind, step) of every collective that failed here
+        self.hit_kinds: list[str] = []  # every kind of the collective a fault fell on last
         self._lock = threading.Lock()
 
     def install(self, manager: Any) -> None:
@@ -228,6 +231,7 @@ class _Injector:
                 seen = self.matched.get(index, 0)
                 self.matched[index] = seen + 1
                 if seen == fault.skip and not self._fired(index):
+                    self.hit_kinds = kinds
                     return kinds[0], self.step, (index, fault, fault.kind, self.counts[fault.kind])
         return kinds[0], self.step, None
 
@@ -249,9 +253,9 @@ class _Injector:
 
     def record(self, index: int, kind: str, ordinal: int, numel: int, collective: str) -> str:
         record = {
-            "fault": index, "group": self.group, "rank": self.rank, "kind": kind, "step": self.step,
-            "ordinal": ordinal, "sync": len(self.syncs) if kind.startswith("sync") else None, "numel": numel,
-            "collective": collective, "pid": os.getpid(), "time": time.time(),
+            "fault": index, "group": self.group, "rank": self.rank, "kind": kind, "kinds": self.hit_kinds,
+            "step": self.step, "ordinal": ordinal, "sync": len(self.syncs) if "sync" in self.hit_kinds else None,
+            "numel": numel, "collective": collective, "pid": os.getpid(), "time": time.time(),
         }  # fmt: skip
         with self.log.open("a") as out:  # one short line per write: whole under O_APPEND
             out.write(json.dumps(record) + "\n")
