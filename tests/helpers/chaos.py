@@ -146,7 +146,7 @@ class TransientFaults(pl.Callback):
                 "tests.helpers.chaos.TransientFaults needs strategy.fault_tolerance=torchft: it injects faults at "
                 "torchft's process group across replica groups."
             )
-        group = int(os.environ["REPLICA_GROUP_ID"])
+        group = int(os.environ.get("REPLICA_GROUP_ID") or fault_tolerance.settings.replica_group)
         plan = read_plan()
         log_path = Path(os.environ.get(FAULTS_LOG_ENV, "faults.jsonl"))
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -190,10 +190,9 @@ class _Injector:
     def install(self, manager: Any) -> None:
         """The Manager's process group fails the planned collectives; its checkpoint transport tells of heals."""
         pg = manager._pg
-        injector = self
         overrides = {name: _failing(name) for name in COLLECTIVES if hasattr(type(pg), name)}
         pg.__class__ = type(f"Chaos{type(pg).__name__}", (type(pg),), overrides)
-        pg._chaos = injector
+        pg._chaos = self
         transport = manager._checkpoint_transport
         for name in ("send_checkpoint", "recv_checkpoint"):
             setattr(transport, name, self._noting_heals(getattr(transport, name)))
