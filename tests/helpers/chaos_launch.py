@@ -91,6 +91,7 @@ def launch_under_faults(
     commands), ``steps`` steps, under ``faults`` and ``kill``; see the module docstring. ``timeout``
     bounds each wait (the groups to train, to recover, to end)."""
     launch = documented_group_launch(ranks)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cwd, environ, lighthouse = documented_lighthouse(tmp_path, launch.lighthouse, launch.exports, ROOT)
     fault_log, final_folder = tmp_path / "faults.jsonl", tmp_path / "final"
     environ = {**environ, **faults_environment(faults, fault_log)}
