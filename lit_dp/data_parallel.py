@@ -26,6 +26,7 @@ from lit_dp.ddp_arguments import (
     refuse_what_cannot_work,
 )
 from lit_dp.ddp_surface import DDPSurface, default_group
+from lit_dp.fault_tolerance.commit import CrossGroupCommit
 from lit_dp.fault_tolerance.replica_group import (
     refuse_an_asynchronous_quorum,
     replica_group,
@@ -209,7 +210,8 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
         self._given_group = group  # None: the rings of init_parallel_env (the default group's)
         self.join_state = JoinState()
         self._owners: dict[int, int] = {}
-        self._manager = getattr(manager, "manager", manager)  # torchft's Manager (the protocol's, when given one)
+        # torchft's Manager (the protocol's, when given one).
+        self._manager = manager.manager if isinstance(manager, CrossGroupCommit) else manager
         # The ranks buffers are broadcast among: the process group, or under a Manager this replica group's own.
         self._buffer_group: dist.ProcessGroup | None = None
         if manager is not None:

@@ -41,7 +41,6 @@ not read yet (CUDA). Only the reducer's own methods set them: observers are told
 from __future__ import annotations
 
 import dataclasses
-
 import warnings
 import weakref
 from collections.abc import Sequence
