@@ -158,11 +158,12 @@ class CrossGroupCommit:
     def start(self, transaction: Transaction) -> bool:
         """Start ``transaction``: its quorum, a heal when this group is behind, the group re-aligned; returns
         whether this group healed (its state is then a peer's). A group that healed into a sync its peers
-        started has taken part in it when this returns (``follow_syncs``), that transaction voted."""
+        started carries that one out instead of its own (``open`` says which): from a step, LocalSGD has
+        taken part in it when this returns (``follow_syncs``), that transaction voted; from a sync of its
+        own (it was left out of that one's quorum, and met its peers at their next), the caller syncs the
+        fragment ``open`` names."""
         if self._open is not None:
-            raise RuntimeError(
-                f"lit_dp: a transaction started across replica groups before {self._open.name} was voted on"
-            )
+            raise RuntimeError(f"lit_dp: a transaction started across replica groups before {self._open.name} was voted on")
         self._open = transaction
         healed = self._take_quorum()
         if transaction.name is None:  # a step: the quorum's count names it (a healed group's jumped to its peers')
@@ -171,15 +172,16 @@ class CrossGroupCommit:
         joins = healed and peer is not None and peer.sync is not None and peer != transaction
         self._took(healed, peer.name if joins else transaction.name)
         if joins:
-            if transaction.sync is not None or self._follow_sync is None:
-                raise RuntimeError(
-                    f"lit_dp: replica group {self.replica_group} healed at {transaction.name} into its peers' {peer.name}, "
-                    "which it cannot take part in: the groups' schedules differ (the same local_sgd options on every "
-                    "group are expected)."
-                )
-            log.debug("%s: [group %s] takes part in its peers' %s", LINE, self.replica_group, peer.name)
+            log.debug("%s: [group %s] carries out its peers' %s", LINE, self.replica_group, peer.name)
             self._open = peer
-            self._follow_sync(peer.sync)
+            if transaction.sync is None:
+                if self._follow_sync is None:
+                    raise RuntimeError(
+                        f"lit_dp: replica group {self.replica_group} healed at {transaction.name} into its peers' "
+                        f"{peer.name}, with no LocalSGD to take part in it: expected the same local_sgd options on "
+                        "every replica group."
+                    )
+                self._follow_sync(peer.sync)
         return healed
 
     def reconcile(self) -> None:

@@ -313,13 +313,17 @@ class LocalSGD:
 
         Across replica groups the sync is a transaction of their commit protocol: its quorum first
         (``quorum_taken``: this group healed into a sync its peers started, whose quorum it took), in
-        which a group behind the others takes a peer's state (this object's included); such a group
-        sends nothing of its own (it holds its peer's work) and takes the result like the others."""
+        which a group behind the others takes a peer's state (this object's included, from just before
+        the peers' sync, which may be a later one than this group's); such a group sends nothing of its
+        own (it holds its peer's work) and takes the result like the others."""
         healed = quorum_taken
         if self._commit is not None and not quorum_taken:
             step = self._schedule.step
             name = f"the sync after step {step}" + (f" (fragment {fragment})" if self.fragments > 1 else "")
             healed = self._commit.start(Transaction(name, sync=fragment))
+            # Left out of this sync's quorum (late past the lighthouse's join timeout), this group met its
+            # peers at their next sync and took their state from just before it: it syncs their fragment.
+            fragment = self._commit.open.sync
         participates = self._schedule.synced(fragment) and not healed
         if not self._syncs:
             return

@@ -40,13 +40,17 @@ class _Protocol:
         self.heals = False
         self.every_step: bool | None = None
         self.take_part = None
+        self.open = None
+        self.peers = None  # the transaction a heal brings this group into, when not its own
 
     def start(self, transaction) -> bool:
         self.started.append(transaction.name)
+        self.open = self.peers or transaction
         return self.heals
 
     def vote(self) -> bool:
         self.votes += 1
+        self.open = None
         return self.passes
 
     def follow_syncs(self, take_part) -> None:
@@ -174,6 +178,19 @@ def test_a_group_that_healed_into_its_peers_sync_takes_part_in_it():
     assert groups.commit.started == ["the sync after step 2"]  # no quorum of its own: it took the peers'
     for param, start in zip(net.parameters(), before):
         torch.testing.assert_close(param.detach(), start)
+
+
+def test_a_group_left_out_of_its_syncs_quorum_syncs_the_fragment_of_its_peers_next_sync():
+    from lit_dp.fault_tolerance.commit import Transaction
+
+    groups = _ReplicaGroups(2)
+    local_sgd = lit_dp.LocalSGD(nn.Linear(3, 2), local_steps=2, fragments=2, group=groups)
+    local_sgd.step()  # fragment 0's sync after step 1
+    # At fragment 1's sync after step 2 this group heals into its peers' next one, fragment 0's after
+    # step 3 (the heal would load their schedule; here the steps are this object's own).
+    groups.commit.heals, groups.commit.peers = True, Transaction("the sync after step 3 (fragment 0)", sync=0)
+    local_sgd.step()
+    assert local_sgd._schedule.last_syncs == [2, 0] and groups.counts[-1] == 0.0
 
 
 def test_a_recovering_group_takes_a_peers_snapshot_with_averaging_too():

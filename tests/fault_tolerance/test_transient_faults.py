@@ -4,7 +4,12 @@ Each replica group runs ``tests/helpers/ft_transient.py`` (the Fabric loop docs/
 one process per group or a ``torchrun --nproc-per-node=2`` per group, around a real lighthouse; the
 fault is injected at torchft's process group of one rank: the collective is issued and completes for
 its peers, then reports a failure there only (issue 50). The oracle: every rank of every group ends
-with the same parameters, bit for bit, and the syncs after the one that failed go through.
+with the same parameters, bit for bit, and the syncs after the one that failed go through; in groups
+of two ranks, the ranks of a group hold one model, one optimizer state and one torchft count after
+every step. Also: DiLoCo takes a quorum per sync, not per inner step (torchft's count), and groups of
+different sizes are refused before any rank trains. Each test failed before issue 50's commit
+protocol (``lit_dp.fault_tolerance.commit``); the documented launch under chaos is
+tests/test_fault_tolerance_chaos.py's.
 """
 
 from __future__ import annotations
