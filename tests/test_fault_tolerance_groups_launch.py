@@ -29,8 +29,12 @@ from tests.helpers.documented import ROOT  # noqa: E402
 from tests.helpers.torchft import LaunchedGroup, documented_group_launch, documented_lighthouse, wait_for_groups  # noqa: E402
 
 RANKS = 2
-STEPS = 96  # a multiple of the DiLoCo command's K (16): the run ends on a sync
-KILL_AFTER = 30  # committed steps of group 1 before one of its ranks is killed
+K = 16  # the DiLoCo command's local_sgd.steps
+STEPS = 96  # a multiple of K: the run ends on a sync
+KILL_AFTER = 30  # optimizer steps of group 1 before one of its ranks is killed
+# What torchft counts (its committed transactions) once group 1 took KILL_AFTER steps: each step with
+# per-step sync; with DiLoCo the first step's quorum and one per sync (the steps between take none).
+COMMITTED = {"per_step": KILL_AFTER, "diloco": 1 + KILL_AFTER // K}
 
 
 @pytest.mark.slow
@@ -45,7 +49,8 @@ def test_the_documented_launch_of_groups_of_two_ranks_survives_a_killed_rank(tmp
         steps = [f"trainer.max_steps={STEPS}"]
         groups = [LaunchedGroup(number, commands[mode], cwd, environ, steps) for number in range(2)]
         survivor, victim = groups
-        wait_for_groups("both groups to train", lambda: victim.committed() >= KILL_AFTER and len(survivor.watch()) == RANKS, groups, 400)
+        trained = COMMITTED[mode]
+        wait_for_groups("both groups to train", lambda: victim.committed() >= trained and len(survivor.watch()) == RANKS, groups, 400)
         first_workers = survivor.watch()
         killed = victim.watch()[-1]  # its last rank
         os.kill(killed, signal.SIGKILL)
