@@ -373,7 +373,6 @@ class CrossGroupCommit:
         if healed:
             self.recovery_seconds = time.monotonic() - self._quorum_started
         members = self._quorum if self._quorum is not None else self._members
-        me = int(self.replica_group) if self.replica_group.isdigit() else -1
         left = sorted(set(self._members) - set(members))
         joined = sorted(set(members) - set(self._members))
         parts = []
@@ -382,7 +381,7 @@ class CrossGroupCommit:
             recovered = f"replica group {self.replica_group} recovered a peer's state in {self.recovery_seconds:.2f} s"
             if not self._members:  # this process's first quorum, in a job under way
                 verb = "rejoined" if JobAttempt.from_environ().is_restart else "joined"
-                recovered, joined = f"{recovered} and {verb}", [group for group in joined if group != me]
+                recovered, joined = f"{recovered} and {verb}", []
             parts.append(recovered)
         for ids, verb in ((left, "left"), (joined, "joined")):
             if ids:

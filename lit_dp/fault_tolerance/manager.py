@@ -133,6 +133,7 @@ class FaultTolerance:
         self.batches: ReplicaBatches | None = None
         self._store: dist.TCPStore | None = None
         self.last_committed: bool | None = None
+        self._peers_step = False  # this step ends the peers' (see start_step): it is not applied
         self._torchft_log: TorchftLog | None = None
 
     def start(
@@ -227,9 +228,14 @@ class FaultTolerance:
         protocol = self.protocol
         if protocol.every_step or self.steps_started == 1:
             protocol.start(Transaction())
+            # Its quorum led this group into a LocalSGD sync its peers started inside their optimizer step
+            # (a restarted group meets them there) and took their state from it: this step is the end of
+            # theirs, and nothing of it is applied here, so that the loop counters, the data and LocalSGD's
+            # schedule go on with the peers' from the next step.
+            self._peers_step = protocol.open is None
         if self.batches is not None:
             rank, ranks = self.data_rank()
-            if protocol.open is not None:  # a vote decides the step: its samples are taken once it commits
+            if protocol.open is not None or self._peers_step:  # its samples are taken once a step commits
                 self.batches.start_step(self.committed_steps, rank, ranks)
             else:  # a step of LocalSGD's local phase, which nothing discards: dealt by the last quorum
                 self.batches.start_local_step(self.committed_steps, rank, ranks)
@@ -246,8 +252,12 @@ class FaultTolerance:
         """The step's vote, when it crosses groups: True when this replica group may apply it. A group
         that discards a step its peers committed (a failure seen on its side only) takes the state of
         one that committed it at the next quorum (``lit_dp.fault_tolerance.commit``). A step of
-        LocalSGD's local phase takes no vote: it is this group's own."""
-        committed = self.protocol.vote() if self.protocol.open is not None else True
+        LocalSGD's local phase takes no vote: it is this group's own; one that ended in the peers' sync
+        is not applied."""
+        if self._peers_step:
+            committed, self._peers_step = False, False
+        else:
+            committed = self.protocol.vote() if self.protocol.open is not None else True
         self.last_committed = committed
         return committed
 
