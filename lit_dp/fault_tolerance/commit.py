@@ -161,7 +161,7 @@ class CrossGroupCommit:
         started carries that one out instead of its own (``open`` says which): from a step, LocalSGD has
         taken part in it when this returns (``follow_syncs``), that transaction voted; from a sync of its
         own (it was left out of that one's quorum, and met its peers at their next), the caller syncs the
-        fragment ``open`` names."""
+        fragment ``open`` names, or nothing when ``open`` is None (it met them after their last step)."""
         if self._open is not None:
             raise RuntimeError(f"lit_dp: a transaction started across replica groups before {self._open.name} was voted on")
         self._open = transaction
@@ -171,6 +171,11 @@ class CrossGroupCommit:
         peer = self._peer
         joins = healed and peer is not None and peer.sync is not None and peer != transaction
         self._took(healed, peer.name if joins else transaction.name)
+        if healed and peer is None and transaction.sync is not None:
+            # Left out of this sync's quorum, this group met its peers at their last quorum, after their last
+            # step (``reconcile``): it holds their final state, and there is no sync left to carry out.
+            log.debug("%s: [group %s] took its peers' final state instead of %s", LINE, self.replica_group, transaction.name)
+            self._open = None
         if joins:
             log.debug("%s: [group %s] carries out its peers' %s", LINE, self.replica_group, peer.name)
             self._open = peer

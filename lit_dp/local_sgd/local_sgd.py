@@ -322,7 +322,10 @@ class LocalSGD:
             name = f"the sync after step {step}" + (f" (fragment {fragment})" if self.fragments > 1 else "")
             healed = self._commit.start(Transaction(name, sync=fragment))
             # Left out of this sync's quorum (late past the lighthouse's join timeout), this group met its
-            # peers at their next sync and took their state from just before it: it syncs their fragment.
+            # peers at their next sync and took their state from just before it: it syncs their fragment;
+            # or after their last step, and holds their final state: nothing is left to sync.
+            if self._commit.open is None:
+                return
             fragment = self._commit.open.sync
         participates = self._schedule.synced(fragment) and not healed
         if not self._syncs:

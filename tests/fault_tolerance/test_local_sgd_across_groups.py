@@ -42,10 +42,11 @@ class _Protocol:
         self.take_part = None
         self.open = None
         self.peers = None  # the transaction a heal brings this group into, when not its own
+        self.peers_ended = False  # a heal at the peers' last quorum, after their last step
 
     def start(self, transaction) -> bool:
         self.started.append(transaction.name)
-        self.open = self.peers or transaction
+        self.open = None if self.peers_ended else self.peers or transaction
         return self.heals
 
     def vote(self) -> bool:
@@ -191,6 +192,14 @@ def test_a_group_left_out_of_its_syncs_quorum_syncs_the_fragment_of_its_peers_ne
     groups.commit.heals, groups.commit.peers = True, Transaction("the sync after step 3 (fragment 0)", sync=0)
     local_sgd.step()
     assert local_sgd._schedule.last_syncs == [2, 0] and groups.counts[-1] == 0.0
+
+
+def test_a_group_that_meets_its_peers_after_their_last_step_syncs_nothing():
+    groups = _ReplicaGroups(2)
+    local_sgd = lit_dp.LocalSGD(nn.Linear(3, 2), local_steps=1, group=groups)
+    groups.commit.heals, groups.commit.peers_ended = True, True
+    local_sgd.step()
+    assert groups.counts == [] and groups.commit.votes == 0  # no collective, no vote: it holds their final state
 
 
 def test_a_recovering_group_takes_a_peers_snapshot_with_averaging_too():
