@@ -8,15 +8,19 @@ medians and ratios (``interleaved_times``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -246,6 +250,86 @@ def run_steady_ranks(worker: Callable[..., Any], config: Any, world_size: int = 
     wrapper's step (with glibc's history-driven default two identical wrappers differed by 10 to 15%)."""
     with fixed_malloc_thresholds(32 * 2**20, trim_bytes=4 * 2**30):
         return run_ranks(worker, world_size, config)
+
+
+# Running recipes/gpt.py under torchrun, as the fault-tolerance benchmarks do (ft_groups, ft_diloco).
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class StepClock(pl.Callback):
+    """The wall clock at the end of each training step, by ``trainer.global_step``, written as JSON
+    to ``path`` by the trainer's rank 0 when training ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.times: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        self.times[trainer.global_step] = time.monotonic()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(self.times))
+
+
+def final_metrics(output: str, label: str) -> dict[str, float]:
+    """The figures of a recipe's ``[lit_dp] final`` line (its last) in ``output``."""
+    lines = [line for line in output.splitlines() if line.startswith("[lit_dp] final ")]
+    if not lines:
+        raise RuntimeError(f"{label}: no '[lit_dp] final' line in its output:\n{output[-3000:]}")
+    return {key: float(value) for key, value in re.findall(r"(\S+?)=([-\d.]+)", lines[-1])}
+
+
+def environment(**variables: str) -> dict[str, str]:
+    """The environment of a recipe's ranks under a benchmark, with ``variables``."""
+    return {
+        **os.environ,
+        # The ranks share the cores; RUST_LOG: torchft's Rust side logs every quorum at INFO otherwise.
+        "OMP_NUM_THREADS": "1",
+        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+        # benchmarks.common.StepClock (and the callbacks a benchmark adds) must import in the recipe's processes.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **variables,
+    }
+
+
+def torchrun(ranks: int) -> list[str]:
+    """``torchrun --standalone --nproc-per-node=ranks``, as this Python runs it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+
+
+def run_all(commands: list[tuple[list[str], dict[str, str], Path]], timeout: float, label: str) -> None:
+    """Start every torchrun (argv, environment, log) at once and wait for all to exit 0; one that still
+    runs at the end (a failure, the timeout) gets SIGTERM, which torchrun passes on to its workers
+    (each in a session of its own, out of reach of a signal to torchrun's process group), then SIGKILL."""
+    launchers = []
+    try:
+        for argv, env, log in commands:
+            with log.open("w") as out:
+                launchers.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        for launcher, (argv, _, log) in zip(launchers, commands):
+            try:
+                launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(
+                    f"{label}: {' '.join(argv)} did not end within {timeout:.0f} s; its output ends:\n"
+                    + log.read_text(errors="replace")[-3000:]
+                ) from None
+            if launcher.returncode != 0:
+                raise RuntimeError(
+                    f"{label}: {' '.join(argv)} exited {launcher.returncode}; its output ends:\n"
+                    + log.read_text(errors="replace")[-3000:]
+                )
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.terminate()
+                try:
+                    launcher.wait(timeout=60)  # torchrun's own grace for its workers is 30 s
+                except subprocess.TimeoutExpired:
+                    launcher.kill()
+                    launcher.wait()
 
 
 def benchmark_main(config_name: str, config_cls: type[Config], run_and_report: Callable[[Config], str]) -> Callable[[], None]:

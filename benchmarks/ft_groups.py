@@ -53,19 +53,22 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import signal
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning.pytorch as pl
-
-from benchmarks.common import LIGHTHOUSE_FLAGS, benchmark_main, start_lighthouse
+from benchmarks.common import (
+    LIGHTHOUSE_FLAGS,
+    benchmark_main,
+    environment,
+    final_metrics,
+    run_all,
+    start_lighthouse,
+    torchrun,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ("one job", "groups")
@@ -118,22 +121,6 @@ class FTGroupsConfig:
             raise ValueError(f"rounds={self.rounds} is invalid: expected at least 1.")
 
 
-class StepClock(pl.Callback):
-    """The wall clock at the end of each training step, by ``trainer.global_step``, written as JSON
-    to ``path`` by the trainer's rank 0 when training ends."""
-
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
-        self.times: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
-        self.times[trainer.global_step] = time.monotonic()
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
-            self.path.write_text(json.dumps(self.times))
-
-
 @dataclass
 class Result:
     """One run's figures (see the module docstring)."""
@@ -153,13 +140,6 @@ def step_seconds(clock: Path, config: FTGroupsConfig) -> float:
     return statistics.median((times[b] - times[a]) / config.local_steps for a, b in itertools.pairwise(ends))
 
 
-def final_metrics(output: str, label: str) -> dict[str, float]:
-    lines = [line for line in output.splitlines() if line.startswith("[lit_dp] final ")]
-    if not lines:
-        raise RuntimeError(f"{label}: no '[lit_dp] final' line in its output:\n{output[-3000:]}")
-    return {key: float(value) for key, value in re.findall(r"(\S+?)=([-\d.]+)", lines[-1])}
-
-
 def comm_figures(output: str, label: str) -> tuple[float, float]:
     """From the ``[lit_dp] comm:`` line: MB each rank hands to its all-reduces per step, and a step's gradient MB."""
     line = next((line for line in output.splitlines() if line.startswith("[lit_dp] comm: ")), None)
@@ -174,18 +154,6 @@ def comm_figures(output: str, label: str) -> tuple[float, float]:
     return float((local or gradients).group(1)), float(gradients.group(1))
 
 
-def environment(**variables: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        # The ranks share the cores; RUST_LOG: torchft's Rust side logs every quorum at INFO otherwise.
-        "OMP_NUM_THREADS": "1",
-        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
-        # benchmarks.ft_groups.StepClock must import in the recipe's processes.
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        **variables,
-    }
-
-
 def recipe(config: FTGroupsConfig, overrides: list[str], folder: Path, clock: Path) -> list[str]:
     return [
         str(ROOT / "recipes" / "gpt.py"),
@@ -196,49 +164,11 @@ def recipe(config: FTGroupsConfig, overrides: list[str], folder: Path, clock: Pa
         "trainer.enable_model_summary=false",
         "strategy.comm_stats=true",
         f"hydra.run.dir={folder}",
-        "+callbacks.clock._target_=benchmarks.ft_groups.StepClock",
+        "+callbacks.clock._target_=benchmarks.common.StepClock",
         f"+callbacks.clock.path={clock}",
         *config.extra,
         *overrides,
     ]
-
-
-def torchrun(ranks: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-
-
-def run_all(commands: list[tuple[list[str], dict[str, str], Path]], timeout: float, label: str) -> None:
-    """Start every torchrun (argv, environment, log) at once and wait for all to exit 0; one that still
-    runs at the end (a failure, the timeout) gets SIGTERM, which torchrun passes on to its workers
-    (each in a session of its own, out of reach of a signal to torchrun's process group), then SIGKILL."""
-    launchers = []
-    try:
-        for argv, env, log in commands:
-            with log.open("w") as out:
-                launchers.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout
-        for launcher, (argv, _, log) in zip(launchers, commands):
-            try:
-                launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(
-                    f"{label}: {' '.join(argv)} did not end within {timeout:.0f} s; its output ends:\n"
-                    + log.read_text(errors="replace")[-3000:]
-                ) from None
-            if launcher.returncode != 0:
-                raise RuntimeError(
-                    f"{label}: {' '.join(argv)} exited {launcher.returncode}; its output ends:\n"
-                    + log.read_text(errors="replace")[-3000:]
-                )
-    finally:
-        for launcher in launchers:
-            if launcher.poll() is None:
-                launcher.terminate()
-                try:
-                    launcher.wait(timeout=60)  # torchrun's own grace for its workers is 30 s
-                except subprocess.TimeoutExpired:
-                    launcher.kill()
-                    launcher.wait()
 
 
 def run_one_job(config: FTGroupsConfig, overrides: list[str], folder: Path) -> Result:

@@ -26,6 +26,7 @@ from lit_dp.ddp_arguments import (
     refuse_what_cannot_work,
 )
 from lit_dp.ddp_surface import DDPSurface, default_group
+from lit_dp.fault_tolerance.commit import CrossGroupCommit
 from lit_dp.fault_tolerance.replica_group import (
     refuse_an_asynchronous_quorum,
     replica_group,
@@ -100,7 +101,9 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
             quorum, step by step, instead of over a process group (``lit_dp.fault_tolerance``,
             docs/fault_tolerance.md). Nothing is broadcast then, neither at construction (the
             Manager's own ``init_sync`` gives every replica the first one's state) nor before
-            forwards (each replica group keeps its buffers, as under torchft's DDP).
+            forwards (each replica group keeps its buffers, as under torchft's DDP). The strategies
+            pass the commit protocol around their Manager
+            (``lit_dp.fault_tolerance.commit.CrossGroupCommit``) instead, which LocalSGD shares.
 
     Options (``lit_dp.options``), as keyword arguments:
 {options}
@@ -208,7 +211,8 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
         self._given_group = group  # None: the rings of init_parallel_env (the default group's)
         self.join_state = JoinState()
         self._owners: dict[int, int] = {}
-        self._manager = manager
+        # torchft's Manager (the protocol's, when given one).
+        self._manager = manager.manager if isinstance(manager, CrossGroupCommit) else manager
         # The ranks buffers are broadcast among: the process group, or under a Manager this replica group's own.
         self._buffer_group: dist.ProcessGroup | None = None
         if manager is not None:
@@ -219,7 +223,7 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
             rings = [replica_group(manager, within, bool(sparse_gradient_parameters(module)))]
             if within is not None and within.size() > 1:
                 # Inside its replica group a model is DDP's: one start, the buffers of the group's first rank.
-                refuse_an_asynchronous_quorum(manager, within)
+                refuse_an_asynchronous_quorum(self._manager, within)
                 self._buffer_group = within
                 if init_sync:
                     self._broadcast_initial_state(within, sync_buffers_at_start)
@@ -281,15 +285,16 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
                 rebuild_buckets=self._manager is None,
             )
             if not copy:
-                # Under torchft its own timeouts discard a stuck step and drop the replica, and its replica
-                # groups come and go between steps (docs/fault_tolerance.md): no watchdog, no exchange of ours.
+                # Under torchft its own timeouts fail a stuck transaction and its replica groups come and go
+                # (docs/fault_tolerance.md): the observers compare the ranks of this replica group only.
+                ranks = self._buffer_group if self._manager is not None else self._reducer.group
                 self._observers = ModelObservers.subscribe(
                     self._reducer,
                     options,
                     device,
                     names,
                     self._waiter,
-                    under_manager=self._manager is not None,
+                    ranks=ranks,
                     parameters=list(synced_parameters(self.module, self.parameters_to_ignore)),
                     buffers=partial(synced_buffers, self.module, self.parameters_to_ignore),
                     wait_for_parameters=_weak_call(self.wait_for_parameters),
@@ -354,10 +359,11 @@ class DataParallel(BufferBroadcasts, DDPSurface, ObservedModel, JoinMethods, nn.
         """Whether backwards keep their gradients local from now on, as inside ``no_sync`` but until
         told otherwise: ``lit_dp.LocalSGD`` says so as its schedule moves (local after its warm-up).
         Under a torchft Manager, local is this replica group: a group of several ranks still reduces
-        its gradients inside itself (``HierarchicalGroup.keep_within``), only not across groups."""
-        keep_within = getattr(self.process_group, "keep_within", None) if self._manager is not None else None
-        if keep_within is not None:
-            keep_within(local)
+        its gradients, on its own process group (its reducer's rings from the next step on), only
+        not across groups; the commit protocol takes no quorum for such steps."""
+        within = self._buffer_group if self._manager is not None else None
+        if self._reducer is not None and within is not None and not groups.trivially_alone(within):
+            self._reducer.reduce_on([within] if local else self._rings)
             return
         self._gradients_local = local
 

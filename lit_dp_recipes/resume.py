@@ -40,7 +40,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
-from lit_dp.fault_tolerance.manager import QuorumUnreachable
+from lit_dp.fault_tolerance.commit import QuorumUnreachable
 from lit_dp.strategies.preemption import Preempted
 from lit_dp_recipes.launch import job_arguments
 

@@ -25,44 +25,32 @@ import torch
 
 pytest.importorskip("torchft")
 
-from tests.helpers.documented import ROOT, DocumentedCommand, documented_commands  # noqa: E402
-from tests.helpers.torchft import LaunchedGroup, documented_lighthouse, wait_for_groups  # noqa: E402
+from tests.helpers.documented import ROOT  # noqa: E402
+from tests.helpers.torchft import LaunchedGroup, documented_group_launch, documented_lighthouse, wait_for_groups  # noqa: E402
 
-DOC = ROOT / "docs" / "fault_tolerance.md"
 RANKS = 2
-STEPS = 96  # a multiple of the DiLoCo command's K (16): the run ends on a sync
-KILL_AFTER = 30  # committed steps of group 1 before one of its ranks is killed
-
-
-def documented() -> tuple[DocumentedCommand, dict[str, DocumentedCommand], dict[str, str]]:
-    """The lighthouse's command, a group's command per mode, and what the launch block exports."""
-    commands = documented_commands([DOC])
-    lighthouse = next(c for c in commands if c.argv[0] == "torchft_lighthouse")
-    groups = [c for c in commands if c.argv[0] == "torchrun" and f"--nproc-per-node={RANKS}" in c.argv]
-    modes = {
-        "per_step": next(c for c in groups if not any(a.startswith("strategy.local_sgd") for a in c.argv)),
-        "diloco": next(c for c in groups if "strategy.local_sgd.outer=nesterov" in c.argv),
-    }
-    block = next(b for b in DOC.read_text().split("```bash")[1:] if f"--nproc-per-node={RANKS}" in b).split("```")[0]
-    exports = {}
-    for line in block.splitlines():
-        if line.startswith("export "):
-            exports.update(word.split("=", 1) for word in line.split()[1:])
-    return lighthouse, modes, exports
+K = 16  # the DiLoCo command's local_sgd.steps
+STEPS = 96  # a multiple of K: the run ends on a sync
+KILL_AFTER = 30  # optimizer steps of group 1 before one of its ranks is killed
+# What torchft counts (its committed transactions) once group 1 took KILL_AFTER steps: each step with
+# per-step sync; with DiLoCo the first step's quorum and one per sync (the steps between take none).
+COMMITTED = {"per_step": KILL_AFTER, "diloco": 1 + KILL_AFTER // K}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["per_step", "diloco"])
 def test_the_documented_launch_of_groups_of_two_ranks_survives_a_killed_rank(tmp_path, mode):
-    lighthouse_command, commands, exports = documented()
-    cwd, environ, lighthouse = documented_lighthouse(tmp_path, lighthouse_command, exports, ROOT)
+    launch = documented_group_launch(RANKS)
+    commands = launch.modes
+    cwd, environ, lighthouse = documented_lighthouse(tmp_path, launch.lighthouse, launch.exports, ROOT)
     groups: list[LaunchedGroup] = []
     try:
         steps = [f"trainer.max_steps={STEPS}"]
         groups = [LaunchedGroup(number, commands[mode], cwd, environ, steps) for number in range(2)]
         survivor, victim = groups
-        wait_for_groups("both groups to train", lambda: victim.committed() >= KILL_AFTER and len(survivor.watch()) == RANKS, groups, 400)
+        trained = COMMITTED[mode]
+        wait_for_groups("both groups to train", lambda: victim.committed() >= trained and len(survivor.watch()) == RANKS, groups, 400)
         first_workers = survivor.watch()
         killed = victim.watch()[-1]  # its last rank
         os.kill(killed, signal.SIGKILL)
@@ -77,9 +65,7 @@ def test_the_documented_launch_of_groups_of_two_ranks_survives_a_killed_rank(tmp
         assert survivor.watch() == [] and survivor.workers == first_workers, survivor.describe()  # never restarted
     finally:
         for group in groups:
-            if group.launcher.poll() is None:
-                os.killpg(group.launcher.pid, signal.SIGKILL)
-                group.launcher.wait()
+            group.stop()  # its workers too: torchrun starts each in a session of its own
         lighthouse.kill()
         lighthouse.wait()
 

@@ -113,9 +113,7 @@ def test_the_documented_launch_survives_every_replica_group_killed_in_turn(tmp_p
             assert group.launcher.returncode == 0, group.describe()
     finally:
         for group in groups:
-            if group.launcher.poll() is None:
-                os.killpg(group.launcher.pid, signal.SIGKILL)
-                group.launcher.wait()
+            group.stop()  # its workers too: torchrun starts each in a session of its own
         lighthouse.kill()  # as the docs' script stops it once the groups are done
         lighthouse.wait()
 

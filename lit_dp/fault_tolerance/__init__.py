@@ -10,9 +10,14 @@ A job split into replica groups keeps training while groups fail and come back
   reduce-scattered inside it, each rank's slice all-reduced across the groups, all-gathered;
 - ``gloo_connections``: the abort Gloo lacks (a group's TCP connections shut down, a peer's
   hang-up seen);
-- ``manager``: a replica group's torchft ``Manager``, its quorum and commit per step, the lines
-  users see, torchft's log in a file, a group that finds no quorum ending (``QuorumUnreachable``);
-- ``lighthouse``: the lighthouse's status page, read by a group that finds no quorum;
+- ``commit``: the one commit protocol of everything that crosses groups (``CrossGroupCommit``):
+  a quorum per transaction (a step, a LocalSGD sync), its collectives' failures, the vote of
+  every rank of the group, a group that healed re-aligned on one peer's state, the lines users
+  see, a group that finds no quorum ending (``QuorumUnreachable``);
+- ``manager``: a replica group's torchft ``Manager`` for the strategies (``FaultTolerance``): its
+  steps' transactions, the state a recovering group receives, its data, torchft's log in a file;
+- ``lighthouse``: the lighthouse's status page, read by a group that finds no quorum, and for the
+  groups' sizes;
 - ``replica_data``: ``ReplicaBatches``, the data dealt step by step to the groups present.
 
 As for every feature, its options are declared with the others (``lit_dp.options.fault_tolerance``)

@@ -14,6 +14,11 @@ buckets then never change: each all-reduce of a bucket becomes
    across groups, and a failure there discards the step as for a one-process group;
 3. an all-gather inside the group, which gives every rank the whole reduced bucket.
 
+The two process groups are given explicitly and the pair always reduces across groups: a model
+whose gradients stay inside the group (LocalSGD's inner steps) reduces on ``within`` itself
+(``DataParallel.keep_gradients_local``), and a failure across groups fails the transaction of the
+commit protocol (``lit_dp.fault_tolerance.commit``), for every rank of the group at its vote.
+
 Paddle's fleet calls this the hierarchical all-reduce. The group's ``size()`` is the ranks of the
 groups taking part (N times the quorum's groups), what the reducer divides by. LocalSGD's
 averages take the same path: the replicas of one group are equal between its syncs, so the
@@ -72,15 +77,14 @@ class HierarchicalGroup(dist.ProcessGroup):
     Manager.
     """
 
-    def __init__(self, within: dist.ProcessGroup, across: Any, traffic: CrossGroupTraffic | None = None) -> None:
+    def __init__(self, within: dist.ProcessGroup, across: Any) -> None:
         super().__init__(within.rank(), within.size())
         self.within = within
         self.across = across
-        self.traffic = traffic if traffic is not None else CrossGroupTraffic()
+        self.traffic = CrossGroupTraffic()
         # NCCL's reduce-scatter beats one reduce per owner; Gloo's does not (docs/benchmarks.md,
         # "Thresholds of the gradient path"), and torch 2.8's Gloo has no reduce_scatter_tensor.
         self._nccl = groups.backend_name(within) == "nccl"
-        self._within_only = False  # LocalSGD's inner steps: see keep_within
         self._jobs: deque[Callable[[], None]] = deque()
         self._lock = threading.Lock()
         self._draining = False  # a thread is taking the jobs
@@ -89,30 +93,16 @@ class HierarchicalGroup(dist.ProcessGroup):
         return TORCHFT
 
     def size(self) -> int:
-        return self.within.size() * (1 if self._within_only else self.across.size())
+        return self.within.size() * self.across.size()
 
     def rank(self) -> int:
-        across = 0 if self._within_only else self.across.rank()
+        across = self.across.rank()
         return -1 if across < 0 else across * self.within.size() + self.within.rank()
 
-    def keep_within(self, within_only: bool) -> None:
-        """From the next all-reduce on, reduce inside the replica group only (``within_only``) or across
-        groups too: LocalSGD's inner steps are data parallelism inside each group, its syncs go across
-        (``DataParallel.keep_gradients_local``; the syncs take ``for_syncs``)."""
-        self._within_only = within_only
-
-    def for_syncs(self) -> HierarchicalGroup:
-        """A group of the same ranks that always reduces across replica groups, for LocalSGD's syncs
-        while the model's reduces inside its group (``keep_within``); the traffic is counted together."""
-        return HierarchicalGroup(self.within, self.across, self.traffic)
-
-    def step_failed(self) -> bool:
-        """Whether a collective across replica groups failed in this step (the Manager will not commit it)."""
-        return self.across.step_failed()
-
-    def void_last_commit(self) -> None:
-        """The step this replica group committed last is voided (``FaultTolerantGroup.void_last_commit``)."""
-        self.across.void_last_commit()
+    @property
+    def commit(self) -> Any:
+        """The commit protocol every collective across the groups goes through (the cross-group group's)."""
+        return self.across.commit
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         op = opts if isinstance(opts, dist.ReduceOp) else opts.reduceOp
@@ -127,7 +117,6 @@ class HierarchicalGroup(dist.ProcessGroup):
         future: torch.futures.Future = torch.futures.Future()
         # On CUDA the worker's collectives must follow what the caller's stream wrote into the tensors.
         ready = torch.cuda.current_stream().record_event() if tensors and tensors[0].is_cuda else None
-        reduce = self._reduce_within if self._within_only else self._reduce  # as it was when asked
 
         def job() -> None:
             try:
@@ -135,7 +124,7 @@ class HierarchicalGroup(dist.ProcessGroup):
                     torch.cuda.set_device(tensors[0].device)
                     torch.cuda.current_stream().wait_event(ready)
                 for tensor in tensors:
-                    reduce(tensor)
+                    self._reduce(tensor)
                 done = torch.cuda.current_stream().record_event() if ready is not None else None
             except Exception as error:  # noqa: BLE001 - handed to whoever waits, as a process group's work does
                 future.set_exception(error)
@@ -164,10 +153,6 @@ class HierarchicalGroup(dist.ProcessGroup):
                 job = self._jobs.popleft()
             job()
 
-    def _reduce_within(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, group=self.within)
-        self.traffic.add(tensor.numel() * tensor.element_size(), 0)
-
     def _reduce(self, tensor: torch.Tensor) -> None:
         """Reduce-scatter in the group, all-reduce of this rank's shard across groups, all-gather in the group."""
         ranks, me = self.within.size(), self.within.rank()
@@ -186,7 +171,7 @@ class HierarchicalGroup(dist.ProcessGroup):
             for owner, shard in enumerate(shards):
                 dist.reduce(shard, group=self.within, group_dst=owner)
             own = shards[me].clone()  # Gloo's all-gather must not read from what it writes
-        self.across.allreduce([own], dist.ReduceOp.SUM).wait()  # never raises: a failure discards the step
+        self.across.allreduce([own], dist.ReduceOp.SUM).wait()  # never raises: a failure fails the transaction
         self.traffic.add(numel * flat.element_size(), shard_numel * flat.element_size())
         if self._nccl:
             dist.all_gather_into_tensor(padded, own, group=self.within)

@@ -1,9 +1,10 @@
-"""What torchft's lighthouse says of a job, for a replica group that cannot reach a quorum.
+"""What torchft's lighthouse says of a job: to a replica group that cannot reach a quorum, and of the groups' sizes.
 
 The lighthouse has no API for it besides joining a quorum, but it serves its state as a page,
 ``GET /status`` (torchft's ``templates/status.html``): why the next quorum is not ready ("only
 have 1 participants, need min_replicas 2"), the previous quorum (its groups and their steps),
-and every replica it has heard from with how long ago. A group left out of every quorum reads
+and every replica it has heard from with how long ago; and each member's ranks (its world size),
+which tell replica groups of different sizes apart. A group left out of every quorum reads
 it to tell a job that ended (it went on past this group's step, and no other group is heard
 from any more) from one whose groups are alive, or only down, and to say so. ``LighthouseStatus.read`` returns None
 when the page cannot be read or understood: the caller then says only what it knows itself.
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 READ_SECONDS = 5.0
 _NEXT = re.compile(r"Next quorum status:\s*([^<\n]*)")
 _PREVIOUS_MEMBER = re.compile(r"<b>\s*([^<\s]+)\s*</b>\s*<br/>\s*Step:\s*(-?\d+)")
+_MEMBER_SIZE = re.compile(r"<b>\s*([^<\s]+)\s*</b>(?:(?!<b>).)*?World size:\s*(\d+)", re.DOTALL)
 _HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*([^<\s]+): seen ([\d.]+)s ago')
 
 
@@ -35,6 +37,7 @@ class LighthouseStatus:
     next_quorum: str  # the lighthouse's own words on why the next quorum is not ready (or is)
     previous: dict[str, int]  # the previous quorum's replica groups and the step each asked at
     heard: dict[str, tuple[float, bool]]  # replica group -> (seconds since last heard, past the heartbeat timeout)
+    world_sizes: dict[str, int]  # the previous quorum's replica groups and their ranks each
 
     @classmethod
     def read(cls, address: str) -> LighthouseStatus | None:
@@ -60,7 +63,8 @@ class LighthouseStatus:
             group, seconds = group_of(replica_id), float(age)
             if group not in heard or seconds < heard[group][0]:  # a group's newest process
                 heard[group] = (seconds, bool(old))
-        return cls(found.group(1).strip(), previous, heard)
+        sizes = {group_of(replica_id): int(size) for replica_id, size in _MEMBER_SIZE.findall(page)}
+        return cls(found.group(1).strip(), previous, heard, sizes)
 
     def alive(self, besides: str) -> list[str]:
         """The replica groups other than ``besides`` that the lighthouse still hears from."""

@@ -1,14 +1,18 @@
-"""A replica group's torchft ``Manager``: its quorum and commit per step, its state, what users see.
+"""A replica group's torchft ``Manager`` for the strategies: its steps, its state, its data, what users see.
 
 ``FaultTolerance`` is the engine of ``fault_tolerance="torchft"`` that both front doors drive
 (their features are in ``lit_dp.strategies.fault_tolerance``): ``start`` builds the Manager
-(torchft is imported there, only when the option is on), each step begins with a quorum and
-ends with ``Manager.should_commit``, a recovering replica loads a peer's state between steps,
-and users see one line per change of the groups training while torchft's own log lines go to a
-file of the run (``TorchftLog``). A group that finds no quorum ends, saying why
-(``QuorumUnreachable``). The settings come from the options (``lit_dp.options.fault_tolerance``)
-or from torchft's launch variables: ``ft_lighthouse`` (a config's ``strategy.ft.lighthouse``)
-or ``TORCHFT_LIGHTHOUSE``, ``ft_replica_group`` or ``REPLICA_GROUP_ID``.
+(torchft is imported there, only when the option is on) and the commit protocol around it
+(``lit_dp.fault_tolerance.commit``), which owns every quorum and vote. While gradients cross
+groups each step is a transaction of it (a quorum before the step's data, the vote before the
+optimizer steps); in LocalSGD's local phase only its syncs are, and the steps between them deal
+the data of the last quorum with no quorum of their own. A recovering replica loads a peer's
+state between steps; users see one line per change of the groups training and per failed step
+or sync, each naming its group, and a last line counting them, while torchft's own log lines go
+to a file of the run (``TorchftLog``). The settings come from the options
+(``lit_dp.options.fault_tolerance``) or from torchft's launch variables: ``ft_lighthouse`` (a
+config's ``strategy.ft.lighthouse``) or ``TORCHFT_LIGHTHOUSE``, ``ft_replica_group`` or
+``REPLICA_GROUP_ID``.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ import importlib.util
 import logging
 import os
 import socket
-import sys
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,14 +30,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
+from lit_dp.fault_tolerance.commit import LINE, CrossGroupCommit, Transaction
 from lit_dp.fault_tolerance.hierarchical import CrossGroupTraffic
-from lit_dp.fault_tolerance.lighthouse import LighthouseStatus
 from lit_dp.fault_tolerance.replica_data import ReplicaBatches
 from lit_dp.fault_tolerance.replica_group import replica_process_group
 from lit_dp.gradients.buckets import MB
-from lit_dp.job.restart import JobAttempt
 from lit_dp.options import Options
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,6 @@ log = logging.getLogger(__name__)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
 STATE_KEY = "lit_dp"  # this replica's state, as registered with the Manager
-LINE = "[lit_dp] fault tolerance"
-# Waits of ft.quorum_timeout for a quorum while other groups are alive, before a group gives up.
-QUORUM_ATTEMPTS = 3
 # torchft's Python loggers (the Manager's, its process groups', its checkpoint transport's, and
 # the three it reports quorums, commits and errors to), sent to the run's torchft log.
 TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
@@ -113,63 +110,39 @@ def group_store(group_size: int) -> tuple[dist.TCPStore | None, str, int]:
     return store, host, port
 
 
-class QuorumUnreachable(SystemExit):
-    """A replica group found no quorum to join: it ends, saying why (``reason``).
-
-    Exit status 0 when the job went on past this group's step and no other group is heard from
-    any more (it ended without this group): its launcher does not start it again. 1 otherwise
-    (others alive, or only down), after ``QUORUM_ATTEMPTS`` tries: its launcher's restarts
-    (torchrun's ``--max-restarts``) bound how often it tries again.
-    """
-
-    def __init__(self, reason: str, job_ended: bool) -> None:
-        super().__init__(0 if job_ended else 1)
-        self.reason = reason
-        self.job_ended = job_ended
-
-    def __str__(self) -> str:
-        return self.reason
-
-
 class FaultTolerance:
-    """One rank's torchft Manager (its replica group's ranks share one server), its steps, its state
-    and what users see of it (said by the group's rank 0).
+    """One rank's torchft Manager (its replica group's ranks share one server), its commit protocol
+    (``protocol``), its steps, its state and its data.
 
-    The strategies call ``start`` before wrapping the model, ``track`` once what must travel to a
-    recovering replica exists, then per step ``start_step`` (quorum) and ``commit``; the Trainer
-    calls ``reconcile`` after the last step. Users see one line per change of the groups
-    training (``replica group 0 left at step 31; 2 train (1, 2)``), and torchft's own log lines
-    go to a file of the run (``torchft-group<N>.log``), which the first line names.
+    The strategies call ``start`` before wrapping the model (whose process groups take ``protocol``),
+    ``track`` once what must travel to a recovering replica exists, then per step ``start_step``
+    and ``commit``; the Trainer calls ``reconcile`` after the last step. Users see one line per
+    change of the groups training (``replica group 0 left at step 31; 2 train (1, 2)``), one per
+    failed step or sync, each naming the group that prints it, and torchft's own log lines go to a
+    file of the run (``torchft-group<N>.log``), which the first line names.
     """
 
     def __init__(self, options: Options) -> None:
         require_torchft()
         self.settings = Settings.resolve(options)
         self.manager: Any = None
+        self.protocol: CrossGroupCommit | None = None  # from start
         self.group_rank, self.group_size = 0, 1  # this process among its replica group's ranks, from start
         self.traffic: CrossGroupTraffic | None = None  # what the model's gradients sent across groups (watch)
         self.steps_started = 0
-        self._tracked: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]] | None = None  # track's
         self.batches: ReplicaBatches | None = None
         self._store: dist.TCPStore | None = None
-        self._members: tuple[int, ...] = ()  # the replica groups of the last quorum
-        self._quorum: tuple[int, ...] | None = None  # set by the process group at each reconfiguration
-        self.steps_discarded = 0
-        self.membership_changes = 0
-        self.recovery_seconds: float | None = None  # this replica's last recovery, from its quorum's start
         self.last_committed: bool | None = None
-        self._recovered = False  # set by the state's load, in start_quorum
-        self._just_recovered = False  # to be said with the quorum's line
-        self._discarded: tuple[int, str] | None = None  # the step discarded last and why, until it is said
+        self._peers_step = False  # this step ends the peers' (see start_step): it is not applied
         self._torchft_log: TorchftLog | None = None
 
     def start(
         self, device: torch.device, group_rank: int = 0, group_size: int = 1, log_dir: str | os.PathLike | None = None
-    ) -> Any:
-        """This rank's Manager; returns it. The replica group is this launcher's job, ``group_size``
-        ranks (its default process group when more than one), this one ``group_rank``; they share
-        a store of the group's (``group_store``). torchft's log lines go to ``log_dir`` (the current
-        folder by default)."""
+    ) -> CrossGroupCommit:
+        """This rank's Manager and its commit protocol; returns the protocol, what the model's process
+        groups take. The replica group is this launcher's job, ``group_size`` ranks (its default process
+        group when more than one), this one ``group_rank``; they share a store of the group's
+        (``group_store``). torchft's log lines go to ``log_dir`` (the current folder by default)."""
         from torchft import Manager  # the optional engine: only with the option on
         from torchft.checkpointing import HTTPTransport
 
@@ -183,7 +156,7 @@ class FaultTolerance:
         self._torchft_log.take_requests(transport)
         self._store, host, port = group_store(group_size)
         self.manager = Manager(
-            pg=replica_process_group(device, timeout, self._record_quorum),
+            pg=replica_process_group(device, timeout, lambda members: self.protocol.record_quorum(members)),
             load_state_dict=None,
             state_dict=None,
             min_replica_size=settings.min_replicas,
@@ -199,65 +172,73 @@ class FaultTolerance:
             hostname=socket.gethostname(),
             checkpoint_transport=transport,
         )
+        within = dist.group.WORLD if group_size > 1 else None
+        self.protocol = CrossGroupCommit(self.manager, within, lighthouse=settings.lighthouse)
         keep_out = getattr(self.manager._pg, "keep_out", None)  # a replica_process_group on Gloo's
         if keep_out is not None:
             keep_out(settings.lighthouse, self.manager._store.get("manager_addr").decode(), transport.address())
         ranks = f" of {group_size} ranks" if group_size > 1 else ""
-        self._say(
+        self.protocol.say(
             f"replica group {settings.replica_group}{ranks}, lighthouse {settings.lighthouse}; torchft's own log: "
             f"{self._torchft_log.path}"
         )
-        return self.manager
+        return self.protocol
 
     def watch(self, traffic: CrossGroupTraffic) -> None:
         """The cross-group traffic of the model's process group, for ``metrics`` and the run's last line."""
         self.traffic = traffic
 
     def track(self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> None:
-        """What a recovering replica receives (``save``) and how it takes it in (``load``)."""
+        """What a recovering replica receives (``save``) and how it takes it in (``load``); also what the
+        ranks of a group that healed re-align to (its rank 0's)."""
+        self.manager.register_state_dict_fn(STATE_KEY, load, save)
+        self.protocol.realign_with(save, load)
 
-        def load_and_time(state: dict[str, Any]) -> None:
-            load(state)
-            self._recovered = True
+    @property
+    def steps_discarded(self) -> int:
+        """Steps this group's vote discarded (a collective across groups failed on one of its ranks)."""
+        return self.protocol.steps_discarded if self.protocol is not None else 0
 
-        self.manager.register_state_dict_fn(STATE_KEY, load_and_time, save)
-        self._tracked = (save, load)
+    @property
+    def syncs_failed(self) -> int:
+        """LocalSGD syncs across groups this group's vote failed."""
+        return self.protocol.syncs_failed if self.protocol is not None else 0
+
+    @property
+    def membership_changes(self) -> int:
+        """Changes of the groups training seen so far (a group that left, one that joined)."""
+        return self.protocol.membership_changes if self.protocol is not None else 0
+
+    @property
+    def recovery_seconds(self) -> float | None:
+        """This group's last recovery, from its quorum's start to the state loaded; None before any."""
+        return self.protocol.recovery_seconds if self.protocol is not None else None
 
     @property
     def committed_steps(self) -> int:
-        """Steps committed by the replica groups (torchft's count, the same on every participant)."""
+        """Transactions committed by the replica groups (torchft's count, the same on every participant):
+        the steps while gradients cross groups, then LocalSGD's syncs."""
         return self.manager.current_step()
 
     def start_step(self) -> None:
-        """The step's quorum: membership, recovery if behind, then this replica's data for the step."""
+        """The step's quorum when the step crosses groups (and at this process's first step, which finds
+        the others and takes their state), then this replica's data for the step."""
         self.last_committed = None
         self.steps_started += 1
-        self._join_quorum()
-        self._start_as_one_group()
-        self._announce()
+        protocol = self.protocol
+        if protocol.every_step or self.steps_started == 1:
+            protocol.start(Transaction())
+            # Its quorum led this group into a LocalSGD sync its peers started inside their optimizer step
+            # (a restarted group meets them there) and took their state from it: this step is the end of
+            # theirs, and nothing of it is applied here, so that the loop counters, the data and LocalSGD's
+            # schedule go on with the peers' from the next step.
+            self._peers_step = protocol.open is None
         if self.batches is not None:
-            manager = self.manager
-            self.batches.start_step(manager.current_step(), *self.data_rank())
-
-    def _start_as_one_group(self) -> None:
-        """At step 0, every rank of this replica group takes its rank 0's state.
-
-        torchft's ``init_sync`` gives rank ``r`` of each group the state of rank ``r`` of the quorum's
-        replica ``r % P`` (it spreads recoveries over the replicas), so the ranks of a group built
-        unequal (models from different seeds, and what is derived from them, such as LocalSGD's
-        snapshot) would start from different replicas. Rank 0 of every group holds the first
-        replica's: broadcast inside the group, every rank of every group starts from it. Once per
-        quorum at step 0 (a step 0 discarded and tried again is healed again), on the group's own
-        process group (its launcher's job's default group).
-        """
-        if self.group_size == 1 or self._tracked is None or self.manager.current_step() != 0:
-            return
-        save, load = self._tracked
-        state = [save() if self.group_rank == 0 else None]
-        dist.broadcast_object_list(state, src=0)
-        if self.group_rank != 0:
-            load(state[0])
-        log.debug("%s: the replica group starts from its rank 0's state", LINE)
+            rank, ranks = self.data_rank()
+            if protocol.open is not None or self._peers_step:  # its samples are taken once a step commits
+                self.batches.start_step(self.committed_steps, rank, ranks)
+            else:  # a step of LocalSGD's local phase, which nothing discards: dealt by the last quorum
+                self.batches.start_local_step(self.committed_steps, rank, ranks)
 
     def data_rank(self) -> tuple[int | None, int]:
         """This rank's place among every rank of the quorum's replica groups, and their number: what the
@@ -268,43 +249,30 @@ class FaultTolerance:
         return rank, manager.num_participants() * self.group_size
 
     def commit(self) -> bool:
-        """torchft's vote: True when this replica group may apply the step. Groups that disagree (a
-        peer failed after one's all-reduces completed) are reconciled at the next quorum: the one
-        behind recovers from the one ahead."""
-        committed = self.manager.should_commit()
+        """The step's vote, when it crosses groups: True when this replica group may apply it. A group
+        that discards a step its peers committed (a failure seen on its side only) takes the state of
+        one that committed it at the next quorum (``lit_dp.fault_tolerance.commit``). A step of
+        LocalSGD's local phase takes no vote: it is this group's own; one that ended in the peers' sync
+        is not applied."""
+        if self._peers_step:
+            committed, self._peers_step = False, False
+        else:
+            committed = self.protocol.vote() if self.protocol.open is not None else True
         self.last_committed = committed
-        if not committed:
-            self.steps_discarded += 1
-            error = self.manager.errored()
-            why = (
-                f"its communication failed: {str(error.original_exception).splitlines()[0][:200]}"
-                if error is not None
-                else f"fewer than ft_min_replicas={self.settings.min_replicas} replica groups took part"
-            )
-            log.debug("%s, step %d: step discarded (%s)", LINE, self.committed_steps, why)
-            # Said with the next quorum, in one line with the change of groups that explains it.
-            self._discarded = (self.committed_steps, why)
         return committed
 
     def reconcile(self) -> None:
-        """After the last step: one more quorum, in which a group that discarded a step its peers
-        committed (a peer failed after this group's all-reduces completed, or the other way
-        round) recovers from the one ahead, so that every group ends with the same state. One
-        try: groups that are gone by then are not waited for past ``ft.quorum_timeout``."""
-        started = time.monotonic()
-        try:
-            self.manager.start_quorum()
-        except TimeoutError:
-            self._say(f"no quorum within {time.monotonic() - started:.0f} s after the last step: the groups were not reconciled")
-            return
-        self._took_quorum(started)
-        self._announce()
+        """After the last step: one more quorum, in which a group that discarded a step (or failed a sync)
+        its peers applied takes the state of one that did, so that every group ends with the same state."""
+        self.protocol.reconcile()
 
     def metrics(self) -> dict[str, float]:
-        """The ``ft/*`` figures: replica groups in the last quorum, steps discarded, last recovery time."""
+        """The ``ft/*`` figures: replica groups in the last quorum, steps discarded, syncs failed, the
+        changes of the groups, last recovery time."""
         metrics = {
-            "ft/replicas": float(len(self._members)),
+            "ft/replicas": float(self.manager.num_participants()),
             "ft/steps_discarded": float(self.steps_discarded),
+            "ft/syncs_failed": float(self.syncs_failed),
             "ft/membership_changes": float(self.membership_changes),
         }
         if self.recovery_seconds is not None:
@@ -325,117 +293,31 @@ class FaultTolerance:
             f"the {traffic.reduced_bytes / steps / MB:.3f} MB it reduced ({groups})"
         )
 
+    def describe_faults(self) -> str:
+        """The run's failed transactions, counted: what the last line says."""
+        steps, syncs, changes = self.steps_discarded, self.syncs_failed, self.membership_changes
+        return (
+            f"{steps} step{'s' * (steps != 1)} discarded, {syncs} failed sync{'s' * (syncs != 1)}, "
+            f"{changes} change{'s' * (changes != 1)} of the groups training"
+        )
+
     def close(self) -> None:
-        traffic = self.describe_traffic()
-        if traffic is not None:
-            self._say(traffic)
-        self.traffic, self.steps_started, self._tracked = None, 0, None
-        if self._discarded is not None:  # the last step was discarded: no quorum followed to say it with
-            self._say(f"step {self._discarded[0]} discarded ({self._discarded[1]})")
-            self._discarded = None
+        if self.protocol is not None:
+            traffic = self.describe_traffic()
+            if traffic is not None:
+                self.protocol.say(traffic)
+            if self.steps_started:
+                self.protocol.say(self.describe_faults())
+        self.traffic, self.steps_started = None, 0
         if self.manager is not None:
             self.manager.shutdown(wait=False)  # its heartbeats stop: the lighthouse knows this group left
             self.manager = None
+        self.protocol = None
         if self._torchft_log is not None:
             self._torchft_log.close()
             self._torchft_log = None
         self._store = None
         self.batches = None  # a next fit deals its own loader
-
-    def _join_quorum(self) -> None:
-        """``Manager.start_quorum``, tried up to ``QUORUM_ATTEMPTS`` times of ``ft.quorum_timeout``;
-        ``QuorumUnreachable`` after the last, or at once when the job has ended without this group."""
-        for attempt in range(1, QUORUM_ATTEMPTS + 1):
-            started = time.monotonic()
-            try:
-                self.manager.start_quorum()
-            except TimeoutError:
-                status = LighthouseStatus.read(self.settings.lighthouse)
-                ended = status is not None and status.ended_without(self.settings.replica_group, self.committed_steps)
-                reason = self._unreachable(status, ended, time.monotonic() - started, attempt)
-                if ended or attempt == QUORUM_ATTEMPTS:
-                    self._say(reason)
-                    raise QuorumUnreachable(reason, job_ended=ended) from None
-                self._say(f"{reason}; trying again")
-                # torchft keeps the failed quorum and would raise it again at the next start.
-                self.manager._quorum_future = None
-                continue
-            self._took_quorum(started)
-            return
-
-    def _took_quorum(self, started: float) -> None:
-        if self._recovered:  # the state was loaded in start_quorum
-            self._recovered, self._just_recovered = False, True
-            self.recovery_seconds = time.monotonic() - started
-
-    def _unreachable(self, status: LighthouseStatus | None, ended: bool, waited: float, attempt: int) -> str:
-        """Which quorum this group could not reach, the ``min_replicas`` it needed, and what the lighthouse says."""
-        settings = self.settings
-        head = (
-            f"replica group {settings.replica_group} (at step {self.committed_steps}) found no quorum of "
-            f"ft.min_replicas={settings.min_replicas} replica groups at the lighthouse {settings.lighthouse} in "
-            f"{waited:.0f} s (attempt {attempt} of {QUORUM_ATTEMPTS})"
-        )
-        if status is None:
-            return f"{head}; the lighthouse's status page could not be read"
-        previous = ", ".join(f"{group} at step {step}" for group, step in status.previous.items())
-        last = f"its last quorum: groups {previous}" if previous else "no quorum formed yet"
-        if ended:
-            silent = status.silent_for(settings.replica_group) or 0.0
-            return (
-                f"{head}: the job went on without this group and ended ({last}; no other group heard from for "
-                f"{silent:.0f} s); exiting"
-            )
-        alive = status.alive(settings.replica_group)
-        heard = f"groups {', '.join(alive)} are alive" if alive else "no other group is alive"
-        return f"{head}: {heard}; {last}; the lighthouse says: {status.next_quorum}"
-
-    def _record_quorum(self, members: list[int]) -> None:
-        # Called by the process group in torchft's quorum thread; read after start_quorum returns.
-        # torchft numbers this rank's peers replica_group * group_size + group_rank.
-        self._quorum = tuple(sorted({member // self.group_size for member in members}))
-
-    def _announce(self) -> None:
-        """One line when the groups training change (what explains a discarded step), when this
-        group recovered, or when a step was discarded with no change to explain it."""
-        members = self._quorum if self._quorum is not None else self._members
-        step, me = self.committed_steps, self.settings.replica_group
-        left = sorted(set(self._members) - set(members))
-        joined = sorted(set(members) - set(self._members))
-        parts = []
-        # At step 0 every group but the first takes the first one's state (torchft's init_sync): no news.
-        if self._just_recovered and step > 0:
-            recovered = f"replica group {me} recovered a peer's state in {self.recovery_seconds:.2f} s"
-            if not self._members:  # this process's first quorum, in a job under way
-                verb = "rejoined" if JobAttempt.from_environ().is_restart else "joined"
-                recovered, joined = f"{recovered} and {verb}", []
-            parts.append(recovered)
-        self._just_recovered = False
-        for ids, verb in ((left, "left"), (joined, "joined")):
-            if ids:
-                parts.append(f"replica group{'s' * (len(ids) > 1)} {_ids(ids)} {verb}")
-        training = f"{len(members)} train ({_ids(members)})"
-        if parts:
-            if self._members and (left or joined):
-                self.membership_changes += 1
-            self._say(f"{'; '.join(parts)} at step {step}; {training}")
-            self._discarded = None
-        elif self._discarded is not None:
-            self._say(f"step {self._discarded[0]} discarded ({self._discarded[1]}); {training}")
-            self._discarded = None
-        self._members = members
-
-    def _say(self, text: str) -> None:
-        if self.group_rank != 0:  # one voice per replica group: its ranks see the same quorums
-            log.debug("%s: %s", LINE, text)
-            return
-        # A progress bar on the console (Lightning's is tqdm's) is cleared for the line and drawn again after.
-        with tqdm.external_write_mode(file=sys.stdout):
-            print(f"{LINE}: {text}", flush=True)
-
-
-def _ids(ids: tuple[int, ...] | list[int]) -> str:
-    return ", ".join(str(i) for i in ids)
 
 
 class TorchftLog:

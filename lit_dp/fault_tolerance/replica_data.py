@@ -15,7 +15,14 @@ stream shared by every replica instead, and each step takes the next slice of it
   by the next step, dealt to whoever is present then.
 
 So every sample of an epoch is trained once, by one replica, in committed steps, however the
-replicas come and go: nothing is repeated or skipped because of a failure. A step may straddle
+replicas come and go: nothing is repeated or skipped because of a failure.
+
+In LocalSGD's local phase across replica groups the steps between two syncs take no quorum
+(``start_local_step``): each is dealt by the last quorum's members and ranks, and its samples are
+taken at once, since no vote discards a step of a group's own. A failed sync keeps the period's
+work, so its samples stay taken. Members change only at a sync's quorum, which deals the next
+period; a group that dies between syncs takes the rest of its slices of the period with it (its
+work is lost with it), and one that joins at a sync is dealt its slices from the next period on. A step may straddle
 two epochs (the stream has no last, smaller batch); ``step_ends_epoch`` says when it does.
 
 The position is the samples committed so far plus the steps not yet known to have committed
@@ -108,6 +115,13 @@ class ReplicaBatches:
         self._plan = (self._offset, participants, rank, step)
         self._micro = 0
         self._pending.append((step, self.samples_per_step(participants)))
+
+    def start_local_step(self, step: int, rank: int | None, participants: int) -> None:
+        """Plan a step that no vote decides (LocalSGD's local phase across replica groups: a group's own
+        step), dealt as ``start_step`` deals by the last quorum (``step``: the Manager's count, which settles
+        the steps planned before), its samples taken at once: nothing discards it."""
+        self.start_step(step, rank, participants)
+        self._offset += self._pending.pop()[1]
 
     def samples_per_step(self, participants: int) -> int:
         return participants * self.accumulate * self.batch_size

@@ -5,10 +5,12 @@ back. Each step starts with a quorum at torchft's lighthouse, which reconfigures
 group across the replica groups present; a collective that fails marks the step as errored, and
 ``Manager.should_commit`` then discards it (the optimizer must not step); a restarted replica
 receives a healthy peer's state through torchft's checkpoint transport and joins at the next
-quorum (docs/fault_tolerance.md). With ``lit_dp.DataParallel(module, manager=manager)``:
+quorum (docs/fault_tolerance.md). The quorum, the collectives' errors and the vote are the
+commit protocol's (``lit_dp.fault_tolerance.commit``); with
+``lit_dp.DataParallel(module, manager=manager)``:
 
-- the reducer's buckets are all-reduced on a ``FaultTolerantGroup``: the Manager's process group
-  behind the Manager's own error handling (the steps of ``Manager.allreduce``, see below);
+- the reducer's buckets are all-reduced on a ``FaultTolerantGroup``: torchft's process group
+  behind the protocol (the steps of ``Manager.allreduce``);
 - gradients are divided by the replica groups taking part in the step
   (``Manager.num_participants``, the group's ``size()``), read by each synchronised forward's plan;
 - a failed all-reduce leaves its bucket zeroed, gradients and flags alike, so the reducer's
@@ -28,8 +30,8 @@ No replica group may depend on another for more than the step they share: the gr
 leads a quorum hosts the store its members rendezvous on (torchft's quorum names the first
 group at the highest step, nearly always group 0), and a group that gave up on a step must not
 leave a peer waiting on it. ``replica_process_group`` is torchft's reconfigurable process group
-with what that takes (see it), and a replica's all-reduce is waited for in slices, watching its
-connections (``_ReplicaWork.wait``).
+with what that takes (see it), and a collective across groups is waited for in slices,
+watching its connections (``lit_dp.fault_tolerance.commit``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from __future__ import annotations
 import functools
 import logging
 import socket
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from lit_dp.fault_tolerance.commit import CrossGroupCommit
 from lit_dp.fault_tolerance.gloo_connections import GlooConnections
 from lit_dp.fault_tolerance.hierarchical import CrossGroupTraffic, HierarchicalGroup
 from lit_dp.options.fault_tolerance import TORCHFT, UNDER_MANAGER
@@ -63,167 +65,43 @@ RENDEZVOUS_BOUNDED = hasattr(getattr(dist, "ProcessGroupGloo", None), "set_timeo
 # in milliseconds, a dead one's port refuses at once, a lost host's never answers. torch's
 # TCPStore client would retry for the whole timeout instead.
 STORE_PROBE_SECONDS = 2.0
-# A waiting all-reduce looks at its connections this often, and gives a connection a peer
-# closed this long to deliver what it holds (a peer may finish its part of the last step and
-# exit while the last bytes it sent are still unread here) before aborting.
-WATCH_SECONDS = 0.05
-HANG_UP_GRACE_SECONDS = 0.2
 
 # torch's stateless hooks: each communicates on the process group it gets as its state.
 _GROUP_HOOKS_MODULE = default_hooks.__name__
 
 
 class FaultTolerantGroup(dist.ProcessGroup):
-    """The replica groups of the current quorum as one process group, for lit_dp's reducer.
+    """The replica groups of the current quorum as one process group, for lit_dp's reducer and LocalSGD.
 
-    Its ``allreduce`` takes the steps of torchft's ``Manager.allreduce``: nothing once the step
-    has errored, wait for the quorum, zeros from a replica that is not participating (it is
-    recovering), the collective on the Manager's process group, an error reported to the
-    Manager instead of raised. Unlike ``Manager.allreduce`` it returns a work whose future is a
-    plain ``torch.futures.Future`` (lit_dp's statistics and communication hooks add callbacks to
-    it; the Manager's work builds its future chain only once waited), a failed all-reduce
-    zeroes its tensors and closes the process group at once (see ``_ReplicaWork.wait``), and one
-    all-reduce is in flight at a time (see ``allreduce``). ``size()`` is the number of replica
-    groups taking part in the step, what gradients are divided by (at least 1: before the first
-    quorum torchft says 0). Being written in Python, the group never gets the reducer's one-rank
-    shortcut (``lit_dp.gradients.group.trivially_alone``): the replicas present change from step
-    to step.
+    It carries bytes only: each collective goes through the group's commit protocol
+    (``lit_dp.fault_tolerance.commit.CrossGroupCommit``: torchft's process group behind the
+    Manager's error handling, one collective in flight at a time, a failure reported, never
+    raised). ``size()`` is the number of replica groups taking part in the quorum, what gradients
+    are divided by (at least 1: before the first quorum torchft says 0). Being written in Python,
+    the group never gets the reducer's one-rank shortcut (``lit_dp.gradients.group.trivially_alone``):
+    the replicas present change from quorum to quorum.
     """
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, commit: CrossGroupCommit) -> None:
         super().__init__(0, 1)
-        self.manager = manager
-        self._last: _ReplicaWork | None = None
+        self.commit = commit
         self.traffic = CrossGroupTraffic()
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return TORCHFT
 
     def size(self) -> int:
-        return max(1, self.manager.num_participants())
+        return max(1, self.commit.manager.num_participants())
 
     def rank(self) -> int:
-        rank = self.manager.participating_rank()
+        rank = self.commit.manager.participating_rank()
         return -1 if rank is None else rank
 
-    def step_failed(self) -> bool:
-        """Whether a collective of this step failed (the Manager will not commit it)."""
-        return self.manager.errored() is not None
-
-    def void_last_commit(self) -> None:
-        """The step this replica group committed last is voided: torchft's count goes back by one, so that
-        the next quorum finds this group behind the groups that went on, and gives it one's state. For a
-        LocalSGD sync that failed here after the step committed (``lit_dp.LocalSGD``)."""
-        state = self.manager.state_dict()
-        self.manager.load_state_dict({**state, "step": state["step"] - 1})
-
-    def for_syncs(self) -> FaultTolerantGroup:
-        """The group LocalSGD's syncs take: this one (it always crosses replica groups)."""
-        return self
-
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        manager = self.manager
-        op = opts if isinstance(opts, dist.ReduceOp) else opts.reduceOp
-        if op != dist.ReduceOp.SUM:
-            raise ValueError(
-                f"lit_dp FaultTolerantGroup: all_reduce with {op} is not supported: the replicas present change from "
-                "step to step, so lit_dp divides by Manager.num_participants() itself; expected ReduceOp.SUM."
-            )
-        # One all-reduce in flight at a time, as torchft's own DDP hook waits for each bucket: after
-        # a peer died, gloo fails an operation that was waiting on its connection at once, but one
-        # posted after the connection broke waits out the process group's timeout (60 s lost in
-        # benchmarks/fault_tolerance.py), and buffers that a timed-out operation may still write
-        # cannot be reused. Waiting for the last one first means no operation is left behind.
-        if self._last is not None:
-            self._last.wait()
-        if manager.errored() is not None:
-            return _CompletedWork(_zeroed(tensors))
-        manager.wait_quorum()
-        if not manager.is_participating():
-            _zeroed(tensors)
         for tensor in tensors:  # one process per replica group: all it reduces crosses groups
             nbytes = tensor.numel() * tensor.element_size()
             self.traffic.add(nbytes, nbytes)
-        try:
-            work = manager._pg.allreduce(tensors, opts)
-        except Exception as error:  # noqa: BLE001 - torchft's contract: a failed collective discards the step
-            manager.report_error(error)
-            return _CompletedWork(_zeroed(tensors))
-        future = manager.wrap_future(work.get_future(), tensors)
-        close = getattr(manager._pg, "close_connections", None)  # a replica_process_group's
-        if close is not None:
-            # The moment an all-reduce fails (on Gloo's thread, once the Manager has the error):
-            # this group will skip the step's other all-reduces, so a peer waiting on it in one
-            # must fail now, not when this group's main thread is done with its backward.
-            future.add_done_callback(lambda _: close() if manager.errored() is not None else None)
-        self._last = _ReplicaWork(manager, tensors, future)
-        return self._last
-
-
-class _ReplicaWork(dist.Work):
-    """One all-reduce across replica groups: never raises; on failure its tensors are zeros."""
-
-    def __init__(self, manager: Any, tensors: list[torch.Tensor], future: torch.futures.Future) -> None:
-        super().__init__()
-        self._manager = manager
-        self._tensors = tensors
-        self._future = future
-        self._waited = False
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        if self._waited:
-            return True
-        self._waited = True
-        self._watch(self._manager._pg)
-        self._future.wait()  # errors and the Manager's timeout were turned into a report to the Manager
-        if self._manager.errored() is not None:
-            # Possibly half-reduced: zeros leave the reducer's flags quiet, and the step is discarded.
-            _zeroed(self._tensors)
-            # This replica skips the step's other all-reduces; a peer already inside one of them
-            # would wait for it until the process group's timeout. Closing this replica's
-            # connections now fails that peer at once, as a dead one does; torchft would close
-            # them only at the next quorum's reconfiguration (and on Gloo, not even then: see
-            # lit_dp.fault_tolerance.gloo_connections).
-            self._manager._pg.abort()
-        return True
-
-    def _watch(self, group: Any) -> None:
-        """Wait for the all-reduce in slices while a peer's connection may hang up under it: a peer
-        that died or gave up on the step closed it, and nothing will arrive on it. Closing this
-        group's connections then fails the all-reduce at once instead of at the process group's
-        timeout."""
-        hung_up = getattr(group, "connections_hung_up", None)  # a replica_process_group's
-        if hung_up is None:
-            return
-        done = threading.Event()
-        self._future.add_done_callback(lambda _: done.set())
-        while not done.wait(WATCH_SECONDS):
-            if hung_up() and not done.wait(HANG_UP_GRACE_SECONDS):
-                log.debug("lit_dp: a replica group's connection hung up under an all-reduce: closing them all")
-                group.close_connections()  # the all-reduce fails now; the group is dropped once it has
-                return
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-
-class _CompletedWork(dist.Work):
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        super().__init__()
-        self._future: torch.futures.Future = torch.futures.Future()
-        self._future.set_result(tensors)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-
-def _zeroed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    for tensor in tensors:
-        tensor.zero_()
-    return tensors
+        return self.commit.allreduce(tensors, opts)
 
 
 def replica_process_group(
@@ -348,12 +226,13 @@ JOIN_REFUSED = (
 
 
 def replica_group(manager: Any, within: dist.ProcessGroup | None, sparse: bool) -> dist.ProcessGroup:
-    """The reducer's group under a torchft ``manager``, once ``sparse`` gradients are refused.
+    """The reducer's group under a torchft ``manager`` (or the commit protocol around one, which the
+    strategies pass), once ``sparse`` gradients are refused.
 
     ``within`` is this replica group's own process group (its launcher's job, e.g. the default
     group of a ``torchrun --nproc-per-node=N``): with more than one rank the gradients go the
     hierarchical way (``lit_dp.fault_tolerance.hierarchical``); with one, or none, every bucket is
-    all-reduced across the replica groups directly.
+    all-reduced across the replica groups directly. A bare Manager gets its commit protocol here.
     """
     if sparse:
         raise ValueError(
@@ -365,10 +244,11 @@ def replica_group(manager: Any, within: dist.ProcessGroup | None, sparse: bool) 
             f"DataParallel(process_group={within!r}, manager=...) is invalid: under a torchft Manager the process group "
             "is this replica group's own ranks; expected a torch.distributed ProcessGroup, or None for the default group."
         )
-    across = FaultTolerantGroup(manager)
+    commit = manager if isinstance(manager, CrossGroupCommit) else CrossGroupCommit(manager, within)
+    across = FaultTolerantGroup(commit)
     if within is None or within.size() == 1:
         return across
-    group_size = getattr(manager, "_group_world_size", within.size())
+    group_size = getattr(commit.manager, "_group_world_size", within.size())
     if group_size != within.size():
         raise ValueError(
             f"DataParallel(manager=...) over a process group of {within.size()} ranks is invalid: the Manager was built "

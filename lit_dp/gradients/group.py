@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from lit_dp.gradients.waiting import Waiter
@@ -40,6 +41,13 @@ def is_registered(group: dist.ProcessGroup) -> bool:
 def backend_name(group: dist.ProcessGroup) -> str:
     """``dist.get_backend(group)`` for a registered group; otherwise the group's own name (its ``getBackendName``)."""
     return dist.get_backend(group) if is_registered(group) else group.name()
+
+
+def device_of(group: dist.ProcessGroup) -> torch.device:
+    """Where a tensor for ``group``'s collectives lives: the current CUDA device for NCCL, else the CPU."""
+    if backend_name(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def trivially_alone(group: dist.ProcessGroup) -> bool:

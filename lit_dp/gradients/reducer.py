@@ -40,6 +40,7 @@ not read yet (CUDA). Only the reducer's own methods set them: observers are told
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -225,6 +226,19 @@ class Reducer:
         applies to the step starting.
         """
         self._next_layout = (self._forward_order(), (last_bucket_bytes, bucket_bytes))
+
+    def reduce_on(self, rings: Sequence[dist.ProcessGroup]) -> None:
+        """Average over the ranks of ``rings`` from the next step on: the buckets are cut again, alike, for
+        them at its start (as after ``request_bucket_limits``). Every rank of the new rings switches at the
+        same step: a model under torchft reduces inside its replica group in LocalSGD's local phase and
+        across the groups otherwise (``DataParallel.keep_gradients_local``)."""
+        if list(rings) == list(self._factory.rings):
+            return
+        self._factory = dataclasses.replace(self._factory, rings=list(rings))
+        self._group = rings[0]
+        self._world_size = self._group.size()
+        if self._next_layout is None:
+            self._next_layout = (self._forward_order(), self._layout.limits)
 
     def partition(self, bucket_bytes: int, last_bucket_bytes: int) -> list[list[int]]:
         """The parameter indices per bucket, in launch order, that these limits would give now."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from lit_dp import join
 from lit_dp.data_parallel import DataParallel
+from lit_dp.fault_tolerance.commit import Transaction
 from lit_dp.gradients.broadcast import ddp_ignored, synced_buffers, synced_parameters
 from lit_dp.gradients.buckets import assign_fragments, megabytes_to_bytes
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
@@ -142,19 +143,21 @@ class LocalSGD:
             self._rings = [group]
         else:  # the model's own communicators (its process_group), else those of init_parallel_env
             self._rings = module.rings if isinstance(module, DataParallel) else get_rings()
-        # Across torchft's replica groups (a model under a Manager: lit_dp.fault_tolerance), whose members
-        # change from sync to sync: the divisor is the count of those that took part, a failed sync is left
-        # undone, the outer step runs even when one group is present (as torchft's DiLoCo), and each group
-        # keeps its integer buffers (BatchNorm's counts), as each keeps its buffers under the Manager.
-        self._replica_groups = bool(self._rings) and hasattr(self._rings[0], "step_failed")
-        if self._replica_groups:
+        # Across torchft's replica groups (a model under a Manager: lit_dp.fault_tolerance), each sync is a
+        # transaction of their commit protocol, as in torchft's DiLoCo: a quorum, the collectives, a vote
+        # (see _sync). The divisor is the count of those that took part, the outer step runs even when one
+        # group is present (as torchft's DiLoCo), and each group keeps its integer buffers (BatchNorm's
+        # counts), as each keeps its buffers under the Manager.
+        self._commit = getattr(self._rings[0], "commit", None) if self._rings else None
+        self._replica_groups = self._commit is not None
+        if self._commit is not None:
             if sync_delay or self._sync_dtype is not None:
                 raise ValueError(
                     f"sync_delay={sync_delay}, sync_dtype={sync_dtype!r} across torchft's replica groups are not "
-                    "supported: a sync in flight would cross the next step's quorum, and torchft's groups offer no "
-                    "all-to-all for the fp32 sums; expected sync_delay=0 and sync_dtype=None."
+                    "supported: a sync in flight would cross the next sync's quorum, and the fp32 sums of a wire "
+                    "dtype are not offered across groups yet; expected sync_delay=0 and sync_dtype=None."
                 )
-            self._rings = [self._rings[0].for_syncs()]
+            self._commit.follow_syncs(self._take_part_in_peers_sync)
         if comm_buffer_size is not None:
             megabytes_to_bytes("comm_buffer_size", comm_buffer_size)  # checked now, read when the buckets are built
         self._comm_buffer_size = comm_buffer_size
@@ -284,7 +287,8 @@ class LocalSGD:
         """Make every rank hold the same model (call when training ends): apply a sync still in flight,
         replacing the parameters whatever ``mixing``, then sync at once, replacing them too, every other
         fragment that took a local step since its last sync, or with ``mixing`` every other fragment
-        (its last sync left each rank part of its own)."""
+        (its last sync left each rank part of its own). Across replica groups, a group whose vote
+        failed one of these syncs then takes the state of one that applied it (one more quorum)."""
         replaced = None
         if self._pending is not None:
             replaced = self._pending.fragment
@@ -292,10 +296,12 @@ class LocalSGD:
         due = [f for f in self._schedule.unsynced(every=bool(self._mixing)) if f != replaced]
         for fragment in due:
             self._sync(fragment, final=True)
+        if due and self._commit is not None:
+            self._commit.reconcile()
         if (due or replaced is not None) and self.fragments > 1 and self._syncs:
             self._after_sync_hooks(shadow=False)  # every fragment now synced and taken: the replicas are equal
 
-    def _sync(self, fragment: int, shadow: bool = False, final: bool = False) -> None:
+    def _sync(self, fragment: int, shadow: bool = False, final: bool = False, quorum_taken: bool = False) -> None:
         """Start the sync of ``fragment`` (with the last, of the buffers too): every rank's parameters
         become their mean over the ranks that take part, or the snapshot stepped by the outer optimizer
         with their mean delta, mixed with the local ones by ``mixing``; applied ``sync_delay`` steps
@@ -303,8 +309,25 @@ class LocalSGD:
         ``shadow``: this rank joined (``lit_dp.join``); its model waits for the final broadcast and is
         not compared. This rank's model counts if it took a step of its own since the fragment's last
         sync; a rank that ran out of batches counts once more, with the work it did before, then sends
-        zeros and takes the result like the others."""
-        participates = self._schedule.synced(fragment)
+        zeros and takes the result like the others.
+
+        Across replica groups the sync is a transaction of their commit protocol: its quorum first
+        (``quorum_taken``: this group healed into a sync its peers started, whose quorum it took), in
+        which a group behind the others takes a peer's state (this object's included, from just before
+        the peers' sync, which may be a later one than this group's); such a group sends nothing of its
+        own (it holds its peer's work) and takes the result like the others."""
+        healed = quorum_taken
+        if self._commit is not None and not quorum_taken:
+            step = self._schedule.step
+            name = f"the sync after step {step}" + (f" (fragment {fragment})" if self.fragments > 1 else "")
+            healed = self._commit.start(Transaction(name, sync=fragment))
+            # Left out of this sync's quorum (late past the lighthouse's join timeout), this group met its
+            # peers at their next sync and took their state from just before it: it syncs their fragment;
+            # or after their last step, and holds their final state: nothing is left to sync.
+            if self._commit.open is None:
+                return
+            fragment = self._commit.open.sync
+        participates = self._schedule.synced(fragment) and not healed
         if not self._syncs:
             return
         if self._pending is not None:  # a rank that joined applies its delayed sync lazily: no collective is left
@@ -317,8 +340,15 @@ class LocalSGD:
         if self._sync_delay == 0 or final:
             self._complete(keep=0.0 if final else self._mixing)
 
+    def _take_part_in_peers_sync(self, fragment: int) -> None:
+        """This group healed into a sync its peers started (a restarted group meets them there): this
+        object holds a peer's state from just before it; the sync runs here too, sending nothing."""
+        self._sync(fragment, quorum_taken=True)
+        self._follow_phase()
+
     def _complete(self, keep: float | None = None) -> None:
-        """Wait for the pending sync and apply it; ``keep``: the weight of the local parameters (``mixing``)."""
+        """Wait for the pending sync and apply it; ``keep``: the weight of the local parameters (``mixing``).
+        Across replica groups, only once the group's vote says every rank of it saw the sync through."""
         pending, self._pending = self._pending, None
         assert pending is not None and self._state is not None
         keep = self._mixing if keep is None else keep
@@ -326,7 +356,7 @@ class LocalSGD:
         waited_from = pending.launched if self._sync_delay == 0 else self._recorder.mark()
         with torch.no_grad():
             participants = pending.reduction.wait() if pending.reduction is not None else pending.participants
-            if self._replica_groups and self._rings[0].step_failed():
+            if self._commit is not None and not self._commit.vote():
                 self._sync_failed(pending)
                 return
             self._state.apply(pending.fragment, participants, keep)
@@ -335,16 +365,16 @@ class LocalSGD:
             self._after_sync_hooks(pending.shadow)
 
     def _sync_failed(self, pending: _PendingSync) -> None:
-        """A sync across replica groups failed (a group died during it): nothing of it is applied, the
-        parameters keep this group's local progress, and the fragment's next sync is its scheduled one
-        (the schedule stays every group's), which carries this period's work too. This group's last
-        committed step is voided (torchft's count goes back by one): a group whose sync succeeded is
-        then ahead, and the next quorum gives this one its state (parameters, snapshot, outer
-        momentum, schedule), so no two groups go on apart."""
+        """A sync across replica groups that this group's vote failed (a collective failed on one of its
+        ranks): nothing of it is applied on any rank of the group, the parameters keep this group's local
+        work, and the fragment's next sync is its scheduled one (the schedule stays every group's). A group
+        whose vote passed applied it and is a transaction ahead in torchft's count: at the next sync's
+        quorum this group takes its state (parameters, snapshot, outer momentum, schedule) and sends
+        nothing of its own. If no group applied it, each keeps its own work, which the next sync carries
+        with the next period's."""
         assert self._state is not None
         self._state.drop(pending.fragment)
         self._schedule.trained[pending.fragment] = True
-        self._rings[0].void_last_commit()
         log.debug("LocalSGD: the sync of fragment %d at step %d failed across replica groups", pending.fragment, pending.step)
 
     def reduce_across(
@@ -465,9 +495,12 @@ class LocalSGD:
 
     def _follow_phase(self) -> None:
         """After the schedule moved: the model synchronises gradients during warm-up only (it is told,
-        and keeps that itself), and the snapshot is taken as the local phase starts."""
+        and keeps that itself; across replica groups, so is their commit protocol: a transaction per
+        step in warm-up, per sync after), and the snapshot is taken as the local phase starts."""
         if self._data_parallel is not None:
             self._data_parallel.keep_gradients_local(self.in_local_phase)
+        if self._commit is not None:
+            self._commit.cross_groups_every_step(not self.in_local_phase)
         if self.in_local_phase and self._state is None and self._syncs:
             # The snapshot must be taken while every rank holds the same parameters: now.
             self._outer_state_built()

@@ -4,7 +4,8 @@
 ``watchdog``, ``comm_stats()``, ...); this module decides which exist. The step clock comes
 first, since it takes the timestamps the statistics, the hang watchdog, the straggler report and
 the consistency check share; observers that compare ranks need other ranks, of a group torch
-registered, outside torchft (whose own timeouts and changing replica groups take their place).
+registered: the reducer's, or under torchft the replica group's own (its ranks train as one and
+its collectives can hang; across groups torchft's timeouts and changing quorums take their place).
 """
 
 from __future__ import annotations
@@ -60,15 +61,16 @@ class ModelObservers:
         names: list[str],
         waiter: Waiter,
         *,
-        under_manager: bool,
+        ranks: dist.ProcessGroup | None,
         parameters: list[tuple[str, nn.Parameter]],
         buffers: Callable[[], Iterator[tuple[str, torch.Tensor]]],
         wait_for_parameters: Callable[[], None],
     ) -> ModelObservers:
         """Subscribe what ``options`` ask for to ``reducer``'s events, in the order they read each other.
 
-        ``names``: the reducer's parameters' names (the trace's); ``parameters`` and ``buffers``:
-        what the consistency check fingerprints; ``wait_for_parameters``: waits for updates still
+        ``names``: the reducer's parameters' names (the trace's); ``ranks``: the ranks the hang
+        watchdog, the straggler report and the consistency check compare (None: none to compare);
+        ``parameters`` and ``buffers``: what the consistency check fingerprints; ``wait_for_parameters``: waits for updates still
         in flight before it reads them.
         """
         observers = cls()
@@ -79,8 +81,8 @@ class ModelObservers:
             from lit_dp.observability.trace import TraceWriter  # on demand: `python -m lit_dp.observability.trace` must find it unimported
 
             observers.trace = TraceWriter(options.trace.dir, dist.get_rank(), options.trace.steps, names)
-        group = reducer.group
-        among_ranks = not under_manager and group.size() > 1
+        group = ranks
+        among_ranks = group is not None and group.size() > 1
         if among_ranks and not groups.is_registered(group):
             log.warning(
                 "lit_dp.DataParallel: no hang watchdog, straggler report or replica-consistency check for %s, a "
@@ -118,6 +120,7 @@ class ModelObservers:
                 device=device,
                 clock=observers.clock,
                 given=options.hang_timeout_given,
+                group=group,
             )
         if straggler:
             observers.straggler = StragglerReport(observers.clock, group, waiter, device, straggler)

@@ -98,8 +98,10 @@ class HangWatchdog(ReducerObserver):
         device: torch.device,
         clock: StepClock,
         given: bool = False,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
-        group_seconds = group_timeout(reducer.group, device)
+        group = group if group is not None else reducer.group
+        group_seconds = group_timeout(group, device)
         hang_timeout = deadline_below(hang_timeout, given, group_seconds)
         self.directory = directory or os.getcwd()
         # Weak: the reducer holds this watchdog (observer, waiter); a cycle would keep its process
@@ -107,14 +109,14 @@ class HangWatchdog(ReducerObserver):
         self._reducer = weakref.ref(reducer)
         self._waiter = reducer.waiter
         self._timeout = hang_timeout
-        self._bounded = dist.get_backend(reducer.group) != "nccl"
+        self._bounded = dist.get_backend(group) != "nccl"
         # The store is looked up at each use, never kept: holding it would keep rank 0's
         # rendezvous port open after the group is destroyed (a second fit could not bind it).
         self._world = weakref.ref(dist.group.WORLD)
         self._rank = dist.get_rank()
-        self._ranks = dist.get_process_group_ranks(reducer.group)
+        self._ranks = dist.get_process_group_ranks(group)
         # Every rank starts one watchdog per DataParallel, in the same order: the n-th gets the same number everywhere.
-        namespace = group_store_prefix("watchdog", reducer.group)
+        namespace = group_store_prefix("watchdog", group)
         instance = (store.add(f"{namespace}/instances", 1) - 1) // len(self._ranks)
         self._prefix = f"{namespace}/{instance}"
         self._poll_seconds = min(5.0, max(0.1, hang_timeout / 20))
@@ -156,14 +158,18 @@ class HangWatchdog(ReducerObserver):
         *,
         clock: StepClock,
         given: bool = False,
+        group: dist.ProcessGroup | None = None,
     ) -> HangWatchdog | None:
         """Subscribe a watchdog to ``reducer``, set its waiter's deadlines and start its thread;
         None without a rendezvous store. ``given``: the user chose ``hang_timeout`` (it is kept,
-        or refused when the process group would time out first); else it came from "auto"."""
+        or refused when the process group would time out first); else it came from "auto".
+        ``group``: the ranks it asks where they are (the reducer's group; under torchft, the
+        replica group's own, whose collectives are the ones that can hang)."""
         store = rendezvous_store()
         if store is None:
             return None
-        watchdog = cls(reducer, hang_timeout, store, directory, device or torch.device("cpu"), clock, given)
+        device = device or torch.device("cpu")
+        watchdog = cls(reducer, hang_timeout, store, directory, device, clock, given, group)
         reducer.add_observer(watchdog)
         thread = _WatchThread(watchdog._stop, target=_watch, args=(weakref.ref(watchdog), watchdog._stop, watchdog._poll_seconds))
         thread.name = f"lit_dp hang watchdog (rank {watchdog._rank})"

@@ -153,8 +153,8 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         """The Manager, started before the model it wraps; its log in the run's folder."""
         assert run.trainer is not None
         strategy = run.strategy
-        self.ft.start(strategy.root_device, strategy.global_rank, strategy.world_size, run.trainer.default_root_dir)
-        return {**arguments, "manager": self.ft.manager}
+        protocol = self.ft.start(strategy.root_device, strategy.global_rank, strategy.world_size, run.trainer.default_root_dir)
+        return {**arguments, "manager": protocol}
 
     @override
     def setup(self, run: Run) -> None:
@@ -339,12 +339,13 @@ class FabricFaultTolerance(FaultToleranceFeature):
 
     @override
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
-        """The Manager, started with the first module set up; what a recovering replica receives."""
+        """The Manager and its commit protocol, started with the first module set up; what a recovering
+        replica receives."""
         if self.ft.manager is None:
             strategy = run.strategy
             self.ft.start(strategy.root_device, strategy.global_rank, strategy.world_size)
             self.ft.track(self._state, self._load)
-        return {**arguments, "manager": self.ft.manager}
+        return {**arguments, "manager": self.ft.protocol}
 
     @override
     def setup(self, run: Run) -> None:
@@ -373,6 +374,13 @@ class FabricFaultTolerance(FaultToleranceFeature):
     @override
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
         return step(closure) if self.ft.commit() else None
+
+    @override
+    def on_train_end(self) -> None:
+        """``fabric.strategy.teardown()``: one more quorum, in which a group that discarded the last step
+        its peers committed takes their state (as the Trainer's after its last step)."""
+        if self.ft.steps_started:
+            self.ft.reconcile()
 
     @override
     def teardown(self) -> None:

@@ -160,3 +160,37 @@ def test_fabric_with_groups_of_two_ranks_ends_with_one_model_on_every_rank(tmp_p
     finals = [torch.load(tmp_path / f"replica{group}-rank{rank}.pt") for group in range(2) for rank in range(RANKS)]
     assert all(torch.equal(finals[0][name], final[name]) for final in finals[1:] for name in finals[0])
     assert not torch.equal(finals[0]["0.weight"], ft_replica.model(0)[0].weight)  # it trained
+
+
+class _QuorumlessManager:
+    """What a model under torchft reads of its Manager before any quorum (no lighthouse needed)."""
+
+    _replica_id = "0"
+    _group_world_size = RANKS
+
+    def register_state_dict_fn(self, key, load, save) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return 0
+
+    def participating_rank(self) -> int | None:
+        return None
+
+
+def test_inside_a_group_of_two_ranks_the_observers_compare_the_groups_own_ranks():
+    run_ranks(_observers_on_the_group, RANKS, timeout=120)
+
+
+def _observers_on_the_group(rank: int) -> None:
+    lit_dp.init_parallel_env("gloo")
+    model = lit_dp.DataParallel(torch.nn.Linear(4, 2), manager=_QuorumlessManager(), straggler_every_n_steps=5)
+    try:
+        assert isinstance(model.process_group, HierarchicalGroup)
+        # The replica group's own ranks, on its own process group (torch's, the launcher's job's).
+        assert model.straggler is not None and model.straggler._ranks == (0, 1)
+        assert model.consistency is not None and model.consistency._ranks == (0, 1)
+        assert model.watchdog is not None and model.watchdog._ranks == [0, 1]
+    finally:
+        if model.watchdog is not None:
+            model.watchdog.close()

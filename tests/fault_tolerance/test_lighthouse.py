@@ -11,10 +11,12 @@ import pytest
 from lit_dp.fault_tolerance.lighthouse import LighthouseStatus, group_of
 
 
-def page(previous: list[tuple[str, int]], heartbeats: list[tuple[str, float, bool]], status: str) -> str:
+def page(
+    previous: list[tuple[str, int]], heartbeats: list[tuple[str, float, bool]], status: str, sizes: dict[str, int] | None = None
+) -> str:
     members = "".join(
         f'\n<div class="member\n \n">\n  <b>{replica}</b> <br/>\n  Step: {step} <br/>\n  Manager: http://vm:1 <br/>\n'
-        f"  TCPStore: vm:2 <br/>\n  World size: 1 <br/>\n</div>\n"
+        f"  TCPStore: vm:2 <br/>\n  World size: {(sizes or {}).get(replica, 1)} <br/>\n</div>\n"
         for replica, step in previous
     )
     beats = "".join(
@@ -52,6 +54,11 @@ def test_a_job_whose_other_groups_are_alive_or_only_down_has_not_ended():
     assert alive is not None and alive.alive(besides="1") == ["0"] and not alive.ended_without("1", step=0)
     down = LighthouseStatus.parse(page([("0:a", 40), ("1:b", 40)], [("0:a", 9.0, True), ("1:b", 0.1, False)], NOT_READY))
     assert down is not None and not down.ended_without("1", step=40)  # the group that waits is the one ahead
+
+
+def test_the_ranks_of_each_group_of_the_last_quorum_are_read():
+    status = LighthouseStatus.parse(page([("0:a", 4), ("1:b", 4)], [("0:a", 0.1, False)], NOT_READY, {"0:a": 2, "1:b": 1}))
+    assert status is not None and status.world_sizes == {"0": 2, "1": 1}
 
 
 def test_what_is_not_the_status_page_is_none():

@@ -153,7 +153,12 @@ def test_a_killed_replica_recovers_its_peers_state_and_the_data_goes_on(tmp_path
 
 
 class _QuorumlessManager:
-    """What ``FaultTolerantGroup`` reads of a Manager before any quorum (no lighthouse needed)."""
+    """What ``FaultTolerantGroup`` and its commit protocol read of a Manager before any quorum (no lighthouse needed)."""
+
+    _replica_id = "0"
+
+    def register_state_dict_fn(self, key, load, save) -> None:
+        pass
 
     def num_participants(self) -> int:
         return 0

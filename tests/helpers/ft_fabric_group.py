@@ -40,12 +40,16 @@ def main() -> None:
     model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
     ft = fabric.strategy.fault_tolerance
-    while ft.committed_steps < args.steps:
+
+    def steps() -> int:  # torchft counts the syncs under DiLoCo: the steps are LocalSGD's
+        return fabric.strategy.local_sgd.step_count if args.local_sgd else ft.committed_steps
+
+    while steps() < args.steps:
         for inputs, targets, _ in loader:
             fabric.backward(F.cross_entropy(model(inputs), targets))
             optimizer.step()  # applied only if the step commits
             optimizer.zero_grad()
-            if ft.committed_steps >= args.steps:
+            if steps() >= args.steps:
                 break
     fabric.strategy.teardown()  # LocalSGD's last sync, when the run did not end on one
     torch.save(net.state_dict(), args.out / f"replica{group}-rank{fabric.global_rank}.pt")

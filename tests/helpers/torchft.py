@@ -8,6 +8,7 @@ pid when the test ends, and the test fails if one is still alive.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -181,19 +182,29 @@ def workers_of(pid: int) -> list[int]:
 
 class LaunchedGroup:
     """One replica group as docs/fault_tolerance.md launches it: its torchrun (``command`` with ``$group``
-    replaced and ``extra`` appended), its output, torchft's log of its rank 0, and every worker it started."""
+    replaced and ``extra`` appended), its output, torchft's log of its rank 0, and every worker it started.
+
+    torchrun starts each worker in a session of its own, out of reach of a signal to torchrun's:
+    ``stop`` kills the workers it recorded by pid, then the launcher's session."""
 
     def __init__(self, number: int, command, cwd: Path, environ: dict[str, str], extra: list[str]) -> None:
         self.number = number
-        argv = [argument.replace("$group", str(number)) for argument in command.argv] + extra
-        env = {**environ, **{key: value.replace("$group", str(number)) for key, value in command.env}}
+        self.argv = [argument.replace("$group", str(number)) for argument in command.argv] + list(extra)
+        self.env = {**environ, **{key: value.replace("$group", str(number)) for key, value in command.env}}
+        self.cwd = cwd
         self.log = cwd / f"group{number}.out"
-        with self.log.open("w") as out:
-            self.launcher = subprocess.Popen(
-                argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        self.log.write_text("")
         self.run_dir = cwd / "outputs" / "gpt" / f"ft-group{number}"
-        self.workers: list[int] = []  # every worker its torchrun started, in order
+        self.workers: list[int] = []  # every worker its torchruns started, in order
+        self.launches = 0
+        self.launcher = self._launch()
+
+    def _launch(self) -> subprocess.Popen:
+        self.launches += 1
+        with self.log.open("a") as out:
+            return subprocess.Popen(
+                self.argv, cwd=self.cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def watch(self) -> list[int]:
         """Its torchrun's workers now, recorded."""
@@ -205,6 +216,34 @@ class LaunchedGroup:
         """Its newest worker now (recorded), if one runs."""
         now = self.watch()
         return now[-1] if now else None
+
+    def kill_worker(self, index: int = -1) -> int:
+        """SIGKILL one of its workers now (by default its last rank): a rank's death, which its torchrun
+        answers by starting the group's workers again. Returns the pid."""
+        now = self.watch()
+        assert now, f"replica group {self.number} has no worker to kill:\n{self.describe()}"
+        os.kill(now[index], signal.SIGKILL)
+        return now[index]
+
+    def relaunch(self) -> None:
+        """The group's death: its torchrun and every worker SIGKILLed at once, then its command started again
+        (as SLURM requeues a lost node's job); the output goes on in the same file."""
+        self.stop()
+        self.launcher = self._launch()
+
+    def stop(self) -> None:
+        """SIGKILL its workers (by pid) and its torchrun's session, and reap the torchrun."""
+        for pid in self.watch():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self.launcher.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.launcher.pid, signal.SIGKILL)
+        self.launcher.wait()
+
+    def alive_workers(self) -> list[int]:
+        """The workers it ever started that still run (not zombies)."""
+        return [pid for pid in self.workers if _running(pid)]
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -220,13 +259,24 @@ class LaunchedGroup:
         return f"replica group {self.number} (torchrun pid {self.launcher.pid}, workers {self.workers}); its output ends:\n{tail}"
 
 
-def wait_for_groups(what: str, predicate, groups: list[LaunchedGroup], timeout: float) -> None:
+def _running(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "zombie" not in status.read_text()
+    except OSError:
+        return False
+
+
+def wait_for_groups(what: str, predicate, groups: list[LaunchedGroup], timeout: float, check=None) -> None:
     """Poll ``predicate()``, recording the groups' workers, until true; fail naming a launcher that exited
-    with an error, or every group's output after ``timeout`` seconds."""
+    with an error, or every group's output after ``timeout`` seconds. ``check()``, if given, runs at each
+    poll and may fail the wait sooner (an AssertionError of its own)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         for group in groups:
             group.watch()
+        if check is not None:
+            check()
             if group.launcher.poll() not in (None, 0):
                 exited = f"replica group {group.number}'s torchrun exited {group.launcher.returncode}"
                 raise AssertionError(f"waiting for {what}: {exited}:\n{group.describe()}")
@@ -257,3 +307,68 @@ def documented_lighthouse(tmp_path: Path, command, exports: dict[str, str], root
     with (tmp_path / "lighthouse.out").open("w") as out:
         lighthouse = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
     return cwd, environ, lighthouse
+
+
+def wait_for_groups_to_end(groups: list[LaunchedGroup], timeout: float, check=None) -> None:
+    """Every group's torchrun exits 0 by itself within ``timeout`` seconds, its workers recorded meanwhile
+    (a restart between two looks would otherwise go unseen); fail naming a group that exited with an
+    error, or those still running. ``check()``, if given, runs at each poll (see ``wait_for_groups``)."""
+    deadline = time.monotonic() + timeout
+    while any(group.launcher.poll() is None for group in groups):
+        for group in groups:
+            group.watch()
+        if check is not None:
+            check()
+        failed = [group for group in groups if group.launcher.poll() not in (None, 0)]
+        if failed:
+            raise AssertionError("\n\n".join(f"replica group {g.number}'s torchrun exited {g.launcher.returncode}:\n{g.describe()}" for g in failed))
+        if time.monotonic() > deadline:
+            running = [group for group in groups if group.launcher.poll() is None]
+            raise AssertionError(
+                f"replica groups {', '.join(str(g.number) for g in running)} did not end by themselves within {timeout:.0f} s:\n\n"
+                + "\n\n".join(g.describe() for g in running)
+            )
+        time.sleep(0.2)
+    failed = [group for group in groups if group.launcher.returncode != 0]
+    assert not failed, "\n\n".join(f"replica group {g.number}'s torchrun exited {g.launcher.returncode}:\n{g.describe()}" for g in failed)
+
+
+FAULT_TOLERANCE_DOC = ROOT / "docs" / "fault_tolerance.md"
+LOCAL_SGD = "strategy.local_sgd."
+
+
+@dataclass(frozen=True)
+class DocumentedGroupLaunch:
+    """docs/fault_tolerance.md's launch of replica groups of ``ranks`` ranks: the lighthouse's command, a
+    group's command per mode (``per_step``, ``diloco``), and what the launch block exports."""
+
+    lighthouse: object  # a tests.helpers.documented.DocumentedCommand
+    modes: dict[str, object]
+    exports: dict[str, str]
+
+
+def documented_group_launch(ranks: int) -> DocumentedGroupLaunch:
+    """The documented commands for groups of ``ranks`` ranks (``torchrun --nproc-per-node=ranks``). The
+    docs show DiLoCo across groups for groups of two ranks; for another size its command is the per-step
+    one with the same ``strategy.local_sgd.*`` options added."""
+    import shlex
+
+    from tests.helpers.documented import DocumentedCommand, documented_commands
+
+    commands = documented_commands([FAULT_TOLERANCE_DOC])
+    lighthouse = next(c for c in commands if c.argv[0] == "torchft_lighthouse")
+    runs = [c for c in commands if c.argv[0] == "torchrun" and "recipes/gpt.py" in c.argv]
+    sized = [c for c in runs if f"--nproc-per-node={ranks}" in c.argv]
+    assert sized, f"docs/fault_tolerance.md shows no launch of groups of {ranks} ranks"
+    per_step = next(c for c in sized if not any(a.startswith(LOCAL_SGD) for a in c.argv))
+    diloco = next((c for c in runs if "strategy.local_sgd.outer=nesterov" in c.argv), None)
+    assert diloco is not None, "docs/fault_tolerance.md shows no DiLoCo launch across groups"
+    if f"--nproc-per-node={ranks}" not in diloco.argv:
+        options = tuple(a for a in diloco.argv if a.startswith(LOCAL_SGD))
+        diloco = DocumentedCommand(per_step.source, per_step.argv + options, per_step.env)
+    block = next(b for b in FAULT_TOLERANCE_DOC.read_text().split("```bash")[1:] if f"--nproc-per-node={ranks}" in b)
+    exports: dict[str, str] = {}
+    for line in block.split("```")[0].splitlines():
+        if line.startswith("export "):
+            exports.update(word.split("=", 1) for word in shlex.split(line, comments=True)[1:])
+    return DocumentedGroupLaunch(lighthouse, {"per_step": per_step, "diloco": diloco}, exports)

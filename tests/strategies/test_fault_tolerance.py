@@ -87,6 +87,7 @@ def test_the_trainer_goes_on_without_a_killed_replica_group_and_takes_it_back(tm
     replicas = [float(row["ft/replicas"]) for row in rows if row.get("ft/replicas")]
     assert 1.0 in replicas and replicas[-1] == 2.0
     assert max(float(row["ft/steps_discarded"]) for row in rows if row.get("ft/steps_discarded")) >= 1
+    assert {row["ft/syncs_failed"] for row in rows if row.get("ft/syncs_failed")} == {"0.0"}  # no LocalSGD here
 
 
 @pytest.mark.slow
@@ -181,7 +182,7 @@ def test_a_group_that_comes_back_after_the_job_ended_exits_0_saying_so(tmp_path)
         assert victim.process.returncode == 0, victim.tail()
         said = victim.tail(60)
     assert re.search(
-        r"\[lit_dp\] fault tolerance: replica group 2 \(at step \d+\) found no quorum of ft.min_replicas=2 replica groups "
+        r"\[lit_dp\] fault tolerance: \[group 2\] replica group 2 \(at step \d+\) found no quorum of ft.min_replicas=2 replica groups "
         r"at the lighthouse http://\S+ in \d+ s \(attempt 1 of 3\): the job went on without this group and ended "
         r"\(its last quorum: groups 0 at step \d+, 1 at step \d+; no other group heard from for \d+ s\); exiting", said
     ), said

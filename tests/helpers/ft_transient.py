@@ -1,0 +1,140 @@
+"""One replica group under Fabric with ``fault_tolerance="torchft"``, with transient faults injected at torchft's process group.
+
+    python -m tests.helpers.ft_transient OUT STEPS [--local-sgd K] [--fail GROUP:RANK:N[,N...]] [--sleep S]
+    torchrun --standalone --nproc-per-node=2 -m tests.helpers.ft_transient OUT STEPS ...
+
+The loop docs/fault_tolerance.md shows for Fabric (with ``--local-sgd K``, DiLoCo across the groups:
+``local_sgd_steps=K, local_sgd_outer="nesterov"``), for STEPS optimizer steps: torchft's committed
+steps with per-step sync, LocalSGD's steps with DiLoCo (both travel with a recovering group's state).
+
+``--fail GROUP:RANK:N,...``: on rank RANK of replica group GROUP, the N-th all-reduce across groups
+(counted from 1 in this process: buckets, counts and syncs alike) is issued and completes for the
+peers, then reports a failure here only, as a connection reset seen on one side does. ``--sleep S``:
+a pause per optimizer step (a slow group). Every rank appends one JSON line per optimizer step to
+``OUT/group<g>-rank<r>.jsonl`` (the steps so far, torchft's committed steps, a hash of the parameters
+and of the optimizer state, the time) and saves its parameters and optimizer state at the end to
+``OUT/group<g>-rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader
+
+import lit_dp
+from tests.helpers.ft_lightning_replica import Classifier, dataset
+from tests.helpers.ft_replica import BATCH
+
+INJECTED = "injected transient fault: connection reset by peer, seen on this side only"
+
+
+class _FailedWork(dist.Work):
+    """A collective that completed for the peers and failed here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._future.set_exception(RuntimeError(INJECTED))
+
+    def wait(self, timeout=None) -> bool:
+        raise RuntimeError(INJECTED)
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def inject(process_group, failing: set[int]) -> None:
+    """Make the listed all-reduces (1-based, in this process) of torchft's ``process_group`` fail on this side only."""
+    real = process_group.allreduce
+    count = [0]
+
+    def allreduce(tensors, opts):
+        count[0] += 1
+        work = real(tensors, opts)
+        if count[0] not in failing:
+            return work
+        work.wait()  # issued and completed: the peers see nothing wrong
+        print(f"test: all-reduce {count[0]} across groups fails here", flush=True)
+        return _FailedWork()
+
+    process_group.allreduce = allreduce
+
+
+def digest(tensors) -> str:
+    hashed = hashlib.sha256()
+    for tensor in tensors:
+        hashed.update(tensor.detach().contiguous().numpy().tobytes())
+    return hashed.hexdigest()
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--local-sgd", type=int, default=None, help="K")
+    parser.add_argument("--fail", default="", help="GROUP:RANK:N[,N...]")
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per optimizer step")
+    parser.add_argument("--min-replicas", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    group, ranks = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ.get("WORLD_SIZE", "1"))
+    torch.manual_seed(group * ranks + int(os.environ.get("RANK", "0")))  # every rank differs: they must start as one
+    diloco = {"local_sgd_steps": args.local_sgd, "local_sgd_outer": "nesterov"} if args.local_sgd else {}
+    strategy = lit_dp.fabric.PaddleDPStrategy(
+        fault_tolerance="torchft", ft_timeout=20, ft_min_replicas=args.min_replicas, **diloco
+    )
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=ranks)
+    fabric.launch()
+    net = Classifier().net
+    inner = torch.optim.Adam(net.parameters(), lr=0.01)
+    model, optimizer = fabric.setup(net, inner)
+    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
+    ft = fabric.strategy.fault_tolerance
+    rank = fabric.global_rank
+    if args.fail:
+        victim, victim_rank, counts = args.fail.split(":")
+        if int(victim) == group and int(victim_rank) == rank:
+            inject(ft.manager._pg, {int(n) for n in counts.split(",")})
+
+    def progress() -> int:
+        return fabric.strategy.local_sgd.step_count if args.local_sgd else ft.committed_steps
+
+    path = args.out / f"group{group}-rank{rank}.jsonl"
+    while progress() < args.steps:
+        for inputs, targets, _ in loader:
+            fabric.backward(F.cross_entropy(model(inputs), targets))
+            optimizer.step()  # applied only if the step commits
+            optimizer.zero_grad()
+            line = {
+                "steps": progress(),
+                "count": ft.committed_steps,
+                "time": time.monotonic(),
+                "params": digest(net.parameters()),
+                "optimizer": digest(optimizer_tensors(inner)),
+            }
+            with path.open("a") as record:
+                record.write(json.dumps(line) + "\n")
+            time.sleep(args.sleep)
+            if progress() >= args.steps:
+                break
+    fabric.strategy.teardown()  # LocalSGD's last sync, when the run did not end on one
+    state = {"model": net.state_dict(), "optimizer": [t.clone() for t in optimizer_tensors(inner)]}
+    torch.save(state, args.out / f"group{group}-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
