@@ -86,9 +86,13 @@ class FTDiLoCoConfig:
             raise ValueError(f"parts={list(self.parts)} is invalid: expected some of {', '.join(PARTS)}.")
         modes = [mode for mode in self.fault_modes if mode not in FAULT_MODES]
         if modes or not self.fault_modes:
-            raise ValueError(f"fault_modes={list(self.fault_modes)} is invalid: expected some of {', '.join(FAULT_MODES)}.")
+            raise ValueError(
+                f"fault_modes={list(self.fault_modes)} is invalid: expected some of {', '.join(FAULT_MODES)}."
+            )
         if self.groups < 2:
-            raise ValueError(f"groups={self.groups} is invalid: expected at least 2 replica groups (a fault crosses groups).")
+            raise ValueError(
+                f"groups={self.groups} is invalid: expected at least 2 replica groups (a fault crosses groups)."
+            )
         if self.ranks < 1:
             raise ValueError(f"ranks={self.ranks} is invalid: expected at least 1 rank per replica group.")
         if self.local_steps < 2 or self.max_steps % self.local_steps:
@@ -149,7 +153,11 @@ class GroupsRun:
 
 
 def launch(
-    config: FTDiLoCoConfig, folder: Path, overrides: list[str], per_group: list[list[str]], environ: dict[str, str] | None = None
+    config: FTDiLoCoConfig,
+    folder: Path,
+    overrides: list[str],
+    per_group: list[list[str]],
+    environ: dict[str, str] | None = None,
 ) -> GroupsRun:
     """One replica group per entry of ``per_group`` (its own overrides), the recipe with ``overrides``."""
     folder.mkdir(parents=True)
@@ -252,7 +260,14 @@ class FaultRun:
 
 
 def fault_runs(config: FTDiLoCoConfig, mode: str, output: Path) -> dict[str, FaultRun]:
-    from tests.helpers.chaos import Fault, faults_environment, read_collectives, read_fault_log, read_finals, unequal_ranks
+    from tests.helpers.chaos import (
+        Fault,
+        faults_environment,
+        read_collectives,
+        read_fault_log,
+        read_finals,
+        unequal_ranks,
+    )
 
     kind = "bucket" if mode == "per_step" else "sync-count"
     overrides = [

@@ -89,7 +89,10 @@ EVENTS = {
     "rank_death": lambda mode: ([], Kill("rank", group=1, after=KILL_AFTER)),
     "group_death": lambda mode: ([], Kill("group", group=1, after=KILL_AFTER)),
     "transient_whole_group": lambda mode: ([fault_of(mode, 1, rank, SIXTH_SYNC) for rank in (0, 1)], None),
-    "transient_during_heal": lambda mode: ([Fault(group=1, rank=0, kind="heal")], Kill("rank", group=1, after=KILL_AFTER)),
+    "transient_during_heal": lambda mode: (
+        [Fault(group=1, rank=0, kind="heal")],
+        Kill("rank", group=1, after=KILL_AFTER),
+    ),
 }
 
 
@@ -124,13 +127,19 @@ def test_chaos(tmp_path, mode):
     plan = f"LIT_DP_CHAOS_SEED={CHAOS_SEED}: {faults}, {kill}"
     calm = launch_under_faults(tmp_path / "calm", mode, 3, 2, CHAOS_STEPS, extra=BUCKETS, timeout=1500)
     check_survived(calm, 3, 2, CHAOS_STEPS)
-    launched = launch_under_faults(tmp_path / "chaos", mode, 3, 2, CHAOS_STEPS, faults, kill, extra=BUCKETS, timeout=1500)
+    launched = launch_under_faults(
+        tmp_path / "chaos", mode, 3, 2, CHAOS_STEPS, faults, kill, extra=BUCKETS, timeout=1500
+    )
     try:
         check_survived(launched, 3, 2, CHAOS_STEPS, restarted={kill.group})
     except AssertionError as error:
         raise AssertionError(f"{plan}\n{error}") from None
     reference = calm.finals[0, 0]["val_loss"]
-    far = {key: loss for key, loss in launched.val_losses().items() if abs(loss - reference) > VAL_LOSS_TOLERANCE * reference}
+    far = {
+        key: loss
+        for key, loss in launched.val_losses().items()
+        if abs(loss - reference) > VAL_LOSS_TOLERANCE * reference
+    }
     assert not far, f"{plan}\nval_loss further than 1% from the run without faults ({reference:.4f}): {far}"
 
 
@@ -144,4 +153,6 @@ def test_the_docs_table_of_what_survives_what_names_every_test_here_and_only_the
         *(("test_what_survives_what", f"{mode}-{event}") for mode in MODES for event in EVENTS),
         *(("test_chaos", mode) for mode in MODES),
     }
-    assert named == tests, f"named in the docs but not a test: {named - tests}; a test the docs do not name: {tests - named}"
+    assert named == tests, (
+        f"named in the docs but not a test: {named - tests}; a test the docs do not name: {tests - named}"
+    )

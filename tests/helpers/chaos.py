@@ -59,7 +59,14 @@ FAULTS_ENV = "LIT_DP_FAULTS"
 FAULTS_LOG_ENV = "LIT_DP_FAULTS_LOG"
 KINDS = ("bucket", "sync-count", "sync-payload", "sync", "heal")
 # torchft's ProcessGroupWrapper collectives that can carry bytes across replica groups.
-COLLECTIVES = ("allreduce", "allgather", "allgather_into_tensor_coalesced", "alltoall_base", "broadcast", "reduce_scatter")
+COLLECTIVES = (
+    "allreduce",
+    "allgather",
+    "allgather_into_tensor_coalesced",
+    "alltoall_base",
+    "broadcast",
+    "reduce_scatter",
+)
 
 
 @dataclass(frozen=True)
@@ -153,7 +160,9 @@ class TransientFaults(pl.Callback):
         self.injector = _Injector(group, trainer.global_rank, plan, log_path, restarted)
         self.injector.install(manager)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.injector is not None:
             self.injector.step = trainer.global_step
             self.injector.phase = "bucket"
@@ -373,5 +382,7 @@ def unequal_ranks(finals: dict[tuple[int, int], dict[str, Any]]) -> list[str]:
         ]
         if differ:
             shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-            found.append(f"group {key[0]} rank {key[1]} differs from group {reference_key[0]} rank {reference_key[1]}: {shown}")
+            found.append(
+                f"group {key[0]} rank {key[1]} differs from group {reference_key[0]} rank {reference_key[1]}: {shown}"
+            )
     return found

@@ -12,12 +12,17 @@ every rank of every group, the faults that fired, every group's workers and outp
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.chaos import Fault, faults_environment, read_fault_log, read_finals, unequal_ranks
+from tests.helpers.chaos import (
+    Fault,
+    faults_environment,
+    read_fault_log,
+    read_finals,
+    unequal_ranks,
+)
 from tests.helpers.documented import ROOT
 from tests.helpers.torchft import (
     LaunchedGroup,
@@ -59,8 +64,6 @@ class Launched:
     fired: list[dict[str, Any]]  # tests.helpers.chaos.read_fault_log's records
     groups: list[LaunchedGroup]
     planned: list[Fault]
-    seconds: float
-    outputs: dict[int, str] = field(default_factory=dict)
 
     def describe(self) -> str:
         return "\n\n".join(group.describe() for group in self.groups)
@@ -113,7 +116,6 @@ def launch_under_faults(
                 f"{'one death was planned' if group.number in killed else 'no death was planned'}):\n{group.describe()}"
             )
 
-    began = time.monotonic()
     try:
         launched = [LaunchedGroup(number, launch.modes[mode], cwd, environ, arguments) for number in range(groups)]
         if kill is not None:
@@ -142,8 +144,6 @@ def launch_under_faults(
         fired=read_fault_log(fault_log),
         groups=launched,
         planned=list(faults),
-        seconds=time.monotonic() - began,
-        outputs={group.number: group.output() for group in launched},
     )
 
 

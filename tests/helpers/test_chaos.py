@@ -109,5 +109,9 @@ def test_a_fault_already_logged_does_not_fire_again_in_a_restarted_worker(tmp_pa
     log.write_text(json.dumps({"fault": 0, "group": 1, "rank": 0, "kind": "bucket"}) + "\n")
     injector = _Injector(group=1, rank=0, plan=[Fault(group=1, rank=0, kind="bucket")], log=log, restarted=True)
     tensors = [torch.zeros(4)]
-    assert injector.collective(tensors) == ("bucket", 0, None)  # a restarted worker: its first collective counts as a heal too
+    assert injector.collective(tensors) == (
+        "bucket",
+        0,
+        None,
+    )  # a restarted worker: its first collective counts as a heal too
     assert injector.counts == {"bucket": 1, "heal": 1}
