@@ -29,9 +29,10 @@ matching one returns a work that completes the real collective and then fails. T
 
 A fault fires at the first collective of its kind issued at ``trainer.global_step >= step``, after
 ``skip`` such collectives, and once: a restarted worker reads the log and never fires a fault
-that already fired. Every worker that ends its fit also writes its collectives counted by kind and
-those that failed on it, planned or not (``read_collectives``): what a fault cost, seen from below
-the library.
+that already fired. Every collective across groups that fails, planned or not (a group aborted
+after a fault, a peer that closed its connection), is logged as it happens (``read_failures``), and
+every worker that ends its fit writes its collectives counted by kind (``read_collectives``): what a
+fault cost, seen from below the library.
 
 ``FinalWeights`` writes every rank's model (parameters and buffers), its validation loss, its
 global step and its worker's restart count at the end of the fit, for the bitwise comparison of
@@ -57,6 +58,7 @@ import torch.distributed as dist
 
 FAULTS_ENV = "LIT_DP_FAULTS"
 FAULTS_LOG_ENV = "LIT_DP_FAULTS_LOG"
+FAILURES = "failures.jsonl"  # every collective across groups that failed, next to the log (read_failures)
 KINDS = ("bucket", "sync-count", "sync-payload", "sync", "heal")
 # torchft's ProcessGroupWrapper collectives that can carry bytes across replica groups.
 COLLECTIVES = (
@@ -131,6 +133,13 @@ def read_fault_log(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_failures(folder: Path) -> list[dict[str, Any]]:
+    """Every collective across groups that failed on some worker, planned or not, as it happened: ``group``,
+    ``rank``, ``pid``, ``kind``, ``step``."""
+    path = folder / FAILURES
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def read_collectives(folder: Path) -> list[dict[str, Any]]:
@@ -244,8 +253,13 @@ class _Injector:
         return kinds[0], self.step, None
 
     def note_failure(self, kind: str, step: int) -> None:
+        """One line per failed collective to ``failures.jsonl`` next to the log, at once: a worker that
+        wedges or crashes later has told of it all the same (``read_failures``)."""
+        record = {"group": self.group, "rank": self.rank, "pid": os.getpid(), "kind": kind, "step": step}
         with self._lock:
             self.failures.append((kind, step))
+            with (self.log.parent / FAILURES).open("a") as out:
+                out.write(json.dumps(record) + "\n")
 
     def write_collectives(self, restarts: int) -> None:
         """This worker's cross-group collectives, counted by kind, and those that failed (kind, step), to a

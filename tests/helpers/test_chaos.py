@@ -23,6 +23,7 @@ from tests.helpers.chaos import (
     _Injector,
     random_faults,
     read_collectives,
+    read_failures,
     read_fault_log,
     read_plan,
 )
@@ -97,6 +98,8 @@ def test_a_fault_completes_the_collective_everywhere_and_fails_it_on_its_rank_on
     collectives = {record["rank"]: record for record in read_collectives(tmp_path)}
     assert collectives[0]["counts"] == collectives[1]["counts"] == {"bucket": 6, "heal": 1}
     assert collectives[0]["failures"] == [["bucket", 3], ["bucket", 5]] and collectives[1]["failures"] == []
+    failures = [(r["rank"], r["kind"], r["step"]) for r in read_failures(tmp_path)]
+    assert failures == [(0, "bucket", 3), (0, "bucket", 5)]  # logged as they happened
     records = read_fault_log(log)
     assert [(r["fault"], r["kind"], r["step"], r["ordinal"], r["rank"]) for r in records] == [
         (0, "bucket", 3, 4, 0),
