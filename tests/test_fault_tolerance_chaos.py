@@ -50,7 +50,7 @@ TABLE = "### What survives what, per mode"  # docs/fault_tolerance.md's section 
 STEPS = 160  # 10 DiLoCo syncs of K=16: the run ends on one
 K = 16
 SIXTH_SYNC = 6 * K - 1  # the trainer's global_step as the step that makes the 6th sync starts
-KILL_AFTER = 40  # committed steps of the victim's group before it dies
+KILL_AFTER = 40  # steps the victim's group trains before it dies
 CHAOS_STEPS = 640  # at least 600, a multiple of K
 CHAOS_SEED = int(os.environ.get("LIT_DP_CHAOS_SEED", "0"))
 # Small buckets: several all-reduces per step, so that a fault can fall on one that is not the step's first.
@@ -109,7 +109,7 @@ def test_what_survives_what(tmp_path, mode, event):
 def chaos_plan(mode: str, seed: int) -> tuple[list[Fault], Kill]:
     """Five transient faults and one rank's death, drawn from ``seed``: four at random steps on random ranks
     of random groups (gradient buckets, or syncs' counts and payloads), the fifth during the heal of
-    the group whose rank dies after a random number of committed steps."""
+    the group whose rank dies after a random number of steps."""
     chooser = random.Random(seed)
     victim = chooser.randrange(3)
     kill = Kill("rank", group=victim, after=chooser.randrange(150, 400))

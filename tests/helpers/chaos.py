@@ -142,6 +142,18 @@ def read_failures(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def read_trained(folder: Path, group: int) -> int:
+    """The trainer's global step the ranks of replica group ``group`` reached last (-1 before any): what a test
+    times a kill by, whatever torchft counts (per-step sync commits every step, DiLoCo only its syncs)."""
+    steps = []
+    for path in folder.glob(f"trained-group{group}-rank*"):
+        try:
+            steps.append(int(path.read_text()))
+        except ValueError:  # being written
+            continue
+    return max(steps, default=-1)
+
+
 def read_collectives(folder: Path) -> list[dict[str, Any]]:
     """Every worker's cross-group collectives that ended its fit: ``group``, ``rank``, ``restarts``, ``counts``
     (by kind) and ``failures`` (``[kind, step]`` of each that failed on that worker, planned or not)."""
@@ -175,6 +187,12 @@ class TransientFaults(pl.Callback):
         if self.injector is not None:
             self.injector.step = trainer.global_step
             self.injector.phase = "bucket"
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.injector is not None:  # how far this rank trained, for a test that kills it at a step (read_trained)
+            self.injector.note_trained(trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self.injector is not None:
@@ -251,6 +269,9 @@ class _Injector:
                     self.hit_kinds = kinds
                     return kinds[0], self.step, (index, fault, fault.kind, self.counts[fault.kind])
         return kinds[0], self.step, None
+
+    def note_trained(self, step: int) -> None:
+        (self.log.parent / f"trained-group{self.group}-rank{self.rank}").write_text(str(step))
 
     def note_failure(self, kind: str, step: int) -> None:
         """One line per failed collective to ``failures.jsonl`` next to the log, at once: a worker that

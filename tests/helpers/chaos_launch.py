@@ -21,6 +21,7 @@ from tests.helpers.chaos import (
     faults_environment,
     read_fault_log,
     read_finals,
+    read_trained,
     unequal_ranks,
 )
 from tests.helpers.documented import ROOT
@@ -45,7 +46,8 @@ FIXTURE = "tests.helpers.chaos"
 @dataclass(frozen=True)
 class Kill:
     """A death during the run: ``what`` is ``"rank"`` (the group's last rank, SIGKILL) or ``"group"`` (its
-    torchrun and every worker, then its command again), once replica group ``group`` committed ``after`` steps."""
+    torchrun and every worker, then its command again), once replica group ``group`` trained ``after`` steps
+    (the trainer's global step, whatever torchft counts: DiLoCo commits only its syncs)."""
 
     what: str
     group: int
@@ -121,8 +123,8 @@ def launch_under_faults(
         if kill is not None:
             victim = launched[kill.group]
             wait_for_groups(
-                f"replica group {kill.group} to commit {kill.after} steps before its {kill.what} is killed",
-                lambda: victim.committed() >= kill.after and len(victim.watch()) == ranks,
+                f"replica group {kill.group} to train {kill.after} steps before its {kill.what} is killed",
+                lambda: read_trained(tmp_path, kill.group) >= kill.after and len(victim.watch()) == ranks,
                 launched,
                 timeout,
                 no_restart_but_the_victims,

@@ -26,6 +26,7 @@ from tests.helpers.chaos import (
     read_failures,
     read_fault_log,
     read_plan,
+    read_trained,
 )
 from tests.helpers.distributed import free_port, run_ranks
 
@@ -118,3 +119,6 @@ def test_a_fault_already_logged_does_not_fire_again_in_a_restarted_worker(tmp_pa
         None,
     )  # a restarted worker: its first collective counts as a heal too
     assert injector.counts == {"bucket": 1, "heal": 1}
+    assert read_trained(tmp_path, group=1) == -1
+    injector.note_trained(7)
+    assert read_trained(tmp_path, group=1) == 7 and read_trained(tmp_path, group=0) == -1
