@@ -12,6 +12,7 @@ every rank of every group, the faults that fired, every group's workers and outp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from tests.helpers.chaos import (
     read_trained,
     unequal_ranks,
 )
-from tests.helpers.documented import ROOT
+from tests.helpers.documented import ROOT, DocumentedCommand
 from tests.helpers.torchft import (
     LaunchedGroup,
     documented_group_launch,
@@ -91,13 +92,19 @@ def launch_under_faults(
     kill: Kill | None = None,
     extra: list[str] = (),
     timeout: float = 1500.0,
+    min_replicas: int | None = None,
 ) -> Launched:
     """``groups`` replica groups of ``ranks`` ranks in ``mode`` (``per_step`` or ``diloco``: the documented
     commands), ``steps`` steps, under ``faults`` and ``kill``; see the module docstring. ``timeout``
-    bounds each wait (the groups to train, to recover, to end)."""
+    bounds each wait (the groups to train, to recover, to end). ``min_replicas`` replaces the documented
+    value, in the lighthouse's command and the groups' alike."""
     launch = documented_group_launch(ranks)
+    lighthouse_command, command = launch.lighthouse, launch.modes[mode]
+    if min_replicas is not None:
+        lighthouse_command = with_min_replicas(lighthouse_command, min_replicas)
+        command = with_min_replicas(command, min_replicas)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    cwd, environ, lighthouse = documented_lighthouse(tmp_path, launch.lighthouse, launch.exports, ROOT)
+    cwd, environ, lighthouse = documented_lighthouse(tmp_path, lighthouse_command, launch.exports, ROOT)
     fault_log, final_folder = tmp_path / "faults.jsonl", tmp_path / "final"
     environ = {**environ, **faults_environment(faults, fault_log)}
     arguments = [
@@ -119,7 +126,7 @@ def launch_under_faults(
             )
 
     try:
-        launched = [LaunchedGroup(number, launch.modes[mode], cwd, environ, arguments) for number in range(groups)]
+        launched = [LaunchedGroup(number, command, cwd, environ, arguments) for number in range(groups)]
         if kill is not None:
             victim = launched[kill.group]
             wait_for_groups(
@@ -147,6 +154,18 @@ def launch_under_faults(
         groups=launched,
         planned=list(faults),
     )
+
+
+def with_min_replicas(command: DocumentedCommand, count: int) -> DocumentedCommand:
+    """``command`` (the lighthouse's or a group's) with ``count`` for its ``--min_replicas`` or ``strategy.ft.min_replicas``."""
+    argv = list(command.argv)
+    for index, argument in enumerate(argv):
+        if argument == "--min_replicas":
+            argv[index + 1] = str(count)
+        elif argument.startswith("strategy.ft.min_replicas="):
+            argv[index] = f"strategy.ft.min_replicas={count}"
+    assert argv != list(command.argv), f"{command.text} sets no min_replicas"
+    return dataclasses.replace(command, argv=tuple(argv))
 
 
 def check_survived(launched: Launched, groups: int, ranks: int, steps: int, restarted: set[int] = frozenset()) -> None:
