@@ -7,8 +7,8 @@ launch (a lighthouse, one ``torchrun --nproc-per-node=N`` per group with ``REPLI
 a tiny GPT, per-step sync or DiLoCo (the documented ``strategy.local_sgd.steps=16
 strategy.local_sgd.outer=nesterov``). The oracle, for every test: every planned fault fired; every
 torchrun exits 0 by itself; no group restarts a worker but the one whose rank or group was killed
-(which restarts once); every rank of every group ends at ``max_steps`` bitwise equal
-(``tests.helpers.chaos_launch.check_survived``).
+(which restarts once); every rank of every group ends at ``max_steps`` bitwise equal, with the same
+validation loss (``tests.helpers.chaos_launch.check_survived``).
 
 - ``test_one_transient_fault``: issue 50's table, one fault per run: 2 groups x 1 rank and
   2 x 2 with per-step sync (a gradient bucket's all-reduce at step 100), 2 x 1, 2 x 2 and 3 x 2

@@ -171,7 +171,7 @@ def with_min_replicas(command: DocumentedCommand, count: int) -> DocumentedComma
 def check_survived(launched: Launched, groups: int, ranks: int, steps: int, restarted: set[int] = frozenset()) -> None:
     """What a run that survives its faults ends with: every planned fault fired; every rank of every group
     wrote its final state at ``steps``; no group but those ``restarted`` started a worker again (and those
-    started theirs once, as one death asks); every rank of every group bitwise equal."""
+    started theirs once, as one death asks); every rank of every group bitwise equal, and validated alike at the end."""
     unfired = launched.unfired()
     assert not unfired, f"planned faults that never fired: {unfired}\n{launched.describe()}"
     expected = {(group, rank) for group in range(groups) for rank in range(ranks)}
@@ -192,3 +192,10 @@ def check_survived(launched: Launched, groups: int, ranks: int, steps: int, rest
     unequal = launched.unequal()
     fired = "\n".join(str(record) for record in launched.fired)
     assert not unequal, "the ranks do not end bitwise equal:\n" + "\n".join(unequal) + f"\nfaults fired:\n{fired}"
+    # The fit's last validation comes after the last quorum that reconciles the groups (docs/fault_tolerance.md,
+    # "The groups end equal"): equal final states must have validated alike.
+    losses = launched.val_losses()
+    assert len(set(losses.values())) == 1, (
+        f"every rank ends with the same state, but their last validation losses differ (some validated another "
+        f"state than their final one): {losses}\nfaults fired:\n{fired}"
+    )
