@@ -26,10 +26,10 @@ by a restart), the same seed, data and ``max_steps`` everywhere. Two parts (``pa
   reported failed on that one (the chaos tests' fixture, ``tests.helpers.chaos.TransientFaults``).
   Reported per run: the steps each group committed and discarded (torchft's votes, from its log of
   each group's rank 0), the syncs (or steps, per-step) in which a collective across groups failed
-  on some rank (the fixture counts every failure it sees below the library, planned or not), the
-  validation loss of each group against the run without faults, whether every rank of every
-  group ends bitwise equal (``tests.helpers.chaos.FinalWeights``), and how the run ended (a
-  group that exits with an error is reported, with its last ``[lit_dp]`` line).
+  on some rank (the fixture logs every failure it sees below the library, planned or not, as it
+  happens), the validation loss of each group against the run without faults, whether every rank
+  of every group ends bitwise equal (``tests.helpers.chaos.FinalWeights``), and how the run ended
+  (a group that exits with an error is reported with its ``[lit_dp] the run stopped`` line).
 
 The machine's load (``os.getloadavg``) is reported with the results: the ranks share its cores.
 """
@@ -86,9 +86,13 @@ class FTDiLoCoConfig:
             raise ValueError(f"parts={list(self.parts)} is invalid: expected some of {', '.join(PARTS)}.")
         modes = [mode for mode in self.fault_modes if mode not in FAULT_MODES]
         if modes or not self.fault_modes:
-            raise ValueError(f"fault_modes={list(self.fault_modes)} is invalid: expected some of {', '.join(FAULT_MODES)}.")
+            raise ValueError(
+                f"fault_modes={list(self.fault_modes)} is invalid: expected some of {', '.join(FAULT_MODES)}."
+            )
         if self.groups < 2:
-            raise ValueError(f"groups={self.groups} is invalid: expected at least 2 replica groups (a fault crosses groups).")
+            raise ValueError(
+                f"groups={self.groups} is invalid: expected at least 2 replica groups (a fault crosses groups)."
+            )
         if self.ranks < 1:
             raise ValueError(f"ranks={self.ranks} is invalid: expected at least 1 rank per replica group.")
         if self.local_steps < 2 or self.max_steps % self.local_steps:
@@ -141,6 +145,15 @@ class GroupsRun:
         found = COMMIT.findall(path.read_text(errors="replace")) if path.exists() else []
         return found.count("True"), found.count("False")
 
+    def stopped(self, group: int) -> str | None:
+        """Why group ``group``'s run stopped, if it did not end by itself: its ``[lit_dp] the run stopped`` line,
+        else its last line."""
+        lines = [line.strip() for line in self.output(group).splitlines() if line.strip()]
+        if any(line.startswith("[lit_dp] final ") for line in lines):
+            return None
+        said = [line for line in lines if line.startswith("[lit_dp] the run stopped")]
+        return ((said or lines or ["no output"])[-1])[:300]
+
     def val_loss(self, group: int) -> float | None:
         try:
             return final_metrics(self.output(group), f"group {group}")["val_loss"]
@@ -149,7 +162,11 @@ class GroupsRun:
 
 
 def launch(
-    config: FTDiLoCoConfig, folder: Path, overrides: list[str], per_group: list[list[str]], environ: dict[str, str] | None = None
+    config: FTDiLoCoConfig,
+    folder: Path,
+    overrides: list[str],
+    per_group: list[list[str]],
+    environ: dict[str, str] | None = None,
 ) -> GroupsRun:
     """One replica group per entry of ``per_group`` (its own overrides), the recipe with ``overrides``."""
     folder.mkdir(parents=True)
@@ -171,9 +188,10 @@ def launch(
     began = time.monotonic()
     try:
         run_all(commands, config.timeout, f"replica groups ({folder.name})")
-    except RuntimeError as error:  # reported with the results: what a fault did to the run is the measure
-        lines = [line for line in str(error).splitlines() if line.startswith("[lit_dp]")]
-        run.ended = f"{str(error).splitlines()[0][:160]}" + (f" ({lines[-1][:300]})" if lines else "")
+    except RuntimeError:  # reported with the results: what a fault did to the run is the measure
+        run.ended = "failed: " + "; ".join(
+            f"group {group}: {why}" for group in range(groups) if (why := run.stopped(group))
+        )
     finally:
         beacon.send_signal(signal.SIGTERM)
         beacon.wait()
@@ -252,7 +270,14 @@ class FaultRun:
 
 
 def fault_runs(config: FTDiLoCoConfig, mode: str, output: Path) -> dict[str, FaultRun]:
-    from tests.helpers.chaos import Fault, faults_environment, read_collectives, read_fault_log, read_finals, unequal_ranks
+    from tests.helpers.chaos import (
+        Fault,
+        faults_environment,
+        read_failures,
+        read_fault_log,
+        read_finals,
+        unequal_ranks,
+    )
 
     kind = "bucket" if mode == "per_step" else "sync-count"
     overrides = [
@@ -267,7 +292,7 @@ def fault_runs(config: FTDiLoCoConfig, mode: str, output: Path) -> dict[str, Fau
             config, folder, [*overrides, f"+callbacks.final.folder={finals}"], [[] for _ in range(config.groups)],
             faults_environment(faults, log),
         )  # fmt: skip
-        failed = sorted({step for record in read_collectives(folder) for _, step in record["failures"]})
+        failed = sorted({record["step"] for record in read_failures(folder)})
         states = read_finals(finals)
         complete = len(states) == config.groups * config.ranks
         unequal = unequal_ranks(states) if complete else []

@@ -13,7 +13,9 @@ pytest.importorskip("torchft")
 from tests.helpers.recipes import run_benchmark  # noqa: E402
 
 TINY = '["data.max_bytes=30000","data.block_size=32","data.batch_size=4","model.n_layer=1","model.n_embd=32","model.n_head=2","model.warmup_steps=1","callbacks.throughput.warmup=1","trainer.limit_val_batches=4"]'
-PACE = re.compile(r"^\| (fast group alone|fast and slow) \| (fast|slow) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (.*) \|$", re.MULTILINE)
+PACE = re.compile(
+    r"^\| (fast group alone|fast and slow) \| (fast|slow) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (.*) \|$", re.MULTILINE
+)
 FAULT = re.compile(r"^\| (per-step sync|DiLoCo K=4) \| (no fault|one fault) \| ([\d, ]+) \| ([\d, ]+) \| (\d+)[^|]* \| ([-\d., ]+) \| (\S+) \| (.*) \|$",
                    re.MULTILINE)  # fmt: skip
 
@@ -33,11 +35,15 @@ def test_the_benchmark_reports_a_slow_group_and_the_cost_of_one_transient_fault(
     assert float(paces["fast and slow", "slow"][0]) >= 0.2, output  # it sleeps 0.2 s in every step
     assert re.search(r"the fast group's inner steps take [\d.]+ times as long with the slow group as alone", output)
     rows = {(m.group(1), m.group(2)): m.groups()[2:] for m in FAULT.finditer(output)}
-    assert set(rows) == {(mode, run) for mode in ("per-step sync", "DiLoCo K=4") for run in ("no fault", "one fault")}, output
+    assert set(rows) == {
+        (mode, run) for mode in ("per-step sync", "DiLoCo K=4") for run in ("no fault", "one fault")
+    }, output
     for mode in ("per-step sync", "DiLoCo K=4"):
         committed, discarded, failed, losses, equal, ended = rows[mode, "no fault"]
         assert committed == "24, 24" and discarded == "0, 0" and failed == "0", output
         assert equal == "yes" and ended == "every group ended by itself", output
         assert int(rows[mode, "one fault"][2]) >= 1, output  # the fault is seen from below the library
-        assert re.search(rf"^{mode}: one fault cost [-\d]+, [-\d]+ committed steps \(per group\)", output, re.MULTILINE), output
+        assert re.search(
+            rf"^{mode}: one fault cost [-\d]+, [-\d]+ committed steps \(per group\)", output, re.MULTILINE
+        ), output
     assert "fired 0 times" not in output

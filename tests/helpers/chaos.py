@@ -16,22 +16,24 @@ process group a subclass of its own class whose collectives go through ``_Inject
 is counted by its kind, the faults planned for this replica group and rank are matched, and a
 matching one returns a work that completes the real collective and then fails. The kinds:
 
-- ``bucket``: a collective during forward and backward: a gradient bucket's all-reduce (with
-  groups of several ranks, this rank's shard of it);
-- ``sync-count``, ``sync-payload``: a collective after backward, in the optimizer step: a
-  LocalSGD or DiLoCo sync; its count of the ranks taking part is the one-element tensor, its
-  payloads (the deltas, the buffers) the others;
+- ``bucket``: a collective of a data-parallel step: a gradient bucket's all-reduce (with groups
+  of several ranks, this rank's shard of it);
+- ``sync-count``, ``sync-payload``: a collective while LocalSGD is in its local phase (its inner
+  steps never cross groups): a LocalSGD or DiLoCo sync; its count of the ranks taking part is the
+  one-element tensor, its payloads (the deltas, the buffers) the others;
 - ``sync``: either of the two;
 - ``heal``: the first cross-group collective after a heal: this rank sent its state to a
   recovering group or received a peer's (torchft's checkpoint transport, at a step above 0:
   step 0's ``init_sync`` is not one), or this worker is a restarted one (``TORCHELASTIC_RESTART_COUNT``
   above 0), whose group recovered a peer's state at its first quorum.
 
-A fault fires at the first collective of its kind issued at ``trainer.global_step >= step``, after
+A fault fires at the first collective of its kind issued at ``trainer.global_step >= step`` (read
+when the collective comes: a sync is counted at the step that makes it), after
 ``skip`` such collectives, and once: a restarted worker reads the log and never fires a fault
-that already fired. Every worker that ends its fit also writes its collectives counted by kind and
-those that failed on it, planned or not (``read_collectives``): what a fault cost, seen from below
-the library.
+that already fired. Every collective across groups that fails, planned or not (a group aborted
+after a fault, a peer that closed its connection), is logged as it happens (``read_failures``), and
+every worker that ends its fit writes its collectives counted by kind (``read_collectives``): what a
+fault cost, seen from below the library.
 
 ``FinalWeights`` writes every rank's model (parameters and buffers), its validation loss, its
 global step and its worker's restart count at the end of the fit, for the bitwise comparison of
@@ -57,9 +59,17 @@ import torch.distributed as dist
 
 FAULTS_ENV = "LIT_DP_FAULTS"
 FAULTS_LOG_ENV = "LIT_DP_FAULTS_LOG"
+FAILURES = "failures.jsonl"  # every collective across groups that failed, next to the log (read_failures)
 KINDS = ("bucket", "sync-count", "sync-payload", "sync", "heal")
 # torchft's ProcessGroupWrapper collectives that can carry bytes across replica groups.
-COLLECTIVES = ("allreduce", "allgather", "allgather_into_tensor_coalesced", "alltoall_base", "broadcast", "reduce_scatter")
+COLLECTIVES = (
+    "allreduce",
+    "allgather",
+    "allgather_into_tensor_coalesced",
+    "alltoall_base",
+    "broadcast",
+    "reduce_scatter",
+)
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,25 @@ def read_fault_log(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def read_failures(folder: Path) -> list[dict[str, Any]]:
+    """Every collective across groups that failed on some worker, planned or not, as it happened: ``group``,
+    ``rank``, ``pid``, ``kind``, ``step``."""
+    path = folder / FAILURES
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def read_trained(folder: Path, group: int) -> int:
+    """The trainer's global step the ranks of replica group ``group`` reached last (-1 before any): what a test
+    times a kill by, whatever torchft counts (per-step sync commits every step, DiLoCo only its syncs)."""
+    steps = []
+    for path in folder.glob(f"trained-group{group}-rank*"):
+        try:
+            steps.append(int(path.read_text()))
+        except ValueError:  # being written
+            continue
+    return max(steps, default=-1)
+
+
 def read_collectives(folder: Path) -> list[dict[str, Any]]:
     """Every worker's cross-group collectives that ended its fit: ``group``, ``rank``, ``restarts``, ``counts``
     (by kind) and ``failures`` (``[kind, step]`` of each that failed on that worker, planned or not)."""
@@ -150,21 +179,14 @@ class TransientFaults(pl.Callback):
         plan = read_plan()
         log_path = Path(os.environ.get(FAULTS_LOG_ENV, "faults.jsonl"))
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        self.injector = _Injector(group, trainer.global_rank, plan, log_path, restarted)
+        self.injector = _Injector(group, trainer.global_rank, plan, log_path, restarted, trainer)
         self.injector.install(manager)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.injector is not None:
-            self.injector.step = trainer.global_step
-            self.injector.phase = "bucket"
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.injector is not None:
-            self.injector.phase = "sync"
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.injector is not None:  # LocalSGD's last sync (``finish``), if one is due
-            self.injector.phase = "sync"
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.injector is not None:  # how far this rank trained, for a test that kills it at a step (read_trained)
+            self.injector.note_trained(trainer.global_step)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.injector is not None:
@@ -172,10 +194,14 @@ class TransientFaults(pl.Callback):
 
 
 class _Injector:
-    """One worker's faults: counts its cross-group collectives by kind and fails the planned ones."""
+    """One worker's faults: counts its cross-group collectives by kind and fails the planned ones. The step and
+    the phase of a collective are read from ``trainer`` when it comes (``position``); without one, from ``step``
+    and ``phase``, which the caller sets."""
 
-    def __init__(self, group: int, rank: int, plan: list[Fault], log: Path, restarted: bool) -> None:
-        self.group, self.rank, self.log = group, rank, log
+    def __init__(
+        self, group: int, rank: int, plan: list[Fault], log: Path, restarted: bool, trainer: pl.Trainer | None = None
+    ) -> None:
+        self.group, self.rank, self.log, self.trainer = group, rank, log, trainer
         self.mine = {index: fault for index, fault in enumerate(plan) if (fault.group, fault.rank) == (group, rank)}
         self.step = 0
         self.phase = "bucket"
@@ -205,8 +231,20 @@ class _Injector:
 
         return transfer_and_note
 
+    def position(self) -> None:
+        """The trainer's step now, and the phase: LocalSGD's syncs while it is in its local phase (its inner steps
+        never cross groups), else a data-parallel step's buckets. Read when the collective comes, not from the
+        batch's hooks: a sync may come with the step's quorum, before the batch (a restarted group meeting its
+        peers at a sync), where the hooks would still say the last step's."""
+        if self.trainer is None:
+            return
+        local_sgd = getattr(self.trainer.strategy, "local_sgd", None)
+        self.step = self.trainer.global_step
+        self.phase = "sync" if local_sgd is not None and getattr(local_sgd, "in_local_phase", False) else "bucket"
+
     def classify(self, tensors: list[torch.Tensor]) -> list[str]:
         """The kinds a collective of ``tensors`` in the current phase is (the most specific first)."""
+        self.position()
         if self.phase == "bucket":
             return ["bucket"]
         self.syncs.add(self.step)
@@ -234,9 +272,17 @@ class _Injector:
                     return kinds[0], self.step, (index, fault, fault.kind, self.counts[fault.kind])
         return kinds[0], self.step, None
 
+    def note_trained(self, step: int) -> None:
+        (self.log.parent / f"trained-group{self.group}-rank{self.rank}").write_text(str(step))
+
     def note_failure(self, kind: str, step: int) -> None:
+        """One line per failed collective to ``failures.jsonl`` next to the log, at once: a worker that
+        wedges or crashes later has told of it all the same (``read_failures``)."""
+        record = {"group": self.group, "rank": self.rank, "pid": os.getpid(), "kind": kind, "step": step}
         with self._lock:
             self.failures.append((kind, step))
+            with (self.log.parent / FAILURES).open("a") as out:
+                out.write(json.dumps(record) + "\n")
 
     def write_collectives(self, restarts: int) -> None:
         """This worker's cross-group collectives, counted by kind, and those that failed (kind, step), to a
@@ -373,5 +419,7 @@ def unequal_ranks(finals: dict[tuple[int, int], dict[str, Any]]) -> list[str]:
         ]
         if differ:
             shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-            found.append(f"group {key[0]} rank {key[1]} differs from group {reference_key[0]} rank {reference_key[1]}: {shown}")
+            found.append(
+                f"group {key[0]} rank {key[1]} differs from group {reference_key[0]} rank {reference_key[1]}: {shown}"
+            )
     return found

@@ -12,13 +12,20 @@ every rank of every group, the faults that fired, every group's workers and outp
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.chaos import Fault, faults_environment, read_fault_log, read_finals, unequal_ranks
-from tests.helpers.documented import ROOT
+from tests.helpers.chaos import (
+    Fault,
+    faults_environment,
+    read_fault_log,
+    read_finals,
+    read_trained,
+    unequal_ranks,
+)
+from tests.helpers.documented import ROOT, DocumentedCommand
 from tests.helpers.torchft import (
     LaunchedGroup,
     documented_group_launch,
@@ -40,7 +47,8 @@ FIXTURE = "tests.helpers.chaos"
 @dataclass(frozen=True)
 class Kill:
     """A death during the run: ``what`` is ``"rank"`` (the group's last rank, SIGKILL) or ``"group"`` (its
-    torchrun and every worker, then its command again), once replica group ``group`` committed ``after`` steps."""
+    torchrun and every worker, then its command again), once replica group ``group`` trained ``after`` steps
+    (the trainer's global step, whatever torchft counts: DiLoCo commits only its syncs)."""
 
     what: str
     group: int
@@ -59,8 +67,6 @@ class Launched:
     fired: list[dict[str, Any]]  # tests.helpers.chaos.read_fault_log's records
     groups: list[LaunchedGroup]
     planned: list[Fault]
-    seconds: float
-    outputs: dict[int, str] = field(default_factory=dict)
 
     def describe(self) -> str:
         return "\n\n".join(group.describe() for group in self.groups)
@@ -86,13 +92,19 @@ def launch_under_faults(
     kill: Kill | None = None,
     extra: list[str] = (),
     timeout: float = 1500.0,
+    min_replicas: int | None = None,
 ) -> Launched:
     """``groups`` replica groups of ``ranks`` ranks in ``mode`` (``per_step`` or ``diloco``: the documented
     commands), ``steps`` steps, under ``faults`` and ``kill``; see the module docstring. ``timeout``
-    bounds each wait (the groups to train, to recover, to end)."""
+    bounds each wait (the groups to train, to recover, to end). ``min_replicas`` replaces the documented
+    value, in the lighthouse's command and the groups' alike."""
     launch = documented_group_launch(ranks)
+    lighthouse_command, command = launch.lighthouse, launch.modes[mode]
+    if min_replicas is not None:
+        lighthouse_command = with_min_replicas(lighthouse_command, min_replicas)
+        command = with_min_replicas(command, min_replicas)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    cwd, environ, lighthouse = documented_lighthouse(tmp_path, launch.lighthouse, launch.exports, ROOT)
+    cwd, environ, lighthouse = documented_lighthouse(tmp_path, lighthouse_command, launch.exports, ROOT)
     fault_log, final_folder = tmp_path / "faults.jsonl", tmp_path / "final"
     environ = {**environ, **faults_environment(faults, fault_log)}
     arguments = [
@@ -113,14 +125,13 @@ def launch_under_faults(
                 f"{'one death was planned' if group.number in killed else 'no death was planned'}):\n{group.describe()}"
             )
 
-    began = time.monotonic()
     try:
-        launched = [LaunchedGroup(number, launch.modes[mode], cwd, environ, arguments) for number in range(groups)]
+        launched = [LaunchedGroup(number, command, cwd, environ, arguments) for number in range(groups)]
         if kill is not None:
             victim = launched[kill.group]
             wait_for_groups(
-                f"replica group {kill.group} to commit {kill.after} steps before its {kill.what} is killed",
-                lambda: victim.committed() >= kill.after and len(victim.watch()) == ranks,
+                f"replica group {kill.group} to train {kill.after} steps before its {kill.what} is killed",
+                lambda: read_trained(tmp_path, kill.group) >= kill.after and len(victim.watch()) == ranks,
                 launched,
                 timeout,
                 no_restart_but_the_victims,
@@ -142,15 +153,25 @@ def launch_under_faults(
         fired=read_fault_log(fault_log),
         groups=launched,
         planned=list(faults),
-        seconds=time.monotonic() - began,
-        outputs={group.number: group.output() for group in launched},
     )
+
+
+def with_min_replicas(command: DocumentedCommand, count: int) -> DocumentedCommand:
+    """``command`` (the lighthouse's or a group's) with ``count`` for its ``--min_replicas`` or ``strategy.ft.min_replicas``."""
+    argv = list(command.argv)
+    for index, argument in enumerate(argv):
+        if argument == "--min_replicas":
+            argv[index + 1] = str(count)
+        elif argument.startswith("strategy.ft.min_replicas="):
+            argv[index] = f"strategy.ft.min_replicas={count}"
+    assert argv != list(command.argv), f"{command.text} sets no min_replicas"
+    return dataclasses.replace(command, argv=tuple(argv))
 
 
 def check_survived(launched: Launched, groups: int, ranks: int, steps: int, restarted: set[int] = frozenset()) -> None:
     """What a run that survives its faults ends with: every planned fault fired; every rank of every group
     wrote its final state at ``steps``; no group but those ``restarted`` started a worker again (and those
-    started theirs once, as one death asks); every rank of every group bitwise equal."""
+    started theirs once, as one death asks); every rank of every group bitwise equal, and validated alike at the end."""
     unfired = launched.unfired()
     assert not unfired, f"planned faults that never fired: {unfired}\n{launched.describe()}"
     expected = {(group, rank) for group in range(groups) for rank in range(ranks)}
@@ -171,3 +192,10 @@ def check_survived(launched: Launched, groups: int, ranks: int, steps: int, rest
     unequal = launched.unequal()
     fired = "\n".join(str(record) for record in launched.fired)
     assert not unequal, "the ranks do not end bitwise equal:\n" + "\n".join(unequal) + f"\nfaults fired:\n{fired}"
+    # The fit's last validation comes after the last quorum that reconciles the groups (docs/fault_tolerance.md,
+    # "The groups end equal"): equal final states must have validated alike.
+    losses = launched.val_losses()
+    assert len(set(losses.values())) == 1, (
+        f"every rank ends with the same state, but their last validation losses differ (some validated another "
+        f"state than their final one): {losses}\nfaults fired:\n{fired}"
+    )

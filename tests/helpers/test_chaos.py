@@ -23,8 +23,10 @@ from tests.helpers.chaos import (
     _Injector,
     random_faults,
     read_collectives,
+    read_failures,
     read_fault_log,
     read_plan,
+    read_trained,
 )
 from tests.helpers.distributed import free_port, run_ranks
 
@@ -97,6 +99,8 @@ def test_a_fault_completes_the_collective_everywhere_and_fails_it_on_its_rank_on
     collectives = {record["rank"]: record for record in read_collectives(tmp_path)}
     assert collectives[0]["counts"] == collectives[1]["counts"] == {"bucket": 6, "heal": 1}
     assert collectives[0]["failures"] == [["bucket", 3], ["bucket", 5]] and collectives[1]["failures"] == []
+    failures = [(r["rank"], r["kind"], r["step"]) for r in read_failures(tmp_path)]
+    assert failures == [(0, "bucket", 3), (0, "bucket", 5)]  # logged as they happened
     records = read_fault_log(log)
     assert [(r["fault"], r["kind"], r["step"], r["ordinal"], r["rank"]) for r in records] == [
         (0, "bucket", 3, 4, 0),
@@ -109,5 +113,12 @@ def test_a_fault_already_logged_does_not_fire_again_in_a_restarted_worker(tmp_pa
     log.write_text(json.dumps({"fault": 0, "group": 1, "rank": 0, "kind": "bucket"}) + "\n")
     injector = _Injector(group=1, rank=0, plan=[Fault(group=1, rank=0, kind="bucket")], log=log, restarted=True)
     tensors = [torch.zeros(4)]
-    assert injector.collective(tensors) == ("bucket", 0, None)  # a restarted worker: its first collective counts as a heal too
+    assert injector.collective(tensors) == (
+        "bucket",
+        0,
+        None,
+    )  # a restarted worker: its first collective counts as a heal too
     assert injector.counts == {"bucket": 1, "heal": 1}
+    assert read_trained(tmp_path, group=1) == -1
+    injector.note_trained(7)
+    assert read_trained(tmp_path, group=1) == 7 and read_trained(tmp_path, group=0) == -1
