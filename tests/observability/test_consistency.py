@@ -9,7 +9,6 @@ when the check finds one, even one that swallows the error.
 
 from __future__ import annotations
 
-import re
 import time
 
 import pytest
