@@ -101,9 +101,9 @@ class ModelObservers:
         if profiled:
             observers.profile = CommProfile(
                 [param.numel() * param.element_size() for param in reducer.parameters],
-                group.rank(),
-                group.size(),
-                groups.backend_name(group),
+                reducer.group.rank(),
+                reducer.group.size(),
+                groups.backend_name(reducer.group),
                 device,
                 {**profile_settings(options), "gradient_bits": 8 * reducer.parameters[0].element_size()},
             )
