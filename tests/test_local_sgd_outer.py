@@ -363,8 +363,8 @@ def test_bf16_deltas_are_summed_in_fp32_on_4_ranks():
 
 def held_bytes_case(rank: int) -> dict:
     """What ``lit_dp.LocalSGD`` holds between syncs, per device: one snapshot of the trainable parameters,
-    one outer momentum with ``outer="nesterov"``, no sync payload (the pseudo-gradient lives only while
-    its fragment syncs). Before this issue a bucket also kept its flat payload: 3 times the parameters
+    one outer momentum with ``outer="nesterov"``, one fp32 residual with error feedback, no sync payload
+    (the pseudo-gradient and its encoded bytes live only while its fragment syncs). Before this issue a bucket also kept its flat payload: 3 times the parameters
     for DiLoCo, 2 for averaging. CPU parameters keep their state on the CPU, offloaded or not."""
     import torch.distributed as dist
 
@@ -373,12 +373,14 @@ def held_bytes_case(rank: int) -> dict:
     lit_dp.init_parallel_env()
     steps = random_steps(6, dist.get_world_size(), seed=8)
     report = {}
-    for outer, fragments, offload in (("average", 1, True), ("nesterov", 1, True), ("nesterov", 2, False)):
+    for outer, fragments, offload, wire in (
+        ("average", 1, True, None), ("nesterov", 1, True, None), ("nesterov", 2, False, None), ("nesterov", 2, True, "int4")
+    ):
         model = lit_dp.DataParallel(Net())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        local_sgd = lit_dp.LocalSGD(model, 2, outer=outer, fragments=fragments, offload=offload)
+        local_sgd = lit_dp.LocalSGD(model, 2, outer=outer, fragments=fragments, offload=offload, sync_dtype=wire)
         _train(model, optimizer, local_sgd, steps, rank, last=5)  # mid-period for every fragment
-        report[(outer, fragments, offload)] = local_sgd.held_bytes()
+        report[(outer, fragments, offload, wire)] = local_sgd.held_bytes()
     return report
 
 
@@ -387,9 +389,17 @@ def test_between_syncs_localsgd_holds_a_snapshot_and_a_momentum_and_no_payload()
     results = run_ranks(held_bytes_case, 2, timeout=120)
     parameters = sum(p.numel() * p.element_size() for p in Net().parameters())
     expected = {
-        ("average", 1, True): {"snapshot": {"cpu": parameters}, "momentum": {}, "sync": {}},
-        ("nesterov", 1, True): {"snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "sync": {}},
-        ("nesterov", 2, False): {"snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "sync": {}},
+        ("average", 1, True, None): {"snapshot": {"cpu": parameters}, "momentum": {}, "error_feedback": {}, "sync": {}},
+        ("nesterov", 1, True, None): {
+            "snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "error_feedback": {}, "sync": {}
+        },
+        ("nesterov", 2, False, None): {
+            "snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "error_feedback": {}, "sync": {}
+        },
+        ("nesterov", 2, True, "int4"): {  # the residuals are fp32, as the parameters
+            "snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "error_feedback": {"cpu": parameters},
+            "sync": {},
+        },
     }
     assert results == {0: expected, 1: expected}
 
@@ -696,7 +706,10 @@ def test_hydra_options_reach_the_strategy(tmp_path):
         (dict(local_sgd_steps=4, local_sgd_outer="adam"), "local_sgd_outer='adam' is invalid: expected one of average, nesterov"),
         (dict(local_sgd_steps=4, local_sgd_outer_lr=0), "local_sgd_outer_lr=0 is invalid: expected a positive number"),
         (dict(local_sgd_steps=4, local_sgd_outer_momentum=1), "local_sgd_outer_momentum=1 is invalid"),
-        (dict(local_sgd_steps=4, local_sgd_sync_dtype="fp8"), "local_sgd_sync_dtype='fp8' is invalid"),
+        (
+            dict(local_sgd_steps=4, local_sgd_sync_dtype="fp16"),
+            "local_sgd_sync_dtype='fp16' is invalid: expected one of bf16, int8, int4, fp8",
+        ),
         (dict(local_sgd_steps=4, comm_buffer_size="auto"), "comm_buffer_size='auto' with local_sgd_steps=4 and local_sgd_warmup_steps=0"),
         (dict(local_sgd_steps=4, local_sgd_outer="nesterov", sharding_stage=2), "sharding_stage=2 with local_sgd_steps=4"),
         (dict(local_sgd_steps=4, local_sgd_adaptive=True, fault_tolerance="torchft"), "local_sgd_adaptive=True with"),

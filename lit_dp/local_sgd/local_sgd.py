@@ -20,7 +20,9 @@ from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
 from lit_dp.local_sgd.outer import OuterState
 from lit_dp.local_sgd.schedule import ADAPTIVE_MAX_LOCAL_STEPS, ADAPTIVE_MIN_LOCAL_STEPS, Schedule
-from lit_dp.local_sgd.transport import Reduction, SyncBucket, reduce_across, wire_dtype
+import lit_dp.gradients.group as process_groups
+from lit_dp.local_sgd.transport import Reduction, SyncBucket, reduce_across, wire_format
+from lit_dp.local_sgd.wire import WireFormat
 from lit_dp.observability.stats import SyncRecorder, SyncStats
 from lit_dp.options import DEFAULT_BUCKET_MB
 from lit_dp.options.declare import choice
@@ -28,7 +30,9 @@ from lit_dp.options.local_sgd import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     OUTERS,
+    WIRE_BACKENDS,
     check_mixing,
+    default_error_feedback,
     check_outer_lr,
     check_outer_momentum,
 )
@@ -58,7 +62,12 @@ class LocalSGD:
         outer: ``"average"`` (the mean of the models) or ``"nesterov"`` (DiLoCo's outer optimizer).
         outer_lr, outer_momentum: the outer SGD's learning rate and Nesterov momentum (0: plain outer SGD,
             which with ``outer_lr=1`` is averaging).
-        sync_dtype: the dtype the deltas travel in (``"bf16"`` or ``torch.bfloat16``); None: the parameters'.
+        sync_dtype: the format the deltas travel in (``lit_dp.local_sgd.wire``): ``"bf16"`` (or
+            ``torch.bfloat16``), ``"int8"``, ``"int4"`` or ``"fp8"`` (``float8_e4m3fn``, where the torch
+            build has it), the last three with an fp32 scale per block of 128 values; always summed
+            in fp32. None: the parameters' dtype.
+        error_feedback: keep what the format dropped on this rank and add it to this rank's next delta;
+            None: on for 8 bits and below (int8, int4, fp8), off for bf16. Not with ``sync_dtype=None``.
         fragments: F, sync the model one fragment at a time, one every K/F steps (streaming DiLoCo);
             K must be a multiple of F, and F at most the number of trainable tensors.
         offload: keep the snapshot and the outer momentum of CUDA parameters in (pinned) CPU memory;
@@ -85,6 +94,7 @@ class LocalSGD:
         outer_lr: float = DEFAULT_OUTER_LR,
         outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
         sync_dtype: torch.dtype | str | None = None,
+        error_feedback: bool | None = None,
         fragments: int = 1,
         offload: bool = True,
         sync_delay: int = 0,
@@ -119,7 +129,8 @@ class LocalSGD:
         choice(*OUTERS)("outer", outer)
         outer_lr = check_outer_lr("outer_lr", outer_lr)
         outer_momentum = check_outer_momentum("outer_momentum", outer_momentum)
-        self._sync_dtype = wire_dtype(sync_dtype)
+        self._wire = wire_format(sync_dtype)
+        self._error_feedback = _resolve_error_feedback(error_feedback, self._wire)
         if not isinstance(offload, bool):
             raise ValueError(f"offload={offload!r} is invalid: expected True or False.")
         self._offload = offload
@@ -148,13 +159,17 @@ class LocalSGD:
         # keeps its integer buffers (BatchNorm's counts), as each keeps its buffers under the Manager.
         self._replica_groups = bool(self._rings) and hasattr(self._rings[0], "step_failed")
         if self._replica_groups:
-            if sync_delay or self._sync_dtype is not None:
+            if sync_delay or self._wire is not None:
                 raise ValueError(
                     f"sync_delay={sync_delay}, sync_dtype={sync_dtype!r} across torchft's replica groups are not "
-                    "supported: a sync in flight would cross the next step's quorum, and torchft's groups offer no "
-                    "all-to-all for the fp32 sums; expected sync_delay=0 and sync_dtype=None."
+                    "supported: a sync in flight would cross the next step's quorum, and lit_dp's groups across "
+                    "replica groups offer a SUM all-reduce only, where a sync in a wire format takes an all-to-all "
+                    "and an all-gather (torchft's own process group has both; lit_dp does not route them yet); "
+                    "expected sync_delay=0 and sync_dtype=None."
                 )
             self._rings = [self._rings[0].for_syncs()]
+        elif self._wire is not None:
+            _check_wire_backends(sync_dtype, self._rings)
         if comm_buffer_size is not None:
             megabytes_to_bytes("comm_buffer_size", comm_buffer_size)  # checked now, read when the buckets are built
         self._comm_buffer_size = comm_buffer_size
@@ -162,6 +177,7 @@ class LocalSGD:
         self._outer_settings = {"lr": outer_lr, "momentum": outer_momentum}
         self._state: OuterState | None = None  # built when the local phase starts
         self._outer_resumed: dict[str, Any] | None = None  # a checkpoint's tensors, until the state is built
+        self._residuals_resumed: list[torch.Tensor | None] | None = None  # this rank's, likewise
         inner = module.module if isinstance(module, DataParallel) else module
         # What the model keeps equal across ranks: DDP's ignore list, read when the model was wrapped.
         ignore = module.parameters_to_ignore if isinstance(module, DataParallel) else ddp_ignored(inner)
@@ -275,10 +291,12 @@ class LocalSGD:
             return
         if self._pending is not None:  # the ranks stopped stepping: a delayed sync is applied now
             self._complete()
-        schedule = [self.state_dict()]
+        schedule = [self._shared_state_dict()]
+        own = self.rank_state_dict()  # each rank keeps its own residuals
         with self._waiter.outside("the broadcast of the LocalSGD schedule"):
             dist.broadcast_object_list(schedule, src=src, group=self._rings[0])
         self.load_state_dict(schedule[0])
+        self.load_rank_state_dict(own)
 
     def finish(self) -> None:
         """Make every rank hold the same model (call when training ends): apply a sync still in flight,
@@ -330,7 +348,8 @@ class LocalSGD:
                 self._sync_failed(pending)
                 return
             self._state.apply(pending.fragment, participants, keep)
-        self._recorder.record(pending.step, self._state.wire_bytes(pending.fragment), pending.began, waited_from)
+        nbytes = self._state.wire_bytes(pending.fragment, self._world_size)
+        self._recorder.record(pending.step, nbytes, pending.began, waited_from)
         if self.fragments == 1 and not keep:  # else the replicas still differ: see finish()
             self._after_sync_hooks(pending.shadow)
 
@@ -393,17 +412,21 @@ class LocalSGD:
         t = self.traffic()
         if not t:
             return ""
+        # The bytes are the wire format's, scales and padding included (SyncBucket.wire_bytes).
+        how = f"LocalSGD outer={self._outer}"
+        if self._wire is not None:
+            how += f", sync_dtype={self._wire.name}{' with error feedback' if self._error_feedback else ''}"
         if self.fragments > 1:
             syncs = (
-                f"LocalSGD outer={self._outer}, fragments={self.fragments}: {t['syncs']:.0f} fragment syncs of "
+                f"{how}, fragments={self.fragments}: {t['syncs']:.0f} fragment syncs of "
                 f"{t['bytes_per_sync'] / 2**20:.3f} MB (at most {t['max_bytes_per_sync'] / 2**20:.3f} MB)"
             )
         else:
-            syncs = f"LocalSGD outer={self._outer}: {t['syncs']:.0f} averages of {t['bytes_per_sync'] / 2**20:.3f} MB"
+            syncs = f"{how}: {t['syncs']:.0f} averages of {t['bytes_per_sync'] / 2**20:.3f} MB"
         return (
             f"{syncs}, "
             f"time {t['time_ms']:.3f} ms, exposed {t['exposed_ms']:.3f} ms each (rank 0); "
-            f"{t['bytes_per_step'] / 2**20:.4f} MB per local step, {t['vs_dp']:.4f} of data parallelism's "
+            f"{t['bytes_per_step'] / 2**20:.6f} MB per local step, {t['vs_dp']:.6f} of data parallelism's "
             f"{t['dp_bytes_per_step'] / 2**20:.3f} MB"
         )
 
@@ -413,7 +436,12 @@ class LocalSGD:
         fragment was last synced) and, with ``outer="nesterov"``, its momentum (None without), one
         CPU tensor per parameter, the same on every rank. With fragments, each fragment's last sync
         (``last_syncs``). The model's and the inner optimizer's states are not in it: they are each
-        rank's own, saved beside it (see docs/local_sgd.md)."""
+        rank's own, saved beside it (see docs/local_sgd.md). With error feedback, this rank's residuals
+        too (``rank_state_dict``), which only this rank takes back."""
+        return self._shared_state_dict() | self.rank_state_dict()
+
+    def _shared_state_dict(self) -> dict[str, Any]:
+        """The state every rank holds alike (``state_dict`` without this rank's own part)."""
         state = self._schedule.state_dict()
         if self._replica_groups:
             state["across_replica_groups"] = True  # the ranks of a group hold one model between syncs
@@ -450,6 +478,7 @@ class LocalSGD:
         """
         self._schedule.load_state_dict(state)
         self._outer_resumed = state.get("outer")
+        self._residuals_resumed = self._own_residuals(state)
         self._state = None
         self._pending = None
         self._follow_phase()
@@ -462,6 +491,41 @@ class LocalSGD:
             self._pending = _PendingSync(
                 saved_pending["fragment"], saved_pending["step"], False, mark, mark, None, saved_pending["participants"]
             )
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's own part of the state, which no other rank holds: with error feedback, once the local
+        phase has started, ``error_feedback``, its residuals (one CPU tensor per parameter) with the global
+        rank and world size they belong to; {} otherwise."""
+        if not self._error_feedback:
+            return {}
+        residuals = self._state.residuals() if self._state is not None else self._residuals_resumed
+        if residuals is None:
+            return {}
+        rank, world_size = _global_rank_and_size()
+        return {"error_feedback": {"rank": rank, "world_size": world_size, "residuals": residuals}}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        """Take this rank's own part of a state (``rank_state_dict``): its residuals when they are this
+        rank's (the same global rank and world size), else zero."""
+        self._residuals_resumed = self._own_residuals(state)
+        if self._state is not None:
+            self._state.restore_residuals(self._residuals_resumed)
+            self._residuals_resumed = None
+
+    def _own_residuals(self, state: dict[str, Any]) -> list[torch.Tensor | None] | None:
+        """The residuals in ``state`` if they are this rank's; None (start at zero) for another rank's (every
+        rank of a Trainer's resume reads rank 0's file), another world size's, or a state without them."""
+        saved = state.get("error_feedback")
+        if saved is None or not self._error_feedback:
+            return None
+        rank, world_size = _global_rank_and_size()
+        if (saved["rank"], saved["world_size"]) != (rank, world_size):
+            log.debug(
+                "LocalSGD: error feedback starts at zero on rank %d of %d (the state's residuals are rank %d's of %d)",
+                rank, world_size, saved["rank"], saved["world_size"],
+            )
+            return None
+        return saved["residuals"]
 
     def _follow_phase(self) -> None:
         """After the schedule moved: the model synchronises gradients during warm-up only (it is told,
@@ -483,7 +547,8 @@ class LocalSGD:
                 self._buffers,
                 self._fragment_indices,
                 megabytes_to_bytes("comm_buffer_size", size),
-                wire=self._sync_dtype,
+                wire=self._wire,
+                error_feedback=self._error_feedback,
                 offload=self._offload,
                 outer=self._outer,
                 outer_settings=self._outer_settings,
@@ -491,6 +556,9 @@ class LocalSGD:
                 resumed=self._outer_resumed,
             )
             self._outer_resumed = None
+            if self._residuals_resumed is not None:
+                self._state.restore_residuals(self._residuals_resumed)
+                self._residuals_resumed = None
         return self._state
 
     @property
@@ -515,6 +583,39 @@ class LocalSGD:
             self._waiter.wait(work, "LocalSGD's agreement on the loss and learning rate")
         loss_sum, lr_sum, ranks = values.tolist()
         return loss_sum / ranks, lr_sum / ranks
+
+
+def _resolve_error_feedback(value: Any, wire: WireFormat | None) -> bool:
+    """``error_feedback`` as given, or its default for the format (``default_error_feedback``)."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"error_feedback={value!r} is invalid: expected True, False or None (on for 8 bits and below).")
+    if wire is None:
+        if value:
+            raise ValueError(
+                "error_feedback=True with sync_dtype=None is invalid: a sync in the parameters' dtype drops nothing "
+                "to feed back; expected a sync_dtype (bf16, int8, int4, fp8) or error_feedback=None."
+            )
+        return False
+    return default_error_feedback(wire.bits) if value is None else value
+
+
+def _check_wire_backends(sync_dtype: Any, rings: list[dist.ProcessGroup]) -> None:
+    """A wire format travels as bytes through an all-to-all and an all-gather: refused, before the first
+    sync, on a backend lit_dp does not run them on."""
+    for ring in rings:
+        backend = process_groups.backend_name(ring)
+        if backend not in WIRE_BACKENDS:
+            raise ValueError(
+                f"sync_dtype={sync_dtype!r} is invalid on the process group's backend {backend!r}: a sync in a wire "
+                f"format takes an all-to-all and an all-gather, which lit_dp runs on {' and '.join(WIRE_BACKENDS)}; "
+                "expected sync_dtype=None (the parameters' dtype) on this backend."
+            )
+
+
+def _global_rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 @dataclasses.dataclass
