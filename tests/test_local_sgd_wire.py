@@ -140,9 +140,8 @@ def test_the_library_refuses_what_a_wire_format_cannot_do_by_name(monkeypatch):
         (dict(local_sgd_error_feedback=True), "local_sgd_error_feedback=True needs local_sgd_steps"),
         (
             dict(local_sgd_steps=4, local_sgd_error_feedback=True),
-            "local_sgd_error_feedback=True with local_sgd_sync_dtype=None is invalid: a sync in the parameters' dtype "
-            "drops nothing to feed back; expected a local_sgd_sync_dtype (bf16, int8, int4, fp8) or "
-            "local_sgd_error_feedback=None.",
+            "local_sgd_error_feedback=True needs local_sgd_sync_dtype: a sync in the parameters' dtype drops nothing "
+            "to feed back; expected local_sgd_sync_dtype=bf16, int8, int4 or fp8, or local_sgd_error_feedback=None.",
         ),
         (dict(local_sgd_steps=4, local_sgd_error_feedback=1), "local_sgd_error_feedback=1 is invalid: expected True, False or None"),
         (
@@ -274,3 +273,254 @@ def test_error_feedback_carries_what_the_format_drops_so_the_sum_tracks_fp32():
         assert with_feedback["error"] < 2 / LARGEST[name], (name, with_feedback)
         assert without["error"] > 0.8 * syncs * small, (name, without)
         assert without["error"] > 5 * with_feedback["error"], (name, with_feedback, without)
+
+
+class ReferenceSync:
+    """A sync in int8 or int4 over the ranks, on one process, written out from its definition: each rank's
+    delta plus its residual, padded to a chunk per rank of whole blocks, rounded per block of ``BLOCK`` values
+    to codes of an fp32 scale (largest magnitude / largest code, half to even); each chunk summed in fp32 in
+    rank order and rounded the same way. Error feedback: each rank keeps what its rounding dropped (a rank
+    not taking part sends zeros and keeps its residual), each chunk's owner what its sum's rounding dropped."""
+
+    def __init__(self, bits: int, feedback: bool) -> None:
+        self.largest, self.feedback = 2 ** (bits - 1) - 1, feedback
+        self.residuals: dict[int, list[torch.Tensor]] = {}  # per bucket (a fragment here): each rank's
+
+    def _round(self, values: torch.Tensor) -> torch.Tensor:
+        blocks = values.view(-1, BLOCK)
+        scale = (blocks.abs().amax(dim=1, keepdim=True) / self.largest).float()
+        codes = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round().clamp(-self.largest, self.largest)
+        return (codes * scale).view(-1)
+
+    def sum(self, bucket: int, deltas: list[torch.Tensor], taking_part: list[bool]) -> torch.Tensor:
+        ranks, size = len(deltas), deltas[0].numel()
+        length = -(-size // (ranks * BLOCK)) * BLOCK
+        residuals = self.residuals.setdefault(bucket, [torch.zeros(size) for _ in range(ranks)])
+        sent = []
+        for rank, (delta, part) in enumerate(zip(deltas, taking_part)):
+            values = torch.zeros(ranks * length)
+            if part:
+                values[:size] = delta
+                if self.feedback:
+                    values[:size] += residuals[rank]
+            rounded = self._round(values)
+            if part and self.feedback:
+                residuals[rank] = (values - rounded)[:size]
+            sent.append(rounded)
+        total = torch.empty(ranks * length)
+        for owner in range(ranks):
+            chunk = slice(owner * length, (owner + 1) * length)
+            chunk_sum = sent[0][chunk].clone()
+            for rank in range(1, ranks):
+                chunk_sum += sent[rank][chunk]
+            total[chunk] = self._round(chunk_sum)
+            if taking_part[owner] and self.feedback:
+                dropped = (chunk_sum - total[chunk])[: max(0, min(length, size - owner * length))]
+                residuals[owner][owner * length : owner * length + dropped.numel()] += dropped
+        return total[:size]
+
+
+def flat(model: nn.Module, names: list[str]) -> torch.Tensor:
+    parameters = dict(model.named_parameters())
+    return torch.cat([parameters[name].detach().reshape(-1) for name in names])
+
+
+@torch.no_grad()
+def assign(models: list[nn.Module], names: list[str], values: torch.Tensor) -> None:
+    for model in models:
+        parameters = dict(model.named_parameters())
+        for name, piece in zip(names, values.split([parameters[n].numel() for n in names])):
+            parameters[name].copy_(piece.view_as(parameters[name]))
+
+
+def streaming_reference(steps: list, k: int, fragments: list[list[str]], delay: int, sync: ReferenceSync) -> list[nn.Module]:
+    """Streaming averaging on one process: fragment f's deltas are summed (``sync``) after the steps
+    ``(f+1) * K/F + n*K``, and ``delay`` steps later its snapshot steps to ``snapshot - sum / ranks``, which
+    every rank takes; at the end a sync in flight is applied, then every other fragment stepped since its last sync."""
+    from tests.test_local_sgd_outer import delay_net
+
+    models = [delay_net() for _ in steps[0][1]]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    snapshots = [flat(models[0], names) for names in fragments]
+    last_syncs = [-k + (f + 1) * k // len(fragments) for f in range(len(fragments))]
+
+    def start(fragment: int) -> tuple[int, torch.Tensor]:
+        deltas = [snapshots[fragment] - flat(model, fragments[fragment]) for model in models]
+        return fragment, sync.sum(fragment, deltas, [True] * len(models))
+
+    def apply(fragment: int, total: torch.Tensor) -> None:
+        snapshots[fragment].sub_(total, alpha=1.0 / len(models))
+        assign(models, fragments[fragment], snapshots[fragment])
+
+    pending = None
+    for number, (_, micro_batches) in enumerate(steps, start=1):
+        for model, optimizer, batches in zip(models, optimizers, micro_batches):
+            mse(model, batches[0]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if pending is not None and number - pending[2] >= delay:
+            apply(*pending[:2])
+            pending = None
+        due = [f for f, last in enumerate(last_syncs) if number - last >= k]
+        if due:
+            last_syncs[due[0]] = number
+            pending = (*start(due[0]), number)
+            if delay == 0:
+                apply(*pending[:2])
+                pending = None
+    if pending is not None:
+        apply(*pending[:2])
+    for fragment, last in enumerate(last_syncs):
+        if (pending is None or fragment != pending[0]) and len(steps) > last:
+            apply(*start(fragment))
+    return models
+
+
+def streaming_case(rank: int, tmp_path: str) -> dict:
+    """Streaming averaging in 2 fragments with ``sync_delay=1`` in int4 and int8, with and without error
+    feedback, by hand against ``streaming_reference``; then DiLoCo in int4 with error feedback, saved between
+    two syncs (one in flight) and resumed, each rank from its own file: the uninterrupted run's weights, bit
+    for bit, which the same resume without the residuals misses."""
+    import torch.distributed as dist
+
+    import lit_dp
+    from tests.test_local_sgd_outer import _train, delay_net, fragment_names
+
+    lit_dp.init_parallel_env()
+    world_size = dist.get_world_size()
+    fragments = fragment_names(delay_net(), 2)
+    steps = random_steps(15, world_size, seed=21)
+    report: dict = {}
+    for name, bits in (("int4", 4), ("int8", 8)):
+        for feedback in (True, False):
+            model = lit_dp.DataParallel(delay_net())
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            local_sgd = lit_dp.LocalSGD(model, 4, fragments=2, sync_delay=1, sync_dtype=name, error_feedback=feedback)
+            _train(model, optimizer, local_sgd, steps, rank, last=14)  # fragment 0's sync after 14 is in flight
+            local_sgd.finish()
+            expected = streaming_reference(steps[:14], 4, fragments, 1, ReferenceSync(bits, feedback))[rank]
+            report[(name, feedback)] = all(torch.equal(p, q) for p, q in zip(model.module.parameters(), expected.parameters()))
+
+    def build():
+        model = lit_dp.DataParallel(Net())
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        return model, optimizer, lit_dp.LocalSGD(model, 4, outer="nesterov", fragments=2, sync_delay=1, sync_dtype="int4")
+
+    steps = random_steps(16, world_size, seed=11)
+    model, optimizer, local_sgd = build()
+    _train(model, optimizer, local_sgd, steps, rank)
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, local_sgd = build()
+    _train(model, optimizer, local_sgd, steps, rank, last=10)  # fragment 1 started after step 9, applied after 10
+    path = f"{tmp_path}/rank{rank}.pt"
+    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "local_sgd": local_sgd.state_dict()}, path)
+    saved = torch.load(path, weights_only=True)
+    feedback = saved["local_sgd"]["error_feedback"]
+    report["saved"] = (feedback["rank"], feedback["world_size"], "pending" in saved["local_sgd"])
+    report["residuals held"] = all(r is not None and bool(r.any()) for r in feedback["residuals"])
+    for label, state in (("resume exact", saved["local_sgd"]), ("without residuals", {**saved["local_sgd"], "error_feedback": None})):
+        model, optimizer, local_sgd = build()
+        model.module.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        local_sgd.load_state_dict({key: value for key, value in state.items() if value is not None})
+        _train(model, optimizer, local_sgd, steps, rank, first=10)
+        report[label] = all(torch.equal(p, q) for p, q in zip(model.parameters(), uninterrupted))
+    return report
+
+
+@pytest.mark.slow
+def test_streaming_syncs_match_the_reference_and_an_int4_resume_between_syncs_is_exact(tmp_path):
+    results = run_ranks(streaming_case, 2, str(tmp_path), timeout=240)
+    for rank, result in results.items():
+        assert result == {
+            ("int4", True): True, ("int4", False): True, ("int8", True): True, ("int8", False): True,
+            "saved": (rank, 2, True), "residuals held": True, "resume exact": True, "without residuals": False,
+        }, f"rank {rank}: {result}"  # fmt: skip
+
+
+def uneven_wire_case(rank: int, tmp_path: str, counts: list[int]) -> list[float]:
+    from tests.helpers.lightning import trainer as lightning_trainer
+    from tests.test_local_sgd import UnevenRegressor
+
+    module = UnevenRegressor(rank, counts[rank])
+    strategy = PaddleDPStrategy(uneven_inputs=True, local_sgd_steps=2, local_sgd_sync_dtype="int8")
+    trainer = lightning_trainer(strategy, tmp_path, max_epochs=1, use_distributed_sampler=False)
+    trainer.fit(module)
+    return torch.cat([p.detach().flatten() for p in module.net.parameters()]).tolist()
+
+
+def uneven_wire_reference(counts: list[int], period: int, sync: ReferenceSync) -> torch.Tensor:
+    """One process: each rank steps while it has batches; every ``period`` steps, and at the end, the ranks
+    that took a step since the last average take part in the sync (``sync``; the others send zeros and keep
+    their residuals), divided by their number, and every rank takes the result."""
+    from tests.test_local_sgd import UnevenRegressor, regression_loss, uneven_batches
+
+    models = [UnevenRegressor(rank, count).net for rank, count in enumerate(counts)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    batches = [uneven_batches(rank, count) for rank, count in enumerate(counts)]
+    names = [name for name, _ in models[0].named_parameters()]
+    snapshot = flat(models[0], names)
+    trained = [False] * len(counts)
+
+    def average() -> None:
+        total = sync.sum(0, [snapshot - flat(m, names) for m in models], trained)
+        snapshot.sub_(total, alpha=1.0 / sum(trained))
+        assign(models, names, snapshot)
+        trained[:] = [False] * len(counts)
+
+    for step in range(1, max(counts) + 1):
+        for rank, (model, optimizer) in enumerate(zip(models, optimizers)):
+            if step <= counts[rank]:
+                regression_loss(model, batches[rank][step - 1]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                trained[rank] = True
+        if step % period == 0:
+            average()
+    if max(counts) % period:
+        average()
+    return flat(models[0], names)
+
+
+@pytest.mark.slow
+def test_under_join_a_rank_that_ran_out_sends_zeros_and_keeps_its_residual(tmp_path):
+    # Rank 0 has 3 batches, rank 1 has 7; K=2: the sync after step 4 still counts rank 0's step 3, those
+    # after 6 and the final one after 7 count rank 1 alone, rank 0 sending zeros (int8, error feedback on).
+    counts = [3, 7]
+    results = run_ranks(uneven_wire_case, 2, str(tmp_path), counts, timeout=180)
+    expected = uneven_wire_reference(counts, 2, ReferenceSync(8, feedback=True))
+    without_feedback = uneven_wire_reference(counts, 2, ReferenceSync(8, feedback=False))
+    assert not torch.equal(expected, without_feedback), "the data does not tell error feedback apart"
+    for rank, values in results.items():
+        assert torch.equal(torch.tensor(values), expected), f"rank {rank}: {(torch.tensor(values) - expected).abs().max()}"
+
+
+def lightning_resume_case(rank: int, tmp_path: str) -> dict:
+    """The Trainer strategy with ``local_sgd_sync_dtype="int4"`` (error feedback on): 4 epochs uninterrupted,
+    then 2 and a resume to 4 from the checkpoint after step 8, between two syncs: the same weights, bit for
+    bit, on every rank, rank 1's residuals coming back from the checkpoint's replicas."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.test_local_sgd import assert_same_weights, fit
+
+    # K=3, W=1: syncs after steps 4, 7, 10, 13 and finish() after 16; the checkpoint after step 8 is mid-period.
+    options = dict(local_sgd_steps=3, local_sgd_warmup_steps=1, local_sgd_outer="nesterov", local_sgd_sync_dtype="int4")
+    module, uninterrupted = fit(f"{tmp_path}/a", 4, **options)
+    checkpoints = ModelCheckpoint(dirpath=f"{tmp_path}/ckpt", save_last=True)
+    fit(f"{tmp_path}/b", 2, callbacks=[checkpoints], **options)
+    saved = torch.load(f"{tmp_path}/ckpt/last.ckpt", weights_only=False)["lit_dp"]["local_sgd"]
+    resumed_module, resumed = fit(f"{tmp_path}/c", 4, ckpt_path=f"{tmp_path}/ckpt/last.ckpt", **options)
+    assert resumed == uninterrupted[8:], f"rank {rank}: resumed schedule {resumed} != {uninterrupted[8:]}"
+    assert_same_weights(resumed_module, module, f"rank {rank}: resumed between two int4 syncs")
+    replica = saved["replicas"]["ranks"][1]["local_sgd"]["error_feedback"]
+    return {
+        "rank 0's": (saved["error_feedback"]["rank"], any(r.any() for r in saved["error_feedback"]["residuals"])),
+        "rank 1's": (replica["rank"], any(r.any() for r in replica["residuals"])),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_strategy_resumes_an_int4_sync_exactly_between_syncs(tmp_path):
+    results = run_ranks(lightning_resume_case, 2, str(tmp_path), timeout=300)
+    assert results == {rank: {"rank 0's": (0, True), "rank 1's": (1, True)} for rank in (0, 1)}, results

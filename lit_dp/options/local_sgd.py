@@ -225,12 +225,11 @@ RULES = (
             "mixing",
         )
     ),
-    excludes(
+    requires(
         "local_sgd.error_feedback",
         "local_sgd.sync_dtype",
-        when=lambda o: o.local_sgd.error_feedback is True and o.local_sgd.sync_dtype is None,
-        reason="a sync in the parameters' dtype drops nothing to feed back; expected a {local_sgd.sync_dtype} "
-        "(bf16, int8, int4, fp8) or {local_sgd.error_feedback}=None",
+        "a sync in the parameters' dtype drops nothing to feed back; expected {local_sgd.sync_dtype}=bf16, int8, int4 "
+        "or fp8, or {local_sgd.error_feedback}=None",
     ),
     excludes(
         "local_sgd.fragments",
