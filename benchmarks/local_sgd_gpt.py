@@ -86,8 +86,8 @@ def _modes(config: LocalSGDGPTConfig) -> list[tuple[str, list[str]]]:
             if not config.error_feedback:
                 modes.append((f"nesterov+{dtype} K={k}", quantized))
             for feedback in config.error_feedback:
-                label = "EF" if feedback else "no EF"
-                modes.append((f"nesterov+{dtype} {label} K={k}", [*quantized, f"strategy.local_sgd.error_feedback={feedback}"]))
+                name = f"nesterov+{dtype} {'EF' if feedback else 'no EF'} K={k}"
+                modes.append((name, [*quantized, f"strategy.local_sgd.error_feedback={feedback}"]))
         for fragments in config.fragments:
             streaming = [*period, "strategy.local_sgd.outer=nesterov", f"strategy.local_sgd.fragments={fragments}"]
             modes.append((f"nesterov F={fragments} K={k}", streaming))

@@ -11,7 +11,8 @@ the same digits shards in the same 2 gloo processes, with DiLoCo in ``fragments`
 The slow link is the benchmark's own: LocalSGD's collectives are handed to gloo as usual, and
 each one is reported complete no sooner than the link, shared by all of them in turn, would
 have carried its bytes at ``link_mbit`` Mbit/s (a ring all-reduce's ``2(n-1)/n`` of the payload
-per rank; a wire format's all-to-all and all-gather ``(n-1)/n`` of theirs each); a wait before that sleeps. So the sync's time in flight is set by the bandwidth, and
+per rank; a wire format's all-to-all and all-gather ``(n-1)/n`` of theirs each); a wait before
+that sleeps. So the sync's time in flight is set by the bandwidth, and
 what the delay hides of it is what the inner steps in between take. Reported per mode: the sync
 time exposed per local step (``LocalSGD.traffic``: the wait when a sync is applied, and applying
 it), the mean step time, and the final model's validation loss and accuracy.

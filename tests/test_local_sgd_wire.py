@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from lit_dp import PaddleDPStrategy
-from lit_dp.local_sgd.transport import SyncBucket, wire_format
-from lit_dp.local_sgd.wire import BLOCK, available_formats
+from lit_dp.local_sgd.transport import SyncBucket
+from lit_dp.local_sgd.wire import BLOCK, available_formats, wire_format
 from tests.helpers.distributed import run_ranks
 from tests.test_local_sgd import Net, mse, random_steps
 
@@ -524,3 +524,56 @@ def lightning_resume_case(rank: int, tmp_path: str) -> dict:
 def test_lightning_strategy_resumes_an_int4_sync_exactly_between_syncs(tmp_path):
     results = run_ranks(lightning_resume_case, 2, str(tmp_path), timeout=300)
     assert results == {rank: {"rank 0's": (0, True), "rank 1's": (1, True)} for rank in (0, 1)}, results
+
+
+def python_group_case(rank: int) -> dict:
+    """A sync in int4 with error feedback over a process group written in Python that offers nothing but
+    ``alltoall_base``, ``allgather_into_tensor_coalesced`` and ``allreduce`` (what torchft's process groups
+    offer, and all that the quantized sync asks): the same sums and residuals as over torch's own group."""
+    import torch.distributed as dist
+
+    import lit_dp
+    from lit_dp.gradients.waiting import UNWATCHED
+    from lit_dp.local_sgd.transport import reduce_across
+
+    class ThreeCollectives(dist.ProcessGroup):
+        def __init__(self, inner: dist.ProcessGroup) -> None:
+            super().__init__(inner.rank(), inner.size())
+            self.inner, self.calls = inner, []
+
+        def alltoall_base(self, output, tensor, output_splits, input_splits, opts):
+            self.calls.append("alltoall_base")
+            return self.inner.alltoall_base(output, tensor, output_splits, input_splits, opts)
+
+        def allgather_into_tensor_coalesced(self, outputs, tensors, opts):
+            self.calls.append("allgather_into_tensor_coalesced")
+            return self.inner.allgather_into_tensor_coalesced(outputs, tensors, opts)
+
+        def allreduce(self, tensors, opts):
+            self.calls.append("allreduce")
+            return self.inner.allreduce(tensors, opts)
+
+    lit_dp.init_parallel_env()
+    python_group = ThreeCollectives(dist.group.WORLD)
+    results = []
+    for group in (dist.group.WORLD, python_group):
+        parameter = torch.zeros(700)
+        bucket = SyncBucket("delta", [parameter], wire_format("int4"), error_feedback=True)
+        for sync in range(3):
+            with torch.no_grad():
+                parameter.copy_(bucket.snapshot - torch.randn(700, generator=torch.Generator().manual_seed(10 * sync + rank)))
+            reduction = reduce_across([bucket], [group], UNWATCHED)
+            participants = reduction.wait()
+            bucket.apply(participants, outer=False)
+        results.append((parameter.clone(), bucket.residual.clone()))
+    return {
+        "same sums and residuals": all(torch.equal(a, b) for a, b in zip(*results)),
+        "calls": sorted(set(python_group.calls)),
+    }
+
+
+@pytest.mark.slow
+def test_a_group_that_offers_an_all_to_all_and_an_all_gather_carries_a_quantized_sync():
+    results = run_ranks(python_group_case, 2, timeout=120)
+    expected = {"same sums and residuals": True, "calls": ["allgather_into_tensor_coalesced", "allreduce", "alltoall_base"]}
+    assert results == {0: expected, 1: expected}, results

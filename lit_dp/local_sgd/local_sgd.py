@@ -20,9 +20,8 @@ from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
 from lit_dp.local_sgd.outer import OuterState
 from lit_dp.local_sgd.schedule import ADAPTIVE_MAX_LOCAL_STEPS, ADAPTIVE_MIN_LOCAL_STEPS, Schedule
-import lit_dp.gradients.group as process_groups
-from lit_dp.local_sgd.transport import Reduction, SyncBucket, reduce_across, wire_format
-from lit_dp.local_sgd.wire import WireFormat
+from lit_dp.local_sgd.transport import Reduction, SyncBucket, check_wire_backends, reduce_across
+from lit_dp.local_sgd.wire import resolve_error_feedback, wire_format
 from lit_dp.observability.stats import SyncRecorder, SyncStats
 from lit_dp.options import DEFAULT_BUCKET_MB
 from lit_dp.options.declare import choice
@@ -30,9 +29,7 @@ from lit_dp.options.local_sgd import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     OUTERS,
-    WIRE_BACKENDS,
     check_mixing,
-    default_error_feedback,
     check_outer_lr,
     check_outer_momentum,
 )
@@ -130,7 +127,7 @@ class LocalSGD:
         outer_lr = check_outer_lr("outer_lr", outer_lr)
         outer_momentum = check_outer_momentum("outer_momentum", outer_momentum)
         self._wire = wire_format(sync_dtype)
-        self._error_feedback = _resolve_error_feedback(error_feedback, self._wire)
+        self._error_feedback = resolve_error_feedback(error_feedback, self._wire)
         if not isinstance(offload, bool):
             raise ValueError(f"offload={offload!r} is invalid: expected True or False.")
         self._offload = offload
@@ -169,7 +166,7 @@ class LocalSGD:
                 )
             self._rings = [self._rings[0].for_syncs()]
         elif self._wire is not None:
-            _check_wire_backends(sync_dtype, self._rings)
+            check_wire_backends(sync_dtype, self._rings)
         if comm_buffer_size is not None:
             megabytes_to_bytes("comm_buffer_size", comm_buffer_size)  # checked now, read when the buckets are built
         self._comm_buffer_size = comm_buffer_size
@@ -583,33 +580,6 @@ class LocalSGD:
             self._waiter.wait(work, "LocalSGD's agreement on the loss and learning rate")
         loss_sum, lr_sum, ranks = values.tolist()
         return loss_sum / ranks, lr_sum / ranks
-
-
-def _resolve_error_feedback(value: Any, wire: WireFormat | None) -> bool:
-    """``error_feedback`` as given, or its default for the format (``default_error_feedback``)."""
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"error_feedback={value!r} is invalid: expected True, False or None (on for 8 bits and below).")
-    if wire is None:
-        if value:
-            raise ValueError(
-                "error_feedback=True with sync_dtype=None is invalid: a sync in the parameters' dtype drops nothing "
-                "to feed back; expected a sync_dtype (bf16, int8, int4, fp8) or error_feedback=None."
-            )
-        return False
-    return default_error_feedback(wire.bits) if value is None else value
-
-
-def _check_wire_backends(sync_dtype: Any, rings: list[dist.ProcessGroup]) -> None:
-    """A wire format travels as bytes through an all-to-all and an all-gather: refused, before the first
-    sync, on a backend lit_dp does not run them on."""
-    for ring in rings:
-        backend = process_groups.backend_name(ring)
-        if backend not in WIRE_BACKENDS:
-            raise ValueError(
-                f"sync_dtype={sync_dtype!r} is invalid on the process group's backend {backend!r}: a sync in a wire "
-                f"format takes an all-to-all and an all-gather, which lit_dp runs on {' and '.join(WIRE_BACKENDS)}; "
-                "expected sync_dtype=None (the parameters' dtype) on this backend."
-            )
 
 
 def _global_rank_and_size() -> tuple[int, int]:

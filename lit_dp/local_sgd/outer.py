@@ -133,7 +133,8 @@ class OuterState:
             if bucket.residual is None:
                 continue
             saved = [residuals[self._param_index[id(t)]] if residuals is not None else None for t in bucket.tensors]
-            pieces = [s.reshape(-1) if s is not None else torch.zeros(n) for s, n in zip(saved, bucket.numels)]
+            zeros = [torch.zeros(n, dtype=bucket.residual.dtype) for n in bucket.numels]
+            pieces = [s.reshape(-1) if s is not None else zero for s, zero in zip(saved, zeros)]
             bucket.residual.copy_(torch.cat(pieces))
 
     def _restore(self, state: dict[str, Any]) -> None:

@@ -6,8 +6,10 @@ broadcast from the group's first rank (``FROM_FIRST_RANK``). ``reduce_across`` l
 bucket's collective and the count of the ranks taking part, all before any is awaited;
 ``Reduction.wait`` issues none. With a wire format (``sync_dtype``: ``lit_dp.local_sgd.wire``) the
 deltas travel encoded and are summed in fp32, with two collectives on the group it is given and no
-other: ``all_to_all_single`` (the group's ``alltoall_base``) and ``all_gather_into_tensor`` (its
-``_allgather_base``), so a group that offers those two carries every format.
+other: an all-to-all (the group's ``alltoall_base``) and an all-gather into one tensor (torch's
+function for torch's groups; ``allgather_into_tensor_coalesced`` for a group written in Python, as
+torchft's own quantized all-reduce asks its process groups), so a group that offers those two (and
+the SUM all-reduce of the count of ranks taking part) carries every format.
 
 Error feedback (``error_feedback``): what the encoding drops on a rank is kept (``residual``) and
 added to that rank's next delta, so that over many syncs the sum applied tracks the fp32 sum
@@ -24,28 +26,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 import lit_dp.gradients.group as process_groups
 from lit_dp.gradients.waiting import Waiter
-from lit_dp.local_sgd.wire import WireFormat, available_formats
-from lit_dp.options.local_sgd import SYNC_DTYPES
+from lit_dp.local_sgd.wire import WireFormat
+from lit_dp.options.local_sgd import WIRE_BACKENDS
 
 DELTA, MEAN, FROM_FIRST_RANK = "delta", "mean", "from_first_rank"
 
 
-def wire_format(value: Any) -> WireFormat | None:
-    """None, a name in ``SYNC_DTYPES`` ("bf16", "int8", "int4", "fp8"), or ``torch.bfloat16``."""
-    formats = available_formats()
-    if value is None:
-        return None
-    if value == torch.bfloat16:
-        return formats["bf16"]
-    if isinstance(value, str) and value in formats:
-        return formats[value]
-    names = ", ".join(repr(name) for name in SYNC_DTYPES if name in formats)
-    missing = [name for name in SYNC_DTYPES if name not in formats]
-    build = f" (this torch build, {torch.__version__}, has no float8_e4m3fn for {missing[0]!r})" if value in missing else ""
-    raise ValueError(f"sync_dtype={value!r} is invalid{build}: expected None, torch.bfloat16 or one of {names}.")
+def check_wire_backends(sync_dtype: Any, groups: list[dist.ProcessGroup]) -> None:
+    """A wire format travels as bytes through an all-to-all and an all-gather: refused, before the first
+    sync, on a backend lit_dp does not run them on."""
+    for group in groups:
+        backend = process_groups.backend_name(group)
+        if backend not in WIRE_BACKENDS:
+            raise ValueError(
+                f"sync_dtype={sync_dtype!r} is invalid on the process group's backend {backend!r}: a sync in a wire "
+                f"format takes an all-to-all and an all-gather, which lit_dp runs on {' and '.join(WIRE_BACKENDS)}; "
+                "expected sync_dtype=None (the parameters' dtype) on this backend."
+            )
 
 
 def state_device(device: torch.device, offload: bool) -> torch.device:
@@ -277,6 +278,11 @@ def _state_copy(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _all_gather(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    if process_groups.written_in_python(group):
+        # A group written in Python (torchft's process groups) is asked as torchft's own quantized all-reduce
+        # asks it: torch's functions would look it up in their registry of groups, or (2.13) call a method of
+        # a new name on it.
+        return group.allgather_into_tensor_coalesced([output], [chunk], AllgatherOptions())
     # torch 2.13 renamed all_gather_into_tensor (FutureWarning); the project supports torch >= 2.8.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, chunk, group=group, async_op=True)

@@ -22,7 +22,11 @@ which error feedback carries into the next sync (``SyncBucket``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from lit_dp.options.local_sgd import SYNC_DTYPES, default_error_feedback
 
 # Values per fp32 scale. 128 keeps the scales' share of the bytes at 1/32 of a value's byte and under
 # the bytes asked of each format (int8 at most 0.27 of fp32's, int4 at most 0.14: issue 53), where
@@ -159,3 +163,33 @@ def available_formats() -> dict[str, WireFormat]:
     if fp8 is not None:
         formats.append(Float8(fp8))
     return {f.name: f for f in formats}
+
+
+def wire_format(value: Any) -> WireFormat | None:
+    """None, a name in ``SYNC_DTYPES`` ("bf16", "int8", "int4", "fp8"), or ``torch.bfloat16``."""
+    formats = available_formats()
+    if value is None:
+        return None
+    if value == torch.bfloat16:
+        return formats["bf16"]
+    if isinstance(value, str) and value in formats:
+        return formats[value]
+    names = ", ".join(repr(name) for name in SYNC_DTYPES if name in formats)
+    missing = [name for name in SYNC_DTYPES if name not in formats]
+    build = f" (this torch build, {torch.__version__}, has no float8_e4m3fn for {missing[0]!r})" if value in missing else ""
+    raise ValueError(f"sync_dtype={value!r} is invalid{build}: expected None, torch.bfloat16 or one of {names}.")
+
+
+def resolve_error_feedback(value: Any, wire: WireFormat | None) -> bool:
+    """``error_feedback`` as given, or its default for ``wire`` (``default_error_feedback``); refused with no
+    format, which drops nothing."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"error_feedback={value!r} is invalid: expected True, False or None (on for 8 bits and below).")
+    if wire is None:
+        if value:
+            raise ValueError(
+                "error_feedback=True with sync_dtype=None is invalid: a sync in the parameters' dtype drops nothing "
+                "to feed back; expected a sync_dtype (bf16, int8, int4, fp8) or error_feedback=None."
+            )
+        return False
+    return default_error_feedback(wire.bits) if value is None else value
