@@ -87,8 +87,9 @@ def outer_cases(rank: int, tmp_path: str) -> dict:
             # a bf16 step of the deltas (~0.2 here) is ~1e-3; a missed or extra sync is off by ~0.1.
             for (key, ours), theirs in zip(model.module.state_dict().items(), expected[rank].state_dict().values()):
                 torch.testing.assert_close(ours, theirs, atol=3e-3, rtol=1e-2, msg=lambda m: f"{label}: {key}: {m}")
-            # The deltas travelled in bf16: half the parameters' bytes per average.
-            assert local_sgd.traffic()["bytes_per_sync"] == parameter_bytes / 2 + buffer_bytes, label
+            # The deltas travelled in bf16, padded to a chunk per rank: half the parameters' bytes per average.
+            padded = -(-parameter_bytes // 4 // world_size) * world_size
+            assert local_sgd.traffic()["bytes_per_sync"] == padded * 2 + buffer_bytes, label
 
     # Resume from mid-period, each rank from its own checkpoint: the same weights as uninterrupted.
     steps = random_steps(16, world_size, seed=11)
@@ -679,7 +680,9 @@ def test_recipe_runs_diloco_from_hydra_and_prints_its_traffic(tmp_path):
         f"hydra.run.dir={tmp_path}",
     )  # fmt: skip
     # 10 steps: averages after 4 and 8 before the callbacks' end of training (the final one follows).
-    summary = re.search(r"LocalSGD outer=nesterov: 2 averages of ([\d.]+) MB.*?([\d.]+) of data parallelism's", output)
+    summary = re.search(
+        r"LocalSGD outer=nesterov, sync_dtype=bf16: 2 averages of ([\d.]+) MB.*?([\d.]+) of data parallelism's", output
+    )
     assert summary is not None, output[-3000:]
     assert float(summary.group(2)) < 1 / 4 * 0.6, "bf16 deltas every 4 steps: about 1/8 of data parallelism's bytes"
     assert "after LocalSGD averages" in output, output[-3000:]
