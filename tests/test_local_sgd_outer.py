@@ -676,12 +676,14 @@ def test_recipe_runs_diloco_from_hydra_and_prints_its_traffic(tmp_path):
 
     output = run_recipe(
         "gpt", *QUIET, "experiment=gpt_tiny", "strategy.local_sgd.steps=4", "strategy.local_sgd.outer=nesterov",
-        "strategy.local_sgd.sync_dtype=bf16", "strategy.comm_stats=true", "strategy.consistency.every_n_steps=4",
-        f"hydra.run.dir={tmp_path}",
+        "strategy.local_sgd.sync_dtype=bf16", "strategy.local_sgd.error_feedback=true", "strategy.comm_stats=true",
+        "strategy.consistency.every_n_steps=4", f"hydra.run.dir={tmp_path}",
     )  # fmt: skip
     # 10 steps: averages after 4 and 8 before the callbacks' end of training (the final one follows).
     summary = re.search(
-        r"LocalSGD outer=nesterov, sync_dtype=bf16: 2 averages of ([\d.]+) MB.*?([\d.]+) of data parallelism's", output
+        r"LocalSGD outer=nesterov, sync_dtype=bf16 with error feedback: 2 averages of ([\d.]+) MB.*?([\d.]+) of data "
+        r"parallelism's",
+        output,
     )
     assert summary is not None, output[-3000:]
     assert float(summary.group(2)) < 1 / 4 * 0.6, "bf16 deltas every 4 steps: about 1/8 of data parallelism's bytes"
