@@ -328,7 +328,8 @@ class LocalSGD:
         began = self._recorder.mark()
         with torch.no_grad():
             reduction = self.reduce_across(state.fragments[fragment], self._rings, participates)
-        self._pending = _PendingSync(fragment, self._schedule.step, shadow, began, self._recorder.mark(), reduction)
+        assert reduction.exchange is not None
+        self._pending = _PendingSync(fragment, self._schedule.step, shadow, began, reduction.exchange[0], reduction)
         if self._sync_delay == 0 or final:
             self._complete(keep=0.0 if final else self._mixing)
 
@@ -337,8 +338,10 @@ class LocalSGD:
         pending, self._pending = self._pending, None
         assert pending is not None and self._state is not None
         keep = self._mixing if keep is None else keep
-        # Exposed: with a delay, only the wait when it is applied (the compute in between overlapped it).
+        # Exposed: with a delay, only the waits: for a wire format's exchange of chunks as it was launched,
+        # and when it is applied (the compute in between overlapped the rest).
         waited_from = pending.launched if self._sync_delay == 0 else self._recorder.mark()
+        exchange = pending.reduction.exchange if self._sync_delay and pending.reduction is not None else None
         with torch.no_grad():
             participants = pending.reduction.wait() if pending.reduction is not None else pending.participants
             if self._replica_groups and self._rings[0].step_failed():
@@ -346,7 +349,7 @@ class LocalSGD:
                 return
             self._state.apply(pending.fragment, participants, keep)
         nbytes = self._state.wire_bytes(pending.fragment, self._world_size)
-        self._recorder.record(pending.step, nbytes, pending.began, waited_from)
+        self._recorder.record(pending.step, nbytes, pending.began, waited_from, exchange)
         if self.fragments == 1 and not keep:  # else the replicas still differ: see finish()
             self._after_sync_hooks(pending.shadow)
 
@@ -367,8 +370,8 @@ class LocalSGD:
         self, buckets: list[SyncBucket], groups: list[dist.ProcessGroup], participates: bool = True
     ) -> Reduction:
         """The one cross-rank reduction of a sync over ``groups`` (``lit_dp.local_sgd.transport.reduce_across``),
-        its waits through this object's ``Waiter``."""
-        return reduce_across(buckets, groups, self._waiter, participates)
+        its waits through this object's ``Waiter``, the exchange of a wire format's chunks timed by its recorder."""
+        return reduce_across(buckets, groups, self._waiter, participates, self._recorder.mark)
 
     def _after_sync_hooks(self, shadow: bool) -> None:
         for hook in self._after_sync:

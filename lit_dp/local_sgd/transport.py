@@ -22,6 +22,7 @@ fp32 sum of the deltas minus the sum applied, at every sync: nothing dropped is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -230,12 +231,15 @@ class SyncBucket:
 
 
 class Reduction:
-    """A sync's collectives, all launched (``reduce_across``): ``wait`` issues none."""
+    """A sync's collectives, all launched (``reduce_across``): ``wait`` issues none. ``exchange``: the marks
+    (``reduce_across``'s ``mark``) around the wait for a wire format's exchange of chunks, which launching
+    takes: the first collectives were all launched at the first; None without ``mark``."""
 
     def __init__(
         self, buckets: list[SyncBucket], count: torch.Tensor, count_work: dist.Work, group: dist.ProcessGroup, waiter: Waiter
     ) -> None:
         self._buckets, self._count, self._count_work, self._group, self._waiter = buckets, count, count_work, group, waiter
+        self.exchange: tuple[Any, Any] | None = None
 
     def wait(self) -> int:
         """Every bucket's sum is in its ``payload``; returns how many ranks took part."""
@@ -246,7 +250,11 @@ class Reduction:
 
 
 def reduce_across(
-    buckets: list[SyncBucket], groups: list[dist.ProcessGroup], waiter: Waiter, participates: bool = True
+    buckets: list[SyncBucket],
+    groups: list[dist.ProcessGroup],
+    waiter: Waiter,
+    participates: bool = True,
+    mark: Callable[[], Any] | None = None,
 ) -> Reduction:
     """The one cross-rank reduction of a sync: the sum over the ranks of ``groups`` of every bucket's
     payload (the deltas ``s - p``, which divided become the pseudo-gradient; the float buffers; the
@@ -256,16 +264,22 @@ def reduce_across(
     the gather of the sums), so that waiting (``Reduction.wait``) issues none, whenever it comes.
     The wait returns how many ranks took part: the divisor, all-reduced with the payloads, since a
     rank that ran out (``participates=False``) sends zeros. Every rank of ``groups`` must call it with
-    the same buckets; pointing ``groups`` at another group (torchft's replica groups) syncs across it."""
+    the same buckets; pointing ``groups`` at another group (torchft's replica groups) syncs across it.
+    ``mark`` (a clock's): timed around the wait for the exchange of chunks (``Reduction.exchange``), the
+    part of launching that blocks."""
     device = buckets[0].device if buckets else torch.device("cpu")
     count = torch.tensor([float(participates)], device=device)
     count_work = dist.all_reduce(count, group=groups[0], async_op=True)
     for index, bucket in enumerate(buckets):
         bucket.prepare(participates)
         bucket.start(groups[index % len(groups)])
+    reduction = Reduction(buckets, count, count_work, groups[0], waiter)
+    launched = mark() if mark is not None else None
     for bucket in buckets:
         bucket.reduce_chunks(waiter)
-    return Reduction(buckets, count, count_work, groups[0], waiter)
+    if mark is not None:
+        reduction.exchange = (launched, mark())
+    return reduction
 
 
 def _state_copy(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
