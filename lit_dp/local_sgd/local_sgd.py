@@ -518,14 +518,10 @@ class LocalSGD:
         saved = state.get("error_feedback")
         if saved is None or not self._error_feedback:
             return None
-        rank, world_size = _global_rank_and_size()
-        if (saved["rank"], saved["world_size"]) != (rank, world_size):
-            log.debug(
-                "LocalSGD: error feedback starts at zero on rank %d of %d (the state's residuals are rank %d's of %d)",
-                rank, world_size, saved["rank"], saved["world_size"],
-            )
-            return None
-        return saved["residuals"]
+        if (saved["rank"], saved["world_size"]) == _global_rank_and_size():
+            return saved["residuals"]
+        log.debug("LocalSGD: error feedback starts at zero: the state's are rank %d's of %d", saved["rank"], saved["world_size"])
+        return None
 
     def _follow_phase(self) -> None:
         """After the schedule moved: the model synchronises gradients during warm-up only (it is told,
