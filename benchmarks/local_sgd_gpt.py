@@ -2,8 +2,9 @@
 
     python -m benchmarks.local_sgd_gpt
     python -m benchmarks.local_sgd_gpt devices=3
-    python -m benchmarks.local_sgd_gpt local_steps=[16] max_steps=160 bf16=false
-    python -m benchmarks.local_sgd_gpt local_steps=[16] fragments=[4] average=false bf16=false
+    python -m benchmarks.local_sgd_gpt local_steps=[16] max_steps=160 sync_dtypes=[]
+    python -m benchmarks.local_sgd_gpt local_steps=[16] fragments=[4] average=false sync_dtypes=[]
+    python -m benchmarks.local_sgd_gpt local_steps=[16] average=false sync_dtypes=[bf16,int8,int4] error_feedback=[true,false]
 
 Each mode is one run of ``recipes/gpt.py`` as a user types it (its default small GPT on the
 stdlib bytes, ``devices`` CPU processes, the same seed, batch and schedule), in a folder of its
@@ -12,7 +13,10 @@ own, with ``strategy.comm_stats=true``:
 - ``data parallel``: the recipe as it is;
 - ``average K``: ``strategy.local_sgd.steps=K`` (LocalSGD as before, ``outer=average``);
 - ``nesterov K``: also ``strategy.local_sgd.outer=nesterov`` with its defaults (DiLoCo);
-- ``nesterov+bf16 K``: also ``strategy.local_sgd.sync_dtype=bf16`` (with ``bf16=true``);
+- ``nesterov+D K``: also ``strategy.local_sgd.sync_dtype=D``, for each D of ``sync_dtypes`` (bf16 by
+  default), with error feedback at its default for D; with ``error_feedback`` one mode per value
+  given instead, ``nesterov+D EF K`` (``strategy.local_sgd.error_feedback=true``) and
+  ``nesterov+D no EF K`` (``false``);
 - ``nesterov F=f K``: streaming DiLoCo, also ``strategy.local_sgd.fragments=f`` (each of ``fragments``).
 
 ``max_steps`` is a multiple of every K, and the recipe validates once, at the end
@@ -26,7 +30,9 @@ fragments one fragment); with ``warmup_steps`` (W, for every LocalSGD mode alike
 step count the W data-parallel steps too. Wall time: the whole command, start-up and validation included. For each
 DiLoCo mode, with averaging at its K: the fraction of averaging's gap to data parallelism it closes,
 ``(average - DiLoCo) / (average - data parallel)`` in validation loss (1: as data parallelism; 0: as
-averaging; below 0: worse than averaging).
+averaging; below 0: worse than averaging). With ``sync_dtypes``, a second table sets each DiLoCo mode
+in a wire format against DiLoCo in fp32 at its K: its validation loss above fp32's (in %), and its
+bytes per step over fp32's (both count the warm-up's data-parallel steps alike).
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ class LocalSGDGPTConfig:
     devices: int = 2
     max_steps: int = 320  # a multiple of every K: the last step averages, then the one validation runs
     local_steps: tuple[int, ...] = (16, 64)
-    bf16: bool = True  # also DiLoCo with the deltas sent in bf16
+    sync_dtypes: tuple[str, ...] = ("bf16",)  # also DiLoCo with the deltas sent in each of these formats
+    error_feedback: tuple[bool, ...] = ()  # per format, one mode per value; (): each format's default
     average: bool = True  # also LocalSGD's plain averaging at every K
     fragments: tuple[int, ...] = ()  # also streaming DiLoCo with each of these numbers of fragments
     extra: tuple[str, ...] = ()  # more recipe overrides for every mode, e.g. experiment=gpt_tiny
@@ -74,13 +81,13 @@ def _modes(config: LocalSGDGPTConfig) -> list[tuple[str, list[str]]]:
         if config.average:
             modes.append((f"average K={k}", period))
         modes.append((f"nesterov K={k}", [*period, "strategy.local_sgd.outer=nesterov"]))
-        if config.bf16:
-            modes.append(
-                (
-                    f"nesterov+bf16 K={k}",
-                    [*period, "strategy.local_sgd.outer=nesterov", "strategy.local_sgd.sync_dtype=bf16"],
-                )
-            )
+        for dtype in config.sync_dtypes:
+            quantized = [*period, "strategy.local_sgd.outer=nesterov", f"strategy.local_sgd.sync_dtype={dtype}"]
+            if not config.error_feedback:
+                modes.append((f"nesterov+{dtype} K={k}", quantized))
+            for feedback in config.error_feedback:
+                name = f"nesterov+{dtype} {'EF' if feedback else 'no EF'} K={k}"
+                modes.append((name, [*quantized, f"strategy.local_sgd.error_feedback={feedback}"]))
         for fragments in config.fragments:
             streaming = [*period, "strategy.local_sgd.outer=nesterov", f"strategy.local_sgd.fragments={fragments}"]
             modes.append((f"nesterov F={fragments} K={k}", streaming))
@@ -184,7 +191,30 @@ def report(results: dict[str, dict[str, float]], config: LocalSGDGPTConfig) -> s
             f"| {row['mb_per_sync']:.3f} | {row['wall_s']:.0f} | {row['wall_s'] / baseline['wall_s']:.3f} "
             f"| {row['tokens_per_sec']:.0f} | {row['tokens_per_sec'] / baseline['tokens_per_sec']:.3f} |"
         )
+    formats = against_fp32(results)
+    if formats:
+        lines += [
+            "",
+            f"| DiLoCo in a wire format ({config.devices} CPU ranks, {config.max_steps} steps{_warmup(config)}) "
+            "| val loss | fp32's | above fp32's | bytes per step vs fp32 |",
+            "|---|---|---|---|---|",
+        ]
+        for name, (loss, fp32_loss, above, ratio) in formats.items():
+            lines.append(f"| {name} | {loss:.4f} | {fp32_loss:.4f} | {above:+.2f}% | {ratio:.4f} |")
     return "\n".join(lines)
+
+
+def against_fp32(results: dict[str, dict[str, float]]) -> dict[str, tuple[float, float, float, float]]:
+    """Each DiLoCo mode in a wire format (``nesterov+D ... K=k``) against DiLoCo in fp32 at its K: its validation
+    loss, fp32's, the loss above fp32's in %, and its bytes per step over fp32's."""
+    rows = {}
+    for name, row in results.items():
+        match = re.fullmatch(r"nesterov\+\S+.* K=(\d+)", name)
+        fp32 = results.get(f"nesterov K={match.group(1)}") if match else None
+        if fp32 is not None:
+            above = (row["val_loss"] / fp32["val_loss"] - 1) * 100
+            rows[name] = (row["val_loss"], fp32["val_loss"], above, row["mb_per_step"] / fp32["mb_per_step"])
+    return rows
 
 
 main = benchmark_main("local_sgd_gpt", LocalSGDGPTConfig, lambda config: report(run(config), config))

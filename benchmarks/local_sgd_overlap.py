@@ -11,8 +11,9 @@ the same digits shards in the same 2 gloo processes, with DiLoCo in ``fragments`
 The slow link is the benchmark's own: LocalSGD's collectives are handed to gloo as usual, and
 each one is reported complete no sooner than the link, shared by all of them in turn, would
 have carried its bytes at ``link_mbit`` Mbit/s (a ring all-reduce's ``2(n-1)/n`` of the payload
-per rank); a wait before that sleeps. (``SlowSyncLink(gradients=True)`` puts the reducer's
-gradient all-reduces on the same link, for ``benchmarks.forecast``.) So the sync's time in flight is set by the bandwidth, and
+per rank; a wire format's all-to-all and all-gather ``(n-1)/n`` of theirs each); a wait before
+that sleeps. (``SlowSyncLink(gradients=True)`` puts the reducer's gradient all-reduces on the
+same link, for ``benchmarks.forecast``.) So the sync's time in flight is set by the bandwidth, and
 what the delay hides of it is what the inner steps in between take. Reported per mode: the sync
 time exposed per local step (``LocalSGD.traffic``: the wait when a sync is applied, and applying
 it), the mean step time, and the final model's validation loss and accuracy.
@@ -102,22 +103,32 @@ class SlowLink:
 
     def __init__(self, mbit: float, world_size: int) -> None:
         self._bytes_per_second = mbit * 1e6 / 8
-        self._share = 2 * (world_size - 1) / world_size  # of the payload a ring all-reduce sends per rank
+        self._others = (world_size - 1) / world_size  # of a tensor an all-to-all or all-gather moves per rank
         self._free_at = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(dist, name)
 
-    def _slowed(self, work: dist.Work, tensor: torch.Tensor) -> _SlowWork:
+    def _slowed(self, work: dist.Work, tensor: torch.Tensor, share: float) -> _SlowWork:
         start = max(time.monotonic(), self._free_at)
-        self._free_at = start + tensor.numel() * tensor.element_size() * self._share / self._bytes_per_second
+        self._free_at = start + tensor.numel() * tensor.element_size() * share / self._bytes_per_second
         return _SlowWork(work, self._free_at)
 
     def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _SlowWork:
-        return self._slowed(dist.all_reduce(tensor, *args, **kwargs), tensor)
+        # A ring all-reduce: a reduce-scatter and an all-gather, (n-1)/n of the payload each.
+        return self._slowed(dist.all_reduce(tensor, *args, **kwargs), tensor, 2 * self._others)
 
     def broadcast(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _SlowWork:
-        return self._slowed(dist.broadcast(tensor, *args, **kwargs), tensor)
+        return self._slowed(dist.broadcast(tensor, *args, **kwargs), tensor, 2 * self._others)
+
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _SlowWork:
+        return self._slowed(dist.all_to_all_single(output, tensor, *args, **kwargs), tensor, self._others)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _SlowWork:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as the transport picks it
+        return self._slowed(gather(output, tensor, *args, **kwargs), output, self._others)
+
+    all_gather_single = all_gather_into_tensor
 
 
 class SlowSyncLink(pl.Callback):

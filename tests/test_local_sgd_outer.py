@@ -87,8 +87,9 @@ def outer_cases(rank: int, tmp_path: str) -> dict:
             # a bf16 step of the deltas (~0.2 here) is ~1e-3; a missed or extra sync is off by ~0.1.
             for (key, ours), theirs in zip(model.module.state_dict().items(), expected[rank].state_dict().values()):
                 torch.testing.assert_close(ours, theirs, atol=3e-3, rtol=1e-2, msg=lambda m: f"{label}: {key}: {m}")
-            # The deltas travelled in bf16: half the parameters' bytes per average.
-            assert local_sgd.traffic()["bytes_per_sync"] == parameter_bytes / 2 + buffer_bytes, label
+            # The deltas travelled in bf16, padded to a chunk per rank: half the parameters' bytes per average.
+            padded = -(-parameter_bytes // 4 // world_size) * world_size
+            assert local_sgd.traffic()["bytes_per_sync"] == padded * 2 + buffer_bytes, label
 
     # Resume from mid-period, each rank from its own checkpoint: the same weights as uninterrupted.
     steps = random_steps(16, world_size, seed=11)
@@ -363,8 +364,8 @@ def test_bf16_deltas_are_summed_in_fp32_on_4_ranks():
 
 def held_bytes_case(rank: int) -> dict:
     """What ``lit_dp.LocalSGD`` holds between syncs, per device: one snapshot of the trainable parameters,
-    one outer momentum with ``outer="nesterov"``, no sync payload (the pseudo-gradient lives only while
-    its fragment syncs). Before this issue a bucket also kept its flat payload: 3 times the parameters
+    one outer momentum with ``outer="nesterov"``, one fp32 residual with error feedback, no sync payload
+    (the pseudo-gradient and its encoded bytes live only while its fragment syncs). Before this issue a bucket also kept its flat payload: 3 times the parameters
     for DiLoCo, 2 for averaging. CPU parameters keep their state on the CPU, offloaded or not."""
     import torch.distributed as dist
 
@@ -373,12 +374,14 @@ def held_bytes_case(rank: int) -> dict:
     lit_dp.init_parallel_env()
     steps = random_steps(6, dist.get_world_size(), seed=8)
     report = {}
-    for outer, fragments, offload in (("average", 1, True), ("nesterov", 1, True), ("nesterov", 2, False)):
+    for outer, fragments, offload, wire in (
+        ("average", 1, True, None), ("nesterov", 1, True, None), ("nesterov", 2, False, None), ("nesterov", 2, True, "int4")
+    ):
         model = lit_dp.DataParallel(Net())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        local_sgd = lit_dp.LocalSGD(model, 2, outer=outer, fragments=fragments, offload=offload)
+        local_sgd = lit_dp.LocalSGD(model, 2, outer=outer, fragments=fragments, offload=offload, sync_dtype=wire)
         _train(model, optimizer, local_sgd, steps, rank, last=5)  # mid-period for every fragment
-        report[(outer, fragments, offload)] = local_sgd.held_bytes()
+        report[(outer, fragments, offload, wire)] = local_sgd.held_bytes()
     return report
 
 
@@ -387,9 +390,17 @@ def test_between_syncs_localsgd_holds_a_snapshot_and_a_momentum_and_no_payload()
     results = run_ranks(held_bytes_case, 2, timeout=120)
     parameters = sum(p.numel() * p.element_size() for p in Net().parameters())
     expected = {
-        ("average", 1, True): {"snapshot": {"cpu": parameters}, "momentum": {}, "sync": {}},
-        ("nesterov", 1, True): {"snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "sync": {}},
-        ("nesterov", 2, False): {"snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "sync": {}},
+        ("average", 1, True, None): {"snapshot": {"cpu": parameters}, "momentum": {}, "error_feedback": {}, "sync": {}},
+        ("nesterov", 1, True, None): {
+            "snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "error_feedback": {}, "sync": {}
+        },
+        ("nesterov", 2, False, None): {
+            "snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "error_feedback": {}, "sync": {}
+        },
+        ("nesterov", 2, True, "int4"): {  # the residuals are fp32, as the parameters
+            "snapshot": {"cpu": parameters}, "momentum": {"cpu": parameters}, "error_feedback": {"cpu": parameters},
+            "sync": {},
+        },
     }
     assert results == {0: expected, 1: expected}
 
@@ -665,11 +676,15 @@ def test_recipe_runs_diloco_from_hydra_and_prints_its_traffic(tmp_path):
 
     output = run_recipe(
         "gpt", *QUIET, "experiment=gpt_tiny", "strategy.local_sgd.steps=4", "strategy.local_sgd.outer=nesterov",
-        "strategy.local_sgd.sync_dtype=bf16", "strategy.comm_stats=true", "strategy.consistency.every_n_steps=4",
-        f"hydra.run.dir={tmp_path}",
+        "strategy.local_sgd.sync_dtype=bf16", "strategy.local_sgd.error_feedback=true", "strategy.comm_stats=true",
+        "strategy.consistency.every_n_steps=4", f"hydra.run.dir={tmp_path}",
     )  # fmt: skip
     # 10 steps: averages after 4 and 8 before the callbacks' end of training (the final one follows).
-    summary = re.search(r"LocalSGD outer=nesterov: 2 averages of ([\d.]+) MB.*?([\d.]+) of data parallelism's", output)
+    summary = re.search(
+        r"LocalSGD outer=nesterov, sync_dtype=bf16 with error feedback: 2 averages of ([\d.]+) MB.*?([\d.]+) of data "
+        r"parallelism's",
+        output,
+    )
     assert summary is not None, output[-3000:]
     assert float(summary.group(2)) < 1 / 4 * 0.6, "bf16 deltas every 4 steps: about 1/8 of data parallelism's bytes"
     assert "after LocalSGD averages" in output, output[-3000:]
@@ -696,7 +711,10 @@ def test_hydra_options_reach_the_strategy(tmp_path):
         (dict(local_sgd_steps=4, local_sgd_outer="adam"), "local_sgd_outer='adam' is invalid: expected one of average, nesterov"),
         (dict(local_sgd_steps=4, local_sgd_outer_lr=0), "local_sgd_outer_lr=0 is invalid: expected a positive number"),
         (dict(local_sgd_steps=4, local_sgd_outer_momentum=1), "local_sgd_outer_momentum=1 is invalid"),
-        (dict(local_sgd_steps=4, local_sgd_sync_dtype="fp8"), "local_sgd_sync_dtype='fp8' is invalid"),
+        (
+            dict(local_sgd_steps=4, local_sgd_sync_dtype="fp16"),
+            "local_sgd_sync_dtype='fp16' is invalid: expected one of bf16, int8, int4, fp8",
+        ),
         (dict(local_sgd_steps=4, comm_buffer_size="auto"), "comm_buffer_size='auto' with local_sgd_steps=4 and local_sgd_warmup_steps=0"),
         (dict(local_sgd_steps=4, local_sgd_outer="nesterov", sharding_stage=2), "sharding_stage=2 with local_sgd_steps=4"),
         (dict(local_sgd_steps=4, local_sgd_adaptive=True, fault_tolerance="torchft"), "local_sgd_adaptive=True with"),

@@ -43,9 +43,12 @@ Training of Language Models", 2023): the mean delta ``mean(s - p)`` is a pseudo-
 with it (as torchft's DiLoCo does); every rank then takes the new snapshot as its parameters.
 Momentum 0 is plain outer SGD (torch's SGD refuses Nesterov without momentum), and with
 ``outer_lr=1`` averaging; ``outer="average"`` is exactly the averaging above.
-``sync_dtype=torch.bfloat16``: the deltas travel in bf16 (half the bytes) and are summed in fp32
-(an all-to-all of bf16 chunks, their sum in fp32, an all-gather of the sums in bf16: the bytes of
-a bf16 all-reduce), then turned back into the parameters' dtype before they are applied.
+``sync_dtype`` (``"bf16"``, ``"int8"``, ``"int4"``, ``"fp8"``): the deltas travel in that format (int8,
+int4 and fp8 with an fp32 scale per block of 128 values, int4 two codes a byte) and are summed in fp32
+(an all-to-all of encoded chunks, their sum in fp32, an all-gather of the encoded sums: the bytes of
+an all-reduce in the format), then turned back into the parameters' dtype before they are applied.
+``error_feedback`` (on by default at 8 bits and below): what the format dropped on a rank, at either
+of the two roundings, is added to that rank's next delta; the residuals are each rank's own state.
 
 Under Join a rank counts in a sync if it took a step of its own since its fragment's last sync:
 a rank that ran out of batches brings the work it did before at its fragments' next syncs, then
@@ -73,8 +76,8 @@ its step and the result is applied tau steps later, each parameter becoming
 
 The package, one concept a module: ``local_sgd`` (``LocalSGD``, which a loop steps: each sync and
 its outcome), ``schedule`` (when each fragment syncs, the adaptive rule), ``outer`` (what is kept
-between syncs: the snapshots and the outer optimizer) and ``transport`` (the buckets on the wire
-and the one reduction over them).
+between syncs: the snapshots and the outer optimizer), ``transport`` (the buckets on the wire
+and the one reduction over them, with error feedback) and ``wire`` (the formats of ``sync_dtype``).
 """
 
 from lit_dp.local_sgd.local_sgd import LocalSGD

@@ -21,7 +21,8 @@ from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.job.process_group import get_rings
 from lit_dp.local_sgd.outer import OuterState
 from lit_dp.local_sgd.schedule import ADAPTIVE_MAX_LOCAL_STEPS, ADAPTIVE_MIN_LOCAL_STEPS, Schedule
-from lit_dp.local_sgd.transport import Reduction, SyncBucket, reduce_across, wire_dtype
+from lit_dp.local_sgd.transport import Reduction, SyncBucket, check_wire_backends, reduce_across
+from lit_dp.local_sgd.wire import resolve_error_feedback, wire_format
 from lit_dp.observability.stats import SyncRecorder, SyncStats
 from lit_dp.options import DEFAULT_BUCKET_MB
 from lit_dp.options.declare import choice
@@ -59,7 +60,12 @@ class LocalSGD:
         outer: ``"average"`` (the mean of the models) or ``"nesterov"`` (DiLoCo's outer optimizer).
         outer_lr, outer_momentum: the outer SGD's learning rate and Nesterov momentum (0: plain outer SGD,
             which with ``outer_lr=1`` is averaging).
-        sync_dtype: the dtype the deltas travel in (``"bf16"`` or ``torch.bfloat16``); None: the parameters'.
+        sync_dtype: the format the deltas travel in (``lit_dp.local_sgd.wire``): ``"bf16"`` (or
+            ``torch.bfloat16``), ``"int8"``, ``"int4"`` or ``"fp8"`` (``float8_e4m3fn``, where the torch
+            build has it), the last three with an fp32 scale per block of 128 values; always summed
+            in fp32. None: the parameters' dtype.
+        error_feedback: keep what the format dropped on this rank and add it to this rank's next delta;
+            None: on for 8 bits and below (int8, int4, fp8), off for bf16. Not with ``sync_dtype=None``.
         fragments: F, sync the model one fragment at a time, one every K/F steps (streaming DiLoCo);
             K must be a multiple of F, and F at most the number of trainable tensors.
         offload: keep the snapshot and the outer momentum of CUDA parameters in (pinned) CPU memory;
@@ -86,6 +92,7 @@ class LocalSGD:
         outer_lr: float = DEFAULT_OUTER_LR,
         outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
         sync_dtype: torch.dtype | str | None = None,
+        error_feedback: bool | None = None,
         fragments: int = 1,
         offload: bool = True,
         sync_delay: int = 0,
@@ -120,7 +127,8 @@ class LocalSGD:
         choice(*OUTERS)("outer", outer)
         outer_lr = check_outer_lr("outer_lr", outer_lr)
         outer_momentum = check_outer_momentum("outer_momentum", outer_momentum)
-        self._sync_dtype = wire_dtype(sync_dtype)
+        self._wire = wire_format(sync_dtype)
+        self._error_feedback = resolve_error_feedback(error_feedback, self._wire)
         if not isinstance(offload, bool):
             raise ValueError(f"offload={offload!r} is invalid: expected True or False.")
         self._offload = offload
@@ -151,13 +159,16 @@ class LocalSGD:
         self._commit = getattr(self._rings[0], "commit", None) if self._rings else None
         self._replica_groups = self._commit is not None
         if self._commit is not None:
-            if sync_delay or self._sync_dtype is not None:
+            if sync_delay or self._wire is not None:
                 raise ValueError(
                     f"sync_delay={sync_delay}, sync_dtype={sync_dtype!r} across torchft's replica groups are not "
                     "supported: a sync in flight would cross the next sync's quorum, and the fp32 sums of a wire "
-                    "dtype are not offered across groups yet; expected sync_delay=0 and sync_dtype=None."
+                    "dtype's all-to-all and all-gather are not routed across groups yet; expected sync_delay=0 and "
+                    "sync_dtype=None."
                 )
             self._commit.follow_syncs(self._take_part_in_peers_sync)
+        elif self._wire is not None:
+            check_wire_backends(sync_dtype, self._rings)
         if comm_buffer_size is not None:
             megabytes_to_bytes("comm_buffer_size", comm_buffer_size)  # checked now, read when the buckets are built
         self._comm_buffer_size = comm_buffer_size
@@ -165,6 +176,7 @@ class LocalSGD:
         self._outer_settings = {"lr": outer_lr, "momentum": outer_momentum}
         self._state: OuterState | None = None  # built when the local phase starts
         self._outer_resumed: dict[str, Any] | None = None  # a checkpoint's tensors, until the state is built
+        self._residuals_resumed: list[torch.Tensor | None] | None = None  # this rank's, likewise
         inner = module.module if isinstance(module, DataParallel) else module
         # What the model keeps equal across ranks: DDP's ignore list, read when the model was wrapped.
         ignore = module.parameters_to_ignore if isinstance(module, DataParallel) else ddp_ignored(inner)
@@ -278,10 +290,12 @@ class LocalSGD:
             return
         if self._pending is not None:  # the ranks stopped stepping: a delayed sync is applied now
             self._complete()
-        schedule = [self.state_dict()]
+        schedule = [self._shared_state_dict()]
+        own = self.rank_state_dict()  # each rank keeps its own residuals
         with self._waiter.outside("the broadcast of the LocalSGD schedule"):
             dist.broadcast_object_list(schedule, src=src, group=self._rings[0])
         self.load_state_dict(schedule[0])
+        self.load_rank_state_dict(own)
 
     def finish(self) -> None:
         """Make every rank hold the same model (call when training ends): apply a sync still in flight,
@@ -336,7 +350,8 @@ class LocalSGD:
         began = self._recorder.mark()
         with torch.no_grad():
             reduction = self.reduce_across(state.fragments[fragment], self._rings, participates)
-        self._pending = _PendingSync(fragment, self._schedule.step, shadow, began, self._recorder.mark(), reduction)
+        assert reduction.exchange is not None
+        self._pending = _PendingSync(fragment, self._schedule.step, shadow, began, reduction.exchange[0], reduction)
         if self._sync_delay == 0 or final:
             self._complete(keep=0.0 if final else self._mixing)
 
@@ -352,15 +367,18 @@ class LocalSGD:
         pending, self._pending = self._pending, None
         assert pending is not None and self._state is not None
         keep = self._mixing if keep is None else keep
-        # Exposed: with a delay, only the wait when it is applied (the compute in between overlapped it).
+        # Exposed: with a delay, only the waits: for a wire format's exchange of chunks as it was launched,
+        # and when it is applied (the compute in between overlapped the rest).
         waited_from = pending.launched if self._sync_delay == 0 else self._recorder.mark()
+        exchange = pending.reduction.exchange if self._sync_delay and pending.reduction is not None else None
         with torch.no_grad():
             participants = pending.reduction.wait() if pending.reduction is not None else pending.participants
             if self._commit is not None and not self._commit.vote():
                 self._sync_failed(pending)
                 return
             self._state.apply(pending.fragment, participants, keep)
-        self._recorder.record(pending.step, self._state.wire_bytes(pending.fragment), pending.began, waited_from)
+        nbytes = self._state.wire_bytes(pending.fragment, self._world_size)
+        self._recorder.record(pending.step, nbytes, pending.began, waited_from, exchange)
         if self.fragments == 1 and not keep:  # else the replicas still differ: see finish()
             self._after_sync_hooks(pending.shadow)
 
@@ -381,8 +399,8 @@ class LocalSGD:
         self, buckets: list[SyncBucket], groups: list[dist.ProcessGroup], participates: bool = True
     ) -> Reduction:
         """The one cross-rank reduction of a sync over ``groups`` (``lit_dp.local_sgd.transport.reduce_across``),
-        its waits through this object's ``Waiter``."""
-        return reduce_across(buckets, groups, self._waiter, participates)
+        its waits through this object's ``Waiter``, the exchange of a wire format's chunks timed by its recorder."""
+        return reduce_across(buckets, groups, self._waiter, participates, self._recorder.mark)
 
     def _after_sync_hooks(self, shadow: bool) -> None:
         for hook in self._after_sync:
@@ -423,17 +441,21 @@ class LocalSGD:
         t = self.traffic()
         if not t:
             return ""
+        # The bytes are the wire format's, scales and padding included (SyncBucket.wire_bytes).
+        how = f"LocalSGD outer={self._outer}"
+        if self._wire is not None:
+            how += f", sync_dtype={self._wire.name}{' with error feedback' if self._error_feedback else ''}"
         if self.fragments > 1:
             syncs = (
-                f"LocalSGD outer={self._outer}, fragments={self.fragments}: {t['syncs']:.0f} fragment syncs of "
+                f"{how}, fragments={self.fragments}: {t['syncs']:.0f} fragment syncs of "
                 f"{t['bytes_per_sync'] / 2**20:.3f} MB (at most {t['max_bytes_per_sync'] / 2**20:.3f} MB)"
             )
         else:
-            syncs = f"LocalSGD outer={self._outer}: {t['syncs']:.0f} averages of {t['bytes_per_sync'] / 2**20:.3f} MB"
+            syncs = f"{how}: {t['syncs']:.0f} averages of {t['bytes_per_sync'] / 2**20:.3f} MB"
         return (
             f"{syncs}, "
             f"time {t['time_ms']:.3f} ms, exposed {t['exposed_ms']:.3f} ms each (rank 0); "
-            f"{t['bytes_per_step'] / 2**20:.4f} MB per local step, {t['vs_dp']:.4f} of data parallelism's "
+            f"{t['bytes_per_step'] / 2**20:.6f} MB per local step, {t['vs_dp']:.6f} of data parallelism's "
             f"{t['dp_bytes_per_step'] / 2**20:.3f} MB"
         )
 
@@ -443,7 +465,12 @@ class LocalSGD:
         fragment was last synced) and, with ``outer="nesterov"``, its momentum (None without), one
         CPU tensor per parameter, the same on every rank. With fragments, each fragment's last sync
         (``last_syncs``). The model's and the inner optimizer's states are not in it: they are each
-        rank's own, saved beside it (see docs/local_sgd.md)."""
+        rank's own, saved beside it (see docs/local_sgd.md). With error feedback, this rank's residuals
+        too (``rank_state_dict``), which only this rank takes back."""
+        return self._shared_state_dict() | self.rank_state_dict()
+
+    def _shared_state_dict(self) -> dict[str, Any]:
+        """The state every rank holds alike (``state_dict`` without this rank's own part)."""
         state = self._schedule.state_dict()
         if self._replica_groups:
             state["across_replica_groups"] = True  # the ranks of a group hold one model between syncs
@@ -480,6 +507,7 @@ class LocalSGD:
         """
         self._schedule.load_state_dict(state)
         self._outer_resumed = state.get("outer")
+        self._residuals_resumed = self._own_residuals(state)
         self._state = None
         self._pending = None
         self._follow_phase()
@@ -492,6 +520,37 @@ class LocalSGD:
             self._pending = _PendingSync(
                 saved_pending["fragment"], saved_pending["step"], False, mark, mark, None, saved_pending["participants"]
             )
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's own part of the state, which no other rank holds: with error feedback, once the local
+        phase has started, ``error_feedback``, its residuals (one CPU tensor per parameter) with the global
+        rank and world size they belong to; {} otherwise."""
+        if not self._error_feedback:
+            return {}
+        residuals = self._state.residuals() if self._state is not None else self._residuals_resumed
+        if residuals is None:
+            return {}
+        rank, world_size = _global_rank_and_size()
+        return {"error_feedback": {"rank": rank, "world_size": world_size, "residuals": residuals}}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        """Take this rank's own part of a state (``rank_state_dict``): its residuals when they are this
+        rank's (the same global rank and world size), else zero."""
+        self._residuals_resumed = self._own_residuals(state)
+        if self._state is not None:
+            self._state.restore_residuals(self._residuals_resumed)
+            self._residuals_resumed = None
+
+    def _own_residuals(self, state: dict[str, Any]) -> list[torch.Tensor | None] | None:
+        """The residuals in ``state`` if they are this rank's; None (start at zero) for another rank's (every
+        rank of a Trainer's resume reads rank 0's file), another world size's, or a state without them."""
+        saved = state.get("error_feedback")
+        if saved is None or not self._error_feedback:
+            return None
+        if (saved["rank"], saved["world_size"]) == _global_rank_and_size():
+            return saved["residuals"]
+        log.debug("LocalSGD: error feedback starts at zero: the state's are rank %d's of %d", saved["rank"], saved["world_size"])
+        return None
 
     def _follow_phase(self) -> None:
         """After the schedule moved: the model synchronises gradients during warm-up only (it is told,
@@ -516,7 +575,8 @@ class LocalSGD:
                 self._buffers,
                 self._fragment_indices,
                 megabytes_to_bytes("comm_buffer_size", size),
-                wire=self._sync_dtype,
+                wire=self._wire,
+                error_feedback=self._error_feedback,
                 offload=self._offload,
                 outer=self._outer,
                 outer_settings=self._outer_settings,
@@ -524,6 +584,9 @@ class LocalSGD:
                 resumed=self._outer_resumed,
             )
             self._outer_resumed = None
+            if self._residuals_resumed is not None:
+                self._state.restore_residuals(self._residuals_resumed)
+                self._residuals_resumed = None
         return self._state
 
     @property
@@ -548,6 +611,12 @@ class LocalSGD:
             self._waiter.wait(work, "LocalSGD's agreement on the loss and learning rate")
         loss_sum, lr_sum, ranks = values.tolist()
         return loss_sum / ranks, lr_sum / ranks
+
+
+def _global_rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 @dataclasses.dataclass

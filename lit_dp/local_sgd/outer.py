@@ -3,7 +3,8 @@
 A snapshot is a deltas' bucket's parameters at its fragment's last sync; with ``outer="nesterov"``
 (DiLoCo) ``torch.optim.SGD`` steps the snapshots with the mean delta as their gradient, and every
 rank then takes them as its parameters. Checkpoints hold the snapshot and momentum per parameter
-(CPU tensors, the same on every rank), so that a resumed run can rebuild the buckets in any size.
+(CPU tensors, the same on every rank), so that a resumed run can rebuild the buckets in any size;
+with error feedback, each rank's residual per parameter too (``residuals``), which is its own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from lit_dp.gradients.buckets import assign_group_by_size
 from lit_dp.local_sgd.transport import DELTA, FROM_FIRST_RANK, MEAN, SyncBucket, state_device
+from lit_dp.local_sgd.wire import WireFormat
 
 
 class OuterState:
@@ -26,7 +28,8 @@ class OuterState:
         fragment_indices: list[list[int]],
         bucket_bytes: int,
         *,
-        wire: torch.dtype | None,
+        wire: WireFormat | None,
+        error_feedback: bool,
         offload: bool,
         outer: str,
         outer_settings: dict[str, float],
@@ -35,7 +38,8 @@ class OuterState:
     ) -> None:
         """Snapshots taken now (every rank must hold the same parameters), or ``resumed`` from a checkpoint.
         ``broadcast_other_buffers``: the integer buffers (BatchNorm's counts) travel from the first rank;
-        False keeps each rank's (across replica groups, each group keeps its own)."""
+        False keeps each rank's (across replica groups, each group keeps its own). ``error_feedback``: the
+        deltas' buckets keep what ``wire`` drops, starting at zero."""
         self._param_index = {id(p): index for index, p in enumerate(params)}
         float_buffers = [b for b in buffers if b.is_floating_point()]
         other_buffers = [b for b in buffers if not b.is_floating_point()]
@@ -51,7 +55,7 @@ class OuterState:
             for indices in assign_group_by_size(tensors, [False] * len(tensors), [bucket_bytes]):
                 bucket_tensors = [tensors[i] for i in indices]
                 device = state_device(bucket_tensors[0].device, offload)
-                self.fragments[fragment].append(SyncBucket(kind, bucket_tensors, wire, device))
+                self.fragments[fragment].append(SyncBucket(kind, bucket_tensors, wire, device, error_feedback))
         self.optimizer: torch.optim.SGD | None = None
         snapshots = [b.snapshot for b in self.buckets() if b.snapshot is not None]
         if outer == "nesterov" and snapshots:
@@ -85,8 +89,9 @@ class OuterState:
         for bucket in self.fragments[fragment]:
             bucket.drop()
 
-    def wire_bytes(self, fragment: int) -> int:
-        return sum(bucket.wire_bytes for bucket in self.fragments[fragment])
+    def wire_bytes(self, fragment: int, ranks: int) -> int:
+        """The bytes of a fragment's sync on ``ranks`` ranks as they travel (``SyncBucket.wire_bytes``)."""
+        return sum(bucket.wire_bytes(ranks) for bucket in self.fragments[fragment])
 
     def state_dict(self) -> dict[str, Any]:
         """The snapshot and, with an outer optimizer, its momentum (None without), one CPU tensor per parameter."""
@@ -104,6 +109,33 @@ class OuterState:
                 snapshots[index] = snapshot.detach().cpu().clone()
                 momenta[index] = buffer.cpu().clone() if buffer is not None else None
         return {"snapshot": snapshots, "momentum": momenta}
+
+    def residuals(self) -> list[torch.Tensor | None]:
+        """This rank's error-feedback residual, one CPU tensor per parameter (None for a parameter whose bucket
+        has none: error feedback off, or its dtype travels unchanged)."""
+        residuals: list[torch.Tensor | None] = [None] * len(self._param_index)
+        for bucket in self.buckets():
+            if bucket.residual is None:
+                continue
+            for tensor, residual in zip(bucket.tensors, bucket.residual.split(bucket.numels)):
+                residuals[self._param_index[id(tensor)]] = residual.cpu().clone()
+        return residuals
+
+    def restore_residuals(self, residuals: list[torch.Tensor | None] | None) -> None:
+        """This rank's residuals from ``residuals`` (a checkpoint's), or zero (None: a rank that joins, heals,
+        or resumes without its own); a parameter saved without one starts at zero too."""
+        if residuals is not None and len(residuals) != len(self._param_index):
+            raise ValueError(
+                f"the LocalSGD error-feedback state holds {len(residuals)} parameters, the model "
+                f"{len(self._param_index)}: expected a checkpoint of this model."
+            )
+        for bucket in self.buckets():
+            if bucket.residual is None:
+                continue
+            saved = [residuals[self._param_index[id(t)]] if residuals is not None else None for t in bucket.tensors]
+            zeros = [torch.zeros(n, dtype=bucket.residual.dtype) for n in bucket.numels]
+            pieces = [s.reshape(-1) if s is not None else zero for s, zero in zip(saved, zeros)]
+            bucket.residual.copy_(torch.cat(pieces))
 
     def _restore(self, state: dict[str, Any]) -> None:
         """A checkpoint's snapshot and momentum (per parameter) into the buckets' flat tensors."""
@@ -123,9 +155,9 @@ class OuterState:
                 self.optimizer.state[bucket.snapshot]["momentum_buffer"] = buffer
 
     def held_bytes(self) -> dict[str, dict[str, int]]:
-        """The memory held, by what (``snapshot``; ``momentum``; ``sync``, payloads of a sync in flight)
-        and by device (``str(device)``), in bytes."""
-        held: dict[str, dict[str, int]] = {"snapshot": {}, "momentum": {}, "sync": {}}
+        """The memory held, by what (``snapshot``; ``momentum``; ``error_feedback``, the residuals;
+        ``sync``, payloads of a sync in flight) and by device (``str(device)``), in bytes."""
+        held: dict[str, dict[str, int]] = {"snapshot": {}, "momentum": {}, "error_feedback": {}, "sync": {}}
 
         def add(what: str, tensor: torch.Tensor) -> None:
             device = str(tensor.device)
@@ -134,6 +166,8 @@ class OuterState:
         for bucket in self.buckets():
             if bucket.snapshot is not None:
                 add("snapshot", bucket.snapshot)
+            if bucket.residual is not None:
+                add("error_feedback", bucket.residual)
             for tensor in bucket.in_flight():
                 add("sync", tensor)
         for state in self.optimizer.state.values() if self.optimizer is not None else ():

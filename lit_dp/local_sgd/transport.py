@@ -4,62 +4,93 @@ A ``SyncBucket`` holds tensors of one dtype and device synced as one flat payloa
 ``snapshot - parameters`` (``DELTA``), the float buffers averaged (``MEAN``) or the other buffers
 broadcast from the group's first rank (``FROM_FIRST_RANK``). ``reduce_across`` launches every
 bucket's collective and the count of the ranks taking part, all before any is awaited;
-``Reduction.wait`` issues none. A wire dtype (``sync_dtype="bf16"``) travels in that dtype and is
-summed in fp32.
+``Reduction.wait`` issues none. With a wire format (``sync_dtype``: ``lit_dp.local_sgd.wire``) the
+deltas travel encoded and are summed in fp32, with two collectives on the group it is given and no
+other: an all-to-all (the group's ``alltoall_base``) and an all-gather into one tensor (torch's
+function for torch's groups; ``allgather_into_tensor_coalesced`` for a group written in Python, as
+torchft's own quantized all-reduce asks its process groups), so a group that offers those two (and
+the SUM all-reduce of the count of ranks taking part) carries every format.
+
+Error feedback (``error_feedback``): what the encoding drops on a rank is kept (``residual``) and
+added to that rank's next delta, so that over many syncs the sum applied tracks the fp32 sum
+(Seide et al., 2014; Karimireddy et al., 2019). The reduction rounds twice: each rank's delta when
+it is sent, and each chunk's sum when its owner sends it back. Both are fed back: the first by
+every rank into its own residual, the second by the chunk's owner into the same residual's slice of
+that chunk, since the sum it dropped belongs to no other rank. The residuals' sum then equals the
+fp32 sum of the deltas minus the sum applied, at every sync: nothing dropped is lost, only delayed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 import lit_dp.gradients.group as process_groups
 from lit_dp.gradients.waiting import Waiter
-from lit_dp.options.local_sgd import SYNC_DTYPES
+from lit_dp.local_sgd.wire import WireFormat
+from lit_dp.options.local_sgd import WIRE_BACKENDS
 
 DELTA, MEAN, FROM_FIRST_RANK = "delta", "mean", "from_first_rank"
-_WIRE_DTYPES = dict(zip(SYNC_DTYPES, (torch.bfloat16,)))
 
 
-def wire_dtype(value: Any) -> torch.dtype | None:
-    """None, ``torch.bfloat16`` or its name in ``SYNC_DTYPES`` ("bf16")."""
-    if value is None or value in _WIRE_DTYPES.values():
-        return value
-    if isinstance(value, str) and value in _WIRE_DTYPES:
-        return _WIRE_DTYPES[value]
-    names = ", ".join(map(repr, SYNC_DTYPES))
-    raise ValueError(f"sync_dtype={value!r} is invalid: expected None, torch.bfloat16 or one of {names}.")
+def check_wire_backends(sync_dtype: Any, groups: list[dist.ProcessGroup]) -> None:
+    """A wire format travels as bytes through an all-to-all and an all-gather: refused, before the first
+    sync, on a backend lit_dp does not run them on."""
+    for group in groups:
+        backend = process_groups.backend_name(group)
+        if backend not in WIRE_BACKENDS:
+            raise ValueError(
+                f"sync_dtype={sync_dtype!r} is invalid on the process group's backend {backend!r}: a sync in a wire "
+                f"format takes an all-to-all and an all-gather, which lit_dp runs on {' and '.join(WIRE_BACKENDS)}; "
+                "expected sync_dtype=None (the parameters' dtype) on this backend."
+            )
 
 
 def state_device(device: torch.device, offload: bool) -> torch.device:
-    """Where the snapshot and the outer momentum of parameters on ``device`` live: the CPU for CUDA
-    parameters when ``offload`` (the accelerator's memory is the scarce one), else their own device."""
+    """Where the snapshot, the outer momentum and the residual of parameters on ``device`` live: the CPU
+    for CUDA parameters when ``offload`` (the accelerator's memory is the scarce one), else their own device."""
     return torch.device("cpu") if offload and device.type == "cuda" else device
 
 
 class SyncBucket:
     """Tensors of one dtype and device synced as one flat payload.
 
-    Held between syncs: the snapshot (a deltas' bucket's parameters at its last sync), on
-    ``state_device``, in pinned memory when that is the CPU and the tensors are on CUDA (``offload``).
-    Held during a sync only: ``payload``, the flat tensor on the tensors' device (the deltas, then
-    their sum: the pseudo-gradient), and with a ``wire`` dtype its two wire-dtype copies.
+    Held between syncs: the snapshot (a deltas' bucket's parameters at its last sync) and, with error
+    feedback, the residual (what this rank's encodings dropped, not sent yet; fp32, or fp64 for fp64
+    parameters), both on ``state_device``, in pinned memory when that is the CPU and the tensors are
+    on CUDA (``offload``). Held during a sync only: ``payload``, the flat tensor on the tensors'
+    device (the deltas, then their sum: the pseudo-gradient), and with a ``wire`` format the bytes
+    sent and received.
     """
 
     def __init__(
-        self, kind: str, tensors: list[torch.Tensor], wire: torch.dtype | None = None, state_device: torch.device | None = None
+        self,
+        kind: str,
+        tensors: list[torch.Tensor],
+        wire: WireFormat | None = None,
+        state_device: torch.device | None = None,
+        error_feedback: bool = False,
     ) -> None:
         self.kind = kind
         self.tensors = tensors
         self.numels = [t.numel() for t in tensors]
         self.device, self.dtype = tensors[0].device, tensors[0].dtype
         self.snapshot = _state_copy(self._gather(), state_device or self.device) if kind == DELTA else None
-        self.wire = wire if kind == DELTA and wire is not None and wire != self.dtype else None
-        self.wire_bytes = sum(self.numels) * (self.wire or self.dtype).itemsize
+        self.wire = wire if kind == DELTA and wire is not None and not wire.carries(self.dtype) else None
+        # The dtype the sums are taken in: fp32, or the parameters' own when wider.
+        self._accumulate = torch.promote_types(torch.float32, self.dtype)
+        self.residual: torch.Tensor | None = None
+        if self.wire is not None and error_feedback:
+            zeros = torch.zeros(sum(self.numels), dtype=self._accumulate, device=self.device)
+            self.residual = _state_copy(zeros, state_device or self.device)
         self.payload: torch.Tensor | None = None
-        self._sent: torch.Tensor | None = None  # wire dtype, padded to a multiple of the group's size
+        self._participates = True
+        self._length = 0  # values per rank's chunk, padded to the format's granule
+        self._sent: torch.Tensor | None = None  # encoded, [ranks, bytes per chunk]
         self._received: torch.Tensor | None = None
         self._group: dist.ProcessGroup | None = None
         self._work: dist.Work | None = None
@@ -67,10 +98,25 @@ class SyncBucket:
     def _gather(self) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1) for t in self.tensors])
 
+    def _chunk_length(self, ranks: int) -> int:
+        assert self.wire is not None
+        granule = self.wire.granule
+        return -(-sum(self.numels) // (ranks * granule)) * granule
+
+    def wire_bytes(self, ranks: int) -> int:
+        """The bytes of this bucket's payload on ``ranks`` ranks as they travel: its elements in the
+        parameters' dtype, or encoded (with their scales) and padded to a chunk per rank, which is what
+        each rank's ``all_to_all`` sends (its own chunk included) and its ``all_gather`` receives."""
+        if self.wire is None:
+            return sum(self.numels) * self.dtype.itemsize
+        return ranks * self.wire.row_bytes(self._chunk_length(ranks))
+
     def prepare(self, participates: bool) -> None:
         """The payload this rank sends: its delta ``snapshot - parameters`` (deltas' buckets), its float
         buffers (averaged ones), or its other buffers (broadcast from the first rank); zeros for the first
-        two when it does not take part (a rank that ran out under Join): it adds nothing to the sum."""
+        two when it does not take part (a rank that ran out under Join): it adds nothing to the sum, and
+        its residual waits."""
+        self._participates = participates
         if not participates and self.kind != FROM_FIRST_RANK:
             self.payload = torch.zeros(sum(self.numels), dtype=self.dtype, device=self.device)
             return
@@ -81,10 +127,11 @@ class SyncBucket:
 
     def start(self, group: dist.ProcessGroup) -> None:
         """Launch this bucket's collective on ``group``: a sum (a broadcast from the group's first rank for
-        the other buffers). A wire dtype is summed in fp32: each rank sends every other its chunk of the
-        payload (``all_to_all``), adds the chunks it received in fp32 (``reduce_chunks``), and the sums
-        are gathered back, in the wire dtype (``wait``): the bytes of one all-reduce in the wire dtype,
-        rounded twice (the deltas, then their sum) whatever the number of ranks."""
+        the other buffers). A wire format is summed in fp32: each rank encodes its payload (plus its
+        residual) in one chunk per rank, sends every other its chunk (``all_to_all``), adds the chunks it
+        received in fp32 (``reduce_chunks``), and the sums are gathered back, encoded (``wait``): the bytes
+        of one all-reduce in the wire format, rounded twice (the deltas, then their sum) whatever the
+        number of ranks."""
         assert self.payload is not None, "start() before prepare()"
         self._group = group
         if self.kind == FROM_FIRST_RANK:
@@ -92,22 +139,39 @@ class SyncBucket:
         elif self.wire is None:
             self._work = dist.all_reduce(self.payload, group=group, async_op=True)
         else:
-            ranks = group.size()
-            self._sent = torch.zeros(-(-self.payload.numel() // ranks) * ranks, dtype=self.wire, device=self.device)
-            self._sent[: self.payload.numel()].copy_(self.payload)
+            ranks, numel = group.size(), self.payload.numel()
+            self._length = self._chunk_length(ranks)
+            values = torch.zeros(ranks * self._length, dtype=self._accumulate, device=self.device)
+            values[:numel].copy_(self.payload)
+            feedback = self.residual is not None and self._participates
+            if feedback:
+                values[:numel].add_(self.residual.to(self.device, non_blocking=True))
+            rows = values.view(ranks, self._length)
+            self._sent = self.wire.encode(rows)
+            if feedback:  # what this encoding dropped waits for the next sync
+                dropped = rows.sub_(self.wire.decode(self._sent, self._length, self._accumulate))
+                self.residual.copy_(dropped.view(-1)[:numel])
             self._received = torch.empty_like(self._sent)
             self._work = dist.all_to_all_single(self._received, self._sent, group=group, async_op=True)
 
     def reduce_chunks(self, waiter: Waiter) -> None:
-        """A wire dtype's second half: add the chunks received in fp32, launch the gather of the sums."""
+        """A wire format's second half: add the chunks received in fp32 (in rank order), encode the sum and
+        launch its gather; with error feedback, what that encoding dropped joins this rank's residual."""
         if self._received is None:
             return
         assert self._work is not None and self._sent is not None and self._group is not None
-        waiter.wait(self._work, "the LocalSGD sync's exchange of chunks")
-        accumulate = torch.promote_types(torch.float32, self.dtype)
-        chunk_sum = self._received.view(self._group.size(), -1).sum(dim=0, dtype=accumulate).to(self.wire)
+        process_groups.wait(waiter, self._work, self._group, "the LocalSGD sync's exchange of chunks")
+        total = self.wire.decode(self._received[:1], self._length, self._accumulate)
+        for rank in range(1, self._group.size()):
+            total += self.wire.decode(self._received[rank : rank + 1], self._length, self._accumulate)
         self._received = None
-        self._work = _all_gather(self._sent, chunk_sum, self._group)  # the sent chunks are no longer needed
+        encoded = self.wire.encode(total)
+        if self.residual is not None and self._participates:
+            first = self._group.rank() * self._length
+            owned = self.residual[first : first + self._length]  # the chunk's values in the payload (none in padding)
+            dropped = total.sub_(self.wire.decode(encoded, self._length, self._accumulate)).view(-1)
+            owned.add_(dropped[: owned.numel()].to(owned.device))
+        self._work = _all_gather(self._sent.view(-1), encoded.view(-1), self._group)  # the sent chunks are no longer needed
 
     def wait(self, waiter: Waiter) -> None:
         """The sum (or broadcast) is in ``payload``."""
@@ -115,7 +179,8 @@ class SyncBucket:
         process_groups.wait(waiter, self._work, self._group, "the LocalSGD average")
         self._work = None
         if self._sent is not None:
-            self.payload.copy_(self._sent[: self.payload.numel()])
+            total = self.wire.decode(self._sent, self._length, self._accumulate).view(-1)
+            self.payload.copy_(total[: self.payload.numel()])
             self._sent = None
 
     def apply(self, participants: int, outer: bool, keep: float = 0.0) -> None:
@@ -166,12 +231,15 @@ class SyncBucket:
 
 
 class Reduction:
-    """A sync's collectives, all launched (``reduce_across``): ``wait`` issues none."""
+    """A sync's collectives, all launched (``reduce_across``): ``wait`` issues none. ``exchange``: the marks
+    (``reduce_across``'s ``mark``) around the wait for a wire format's exchange of chunks, which launching
+    takes: the first collectives were all launched at the first; None without ``mark``."""
 
     def __init__(
         self, buckets: list[SyncBucket], count: torch.Tensor, count_work: dist.Work, group: dist.ProcessGroup, waiter: Waiter
     ) -> None:
         self._buckets, self._count, self._count_work, self._group, self._waiter = buckets, count, count_work, group, waiter
+        self.exchange: tuple[Any, Any] | None = None
 
     def wait(self) -> int:
         """Every bucket's sum is in its ``payload``; returns how many ranks took part."""
@@ -182,7 +250,11 @@ class Reduction:
 
 
 def reduce_across(
-    buckets: list[SyncBucket], groups: list[dist.ProcessGroup], waiter: Waiter, participates: bool = True
+    buckets: list[SyncBucket],
+    groups: list[dist.ProcessGroup],
+    waiter: Waiter,
+    participates: bool = True,
+    mark: Callable[[], Any] | None = None,
 ) -> Reduction:
     """The one cross-rank reduction of a sync: the sum over the ranks of ``groups`` of every bucket's
     payload (the deltas ``s - p``, which divided become the pseudo-gradient; the float buffers; the
@@ -192,16 +264,22 @@ def reduce_across(
     the gather of the sums), so that waiting (``Reduction.wait``) issues none, whenever it comes.
     The wait returns how many ranks took part: the divisor, all-reduced with the payloads, since a
     rank that ran out (``participates=False``) sends zeros. Every rank of ``groups`` must call it with
-    the same buckets; pointing ``groups`` at another group (torchft's replica groups) syncs across it."""
+    the same buckets; pointing ``groups`` at another group (torchft's replica groups) syncs across it.
+    ``mark`` (a clock's): timed around the wait for the exchange of chunks (``Reduction.exchange``), the
+    part of launching that blocks."""
     device = buckets[0].device if buckets else torch.device("cpu")
     count = torch.tensor([float(participates)], device=device)
     count_work = dist.all_reduce(count, group=groups[0], async_op=True)
     for index, bucket in enumerate(buckets):
         bucket.prepare(participates)
         bucket.start(groups[index % len(groups)])
+    reduction = Reduction(buckets, count, count_work, groups[0], waiter)
+    launched = mark() if mark is not None else None
     for bucket in buckets:
         bucket.reduce_chunks(waiter)
-    return Reduction(buckets, count, count_work, groups[0], waiter)
+    if mark is not None:
+        reduction.exchange = (launched, mark())
+    return reduction
 
 
 def _state_copy(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -214,6 +292,11 @@ def _state_copy(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _all_gather(output: torch.Tensor, chunk: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    if process_groups.written_in_python(group):
+        # A group written in Python (torchft's process groups) is asked as torchft's own quantized all-reduce
+        # asks it: torch's functions would look it up in their registry of groups, or (2.13) call a method of
+        # a new name on it.
+        return group.allgather_into_tensor_coalesced([output], [chunk], AllgatherOptions())
     # torch 2.13 renamed all_gather_into_tensor (FutureWarning); the project supports torch >= 2.8.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, chunk, group=group, async_op=True)

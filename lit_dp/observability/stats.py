@@ -267,10 +267,12 @@ def _completion_callback(
 
 @dataclass(frozen=True)
 class SyncStats:
-    """One LocalSGD average on one rank: its step, the bytes this rank all-reduced (the payload, as
-    ``CommStats.bytes``), its time from the first launch to the parameters replaced, and the part of
-    it spent waiting for the collectives once all were launched (``exposed_ms``: nothing overlaps an
-    average, so it is most of ``time_ms``; the rest is gathering the deltas and applying the result)."""
+    """One LocalSGD average on one rank: its step, the bytes this rank all-reduced (the payload as it
+    travels: in a ``sync_dtype``, encoded, scales included), its time from the first launch to the
+    parameters replaced, and the part of it spent waiting for the collectives once the first were all
+    launched, and applying the result (``exposed_ms``: without ``sync_delay`` nothing overlaps an
+    average, so it is most of ``time_ms``; with it, the wait for a wire format's exchange of chunks
+    at the start and the wait when the sync is applied)."""
 
     step: int
     bytes: int
@@ -292,16 +294,17 @@ class SyncRecorder:
 
     def __init__(self, device: torch.device) -> None:
         self._clock = clock_for(device)
-        self._pending: deque[tuple[int, int, Any, Any, Any]] = deque()
+        self._pending: deque[tuple[int, int, Any, Any, tuple[Any, Any] | None, Any]] = deque()
         self._last: SyncStats | None = None
         self._totals = [0, 0, 0.0, 0.0, 0]  # averages, bytes, time_ms, exposed_ms, the largest average's bytes
 
     def mark(self) -> Any:
         return self._clock.mark()
 
-    def record(self, step: int, nbytes: int, began: Any, launched: Any) -> None:
-        """The average after optimizer step ``step`` ended now."""
-        self._pending.append((step, nbytes, began, launched, self._clock.mark()))
+    def record(self, step: int, nbytes: int, began: Any, launched: Any, exposed_before: tuple[Any, Any] | None = None) -> None:
+        """The average after optimizer step ``step`` ended now; exposed from ``launched`` on, and between the
+        two marks of ``exposed_before`` (a wait at its start, when it was applied later)."""
+        self._pending.append((step, nbytes, began, launched, exposed_before, self._clock.mark()))
         self._resolve()
 
     def last(self) -> SyncStats | None:
@@ -327,8 +330,9 @@ class SyncRecorder:
     def _resolve(self) -> None:
         clock = self._clock
         while self._pending and clock.done(self._pending[0][-1]):
-            step, nbytes, began, launched, ended = self._pending.popleft()
-            self._last = SyncStats(step, nbytes, clock.elapsed_ms(began, ended), clock.elapsed_ms(launched, ended))
+            step, nbytes, began, launched, exposed_before, ended = self._pending.popleft()
+            exposed = clock.elapsed_ms(launched, ended) + (clock.elapsed_ms(*exposed_before) if exposed_before else 0.0)
+            self._last = SyncStats(step, nbytes, clock.elapsed_ms(began, ended), exposed)
             totals = self._totals
             totals[0] += 1
             totals[1] += nbytes

@@ -172,7 +172,8 @@ def refuse_what_replicas_cannot_follow(options: Any, where: str, name: Callable[
         (
             "local_sgd.sync_dtype",
             options.local_sgd.sync_dtype is not None,
-            "its fp32 sums take an all-to-all, which torchft's process groups do not offer; expected None",
+            "its sums in fp32 take an all-to-all and an all-gather, and lit_dp's groups across replica groups offer "
+            "a SUM all-reduce only (torchft's own process group has both; lit_dp does not route them yet); expected None",
         ),
         (
             "uneven_inputs",

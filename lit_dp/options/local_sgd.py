@@ -6,14 +6,51 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+import torch
+
 from lit_dp.options.declare import FABRIC, MODULE, STRATEGIES, TRAINER, choice, count, flag, option
 from lit_dp.options.rules import excludes, requires, shown
 
 # Both strategies drive the averager after each optimizer step; a loop of your own builds it.
 IN_A_LOOP = {MODULE: "build lit_dp.LocalSGD(model, local_steps, ...) and call its step() after each optimizer step"}
 OUTERS = ("average", "nesterov")
-# The dtypes the averaged deltas may travel in (``local_sgd.sync_dtype``), by name.
-SYNC_DTYPES = ("bf16",)
+# The formats the averaged deltas may travel in (``local_sgd.sync_dtype``, ``lit_dp.local_sgd.wire``), by
+# name; fp8 (float8_e4m3fn) where the torch build has the type.
+SYNC_DTYPES = ("bf16", "int8", "int4", "fp8")
+# The backends lit_dp runs a wire format's all-to-all and all-gather on.
+WIRE_BACKENDS = ("gloo", "nccl")
+# Error feedback is on by default at this many bits a value and below (SparseLoCo and MuLoCo found it
+# necessary below 8 bits; at bf16 it is a choice).
+ERROR_FEEDBACK_BITS = 8
+
+
+def default_error_feedback(bits: int) -> bool:
+    """``local_sgd.error_feedback=None``: on for a format of ``bits`` bits a value at ``ERROR_FEEDBACK_BITS`` or below."""
+    return bits <= ERROR_FEEDBACK_BITS
+
+
+def check_sync_dtype(name: str, value: Any) -> str | None:
+    """One of ``SYNC_DTYPES`` that this torch build can encode, or None."""
+    value = choice(*SYNC_DTYPES, optional=True)(name, value)
+    if value == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        others = ", ".join(d for d in SYNC_DTYPES if d != "fp8")
+        raise ValueError(
+            f"{name}='fp8' is invalid with this torch build ({torch.__version__}), which has no float8_e4m3fn: "
+            f"expected one of {others}."
+        )
+    return value
+
+
+check_sync_dtype.examples = SYNC_DTYPES  # type: ignore[attr-defined]
+
+
+def check_error_feedback(name: str, value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is invalid: expected True, False or None (on for 8 bits and below).")
+    return value
+
+
+check_error_feedback.examples = (True, False)  # type: ignore[attr-defined]
 # DiLoCo's outer SGD, chosen by measurement on the GPT recipe (docs/local_sgd.md, "Choosing the
 # outer settings"): the setting tried that beat averaging at both K=16 and K=64; not the paper's
 # lr 0.7 / momentum 0.9, which trained worse than averaging at K=16.
@@ -112,11 +149,20 @@ class LocalSGDOptions:
     )
     sync_dtype: Optional[str] = option(
         default=None,
-        help="bf16: send the averaged change in bf16 (half the bytes); None: in the parameters' dtype",
-        check=choice(*SYNC_DTYPES, optional=True),
+        help="send the averaged change in bf16, int8, int4 or fp8 (fp32 scale per 128 values), summed in fp32; "
+        "None: in the parameters' dtype",
+        check=check_sync_dtype,
         scope=STRATEGIES,
         instead=IN_A_LOOP,
         config=Optional[str],
+    )
+    error_feedback: Optional[bool] = option(
+        default=None,
+        help="add what sync_dtype dropped on a rank to its next sync; None: on for int8, int4 and fp8, off for bf16",
+        check=check_error_feedback,
+        scope=STRATEGIES,
+        instead=IN_A_LOOP,
+        config=Optional[bool],
     )
     fragments: int = option(
         default=1,
@@ -174,7 +220,16 @@ RULES = (
     ),
     *(
         requires(f"local_sgd.{name}", "local_sgd.steps", "expected the period K, e.g. 16", set_only=True)
-        for name in ("outer", "outer_lr", "outer_momentum", "sync_dtype", "fragments", "offload", "sync_delay", "mixing")
+        for name in (
+            "outer", "outer_lr", "outer_momentum", "sync_dtype", "error_feedback", "fragments", "offload", "sync_delay",
+            "mixing",
+        )
+    ),
+    requires(
+        "local_sgd.error_feedback",
+        "local_sgd.sync_dtype",
+        "a sync in the parameters' dtype drops nothing to feed back; expected {local_sgd.sync_dtype}=bf16, int8, int4 "
+        "or fp8, or {local_sgd.error_feedback}=None",
     ),
     excludes(
         "local_sgd.fragments",

@@ -10,7 +10,8 @@ before the averager exists, ``fabric.load`` after: either way the state reaches 
 
 Between syncs the replicas differ, and rank 0's model and optimizer state, which the checkpoint
 holds as any Lightning checkpoint does, are not the job's state. So once the local phase has
-started, ``state_dict`` gathers every other rank's model and optimizer states to rank 0
+started, ``state_dict`` gathers every other rank's model and optimizer states, and its own part of
+LocalSGD's state (``LocalSGD.rank_state_dict``: error feedback's residuals), to rank 0
 (``replicas``, one entry per global rank, CPU tensors), which writes them in the one checkpoint
 file; a resumed run hands each rank its own before its first training step (Fabric: as
 ``fabric.load`` restores the entry, after the model and optimizers). A checkpoint without them
@@ -94,6 +95,7 @@ class LocalSGDSchedule(Feature):
             outer_lr=options.outer_lr,
             outer_momentum=options.outer_momentum,
             sync_dtype=options.sync_dtype,
+            error_feedback=options.error_feedback,
             fragments=options.fragments,
             offload=options.offload,
             sync_delay=options.sync_delay,
@@ -203,6 +205,8 @@ class LocalSGDSchedule(Feature):
         self._run.model.module.load_state_dict(replica["model"])
         for optimizer, optimizer_state in zip(self._optimizer_list(), replica["optimizers"], strict=True):
             optimizer.load_state_dict(optimizer_state)
+        if "local_sgd" in replica and self.local_sgd is not None:  # its error-feedback residuals
+            self.local_sgd.load_rank_state_dict(replica["local_sgd"])
         log.debug("LocalSGD: this rank's own model and optimizer states restored from the checkpoint")
 
     def _replicas_differ(self, state: dict[str, Any]) -> bool:
@@ -224,6 +228,7 @@ class LocalSGDSchedule(Feature):
             states = {
                 "model": self._run.model.module.state_dict(),
                 "optimizers": [optimizer.state_dict() for optimizer in self._optimizer_list()],
+                "local_sgd": self.local_sgd.rank_state_dict() if self.local_sgd is not None else {},
             }
             own = apply_to_collection(states, torch.Tensor, lambda t: t.detach().cpu())
         gathered: list[Any] | None = [None] * world_size if rank == 0 else None

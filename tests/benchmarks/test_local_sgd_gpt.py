@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks.local_sgd_gpt import LocalSGDGPTConfig, _modes, gap_closed, report, with_warmup_traffic
+from benchmarks.local_sgd_gpt import LocalSGDGPTConfig, _modes, against_fp32, gap_closed, report, with_warmup_traffic
 from tests.helpers.recipes import run_benchmark
 
 TINY = '["data.max_bytes=30000","data.block_size=32","data.batch_size=4","model.n_layer=1","model.n_embd=32","model.n_head=2","model.warmup_steps=1","callbacks.throughput.warmup=1","trainer.limit_val_batches=1"]'
@@ -20,10 +20,12 @@ def test_gpt_benchmark_reports_every_mode_with_its_traffic(tmp_path):
         "local_sgd_gpt", "local_steps=[2]", "max_steps=4", "fragments=[2]", f"extra={TINY}", f"hydra.run.dir={tmp_path}",
         timeout=1100,
     )  # fmt: skip
-    rows = {
-        cells[0]: cells[1:]
-        for cells in (line.strip("|").split("|") for line in output.splitlines() if re.match(r"^\| (?!mode )[a-z]", line))
-    }
+    lines = [line for line in output.splitlines() if re.match(r"^\| (?!mode )[a-z]", line)]
+    rows = {cells[0]: cells[1:] for cells in (line.strip("|").split("|") for line in lines) if len(cells) == 11}
+    # The second table: DiLoCo in bf16 against DiLoCo in fp32, at half its bytes per step.
+    bf16 = [cells for cells in (line.strip("|").split("|") for line in lines) if len(cells) == 5]
+    assert [cells[0].strip() for cells in bf16] == ["nesterov+bf16 K=2"], output
+    assert float(bf16[0][4]) == pytest.approx(0.5, abs=0.01), output
     rows = {name.strip(): [cell.strip() for cell in cells] for name, cells in rows.items()}
     assert set(rows) == {"data parallel", "average K=2", "nesterov K=2", "nesterov+bf16 K=2", "nesterov F=2 K=2"}, output
     sent_vs_dp = {name: float(cells[4]) for name, cells in rows.items()}
@@ -61,7 +63,7 @@ def test_report_computes_the_fraction_of_averagings_gap_closed():
 
 
 def test_a_warm_up_reaches_every_localsgd_mode_and_counts_in_its_bytes_per_step():
-    config = LocalSGDGPTConfig(local_steps=(16,), bf16=False, warmup_steps=64)
+    config = LocalSGDGPTConfig(local_steps=(16,), sync_dtypes=(), warmup_steps=64)
     assert dict(_modes(config)) == {
         "data parallel": [],
         "average K=16": ["strategy.local_sgd.steps=16", "strategy.local_sgd.warmup_steps=64"],
@@ -72,6 +74,32 @@ def test_a_warm_up_reaches_every_localsgd_mode_and_counts_in_its_bytes_per_step(
     assert results["data parallel"]["mb_per_step"] == 1.6
     with pytest.raises(ValueError, match=r"max_steps=320 is invalid with local_steps K=64 and warmup_steps=32"):
         _modes(LocalSGDGPTConfig(local_steps=(64,), warmup_steps=32))
+
+
+def test_each_wire_format_runs_with_and_without_error_feedback_against_fp32():
+    config = LocalSGDGPTConfig(local_steps=(16,), average=False, sync_dtypes=("int4",), error_feedback=(True, False))
+    diloco = ["strategy.local_sgd.steps=16", "strategy.local_sgd.outer=nesterov"]
+    assert dict(_modes(config)) == {
+        "data parallel": [],
+        "nesterov K=16": diloco,
+        "nesterov+int4 EF K=16": [*diloco, "strategy.local_sgd.sync_dtype=int4", "strategy.local_sgd.error_feedback=True"],
+        "nesterov+int4 no EF K=16": [*diloco, "strategy.local_sgd.sync_dtype=int4", "strategy.local_sgd.error_feedback=False"],
+    }
+
+    def row(val_loss: float, mb_per_step: float) -> dict[str, float]:
+        return {"val_loss": val_loss, "tokens_per_sec": 100.0, "mb_per_step": mb_per_step, "mb_per_sync": 1.0, "wall_s": 10.0}
+
+    results = {
+        "data parallel": row(1.70, 1.6),
+        "nesterov K=16": row(1.80, 0.1),
+        "nesterov+int4 EF K=16": row(1.809, 0.0133),
+        "nesterov+int4 no EF K=16": row(1.98, 0.0133),
+    }
+    compared = against_fp32(results)
+    assert list(compared) == ["nesterov+int4 EF K=16", "nesterov+int4 no EF K=16"]
+    assert compared["nesterov+int4 EF K=16"] == pytest.approx((1.809, 1.80, 0.5, 0.133))
+    table = report(results, config)
+    assert "| nesterov+int4 no EF K=16 | 1.9800 | 1.8000 | +10.00% | 0.1330 |" in table, table
 
 
 @pytest.mark.slow
