@@ -415,6 +415,7 @@ class LocalSGD:
         (``last_syncs``). The model's and the inner optimizer's states are not in it: they are each
         rank's own, saved beside it (see docs/local_sgd.md)."""
         state = self._schedule.state_dict()
+        state["traffic"] = {"syncs": self._recorder.state_dict(), "local_steps": self._schedule.local_steps_taken}
         if self._replica_groups:
             state["across_replica_groups"] = True  # the ranks of a group hold one model between syncs
         # A resumed state not yet taken up is handed on unchanged.
@@ -424,6 +425,23 @@ class LocalSGD:
         if self._pending is not None:
             state["pending"] = self._pending_state()
         return state
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """What is this rank's own beside its model and inner optimizer (which the caller saves with it): what
+        differs from rank to rank. Checkpoints keep every rank's (``lit_dp.strategies.local_sgd``), in both formats.
+        Nothing yet: a per-rank tensor (an error-feedback residual) is one entry here, read back in
+        ``load_rank_state_dict``."""
+        return {}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's ``rank_state_dict()`` from a checkpoint (``{}`` where the checkpoint has none for this rank)."""
+
+    def take_last_sync(self) -> None:
+        """Set the parameters to the model of the last sync (each fragment's snapshot): a rank that a resumed
+        checkpoint has no model of starts from there. Nothing changes before the local phase (no snapshot yet)."""
+        if self._state is not None:
+            with torch.no_grad():
+                self._state.restore_parameters()
 
     def _pending_state(self) -> dict[str, Any]:
         """A delayed sync, waited for (which changes no value) and kept pending: its fragment, step, the
@@ -449,6 +467,10 @@ class LocalSGD:
         they existed) is one fragment's.
         """
         self._schedule.load_state_dict(state)
+        traffic = state.get("traffic")
+        if traffic is not None:  # saved since the statistics count the whole run
+            self._recorder.load_state_dict(traffic["syncs"])
+            self._schedule.local_steps_taken = int(traffic["local_steps"])
         self._outer_resumed = state.get("outer")
         self._state = None
         self._pending = None

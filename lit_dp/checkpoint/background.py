@@ -1,0 +1,71 @@
+"""Asynchronous saves: the state copied off the device now, written by a thread while training goes on.
+
+``stage`` copies every tensor a save will write to CPU memory (a device tensor's bytes to the host,
+a CPU tensor cloned), so that the optimizer steps that follow do not change what is being written;
+``BackgroundSave`` runs the write in a thread, one save at a time: the next save, a load and the end
+of the run wait for the one in flight, and its error, if any, is raised there. The write itself is
+the same as a synchronous one, into a temporary name renamed when complete
+(``lit_dp.checkpoint.atomic``): a crash while it runs leaves the previous checkpoint as it was.
+
+The memory a save in flight holds is the copy: this rank's part of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lit_dp.checkpoint.tree import map_tensors
+
+
+def stage(tree: Any) -> Any:
+    """``tree`` with every tensor copied to CPU memory, detached (the containers copied, other objects shared)."""
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        return tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu")
+
+    staged = map_tensors(tree, copy)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies off the device are complete before training changes the originals
+    return staged
+
+
+class BackgroundSave:
+    """The save in flight, if any: a thread writing a staged checkpoint."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.what = ""  # the save in flight, for messages
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, write: Callable[[], None], what: str) -> None:
+        """Run ``write()`` in a thread (after the save in flight, which ``wait`` finishes first)."""
+        self.wait()
+        self.what = what
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as error:  # noqa: BLE001 - raised in the main thread by wait()
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name=f"lit_dp {what}", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the save in flight is written; raises its error. ``timeout``: give up waiting after it (at the
+        end of a failed run, whose other ranks may be gone)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
