@@ -56,15 +56,14 @@ def write_atomically(checkpoint: dict[str, Any], path: Path) -> None:
                     raise
                 raise writer.error from error
             os.fsync(file.fileno())
-        os.replace(partial, path)
+        publish(partial, path)
     except OSError as error:
         report = write_error(path, error)  # before the partial file is removed: the space it took is the story
-        partial.unlink(missing_ok=True)
+        remove_partial(partial)
         raise report from error
     except BaseException:
-        partial.unlink(missing_ok=True)
+        remove_partial(partial)
         raise
-    fsync_folder(path.parent)
 
 
 def publish(partial: Path, path: Path) -> None:
@@ -87,11 +86,14 @@ def publish(partial: Path, path: Path) -> None:
 
 
 def remove_partial(partial: Path) -> None:
-    """Remove what a failed write left (a file or a folder), if anything."""
+    """Remove what a failed write left (a file or a folder), if anything (nothing raised: the write's error is the story)."""
     if partial.is_dir():
         shutil.rmtree(partial, ignore_errors=True)
-    else:
-        partial.unlink(missing_ok=True)
+        return
+    try:
+        partial.unlink()
+    except OSError:  # never made, or its folder cannot be reached
+        pass
 
 
 def fsync_folder(folder: Path) -> None:

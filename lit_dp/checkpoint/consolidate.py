@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_dp.checkpoint.atomic import write_atomically
-from lit_dp.checkpoint.sharded import ShardedCheckpoint, is_sharded, optimizer_form
-from lit_dp.checkpoint.tree import RANKS
+from lit_dp.checkpoint.sharded import ShardedCheckpoint, is_sharded
 
 # How a Trainer's checkpoint names its entries in a sharded folder (Lightning's FSDPStrategy's names).
 _OPTIMIZER = re.compile(r"optimizer_(\d+)")
@@ -38,7 +37,7 @@ def consolidate(folder: str | Path) -> dict[str, Any]:
     """The full checkpoint a sharded folder holds, in memory."""
     checkpoint = ShardedCheckpoint(folder)
     meta = checkpoint.meta(weights_only=False)  # the job's own file (hyper-parameters are objects)
-    entries = _torch_forms(checkpoint.read(lambda path: True))
+    entries = checkpoint.read(lambda path: True)
     if "loops" in meta or "pytorch-lightning_version" in meta:  # a Trainer's: Lightning's names back
         if "model" in entries:
             entries["state_dict"] = entries.pop("model")
@@ -46,18 +45,6 @@ def consolidate(folder: str | Path) -> dict[str, Any]:
         if optimizers:
             entries["optimizer_states"] = [entries.pop(name) for _, name in optimizers]
     return {**meta, **entries}
-
-
-def _torch_forms(tree: Any, key: Any = None) -> Any:
-    """Integer keys where the checkpoint had them: each optimizer state's, and a feature's per-rank entries'."""
-    if isinstance(tree, dict):
-        converted = {name: _torch_forms(value, name) for name, value in tree.items()}
-        if key == RANKS and all(str(name).isdigit() for name in converted):
-            converted = {int(name): value for name, value in converted.items()}
-        return optimizer_form(converted)
-    if isinstance(tree, list):
-        return [_torch_forms(value) for value in tree]
-    return tree
 
 
 def main(arguments: list[str] | None = None) -> int:

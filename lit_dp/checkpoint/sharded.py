@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lit_dp.checkpoint.atomic import fsync_folder, partial_path, publish, remove_partial
 from lit_dp.checkpoint.tree import Path as TreePath
-from lit_dp.checkpoint.tree import RankEntries, plain
+from lit_dp.checkpoint.tree import RANKS, RankEntries, plain
 
 META = "meta.pt"  # Lightning's name for the file of what is not a tensor entry (lightning.fabric.utilities.load)
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last by its coordinator
@@ -176,8 +176,8 @@ class ShardedCheckpoint:
         return {path[len(prefix)] for path in self._paths.values() if len(path) > len(prefix) and path[: len(prefix)] == prefix}
 
     def read(self, select: Callable[[TreePath], bool]) -> dict[str, Any]:
-        """The entries whose path ``select`` accepts, nested as saved (a dict's keys as strings: see
-        ``optimizer_state`` for an optimizer's), read from disk now and nothing else."""
+        """The entries whose path ``select`` accepts (the keys as saved, strings), nested as they were saved, read
+        from disk now and nothing else. Integer keys come back where a checkpoint has them (``torch_forms``)."""
         target: dict[str, Any] = {}
         for key, item in self._metadata.state_dict_metadata.items():
             path = self._paths[key]
@@ -188,12 +188,14 @@ class ShardedCheckpoint:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(target, storage_reader=dcp.FileSystemReader(self.folder), no_dist=True)
-        return target
+        return torch_forms(target)
 
     def read_under(self, prefix: TreePath) -> Any:
         """The subtree under ``prefix`` (None when nothing was saved there)."""
-        found = self.read(lambda path: path[: len(prefix)] == prefix)
+        found: Any = self.read(lambda path: path[: len(prefix)] == prefix)
         for key in prefix:
+            if isinstance(found, dict) and key not in found and str(key).isdigit():
+                key = int(key)  # a key torch_forms gave back as the integer it was
             if not isinstance(found, (dict, list)) or (isinstance(found, dict) and key not in found):
                 return None
             found = found[key]
@@ -212,16 +214,23 @@ class ShardedCheckpoint:
                 return indices(int(path[2]))
             return True
 
-        return optimizer_form(self.read(wanted).get(name, {}))
+        return self.read(wanted).get(name, {"state": {}, "param_groups": []})
 
 
-def optimizer_form(state: Any) -> Any:
-    """An optimizer's ``state_dict()`` as ``torch.distributed.checkpoint`` gives it back, in torch's form again:
-    its ``state`` keyed by integers (saved as strings), present even where no parameter had state (an empty
-    dict is not saved). Other values pass through."""
-    if isinstance(state, dict) and "param_groups" in state:
-        return {**state, "state": {int(key): value for key, value in (state.get("state") or {}).items()}}
-    return state
+def torch_forms(tree: Any, key: Any = None) -> Any:
+    """A tree as ``torch.distributed.checkpoint`` gives it back (every dict key a string), with the integer keys a
+    checkpoint has: each optimizer ``state_dict()``'s ``state`` (present even where no parameter had a state: an
+    empty dict is not saved), and a feature's per-rank entries (``RANKS``)."""
+    if isinstance(tree, list):
+        return [torch_forms(value) for value in tree]
+    if not isinstance(tree, dict):
+        return tree
+    converted = {name: torch_forms(value, name) for name, value in tree.items()}
+    if key == RANKS and all(str(name).isdigit() for name in converted):
+        converted = {int(name): value for name, value in converted.items()}
+    if "param_groups" in converted:  # an optimizer's state_dict()
+        converted["state"] = {int(index): value for index, value in (converted.get("state") or {}).items()}
+    return converted
 
 
 def _insert(tree: dict[str, Any], path: TreePath, value: Any) -> None:

@@ -43,7 +43,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lit_dp.checkpoint.background import BackgroundSave, stage
 from lit_dp.checkpoint.full import assemble, save_full
-from lit_dp.checkpoint.sharded import ShardedCheckpoint, is_sharded, optimizer_form, save_sharded
+from lit_dp.checkpoint.sharded import ShardedCheckpoint, is_sharded, save_sharded
 from lit_dp.checkpoint.tree import RANKS
 from lit_dp.options import Options
 from lit_dp.sharding import ShardedOptimizer
@@ -237,7 +237,7 @@ class Checkpointing:
         """``fabric.load(path)`` of a sharded folder, with no state to restore: every entry, in memory."""
         self.wait()
         folder = ShardedCheckpoint(path)
-        return {**folder.meta(weights_only), **_optimizer_forms(folder.read(lambda path: True))}
+        return {**folder.meta(weights_only), **folder.read(lambda path: True)}
 
 
 class OptimizerStates(list):
@@ -273,16 +273,7 @@ def _own_entry(folder: ShardedCheckpoint) -> dict[str, Any]:
                 return False
         return True
 
-    return _optimizer_forms(folder.read(wanted)).get(CHECKPOINT_KEY, {})
-
-
-def _optimizer_forms(tree: Any) -> Any:
-    """Every optimizer state of a tree read from a folder in torch's form (``sharded.optimizer_form``)."""
-    if isinstance(tree, dict):
-        return optimizer_form({key: _optimizer_forms(value) for key, value in tree.items()})
-    if isinstance(tree, list):
-        return [_optimizer_forms(value) for value in tree]
-    return tree
+    return folder.read(wanted).get(CHECKPOINT_KEY, {})
 
 
 def _save_assembled(io: Any, checkpoint: dict[str, Any], path: Any, storage_options: Any, group: Any) -> None:
