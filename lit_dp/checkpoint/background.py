@@ -5,7 +5,9 @@ a CPU tensor cloned), so that the optimizer steps that follow do not change what
 ``BackgroundSave`` runs the write in a thread, one save at a time: the next save, a load and the end
 of the run wait for the one in flight, and its error, if any, is raised there. The write itself is
 the same as a synchronous one, into a temporary name renamed when complete
-(``lit_dp.checkpoint.atomic``): a crash while it runs leaves the previous checkpoint as it was.
+(``lit_dp.checkpoint.atomic``): a crash while it runs leaves the previous checkpoint as it was. What
+must wait for the write to be complete (``after``: ``ModelCheckpoint`` removing the checkpoint the new
+one replaces in its top-k) runs once it is, and not at all if it fails.
 
 The memory a save in flight holds is the copy: this rank's part of the checkpoint.
 """
@@ -41,6 +43,8 @@ class BackgroundSave:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.what = ""  # the save in flight, for messages
+        self._lock = threading.Lock()
+        self._after: list[Callable[[], None]] | None = None  # what runs once the save in flight is written
 
     @property
     def in_flight(self) -> bool:
@@ -50,15 +54,33 @@ class BackgroundSave:
         """Run ``write()`` in a thread (after the save in flight, which ``wait`` finishes first)."""
         self.wait()
         self.what = what
+        self._after = []
 
         def run() -> None:
             try:
                 write()
             except BaseException as error:  # noqa: BLE001 - raised in the main thread by wait()
                 self._error = error
+            with self._lock:
+                after, self._after = self._after, None
+            if self._error is not None:
+                return  # what waited for the write is not done: the checkpoints it would remove are kept
+            for action in after or ():
+                try:
+                    action()
+                except BaseException as error:  # noqa: BLE001 - as the write's own
+                    self._error = error
 
         self._thread = threading.Thread(target=run, name=f"lit_dp {what}", daemon=True)
         self._thread.start()
+
+    def after(self, action: Callable[[], None]) -> None:
+        """``action()`` once the save in flight is written (in its thread), now if none is; never if it fails."""
+        with self._lock:
+            if self._after is not None:
+                self._after.append(action)
+                return
+        action()
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the save in flight is written; raises its error. ``timeout``: give up waiting after it (at the

@@ -148,6 +148,11 @@ class Checkpointing:
         with features.saving():
             job(parts)
 
+    def remove(self, io: Any, path: str | os.PathLike) -> None:
+        """Rank 0: ``io.remove_checkpoint(path)`` (``ModelCheckpoint`` dropping a checkpoint from its top-k) once the
+        save in flight, the one that replaces it, is written: a crash before that leaves it."""
+        self._in_flight.after(lambda: io.remove_checkpoint(path))
+
     def wait(self) -> None:
         """Until the save in flight, if any, is written; raises its error."""
         self._in_flight.wait()

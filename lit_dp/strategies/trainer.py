@@ -296,6 +296,12 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self._checkpointing.save(self._features, self.checkpoint_io, checkpoint, filepath, storage_options, trainer_layout())
 
     @override
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
+        # ModelCheckpoint dropping one of its top-k: after the save that replaces it is written (async_save).
+        if self.is_global_zero:
+            self._checkpointing.remove(self.checkpoint_io, filepath)
+
+    @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning loads the checkpoint before `setup` wraps the model: the features take their entries now, and
         # apply them as the fit is set up; a sharded folder's optimizer states are read once the optimizers exist.

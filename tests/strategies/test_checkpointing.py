@@ -14,6 +14,10 @@ the existing processes), since a spawn costs seconds here; the Fabric loops in o
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,9 +29,12 @@ from torch import nn
 
 import lit_dp
 from lit_dp import PaddleDPStrategy
+from lit_dp.checkpoint.atomic import PARTIAL_MARKER
 from lit_dp.checkpoint.sharded import is_sharded
+from lit_dp_recipes.resume import Checkpoint, read_checkpoint
 from tests.helpers.distributed import launch_forking, run_ranks
 from tests.helpers.lightning import Regressor, trainer
+from tests.helpers.recipes import ROOT
 
 # 64 samples in batches of 8: 4 optimizer steps an epoch on 2 ranks, 2 on 4. DiLoCo with K=4 after one
 # warm-up step syncs after steps 5, 9, 13: the checkpoint after epoch 2 (step 8) is between two syncs.
@@ -166,13 +173,15 @@ def zero_saved_at_four(rank: int, tmp_path: str) -> None:
     _fit(tmp / "diloco-four", 3, "diloco", "sharded", ckpt_path=tmp / "diloco-two" / "checkpoints" / "last.ckpt", devices=4)
 
 
-def zero_resumed_at_two(rank: int, tmp_path: str) -> dict[str, dict[str, torch.Tensor]]:
+def zero_resumed_at_two(rank: int, tmp_path: str) -> dict[str, dict[str, list]]:
     tmp = Path(tmp_path)
-    return {
+    resumed = {
         state_dict_type: _fit(tmp / f"two-{state_dict_type}", 4, "zero2", state_dict_type,
                               ckpt_path=tmp / f"four-{state_dict_type}" / "checkpoints" / "last.ckpt")  # fmt: skip
         for state_dict_type in ("full", "sharded")
     }
+    _assert_equal(resumed["sharded"], resumed["full"], f"rank {rank}, ZeRO-2 resumed at 2 ranks from 4")
+    return {kind: {name: value.tolist() for name, value in weights.items()} for kind, weights in resumed.items()}
 
 
 def diloco_saved_at_two(rank: int, tmp_path: str) -> None:
@@ -185,8 +194,7 @@ def test_zero2_saved_sharded_at_four_ranks_resumes_at_two_as_the_full_file_does(
     run_ranks(diloco_saved_at_two, 2, str(tmp_path), timeout=300)
     run_ranks(zero_saved_at_four, 4, str(tmp_path), timeout=600)
     results = run_ranks(zero_resumed_at_two, 2, str(tmp_path), timeout=400)
-    for rank, resumed in results.items():
-        _assert_equal(resumed["sharded"], resumed["full"], f"rank {rank}, ZeRO-2 resumed at 2 ranks from 4")
+    assert results[0] == results[1]  # each rank checked the two resumes equal, bit for bit
     # At one rank (this process): the DiLoCo checkpoint of two ranks between syncs says what is lost.
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         module = AdamRegressor()
@@ -198,3 +206,29 @@ def test_zero2_saved_sharded_at_four_ranks_resumes_at_two_as_the_full_file_does(
         "[lit_dp] LocalSGD: the checkpoint holds 2 ranks' models at step 8, between syncs (the last after step 5), "
         "this run has 1: rank 0 resumes its own; the local steps of rank 1 since step 5 are lost."
     ], lines
+
+
+# --- A crash during an asynchronous save ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_a_crash_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_path, state_dict_type):
+    script = Path(__file__).parent / "scripts" / "async_save_killed.py"
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(script), str(tmp_path), state_dict_type], capture_output=True,
+                            text=True, timeout=300, env=environment)  # fmt: skip
+    assert result.returncode == -signal.SIGKILL, result.stdout[-2000:] + result.stderr[-4000:]
+    folder = tmp_path / "checkpoints"
+    partial = [path.name for path in folder.iterdir() if PARTIAL_MARKER in path.name]
+    assert len(partial) == 1 and partial[0].startswith(".epoch=1-step=16.ckpt"), sorted(p.name for p in folder.iterdir())
+    # The second epoch's save died in its write: the checkpoints are the first epoch's, whole, and resume.
+    found = {path.name: read_checkpoint(path) for path in folder.glob("*.ckpt")}
+    assert found.keys() == {"epoch=0-step=8.ckpt", "last.ckpt"}, found
+    for chosen in found.values():
+        assert isinstance(chosen, Checkpoint) and chosen.step == 8, chosen
+        assert is_sharded(chosen.path) == (state_dict_type == "sharded")
+    last = folder / "last.ckpt"
+    module = AdamRegressor()
+    resumed = trainer(PaddleDPStrategy(state_dict_type=state_dict_type), tmp_path / "resumed", devices=1, max_epochs=2)
+    resumed.fit(module, ckpt_path=last)
+    assert resumed.global_step == 16
