@@ -48,10 +48,17 @@ SAVES = [("full", None), ("sharded", None), ("full", "plugin"), ("sharded", "opt
 
 
 class AdamRegressor(Regressor):
-    """AdamW: a state per parameter, which a resume that lost it would show."""
+    """AdamW: a state per parameter, which a resume that lost it would show. Under LocalSGD it keeps the traffic
+    statistics at the end of the fit (before the last average)."""
+
+    traffic: dict = {}
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.02)
+
+    def on_train_end(self):
+        local_sgd = self.trainer.strategy.local_sgd
+        self.traffic = local_sgd.traffic() if local_sgd is not None else {}
 
 
 def _fit(root: Path, epochs: int, mode: str, state_dict_type: str = "full", ckpt_path: Path | None = None,
@@ -65,7 +72,7 @@ def _fit(root: Path, epochs: int, mode: str, state_dict_type: str = "full", ckpt
     if asynchronous == "plugin":
         assert run.strategy._checkpointing.asynchronous(run.strategy.checkpoint_io)
     run.fit(module, ckpt_path=ckpt_path)
-    return {name: value.clone() for name, value in module.state_dict().items()}
+    return {name: value.clone() for name, value in module.state_dict().items()}, module.traffic
 
 
 def _assert_equal(resumed: dict, uninterrupted: dict, label: str) -> None:
@@ -78,14 +85,18 @@ def trainer_resumes(rank: int, tmp_path: str, modes: list[str], saves: list) -> 
     tmp = Path(tmp_path)
     checked = {}
     for mode in modes:
-        uninterrupted = _fit(tmp / mode / "whole", 4, mode)
+        uninterrupted, traffic = _fit(tmp / mode / "whole", 4, mode)
         for state_dict_type, asynchronous in saves:
             name = f"{mode}-{state_dict_type}-{asynchronous or 'sync'}"
             _fit(tmp / name / "first", 2, mode, state_dict_type, save=True, asynchronous=asynchronous)
             last = tmp / name / "first" / "checkpoints" / "last.ckpt"
             assert is_sharded(last) == (state_dict_type == "sharded"), f"{name}: {last}"
-            resumed = _fit(tmp / name / "resumed", 4, mode, state_dict_type, ckpt_path=last)
+            resumed, resumed_traffic = _fit(tmp / name / "resumed", 4, mode, state_dict_type, ckpt_path=last)
             _assert_equal(resumed, uninterrupted, f"rank {rank}, {name}")
+            # LocalSGD's statistics count the whole run, the syncs before the checkpoint included.
+            counted = ("syncs", "bytes_per_sync", "bytes_per_step")
+            assert mode != "diloco" or traffic["syncs"] == 3, traffic  # after steps 5, 9 and 13: two after the checkpoint
+            assert [resumed_traffic.get(k) for k in counted] == [traffic.get(k) for k in counted], (name, resumed_traffic)
             checked[name] = True
     return checked
 
@@ -177,7 +188,7 @@ def zero_resumed_at_two(rank: int, tmp_path: str) -> dict[str, dict[str, list]]:
     tmp = Path(tmp_path)
     resumed = {
         state_dict_type: _fit(tmp / f"two-{state_dict_type}", 4, "zero2", state_dict_type,
-                              ckpt_path=tmp / f"four-{state_dict_type}" / "checkpoints" / "last.ckpt")  # fmt: skip
+                              ckpt_path=tmp / f"four-{state_dict_type}" / "checkpoints" / "last.ckpt")[0]  # fmt: skip
         for state_dict_type in ("full", "sharded")
     }
     _assert_equal(resumed["sharded"], resumed["full"], f"rank {rank}, ZeRO-2 resumed at 2 ranks from 4")
