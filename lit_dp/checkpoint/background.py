@@ -9,11 +9,14 @@ the same as a synchronous one, into a temporary name renamed when complete
 must wait for the write to be complete (``after``: ``ModelCheckpoint`` removing the checkpoint the new
 one replaces in its top-k) runs once it is, and not at all if it fails.
 
-The memory a save in flight holds is the copy: this rank's part of the checkpoint.
+The memory a save in flight holds is the copy: this rank's part of the checkpoint. The writing thread
+runs at the lowest scheduling priority (nice 19, where the system allows a thread its own): when it and
+training want the same cores, training goes first.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +49,13 @@ class BackgroundSave:
         self._lock = threading.Lock()
         self._after: list[Callable[[], None]] | None = None  # what runs once the save in flight is written
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A spawning launcher pickles the strategy into each rank, before any save: a rank starts with none in flight.
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
     @property
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -57,6 +67,7 @@ class BackgroundSave:
         self._after = []
 
         def run() -> None:
+            _yield_to_training()
             try:
                 write()
             except BaseException as error:  # noqa: BLE001 - raised in the main thread by wait()
@@ -91,3 +102,11 @@ class BackgroundSave:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def _yield_to_training() -> None:
+    """This thread (Linux: a thread has its own nice value, which the threads it starts inherit) at nice 19."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # another system, or a sandbox that forbids it: the default priority
+        pass

@@ -109,6 +109,10 @@ class Checkpointing:
         self._group: dist.ProcessGroup | None = None  # the checkpoints' own (Gloo), made at the first save of a job
         self._group_of: object | None = None  # the default group it was made in
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A spawning launcher pickles the strategy into each rank: the checkpoints' group is each process's own.
+        return {**self.__dict__, "_group": None, "_group_of": None}
+
     def asynchronous(self, io: Any) -> bool:
         """``async_save``, or Lightning's convention for it: an ``AsyncCheckpointIO`` plugin."""
         return self._async_save or isinstance(io, AsyncCheckpointIO)

@@ -1,0 +1,214 @@
+"""What a checkpoint costs each rank, in both formats, as the number of ranks grows (docs/checkpoints.md).
+
+    python -m benchmarks.checkpoints
+    python -m benchmarks.checkpoints devices=[2] width=1024
+
+Each case fits the issue's model (``layers`` square ``width`` x ``width`` linear layers: 4 x 2048 is
+64 MiB of fp32 parameters, 192 MiB with Adam's two moments) on ``devices`` CPU processes
+(``start_method="spawn"``) and measures, per rank:
+
+- the save: ``trainer.save_checkpoint`` after optimizer step ``save_at`` (between two DiLoCo syncs),
+  ``saves`` times: each rank's peak resident memory during the save above where it was before it
+  (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), rank 0's median time, the bytes
+  written (all files, and the largest one);
+- the read at resume: a second fit resumed from that checkpoint, each rank's peak resident memory from
+  its ``setup`` to the end of its first step, above the same figure of the first fit (which read nothing:
+  the same setup and step, without the checkpoint);
+- the step time around an asynchronous save: the resumed fit saves with ``async_save=True`` at its
+  first step; rank 0's steps while the write is in flight against its steps with none (medians).
+
+Cases: torch DDP (Lightning's ``"ddp"``, its own checkpoint: rank 0 writes one file) as the peer, and
+lit_dp's data parallelism, ZeRO-2 (``sharding_stage=2``) and DiLoCo between syncs (K=4 after one
+warm-up step), each with ``state_dict_type="full"`` and ``"sharded"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.common import benchmark_main
+
+MODES = {
+    "data parallel": {},
+    "ZeRO-2": {"sharding_stage": 2},
+    "DiLoCo between syncs": {"local_sgd_steps": 4, "local_sgd_warmup_steps": 1, "local_sgd_outer": "nesterov"},
+}
+
+
+@dataclass
+class CheckpointsBenchmarkConfig:
+    """What to measure."""
+
+    devices: tuple[int, ...] = (2, 4)
+    width: int = 2048
+    layers: int = 4
+    save_at: int = 6  # the optimizer step after which the checkpoints are saved (between DiLoCo's syncs of 5 and 9)
+    saves: int = 3  # rank 0's median time of these many saves; each rank's largest peak
+    steps: int = 30  # optimizer steps of the resumed fit, around its asynchronous save
+
+
+def _resident_mib(field: str) -> float:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+
+
+def _reset_peak() -> None:
+    """The process's peak resident memory (VmHWM) starts again from its current one."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _size(path: Path) -> tuple[int, int]:
+    """All bytes of a checkpoint (a file, or a folder's files) and its largest file's."""
+    files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
+    sizes = [p.stat().st_size for p in files]
+    return sum(sizes), max(sizes)
+
+
+class _Model(pl.LightningModule):
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+
+    def training_step(self, batch, batch_idx):
+        (inputs,) = batch
+        return self.net(inputs).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+class _Probe(pl.Callback):
+    """One fit's measurements on each rank, written to ``<folder>/<tag>-rank<r>.json``: the peak from setup to
+    the first step's end, the timed saves (``save_at``), and each step's time with whether a save was in flight."""
+
+    def __init__(self, folder: str, tag: str, path: str, save_at: int | None, saves: int, async_at: int | None) -> None:
+        self.folder, self.tag, self.path = folder, tag, path
+        self.save_at, self.saves, self.async_at = save_at, saves, async_at
+        self.report: dict[str, Any] = {"steps": []}
+        self._started = 0.0
+
+    def setup(self, trainer, pl_module, stage):
+        self.report["before_setup"] = _resident_mib("VmRSS")
+        _reset_peak()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        elapsed = time.perf_counter() - self._started
+        in_flight = getattr(getattr(trainer.strategy, "_checkpointing", None), "_in_flight", None)
+        self.report["steps"].append((trainer.global_step, elapsed, bool(in_flight is not None and in_flight.in_flight)))
+        if "first_step_peak" not in self.report:
+            self.report["first_step_peak"] = _resident_mib("VmHWM") - self.report["before_setup"]
+        if trainer.global_step == self.save_at:
+            extras, seconds = [], []
+            for _ in range(self.saves):
+                before = _resident_mib("VmRSS")
+                _reset_peak()
+                start = time.perf_counter()
+                trainer.save_checkpoint(self.path)
+                seconds.append(time.perf_counter() - start)
+                extras.append(_resident_mib("VmHWM") - before)
+            self.report["save_extra"], self.report["save_seconds"] = max(extras), statistics.median(seconds)
+        if trainer.global_step == self.async_at:
+            start = time.perf_counter()
+            trainer.save_checkpoint(self.path + ".async")
+            self.report["async_call_seconds"] = time.perf_counter() - start
+        Path(self.folder, f"{self.tag}-rank{trainer.global_rank}.json").write_text(json.dumps(self.report))
+
+
+def _fit(config: CheckpointsBenchmarkConfig, devices: int, folder: Path, tag: str, strategy: Any, steps: int,
+         ckpt_path: Path | None = None, save_at: int | None = None, async_at: int | None = None) -> None:  # fmt: skip
+    data = TensorDataset(torch.randn(8 * steps * devices, config.width))
+    probe = _Probe(str(folder), tag, str(folder / "checkpoint.ckpt"), save_at, config.saves, async_at)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], default_root_dir=folder,
+    )  # fmt: skip
+    trainer.fit(_Model(config.width, config.layers), DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+
+
+def _reports(folder: Path, tag: str, devices: int) -> list[dict[str, Any]]:
+    return [json.loads((folder / f"{tag}-rank{rank}.json").read_text()) for rank in range(devices)]
+
+
+def _case(config: CheckpointsBenchmarkConfig, devices: int, mode: str | None, state_dict_type: str) -> dict[str, Any]:
+    """One row: the saving fit, then the fit resumed from its checkpoint (with an asynchronous save)."""
+    import lit_dp
+    from lightning.pytorch.strategies import DDPStrategy
+
+    def strategy(**more: Any) -> Any:
+        if mode is None:  # the peer: Lightning's DDP
+            return DDPStrategy(start_method="spawn")
+        return lit_dp.PaddleDPStrategy(start_method="spawn", state_dict_type=state_dict_type, **MODES[mode], **more)
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as name:
+        folder = Path(name)
+        _fit(config, devices, folder, "save", strategy(), config.save_at + 1, save_at=config.save_at)
+        saved = _reports(folder, "save", devices)
+        total, largest = _size(folder / "checkpoint.ckpt")
+        resumed_steps = config.save_at + config.steps
+        more = {} if mode is None else {"async_save": True}
+        _fit(config, devices, folder, "resume", strategy(**more), resumed_steps, ckpt_path=folder / "checkpoint.ckpt",
+             async_at=None if mode is None else config.save_at + 5)  # fmt: skip
+        resumed = _reports(folder, "resume", devices)
+    steps = resumed[0]["steps"][2:]  # the first two: the resume's own first steps
+    during = [seconds for _, seconds, in_flight in steps if in_flight]
+    without = [seconds for _, seconds, in_flight in steps if not in_flight]
+    return {
+        "save_extra": [report["save_extra"] for report in saved],
+        "save_seconds": saved[0]["save_seconds"],
+        "total": total / 2**20,
+        "largest": largest / 2**20,
+        "read": [r["first_step_peak"] - s["first_step_peak"] for r, s in zip(resumed, saved)],
+        "step_ms": 1000 * statistics.median(without) if without else float("nan"),
+        "step_during_ms": 1000 * statistics.median(during) if during else float("nan"),
+        "steps_during": len(during),
+        "async_call_ms": 1000 * resumed[0].get("async_call_seconds", float("nan")),
+    }
+
+
+def run_and_report(config: CheckpointsBenchmarkConfig) -> str:
+    state = config.layers * (config.width**2 + config.width) * 4 * 3 / 2**20  # parameters and Adam's two moments
+    lines = [
+        f"{config.layers} x {config.width} MLP, Adam: {state:.0f} MiB of model and optimizer state per rank; CPU ranks; "
+        f"saved after step {config.save_at} (rank 0's median of {config.saves} saves); MiB are resident memory "
+        f"(peak above the level before) or bytes on disk; {os.getloadavg()[0]:.1f} load average at the end",
+        "",
+        "| ranks | case | format | rank 0 extra at save | other ranks' largest | save s | written | largest file | read at resume, rank 0 / largest | step ms: no save / async save in flight (steps) | async save call ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cases = [(None, "full")] + [(mode, kind) for mode in MODES for kind in ("full", "sharded")]
+    for devices in config.devices:
+        for mode, kind in cases:
+            row = _case(config, devices, mode, kind)
+            others = max(row["save_extra"][1:], default=float("nan"))
+            read = f"{row['read'][0]:.0f} / {max(row['read']):.0f}"
+            during = f"{row['step_ms']:.0f} / {row['step_during_ms']:.0f} ({row['steps_during']})" if mode else "-"
+            lines.append(
+                f"| {devices} | {mode or 'torch DDP (Lightning)'} | {kind} | {row['save_extra'][0]:.0f} | {others:.0f} | "
+                f"{row['save_seconds']:.2f} | {row['total']:.0f} | {row['largest']:.0f} | {read} | {during} | "
+                f"{row['async_call_ms']:.0f} |"
+            )
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+main = benchmark_main("checkpoints", CheckpointsBenchmarkConfig, run_and_report)
+
+if __name__ == "__main__":
+    main()
