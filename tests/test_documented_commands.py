@@ -44,7 +44,8 @@ COMMANDS = documented_commands()
 UNIQUE = list({c.text: c for c in reversed(COMMANDS)}.values())[::-1]  # the first of identical commands
 BENCHMARK_CONF = ROOT / "benchmarks" / "conf"
 # Modules the docs run as typed: tools run on a run's output, and LightningCLI over BoringModel (docs/strategy.md).
-TOOLS = ("lit_dp.observability.trace", "lit_dp_recipes.trace_render", "lit_dp_recipes.run.sample", "lit_dp_recipes.lightning_cli")
+TOOLS = ("lit_dp.observability.trace", "lit_dp_recipes.trace_render", "lit_dp_recipes.run.sample", "lit_dp_recipes.lightning_cli",
+         "lit_dp.checkpoint.consolidate", "lightning.pytorch.utilities.consolidate_checkpoint")  # fmt: skip
 
 
 def kind(command: DocumentedCommand) -> str:

@@ -125,17 +125,16 @@ class Checkpointing:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if features.replicas_differ and rank != 0:
             checkpoint = {key: value for key, value in checkpoint.items() if key not in layout.models}
-        writer = io.checkpoint_io if isinstance(io, WrappingCheckpointIO) else io
+        writer = _writer(io)
         ours = saves_like_torch(writer) and storage_options is None and is_local(path)
         group = self._checkpoint_group()
         target = Path(path)
         if self.state_dict_type == "sharded":
             if not ours:
+                self.check_writer(io)
                 raise ValueError(
-                    f"state_dict_type='sharded' writes a folder with torch.distributed.checkpoint, which the checkpoint "
-                    f"plugin {type(writer).__name__} (or storage_options, or the remote path {path}) cannot take: expected "
-                    "Lightning's default plugin (or a TorchCheckpointIO, AsyncCheckpointIO) and a local path, or "
-                    "state_dict_type='full'."
+                    f"state_dict_type='sharded' writes a local folder with torch.distributed.checkpoint: the path {path} "
+                    f"(storage_options={storage_options!r}) is not one; expected a local path, or state_dict_type='full'."
                 )
             tensors, rest = layout.entries(checkpoint)
             job: Callable[[Any], None] = lambda parts: save_sharded(parts[0], parts[1] if rank == 0 else None, target, group)
@@ -151,6 +150,19 @@ class Checkpointing:
             return
         with features.saving():
             job(parts)
+
+    def check_writer(self, io: Any) -> None:
+        """Refuse, as the run is set up, a checkpoint plugin the format cannot write through: a sharded folder is
+        lit_dp's to write, so the plugin must save as ``TorchCheckpointIO`` does (Lightning's default, or a wrapper
+        of it such as ``AsyncCheckpointIO``)."""
+        writer = _writer(io)
+        if self.state_dict_type == "sharded" and not saves_like_torch(writer):
+            raise ValueError(
+                f"state_dict_type='sharded' with the checkpoint plugin {type(writer).__name__}, which writes its own way, "
+                "is invalid: the folder is written by every rank through torch.distributed.checkpoint, not by a plugin; "
+                "expected Lightning's default plugin (a TorchCheckpointIO, also inside AsyncCheckpointIO), or "
+                "state_dict_type='full' with your plugin."
+            )
 
     def remove(self, io: Any, path: str | os.PathLike) -> None:
         """Rank 0: ``io.remove_checkpoint(path)`` (``ModelCheckpoint`` dropping a checkpoint from its top-k) once the
@@ -283,6 +295,11 @@ def _own_entry(folder: ShardedCheckpoint) -> dict[str, Any]:
         return True
 
     return folder.read(wanted).get(CHECKPOINT_KEY, {})
+
+
+def _writer(io: Any) -> Any:
+    """The plugin that writes: the base of a wrapping one (``AsyncCheckpointIO``)."""
+    return io.checkpoint_io if isinstance(io, WrappingCheckpointIO) else io
 
 
 def _save_assembled(io: Any, checkpoint: dict[str, Any], path: Any, storage_options: Any, group: Any) -> None:

@@ -79,6 +79,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._checkpointing.check_writer(self.checkpoint_io)
         self._features.setup_environment(self)
         process_group.start_process_group(self)
 

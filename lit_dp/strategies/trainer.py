@@ -157,6 +157,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
+        self._checkpointing.check_writer(self.checkpoint_io)
         wrapped = self.model if isinstance(self.model, DataParallel) else None
         self._features.setup(Run(self, wrapped, trainer, self._features))
         self.optimizers = [self._features.setup_optimizer(optimizer) for optimizer in self.optimizers]

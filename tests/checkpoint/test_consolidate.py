@@ -66,6 +66,7 @@ def test_the_consolidated_folder_is_the_full_file(fitted, tmp_path):
                        check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
 
 
+@pytest.mark.slow
 def test_lightnings_consolidate_command_reads_the_folder_to_the_same_weights(fitted, tmp_path):
     full, folder = fitted
     output = tmp_path / "by_lightning.ckpt"

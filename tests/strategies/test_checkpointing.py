@@ -243,3 +243,18 @@ def test_a_crash_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_
     resumed = trainer(PaddleDPStrategy(state_dict_type=state_dict_type), tmp_path / "resumed", devices=1, max_epochs=2)
     resumed.fit(module, ckpt_path=last)
     assert resumed.global_step == 16
+
+
+def test_a_plugin_with_a_writer_of_its_own_is_refused_with_sharded_before_any_step(tmp_path):
+    from tests.strategies.test_checkpoint_io import RecordingCheckpointIO
+
+    message = r"state_dict_type='sharded' with the checkpoint plugin RecordingCheckpointIO, which writes its own way"
+    run = trainer(PaddleDPStrategy(state_dict_type="sharded"), tmp_path, devices=1, plugins=[RecordingCheckpointIO()])
+    module = AdamRegressor()
+    with pytest.raises(ValueError, match=message):
+        run.fit(module)
+    assert run.global_step == 0
+    fabric = Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(state_dict_type="sharded"), plugins=[RecordingCheckpointIO()],
+                    accelerator="cpu", devices=1)  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        fabric.launch()
