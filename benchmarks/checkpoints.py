@@ -11,11 +11,13 @@ Each case fits the issue's model (``layers`` square ``width`` x ``width`` linear
   ``saves`` times: each rank's peak resident memory during the save above where it was before it
   (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), rank 0's median time, the bytes
   written (all files, and the largest one);
-- the read at resume: a second fit resumed from that checkpoint, each rank's peak resident memory from
-  its ``setup`` to the end of its first step, above the same figure of the first fit (which read nothing:
-  the same setup and step, without the checkpoint);
-- the step time around an asynchronous save: the resumed fit saves with ``async_save=True`` at its
-  first step; rank 0's steps while the write is in flight against its steps with none (medians).
+- the read at resume: a second fit resumed from that checkpoint, the bytes each rank read from its
+  ``setup`` to the end of its first step: through ``read()`` (``rchar`` of ``/proc/self/io``) and
+  through a mapped file (the peak of its file-backed resident memory, ``RssFile``, sampled every 10 ms),
+  less the same figures of the first fit, which read no checkpoint;
+- the step time around an asynchronous save: the resumed fit saves with ``async_save=True`` every
+  ``async_every`` steps; rank 0's steps that end while a write is in flight against its steps that
+  end with none, interleaved in time (medians).
 
 Cases: torch DDP (Lightning's ``"ddp"``, its own checkpoint: rank 0 writes one file) as the peer, and
 lit_dp's data parallelism, ZeRO-2 (``sharding_stage=2``) and DiLoCo between syncs (K=4 after one
@@ -29,6 +31,7 @@ import os
 import re
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +60,8 @@ class CheckpointsBenchmarkConfig:
     layers: int = 4
     save_at: int = 6  # the optimizer step after which the checkpoints are saved (between DiLoCo's syncs of 5 and 9)
     saves: int = 3  # rank 0's median time of these many saves; each rank's largest peak
-    steps: int = 30  # optimizer steps of the resumed fit, around its asynchronous save
+    steps: int = 40  # optimizer steps of the resumed fit, around its asynchronous saves
+    async_every: int = 10  # the resumed fit's asynchronous saves, every these many steps
 
 
 def _resident_mib(field: str) -> float:
@@ -91,19 +95,44 @@ class _Model(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-4)
 
 
+class _Reads(threading.Thread):
+    """This process's reads while it runs: ``read()`` bytes and the peak of its file-backed resident memory."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self._stop = threading.Event()
+        self._rchar, self._file = _rchar(), _resident_mib("RssFile")
+        self.peak_file = self._file
+
+    def run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak_file = max(self.peak_file, _resident_mib("RssFile"))
+
+    def stop(self) -> float:
+        """MiB read since the start."""
+        self._stop.set()
+        self.join()
+        return (_rchar() - self._rchar) / 2**20 + self.peak_file - self._file
+
+
+def _rchar() -> int:
+    return int(re.search(r"rchar:\s+(\d+)", Path("/proc/self/io").read_text()).group(1))  # type: ignore[union-attr]
+
+
 class _Probe(pl.Callback):
-    """One fit's measurements on each rank, written to ``<folder>/<tag>-rank<r>.json``: the peak from setup to
+    """One fit's measurements on each rank, written to ``<folder>/<tag>-rank<r>.json``: the bytes read from setup to
     the first step's end, the timed saves (``save_at``), and each step's time with whether a save was in flight."""
 
-    def __init__(self, folder: str, tag: str, path: str, save_at: int | None, saves: int, async_at: int | None) -> None:
+    def __init__(self, folder: str, tag: str, path: str, save_at: int | None, saves: int, async_every: int | None) -> None:
         self.folder, self.tag, self.path = folder, tag, path
-        self.save_at, self.saves, self.async_at = save_at, saves, async_at
+        self.save_at, self.saves, self.async_every = save_at, saves, async_every
         self.report: dict[str, Any] = {"steps": []}
         self._started = 0.0
+        self._reads: _Reads | None = None
 
     def setup(self, trainer, pl_module, stage):
-        self.report["before_setup"] = _resident_mib("VmRSS")
-        _reset_peak()
+        self._reads = _Reads()
+        self._reads.start()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._started = time.perf_counter()
@@ -112,8 +141,8 @@ class _Probe(pl.Callback):
         elapsed = time.perf_counter() - self._started
         in_flight = getattr(getattr(trainer.strategy, "_checkpointing", None), "_in_flight", None)
         self.report["steps"].append((trainer.global_step, elapsed, bool(in_flight is not None and in_flight.in_flight)))
-        if "first_step_peak" not in self.report:
-            self.report["first_step_peak"] = _resident_mib("VmHWM") - self.report["before_setup"]
+        if self._reads is not None:
+            self.report["read"], self._reads = self._reads.stop(), None
         if trainer.global_step == self.save_at:
             extras, seconds = [], []
             for _ in range(self.saves):
@@ -124,17 +153,17 @@ class _Probe(pl.Callback):
                 seconds.append(time.perf_counter() - start)
                 extras.append(_resident_mib("VmHWM") - before)
             self.report["save_extra"], self.report["save_seconds"] = max(extras), statistics.median(seconds)
-        if trainer.global_step == self.async_at:
+        if self.async_every and trainer.global_step % self.async_every == 4:
             start = time.perf_counter()
             trainer.save_checkpoint(self.path + ".async")
-            self.report["async_call_seconds"] = time.perf_counter() - start
+            self.report.setdefault("async_call_seconds", []).append(time.perf_counter() - start)
         Path(self.folder, f"{self.tag}-rank{trainer.global_rank}.json").write_text(json.dumps(self.report))
 
 
 def _fit(config: CheckpointsBenchmarkConfig, devices: int, folder: Path, tag: str, strategy: Any, steps: int,
-         ckpt_path: Path | None = None, save_at: int | None = None, async_at: int | None = None) -> None:  # fmt: skip
+         ckpt_path: Path | None = None, save_at: int | None = None, async_every: int | None = None) -> None:  # fmt: skip
     data = TensorDataset(torch.randn(8 * steps * devices, config.width))
-    probe = _Probe(str(folder), tag, str(folder / "checkpoint.ckpt"), save_at, config.saves, async_at)
+    probe = _Probe(str(folder), tag, str(folder / "checkpoint.ckpt"), save_at, config.saves, async_every)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], default_root_dir=folder,
@@ -164,7 +193,7 @@ def _case(config: CheckpointsBenchmarkConfig, devices: int, mode: str | None, st
         resumed_steps = config.save_at + config.steps
         more = {} if mode is None else {"async_save": True}
         _fit(config, devices, folder, "resume", strategy(**more), resumed_steps, ckpt_path=folder / "checkpoint.ckpt",
-             async_at=None if mode is None else config.save_at + 5)  # fmt: skip
+             async_every=None if mode is None else config.async_every)  # fmt: skip
         resumed = _reports(folder, "resume", devices)
     steps = resumed[0]["steps"][2:]  # the first two: the resume's own first steps
     during = [seconds for _, seconds, in_flight in steps if in_flight]
@@ -174,11 +203,11 @@ def _case(config: CheckpointsBenchmarkConfig, devices: int, mode: str | None, st
         "save_seconds": saved[0]["save_seconds"],
         "total": total / 2**20,
         "largest": largest / 2**20,
-        "read": [r["first_step_peak"] - s["first_step_peak"] for r, s in zip(resumed, saved)],
+        "read": [r["read"] - s["read"] for r, s in zip(resumed, saved)],
         "step_ms": 1000 * statistics.median(without) if without else float("nan"),
         "step_during_ms": 1000 * statistics.median(during) if during else float("nan"),
         "steps_during": len(during),
-        "async_call_ms": 1000 * resumed[0].get("async_call_seconds", float("nan")),
+        "async_call_ms": 1000 * statistics.median(resumed[0].get("async_call_seconds", [float("nan")])),
     }
 
 
@@ -187,9 +216,9 @@ def run_and_report(config: CheckpointsBenchmarkConfig) -> str:
     lines = [
         f"{config.layers} x {config.width} MLP, Adam: {state:.0f} MiB of model and optimizer state per rank; CPU ranks; "
         f"saved after step {config.save_at} (rank 0's median of {config.saves} saves); MiB are resident memory "
-        f"(peak above the level before) or bytes on disk; {os.getloadavg()[0]:.1f} load average at the end",
+        f"(peak above the level before), bytes on disk or bytes read; {os.getloadavg()[0]:.1f} load average at the end",
         "",
-        "| ranks | case | format | rank 0 extra at save | other ranks' largest | save s | written | largest file | read at resume, rank 0 / largest | step ms: no save / async save in flight (steps) | async save call ms |",
+        "| ranks | case | format | rank 0 extra at save | other ranks' largest | save s | written | largest file | read at resume, rank 0 / largest | step ms: no save / async save in flight (steps) | async save call ms (median) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cases = [(None, "full")] + [(mode, kind) for mode in MODES for kind in ("full", "sharded")]
@@ -201,7 +230,7 @@ def run_and_report(config: CheckpointsBenchmarkConfig) -> str:
             during = f"{row['step_ms']:.0f} / {row['step_during_ms']:.0f} ({row['steps_during']})" if mode else "-"
             lines.append(
                 f"| {devices} | {mode or 'torch DDP (Lightning)'} | {kind} | {row['save_extra'][0]:.0f} | {others:.0f} | "
-                f"{row['save_seconds']:.2f} | {row['total']:.0f} | {row['largest']:.0f} | {read} | {during} | "
+                f"{row['save_seconds']:.2f} | {row['total']:.2f} | {row['largest']:.2f} | {read} | {during} | "
                 f"{row['async_call_ms']:.0f} |"
             )
             print(lines[-1], flush=True)

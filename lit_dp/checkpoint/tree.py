@@ -96,6 +96,20 @@ def rank_entries(tree: Any, path: Path = ()) -> Iterator[tuple[Path, RankEntries
             yield from rank_entries(value, path + (index,))
 
 
+def only_rank_entries(tree: Any) -> Any:
+    """``tree`` with only its ``RankEntries`` nodes and the containers on their way (a list's other elements None,
+    so that paths stay as they were): what a rank other than 0 contributes to a full checkpoint."""
+    if isinstance(tree, RankEntries):
+        return tree
+    if isinstance(tree, Mapping):
+        kept = {key: only_rank_entries(value) for key, value in tree.items()}
+        return {key: value for key, value in kept.items() if value is not None} or None
+    if isinstance(tree, list):
+        kept_list = [only_rank_entries(value) for value in tree]
+        return kept_list if any(value is not None for value in kept_list) else None
+    return None
+
+
 def plain(tree: Any) -> Any:
     """``tree`` with every ``RankEntries`` a plain dict (nothing else copied): what a file may hold, so that
     reading it needs no lit_dp."""

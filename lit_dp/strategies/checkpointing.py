@@ -44,7 +44,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lit_dp.checkpoint.background import BackgroundSave, stage
 from lit_dp.checkpoint.full import assemble, save_full
 from lit_dp.checkpoint.sharded import ShardedCheckpoint, is_sharded, save_sharded
-from lit_dp.checkpoint.tree import RANKS
+from lit_dp.checkpoint.tree import RANKS, only_rank_entries
 from lit_dp.options import Options
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies.checkpoint_io import is_local, saves_like_torch
@@ -105,7 +105,7 @@ class Checkpointing:
         self.state_dict_type = options.state_dict_type
         self._async_save = options.async_save
         self._timeout = timeout  # the process group's: the checkpoints' group takes it too
-        self._in_flight = BackgroundSave()
+        self._in_flight = BackgroundSave(exit_timeout=timeout.total_seconds())
         self._group: dist.ProcessGroup | None = None  # the checkpoints' own (Gloo), made at the first save of a job
         self._group_of: object | None = None  # the default group it was made in
 
@@ -140,7 +140,8 @@ class Checkpointing:
             job: Callable[[Any], None] = lambda parts: save_sharded(parts[0], parts[1] if rank == 0 else None, target, group)
             parts: Any = (tensors, rest)
         elif ours:
-            job, parts = (lambda whole: save_full(whole, target, group)), checkpoint
+            # Rank 0 writes its checkpoint; another rank sends its own entries only, all it needs (to stage).
+            job, parts = (lambda whole: save_full(whole, target, group)), checkpoint if rank == 0 else _own_part(checkpoint)
         else:
             job, parts = (lambda whole: _save_assembled(writer, whole, path, storage_options, group)), checkpoint
         if self.asynchronous(io):
@@ -295,6 +296,10 @@ def _own_entry(folder: ShardedCheckpoint) -> dict[str, Any]:
         return True
 
     return folder.read(wanted).get(CHECKPOINT_KEY, {})
+
+
+def _own_part(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return only_rank_entries(checkpoint) or {}
 
 
 def _writer(io: Any) -> Any:

@@ -121,6 +121,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._failed = False  # a new run (a strategy may fit more than once)
         self._features.setup_environment(self)
         self.setup_distributed()
 

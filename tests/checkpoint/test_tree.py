@@ -4,7 +4,18 @@ from collections import OrderedDict, namedtuple
 
 import torch
 
-from lit_dp.checkpoint.tree import RankEntries, TensorSpec, map_tensors, placeholders, plain, rank_entries, spec_order, specs, tensors
+from lit_dp.checkpoint.tree import (
+    RankEntries,
+    TensorSpec,
+    map_tensors,
+    only_rank_entries,
+    placeholders,
+    plain,
+    rank_entries,
+    spec_order,
+    specs,
+    tensors,
+)
 
 Betas = namedtuple("Betas", "first second")
 
@@ -42,3 +53,11 @@ def test_plain_leaves_no_lit_dp_type_in_what_a_file_holds():
     flat = plain(_tree())
     assert type(flat["optimizer"]["state"]) is dict
     assert [path for path, _ in tensors(flat)] == [path for path, _ in tensors(_tree())]
+
+
+def test_another_rank_keeps_only_its_entries_at_their_paths():
+    tree = {"state_dict": {"w": torch.ones(2)}, "optimizer_states": [{"state": {}}, {"state": RankEntries({1: {"m": torch.ones(1)}})}]}
+    kept = only_rank_entries(tree)
+    assert kept == {"optimizer_states": [None, {"state": tree["optimizer_states"][1]["state"]}]}
+    assert [path for path, _ in rank_entries(kept)] == [path for path, _ in rank_entries(tree)]
+    assert only_rank_entries({"state_dict": {"w": torch.ones(2)}}) is None
