@@ -100,17 +100,17 @@ class _Reads(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self._stop = threading.Event()
+        self._done = threading.Event()
         self._rchar, self._file = _rchar(), _resident_mib("RssFile")
         self.peak_file = self._file
 
     def run(self) -> None:
-        while not self._stop.wait(0.01):
+        while not self._done.wait(0.01):
             self.peak_file = max(self.peak_file, _resident_mib("RssFile"))
 
     def stop(self) -> float:
         """MiB read since the start."""
-        self._stop.set()
+        self._done.set()
         self.join()
         return (_rchar() - self._rchar) / 2**20 + self.peak_file - self._file
 

@@ -239,20 +239,26 @@ class Checkpointing:
                 f"The requested state contains a key '{missing[0]}' that does not exist in the loaded checkpoint. To "
                 "disable strict loading, set `strict=False`."
             )
+        entry = _own_entry(folder)
+        # This rank's own model and optimizers (LocalSGD between syncs) come with the features' entry: rank 0's,
+        # which they replace, are not read.
+        own = features.own_replica(entry) is not None
         for name, obj in list(state.items()):
             if name in folder.names() and isinstance(obj, torch.nn.Module):
-                load_module(obj, folder.read_under((name,)) or {}, strict)
+                if not own:
+                    load_module(obj, folder.read_under((name,)) or {}, strict)
             elif name in folder.names() and isinstance(obj, torch.optim.Optimizer):
                 optimizer = fabric_optimizer(obj)
                 needs = optimizer.needs if isinstance(optimizer, ShardedOptimizer) else None
-                optimizer.load_state_dict(folder.optimizer_state(name, needs))
+                if not own:
+                    optimizer.load_state_dict(folder.optimizer_state(name, needs))
             elif name in rest:
                 value = rest.pop(name)
                 if hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
                     obj.load_state_dict(value)
                 else:
                     state[name] = value
-        features.load_state_dict(_own_entry(folder))
+        features.load_state_dict(entry)
         return rest
 
     def read_fabric_whole(self, path: str | os.PathLike, weights_only: bool | None) -> dict[str, Any]:

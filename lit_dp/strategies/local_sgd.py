@@ -64,7 +64,7 @@ class LocalSGDSchedule(Feature):
         self._run: Run | None = None  # from setup to teardown: the model and (Trainer) optimizers
         self._optimizers: list[Any] = []  # Fabric's, as each is set up
         self._resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
-        self._replica: dict[str, Any] | None = None  # this rank's model and optimizer states, until restored
+        self._replica: dict[str, Any] | None = None  # what this rank restores at its first step (_resumed_replica)
 
     @classmethod
     @override
@@ -120,8 +120,9 @@ class LocalSGDSchedule(Feature):
 
     @override
     def training_step(self, step: Callable[[], Any]) -> Any:
-        # The first forward after a resume: Lightning has restored rank 0's model and optimizer
-        # states by now (the optimizers' after setup), so this rank's own replace them here.
+        # The first forward after a resume: Lightning has restored the checkpoint's model and optimizer states
+        # by now (this rank's own where it holds them, but wrapping the model gave it rank 0's parameters), so
+        # this rank's own take their place here.
         self.restore_replica()
         return step()
 
