@@ -12,9 +12,10 @@ Each case fits the issue's model (``layers`` square ``width`` x ``width`` linear
   (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), rank 0's median time, the bytes
   written (all files, and the largest one);
 - the read at resume: a second fit resumed from that checkpoint, the bytes each rank read from its
-  ``setup`` to the end of its first step: through ``read()`` (``rchar`` of ``/proc/self/io``) and
-  through a mapped file (the peak of its file-backed resident memory, ``RssFile``, sampled every 10 ms),
-  less the same figures of the first fit, which read no checkpoint;
+  ``setup`` to the end of its first step: through ``read()`` (``rchar`` of ``/proc/self/io``, less the
+  same figure of the first fit, which read no checkpoint) and through a mapped file (the pages of the
+  checkpoint's mappings that are resident, read or since written, ``Rss`` of ``/proc/self/smaps``,
+  sampled every 50 ms: the full format is read mapped);
 - the step time around an asynchronous save: the resumed fit saves with ``async_save=True`` every
   ``async_every`` steps; rank 0's steps that end while a write is in flight against its steps that
   end with none, interleaved in time (medians).
@@ -59,9 +60,9 @@ class CheckpointsBenchmarkConfig:
     width: int = 2048
     layers: int = 4
     save_at: int = 6  # the optimizer step after which the checkpoints are saved (between DiLoCo's syncs of 5 and 9)
-    saves: int = 3  # rank 0's median time of these many saves; each rank's largest peak
-    steps: int = 40  # optimizer steps of the resumed fit, around its asynchronous saves
-    async_every: int = 10  # the resumed fit's asynchronous saves, every these many steps
+    saves: int = 2  # rank 0's median time of these many saves; each rank's largest peak
+    steps: int = 30  # optimizer steps of the resumed fit, around its asynchronous saves
+    async_every: int = 8  # the resumed fit's asynchronous saves, every these many steps
 
 
 def _resident_mib(field: str) -> float:
@@ -96,23 +97,35 @@ class _Model(pl.LightningModule):
 
 
 class _Reads(threading.Thread):
-    """This process's reads while it runs: ``read()`` bytes and the peak of its file-backed resident memory."""
+    """This process's reads while it runs: its ``read()`` bytes, and the peak of the resident pages of its mappings
+    of ``checkpoint`` (a file or a folder's files), which a mapped read brings in."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoint: str) -> None:
         super().__init__(daemon=True)
+        self._checkpoint = checkpoint
         self._done = threading.Event()
-        self._rchar, self._file = _rchar(), _resident_mib("RssFile")
-        self.peak_file = self._file
+        self._rchar = _rchar()
+        self.peak_mapped = 0.0
 
     def run(self) -> None:
-        while not self._done.wait(0.01):
-            self.peak_file = max(self.peak_file, _resident_mib("RssFile"))
+        while not self._done.wait(0.05):
+            self.peak_mapped = max(self.peak_mapped, self._mapped())
 
-    def stop(self) -> float:
-        """MiB read since the start."""
+    def _mapped(self) -> float:
+        """MiB resident in this process's mappings of the checkpoint (``/proc/self/smaps``)."""
+        kib, inside = 0, False
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = self._checkpoint in line
+            elif inside and line.startswith("Rss:"):
+                kib += int(line.split()[1])
+        return kib / 1024
+
+    def stop(self) -> tuple[float, float]:
+        """MiB read through ``read()`` and through the checkpoint's mappings since the start."""
         self._done.set()
         self.join()
-        return (_rchar() - self._rchar) / 2**20 + self.peak_file - self._file
+        return (_rchar() - self._rchar) / 2**20, max(self.peak_mapped, self._mapped())
 
 
 def _rchar() -> int:
@@ -131,7 +144,7 @@ class _Probe(pl.Callback):
         self._reads: _Reads | None = None
 
     def setup(self, trainer, pl_module, stage):
-        self._reads = _Reads()
+        self._reads = _Reads(self.path)
         self._reads.start()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -203,7 +216,8 @@ def _case(config: CheckpointsBenchmarkConfig, devices: int, mode: str | None, st
         "save_seconds": saved[0]["save_seconds"],
         "total": total / 2**20,
         "largest": largest / 2**20,
-        "read": [r["read"] - s["read"] for r, s in zip(resumed, saved)],
+        # read() bytes beyond the fit that read no checkpoint, and the checkpoint's mapped pages.
+        "read": [r["read"][0] - s["read"][0] + r["read"][1] for r, s in zip(resumed, saved)],
         "step_ms": 1000 * statistics.median(without) if without else float("nan"),
         "step_during_ms": 1000 * statistics.median(during) if during else float("nan"),
         "steps_during": len(during),

@@ -9,9 +9,9 @@ reads. Where no other rank has an entry, rank 0 writes it with ``torch.save``
 2. rank 0 writes the file with ``torch.save`` under ``torch.serialization.skip_data``: the pickled
    structure and the zip records, each record's space reserved (a hole: nothing is written), with
    an uninitialised tensor (no page touched) standing for each tensor of another rank;
-3. rank 0 writes its own tensors' bytes at their records' offsets, then receives the other ranks'
-   tensors, one tensor at a time, rank after rank, each written at its record's offset
-   (``os.pwrite``) as it arrives.
+3. rank 0 writes its own tensors' bytes at their records' offsets, drops the placeholders, then
+   receives the other ranks' tensors, one tensor at a time, rank after rank, each written at its
+   record's offset (``os.pwrite``) as it arrives.
 
 So rank 0 holds its own state and one tensor of another rank's at a time, whatever the number of
 ranks; the file is written under a temporary name and renamed into place when complete
@@ -33,6 +33,7 @@ import pickle
 import struct
 import types
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,7 @@ class _Exchange:
             if gathered is not None:
                 self.others = [(rank, entries) for rank, entries in enumerate(gathered) if rank]
         self._merged: dict[str, Any] | None = None
-        self._pending: dict[int, list[torch.Tensor]] = {}  # each rank's tensors not yet received, in its order
+        self._pending: dict[int, list[Any]] = {}  # each rank's tensors not yet received, in its order
 
     @property
     def streams(self) -> bool:
@@ -121,10 +122,19 @@ class _Exchange:
         """The ranks with tensors still to send, in order (after ``merged``)."""
         return sorted(rank for rank, pending in self._pending.items() if pending)
 
-    def next_from(self, rank: int) -> torch.Tensor | None:
-        """The placeholder of ``rank``'s next tensor (taken off its list), None when it has sent all."""
+    def next_from(self, rank: int) -> Any:
+        """What stands for ``rank``'s next tensor (taken off its list: its placeholder, or its ``_Slot`` once
+        ``place``d), None when it has sent all."""
         pending = self._pending.get(rank)
         return pending.pop(0) if pending else None
+
+    def place(self, offsets: dict[int, int]) -> None:
+        """Each placeholder replaced by its ``_Slot`` (``offsets``: by its storage), the placeholders dropped."""
+        self._pending = {
+            rank: [_Slot(tensor.nbytes, offsets[tensor.untyped_storage().data_ptr()]) for tensor in pending]
+            for rank, pending in self._pending.items()
+        }
+        self._merged = None
 
     def send(self) -> None:
         """This rank's entries' tensors to rank 0, in ``tensors``' order, as bytes (empty ones are not sent)."""
@@ -138,7 +148,8 @@ class _Exchange:
 
     def drain(self) -> None:
         """Take and drop what the other ranks still send (rank 0, after a failed write)."""
-        self.merged()
+        if not self._pending and self.others:
+            self.merged()  # what they send was not even described yet
         for rank in self.senders():
             while (tensor := self.next_from(rank)) is not None:
                 self.receive(rank, torch.empty(tensor.nbytes, dtype=torch.uint8))
@@ -159,14 +170,13 @@ class _Exchange:
 
 def _stream_to_file(exchange: _Exchange, path: Path) -> None:
     """Rank 0: the file's structure, its own tensors' bytes, then every other rank's as they arrive."""
-    merged = plain(exchange.merged())
-    standing_in = {
-        tensor.untyped_storage().data_ptr(): rank for rank, pending in exchange._pending.items() for tensor in pending
-    }
     partial = partial_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        merged = plain(exchange.merged())
+        standing_in = {t.untyped_storage().data_ptr() for pending in exchange._pending.values() for t in pending}
         records = _write_skeleton(merged, partial)
+        del merged
         offsets = _record_offsets(partial)
         where: dict[int, int] = {}  # a placeholder's storage -> its bytes' offset in the file
         descriptor = os.open(partial, os.O_WRONLY)
@@ -179,12 +189,14 @@ def _stream_to_file(exchange: _Exchange, path: Path) -> None:
                     where[untyped.data_ptr()] = offsets[key]
                 else:
                     _pwrite(descriptor, _storage_bytes(untyped), offsets[key])
+            del records
+            exchange.place(where)  # the placeholders go: what they reserved is not kept while the bytes arrive
             for rank in exchange.senders():
-                buffer = torch.empty(max(t.nbytes for t in exchange._pending[rank]), dtype=torch.uint8)
-                while (tensor := exchange.next_from(rank)) is not None:
-                    chunk = buffer[: tensor.nbytes]
+                buffer = torch.empty(max(slot.nbytes for slot in exchange._pending[rank]), dtype=torch.uint8)
+                while (slot := exchange.next_from(rank)) is not None:
+                    chunk = buffer[: slot.nbytes]
                     exchange.receive(rank, chunk)
-                    _pwrite(descriptor, chunk, where[tensor.untyped_storage().data_ptr()])
+                    _pwrite(descriptor, chunk, slot.offset)
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
@@ -196,6 +208,14 @@ def _stream_to_file(exchange: _Exchange, path: Path) -> None:
     except BaseException:
         remove_partial(partial)
         raise
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor another rank sends goes in the file: its size and its bytes' offset."""
+
+    nbytes: int
+    offset: int
 
 
 def _write_skeleton(checkpoint: dict[str, Any], partial: Path) -> dict[str, Any]:
