@@ -31,13 +31,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lit_dp.checkpoint.sharded import is_sharded
 from lit_dp.data_parallel import DataParallel
 from lit_dp.options import FABRIC
 from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies import process_group
 from lit_dp.strategies.base import DataParallelStrategyMixin, front_door
-from lit_dp.checkpoint.sharded import is_sharded
 from lit_dp.strategies.checkpointing import fabric_layout
 from lit_dp.strategies.feature import CHECKPOINT_KEY, Features, Run
 from lit_dp.strategies.lightning_private import (
