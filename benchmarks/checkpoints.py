@@ -190,8 +190,9 @@ def _reports(folder: Path, tag: str, devices: int) -> list[dict[str, Any]]:
 
 def _case(config: CheckpointsBenchmarkConfig, devices: int, mode: str | None, state_dict_type: str) -> dict[str, Any]:
     """One row: the saving fit, then the fit resumed from its checkpoint (with an asynchronous save)."""
-    import lit_dp
     from lightning.pytorch.strategies import DDPStrategy
+
+    import lit_dp
 
     def strategy(**more: Any) -> Any:
         if mode is None:  # the peer: Lightning's DDP

@@ -41,9 +41,9 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from lit_dp.checkpoint.sharded import META as SHARDED_META
 from lit_dp.checkpoint.sharded import ShardedCheckpoint, is_sharded
+from lit_dp.fault_tolerance.manager import QuorumUnreachable
 from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
-from lit_dp.fault_tolerance.manager import QuorumUnreachable
 from lit_dp.strategies.preemption import Preempted
 from lit_dp_recipes.launch import job_arguments
 

@@ -35,7 +35,13 @@ from lit_dp_recipes.config import (
 )
 from lit_dp_recipes.launch import sweep_job, use_job_launcher
 from lit_dp_recipes.report import say
-from lit_dp_recipes.resume import AUTO, NoUsableCheckpoint, ResumableRun, check_epochs_left, use_atomic_checkpoints
+from lit_dp_recipes.resume import (
+    AUTO,
+    NoUsableCheckpoint,
+    ResumableRun,
+    check_epochs_left,
+    use_atomic_checkpoints,
+)
 from lit_dp_recipes.spelling import did_you_mean
 
 log = logging.getLogger(__name__)

@@ -40,9 +40,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lit_dp.checkpoint.atomic import fsync_folder, partial_path, publish, remove_partial, write_atomically, write_error
+from lit_dp.checkpoint.atomic import (
+    partial_path,
+    publish,
+    remove_partial,
+    write_atomically,
+    write_error,
+)
 from lit_dp.checkpoint.tree import Path as TreePath
-from lit_dp.checkpoint.tree import RankEntries, TensorSpec, placeholders, plain, rank_entries, specs, tensors
+from lit_dp.checkpoint.tree import (
+    RankEntries,
+    TensorSpec,
+    placeholders,
+    plain,
+    rank_entries,
+    specs,
+    tensors,
+)
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # a zip member's local file header, 30 bytes
 

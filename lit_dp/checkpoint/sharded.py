@@ -32,9 +32,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lit_dp.checkpoint.atomic import fsync_folder, partial_path, publish, remove_partial
-from lit_dp.checkpoint.tree import Path as TreePath
+from lit_dp.checkpoint.atomic import (
+    fsync_folder,
+    partial_path,
+    publish,
+    remove_partial,
+    write_error,
+)
 from lit_dp.checkpoint.tree import RANKS, RankEntries, plain
+from lit_dp.checkpoint.tree import Path as TreePath
 
 META = "meta.pt"  # Lightning's name for the file of what is not a tensor entry (lightning.fabric.utilities.load)
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last by its coordinator
@@ -75,6 +81,8 @@ def save_sharded(entries: dict[str, Any], meta: dict[str, Any] | None, folder: P
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: nothing to coordinate
             dcp.save(_own_part(entries, rank), storage_writer=writer, process_group=group, no_dist=not distributed)
+    except OSError as failure:  # a full disk: named, with the space left
+        error = write_error(folder, failure)
     except BaseException as failure:  # noqa: BLE001 - every rank learns of it below
         error = failure
     if distributed:  # every rank's part is on disk, or some rank failed
@@ -89,6 +97,8 @@ def save_sharded(entries: dict[str, Any], meta: dict[str, Any] | None, folder: P
                 torch.save(meta, partial / META)
                 fsync_folder(partial)
                 publish(partial, folder)
+        except OSError as failure:
+            error = write_error(folder, failure)
         except BaseException as failure:  # noqa: BLE001
             error = failure
         if error is not None:

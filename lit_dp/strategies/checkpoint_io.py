@@ -44,7 +44,11 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from typing_extensions import override
 
-from lit_dp.checkpoint.atomic import PARTIAL_MARKER, CheckpointWriteError, write_atomically
+from lit_dp.checkpoint.atomic import (
+    PARTIAL_MARKER,
+    CheckpointWriteError,
+    write_atomically,
+)
 
 __all__ = ["PARTIAL_MARKER", "AtomicCheckpointIO", "CheckpointWriteError", "is_local", "saves_like_torch", "write_atomically"]
 
