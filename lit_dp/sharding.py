@@ -26,8 +26,10 @@ The optimizer the user built stays the one their LR scheduler holds: this wrappe
 parameter-group dicts (a scheduler's change of ``lr`` is copied to the local optimizer at every
 step) and refuses to let it step. ``consolidate_state_dict(to)`` then ``state_dict()`` on that
 rank give the unsharded optimizer's ``state_dict()`` (the protocol of torch's
-``ZeroRedundancyOptimizer``, which Lightning and Fabric call when checkpointing);
-``load_state_dict`` takes it, or any unsharded state of the same optimizer, on any world size.
+``ZeroRedundancyOptimizer``); ``shard_state_dict()`` gives this rank's part of it with no collective,
+what the strategies' checkpoints keep (``lit_dp.checkpoint``: each owner writes its own part);
+``load_state_dict`` takes it, or any unsharded state of the same optimizer, or the part of one that
+this rank needs (``needs``), on any world size: the state is split among the owners of this run.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lit_dp.checkpoint.tree import RankEntries
 from lit_dp.data_parallel import DataParallel
 from lit_dp.gradients.buckets import megabytes_to_bytes
 from lit_dp.gradients.gather import ParameterGather
@@ -220,6 +223,24 @@ class ShardedOptimizer(Optimizer):
         if received is not None:
             state = {index: value for states in received for index, value in states.items()}
             self._consolidated = {"state": dict(sorted(state.items())), "param_groups": part["param_groups"]}
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the unsharded optimizer's ``state_dict()``, with no collective: every parameter
+        group, and as ``RankEntries`` the state of the parameters this rank owns (and on the group's first rank,
+        of those no rank owns, which every rank holds alike). The union of every rank's ``state`` is the unsharded
+        optimizer's. Its tensors are this rank's own (not copied)."""
+        part = super().state_dict()
+        own = {index: state for index, state in part["state"].items() if self._writes(index)}
+        return {"state": RankEntries(own), "param_groups": part["param_groups"]}
+
+    def needs(self, index: int) -> bool:
+        """Whether this rank keeps the state of the parameter ``index`` (in the unsharded optimizer's order): it owns
+        it, or no rank does (every rank keeps those). What a checkpoint's reader reads for it."""
+        return self._owners[index] in (None, self._rank)
+
+    def _writes(self, index: int) -> bool:
+        owner = self._owners[index]
+        return owner == self._rank or (owner is None and self._rank == 0)
 
     def state_dict(self) -> dict[str, Any]:
         """The state collected by ``consolidate_state_dict`` on this rank, in the unsharded format.

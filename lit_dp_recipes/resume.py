@@ -2,8 +2,9 @@
 
 - Its run folder survives a restart: ``conf/hydra/default.yaml`` names it with the
   ``lit_dp.job_folder`` resolver (``lit_dp_recipes.run_folder``). ``hydra.run.dir=...`` wins.
-- ``ckpt_path=auto`` (the default) resumes from the newest good checkpoint of that folder. A
-  checkpoint that does not load (truncated by a crash or a full disk, empty) or cannot resume a
+- ``ckpt_path=auto`` (the default) resumes from the newest good checkpoint of that folder, a file
+  (``strategy.state_dict_type=full``) or a folder (``sharded``). A checkpoint that does not load
+  (truncated by a crash or a full disk, empty; a folder missing a rank's file) or cannot resume a
   fit (weights only) is skipped, and the line saying what was resumed names it and why; when
   there are checkpoints but none is good, the run stops before any work, naming each. Outside a
   launcher a rerun of the same command gets a new time-stamped folder: ``auto`` then resumes the
@@ -38,6 +39,8 @@ from lightning.pytorch.strategies import Strategy
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+from lit_dp.checkpoint.sharded import META as SHARDED_META
+from lit_dp.checkpoint.sharded import ShardedCheckpoint, is_sharded
 from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.fault_tolerance.commit import QuorumUnreachable
@@ -57,11 +60,13 @@ FINISHED_MARKER = ".lit_dp_finished"  # in a run folder whose fit ended normally
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint a fit can resume from: its path and the global step it was taken at."""
+    """A checkpoint a fit can resume from: its path, the global step it was taken at and the epochs it had
+    completed (what the Trainer's ``current_epoch`` is once it is restored)."""
 
     path: Path
     step: int
     modified: float
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,8 +90,11 @@ def read_checkpoint(path: Path) -> Checkpoint | Unusable:
 
     Only the pickled structure is loaded (the tensors are memory-mapped, not read): a truncated
     file has lost the zip directory at its end and fails here; a bit flipped inside a tensor's
-    bytes is not looked for.
+    bytes is not looked for. A sharded checkpoint's folder must hold ``meta.pt`` and the index of
+    its tensors, and every file that index names, long enough for what it says is there.
     """
+    if path.is_dir():
+        return _read_folder(path)
     modified = path.stat().st_mtime
     size = path.stat().st_size
     if size == 0:
@@ -103,13 +111,46 @@ def read_checkpoint(path: Path) -> Checkpoint | Unusable:
     missing = [key for key in RESUMABLE_KEYS if not isinstance(content, dict) or key not in content]
     if missing:
         return Unusable(path, modified, f"cannot resume a fit: no {', '.join(missing)} (saved with weights only?)")
-    return Checkpoint(path, int(content["global_step"]), modified)
+    return Checkpoint(path, int(content["global_step"]), modified, _completed_epochs(content))
+
+
+def _read_folder(path: Path) -> Checkpoint | Unusable:
+    """A sharded checkpoint's folder (``strategy.state_dict_type=sharded``), as ``read_checkpoint`` reads a file."""
+    modified = path.stat().st_mtime
+    if not is_sharded(path):
+        return Unusable(path, modified, f"damaged: a folder without {SHARDED_META}")
+    try:
+        folder = ShardedCheckpoint(path)
+        content = folder.meta(weights_only=False)
+    except Exception as error:  # noqa: BLE001 - as for a file
+        first_sentence = str(error).split(". ")[0].strip()
+        return Unusable(path, modified, f"damaged: does not load: {type(error).__name__}: {first_sentence}")
+    if damaged := folder.missing_files():
+        return Unusable(path, modified, f"damaged: {damaged}")
+    names = folder.names()
+    present = {
+        "state_dict": "model" in names,
+        "optimizer_states": any(name.startswith("optimizer_") for name in names),
+        **{key: key in content for key in RESUMABLE_KEYS if key not in ("state_dict", "optimizer_states")},
+    }
+    missing = [key for key in RESUMABLE_KEYS if not present[key]]
+    if missing:
+        return Unusable(path, modified, f"cannot resume a fit: no {', '.join(missing)} (saved with weights only?)")
+    return Checkpoint(path, int(content["global_step"]), modified, _completed_epochs(content))
+
+
+def _completed_epochs(content: dict[str, Any]) -> int:
+    """The epochs the checkpoint's fit had completed: what Lightning restores as ``trainer.current_epoch``."""
+    try:
+        return int(content["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"])
+    except (KeyError, TypeError):
+        return int(content.get("epoch", 0))
 
 
 def survey(folders: list[Path]) -> tuple[list[Checkpoint], list[Unusable]]:
-    """Every ``*.ckpt`` file of ``folders`` (each file once, links resolved), usable or not."""
+    """Every ``*.ckpt`` file or folder of ``folders`` (each once, links resolved), usable or not."""
     paths = {path.resolve() for folder in folders if folder.is_dir() for path in folder.glob("*.ckpt")}
-    found = [read_checkpoint(path) for path in sorted(paths) if path.is_file()]
+    found = [read_checkpoint(path) for path in sorted(paths) if path.is_file() or path.is_dir()]
     return [c for c in found if isinstance(c, Checkpoint)], [u for u in found if isinstance(u, Unusable)]
 
 
@@ -136,6 +177,20 @@ def choose_checkpoint(folders: list[Path]) -> tuple[Checkpoint | None, list[Unus
     chosen = max(good, key=lambda c: (c.step, c.modified), default=None)
     skipped = [u for u in bad if chosen is not None and u.modified >= chosen.modified]
     return chosen, skipped
+
+
+def check_epochs_left(ckpt_path: str | None, max_epochs: int | None) -> None:
+    """A checkpoint past ``trainer.max_epochs`` (a finished run's folder rerun with fewer epochs) is refused in one
+    line, naming its epoch and step and what to do, before Lightning's traceback would."""
+    if ckpt_path is None or max_epochs is None or max_epochs < 0:
+        return
+    chosen = read_checkpoint(Path(ckpt_path))
+    if isinstance(chosen, Checkpoint) and chosen.epoch > max_epochs:
+        raise ValueError(
+            f"trainer.max_epochs={max_epochs} is below the checkpoint this run resumes, {chosen.path}, which completed "
+            f"{chosen.epoch} epochs (step {chosen.step}): raise trainer.max_epochs above {chosen.epoch} to train on from "
+            "there, or pass ckpt_path=null to start over in this folder (hydra.run.dir=<another folder> keeps it)."
+        )
 
 
 def checkpoint_folders(cfg: DictConfig) -> list[Path]:

@@ -34,7 +34,7 @@ from lit_dp_recipes.config import (
 )
 from lit_dp_recipes.launch import sweep_job, use_job_launcher
 from lit_dp_recipes.report import metric, say
-from lit_dp_recipes.resume import NoUsableCheckpoint, ResumableRun, use_atomic_checkpoints
+from lit_dp_recipes.resume import AUTO, NoUsableCheckpoint, ResumableRun, check_epochs_left, use_atomic_checkpoints
 from lit_dp_recipes.spelling import did_you_mean
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 LIGHTNING_TIP = "\N{ELECTRIC LIGHT BULB} Tip:"
 LIGHTNING_TIP_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 CHECKPOINTS_EXIST = r"Checkpoint directory .* exists and is not empty"  # ModelCheckpoint's warning
+# What Lightning says on a resume that the recipe arranged (ckpt_path=auto), about the run it resumes: its
+# ModelCheckpoint's folder (an earlier run's, or the same), and callbacks the checkpoint has state of.
+RESUME_WARNINGS = (r"The dirpath has changed from", r"Be aware that when using `ckpt_path`")
 SEED_LOGGER = "lightning.fabric.utilities.seed"  # where Lightning's seed_everything says "Seed set to N"
 # How Python names a keyword argument a callable does not take.
 UNEXPECTED_ARGUMENT = re.compile(r"unexpected keyword argument '(\w+)'")
@@ -89,12 +92,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
         run = ResumableRun(cfg)
         run.announce()
         ckpt_path = run.resolve(cfg.get("ckpt_path"))
+        check_epochs_left(ckpt_path, cfg.trainer.get("max_epochs"))
     except (ValueError, NoUsableCheckpoint) as error:
         raise CommandLineMistake(str(error)) from None
     if ckpt_path is not None:
         # Resuming: the folder's checkpoints are what the run resumes from, not a folder reused by mistake
         # (Lightning's warning stays for a run that starts over in a folder that has some: ckpt_path=null).
         warnings.filterwarnings("ignore", message=CHECKPOINTS_EXIST)
+    if ckpt_path is not None and cfg.get("ckpt_path") == AUTO:
+        # The recipe chose the checkpoint and built the callbacks from the same config: the line saying what was
+        # resumed is the story, not Lightning's notes on callbacks' folders and states, once per rank.
+        for message in RESUME_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
     use_job_launcher(trainer.strategy)
     with sweep_job(), run.fitting(ckpt_path):
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)

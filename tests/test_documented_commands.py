@@ -46,7 +46,7 @@ BENCHMARK_CONF = ROOT / "benchmarks" / "conf"
 # Modules the docs run as typed: tools run on a run's output, and LightningCLI over BoringModel (docs/strategy.md).
 TOOLS = (
     "lit_dp.observability.trace", "lit_dp.forecast", "lit_dp_recipes.trace_render", "lit_dp_recipes.run.sample",
-    "lit_dp_recipes.lightning_cli",
+    "lit_dp_recipes.lightning_cli", "lit_dp.checkpoint.consolidate", "lightning.pytorch.utilities.consolidate_checkpoint",
 )  # fmt: skip
 
 

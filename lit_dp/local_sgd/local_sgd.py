@@ -472,6 +472,7 @@ class LocalSGD:
     def _shared_state_dict(self) -> dict[str, Any]:
         """The state every rank holds alike (``state_dict`` without this rank's own part)."""
         state = self._schedule.state_dict()
+        state["traffic"] = {"syncs": self._recorder.state_dict(), "local_steps": self._schedule.local_steps_taken}
         if self._replica_groups:
             state["across_replica_groups"] = True  # the ranks of a group hold one model between syncs
         # A resumed state not yet taken up is handed on unchanged.
@@ -481,6 +482,13 @@ class LocalSGD:
         if self._pending is not None:
             state["pending"] = self._pending_state()
         return state
+
+    def take_last_sync(self) -> None:
+        """Set the parameters to the model of the last sync (each fragment's snapshot): a rank that a resumed
+        checkpoint has no model of starts from there. Nothing changes before the local phase (no snapshot yet)."""
+        if self._state is not None:
+            with torch.no_grad():
+                self._state.restore_parameters()
 
     def _pending_state(self) -> dict[str, Any]:
         """A delayed sync, waited for (which changes no value) and kept pending: its fragment, step, the
@@ -506,6 +514,10 @@ class LocalSGD:
         they existed) is one fragment's.
         """
         self._schedule.load_state_dict(state)
+        traffic = state.get("traffic")
+        if traffic is not None:  # saved since the statistics count the whole run
+            self._recorder.load_state_dict(traffic["syncs"])
+            self._schedule.local_steps_taken = int(traffic["local_steps"])
         self._outer_resumed = state.get("outer")
         self._residuals_resumed = self._own_residuals(state)
         self._state = None

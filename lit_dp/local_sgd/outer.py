@@ -93,6 +93,14 @@ class OuterState:
         """The bytes of a fragment's sync on ``ranks`` ranks as they travel (``SyncBucket.wire_bytes``)."""
         return sum(bucket.wire_bytes(ranks) for bucket in self.fragments[fragment])
 
+    def restore_parameters(self) -> None:
+        """Every synced parameter set to its snapshot: the model of its fragment's last sync."""
+        for bucket in self.buckets():
+            if bucket.snapshot is None:
+                continue
+            for tensor, snapshot in zip(bucket.tensors, bucket.snapshot.split(bucket.numels)):
+                tensor.detach().copy_(snapshot.view_as(tensor).to(tensor.device))
+
     def state_dict(self) -> dict[str, Any]:
         """The snapshot and, with an outer optimizer, its momentum (None without), one CPU tensor per parameter."""
         count = len(self._param_index)

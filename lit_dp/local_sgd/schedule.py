@@ -37,7 +37,7 @@ class Schedule:
         self.loss_0: float | None = None
         self.lr_0: float | None = None
         self.trained = [False] * fragments
-        self.local_steps_taken = 0  # by this object (not a resumed run's earlier steps): the traffic's denominator
+        self.local_steps_taken = 0  # the traffic's denominator: the whole run's, a resumed one's included (LocalSGD.state_dict)
 
     @property
     def fragments(self) -> int:

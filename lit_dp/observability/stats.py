@@ -327,6 +327,14 @@ class SyncRecorder:
             "bytes_per_step": nbytes / steps if steps else 0.0,
         }
 
+    def state_dict(self) -> list[float]:
+        """The totals of the resolved averages, for a checkpoint: a resumed run's summary counts the whole run."""
+        self._resolve()
+        return list(self._totals)
+
+    def load_state_dict(self, totals: list[float]) -> None:
+        self._totals = [int(totals[0]), int(totals[1]), float(totals[2]), float(totals[3]), int(totals[4])]
+
     def _resolve(self) -> None:
         clock = self._clock
         while self._pending and clock.done(self._pending[0][-1]):

@@ -72,6 +72,8 @@ AUTO_SETTLED_STEP = 121
 MAX_NRINGS = 8
 DEFAULT_HANG_TIMEOUT = 300.0
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# Lightning's names (its FSDPStrategy's state_dict_type): one file, or a folder of every rank's part.
+STATE_DICT_TYPES = ("full", "sharded")
 
 
 def _hang_timeout(name: str, value: Any) -> float | str | None:
@@ -300,6 +302,24 @@ class Options:
         scope=STRATEGIES,
         config=Optional[str],
         examples=ENGINES,
+    )
+    state_dict_type: str = option(
+        default="full",
+        help="full: one checkpoint file (every Lightning tool reads it), rank 0 writing what the others stream to it; "
+        "sharded: a folder, each rank writing and reading its own part (torch.distributed.checkpoint; "
+        "docs/checkpoints.md)",
+        check=choice(*STATE_DICT_TYPES),
+        scope=STRATEGIES,
+        config=str,
+        examples=("sharded",),
+    )
+    async_save: bool = option(
+        default=False,
+        help="save checkpoints in the background: the state copied off the device at the save, written by a thread "
+        "while training goes on (also with Lightning's AsyncCheckpointIO plugin)",
+        check=flag,
+        scope=STRATEGIES,
+        config=bool,
     )
     trace: TraceOptions = group(TraceOptions, TRACE_RULES)
     local_sgd: LocalSGDOptions = group(LocalSGDOptions, LOCAL_SGD_RULES)

@@ -29,6 +29,8 @@ from lit_dp.options.signature import takes_options
 from lit_dp.strategies import process_group
 from lit_dp.strategies.checkpoint_io import AtomicCheckpointIO
 from lit_dp.strategies.exposed import expose
+
+from lit_dp.strategies.checkpointing import Checkpointing
 from lit_dp.strategies.feature import Feature
 from lit_dp.strategies.lightning_private import StrategyRegistryType, WrappingCheckpointIO
 from lit_dp.strategies.process_group import default_backend, default_cluster_environment, process_group_timeout
@@ -109,6 +111,9 @@ class DataParallelStrategyMixin:
         self._start_method = options.start_method
         self._num_nodes = 1
         self._atomic_checkpoint_io = AtomicCheckpointIO()
+        # How checkpoints are written and read (state_dict_type, async_save), and the save in flight.
+        self._checkpointing = Checkpointing(options, self._timeout)
+        self._failed = False  # the run raised (on_exception): its end waits for no other rank
         # What the strategy does beside wrapping, each doing nothing until the run sets it up.
         self._features = build_features(options, self._options_scope)
 

@@ -6,8 +6,9 @@ same ``lit_dp.DataParallel``. ``fabric.setup(model, optimizer)`` wraps the model
 ``fabric.backward`` synchronises, ``fabric.no_backward_sync(model)`` is ``DataParallel.no_sync``,
 and checkpoints hold the bare module's state (no wrapper prefix) and the features' state under
 ``"lit_dp"``. With ``sharding_stage`` the optimizers set up with the model become
-``lit_dp.ShardedOptimizer`` s, ``fabric.clip_gradients`` clips by the global norm, and
-``fabric.save`` writes the consolidated optimizer state. LocalSGD (``local_sgd_*``) steps after
+``lit_dp.ShardedOptimizer`` s, ``fabric.clip_gradients`` clips by the global norm, and each
+owner writes its part of the optimizer state in ``fabric.save`` (``state_dict_type``: one file, or a
+folder of every rank's part, ``lit_dp.strategies.checkpointing``). LocalSGD (``local_sgd_*``) steps after
 each ``optimizer.step()`` Fabric wraps.
 Ranks with different numbers of batches train inside ``with fabric.strategy.join(model):``
 (torch's ``Join``, see ``lit_dp.join``).
@@ -30,6 +31,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lit_dp.checkpoint.sharded import is_sharded
 from lit_dp.data_parallel import DataParallel
 from lit_dp.job.orphans import binding_started_ranks
 from lit_dp.options import FABRIC
@@ -37,12 +39,15 @@ from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies import process_group
 from lit_dp.strategies.base import DataParallelStrategyMixin, front_door
+from lit_dp.strategies.checkpointing import fabric_layout
 from lit_dp.strategies.feature import CHECKPOINT_KEY, Features, Run
 from lit_dp.strategies.lightning_private import (
     BackwardSyncControl,
     FabricMultiProcessingLauncher,
     FabricScriptLauncher,
     start_script_ranks,
+
+    fabric_optimizer,
     sync_ddp_if_available,
 )
 from lit_dp.strategies.precision import unscale_for_clipping
@@ -86,6 +91,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._checkpointing.check_writer(self.checkpoint_io)
         self._features.setup_environment(self)
         process_group.start_process_group(self)
 
@@ -139,20 +145,30 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         return tensor
 
     @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        # A sharded optimizer's part, as each owner writes it: no rank gathers the others' (lit_dp.checkpoint).
+        inner = fabric_optimizer(optimizer)
+        if isinstance(inner, ShardedOptimizer):
+            return inner.shard_state_dict()
+        return super().get_optimizer_state(optimizer)
+
+    @override
     def save_checkpoint(
         self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
     ) -> None:
-        """``fabric.save``: ``state`` as Fabric writes it, with the features' state under ``"lit_dp"`` (as in
-        a Trainer checkpoint). Every rank calls it: a feature's ``state_dict`` may gather from all ranks."""
+        """``fabric.save``: ``state`` as Fabric converts it, with the features' state under ``"lit_dp"`` (as in a
+        Trainer checkpoint), in the format of ``state_dict_type``, now or in the background (``async_save``):
+        ``lit_dp.strategies.checkpointing``. Every rank calls it and writes or sends its own part."""
         if CHECKPOINT_KEY in state:
             raise ValueError(
                 f"fabric.save(path, state) with a key {CHECKPOINT_KEY!r} in state is invalid: the strategy writes its "
                 f"features' state under that key; expected your own entries under other keys."
             )
+        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         if own := self._features.state_dict():
-            state = {**state, CHECKPOINT_KEY: own}
-        with self._features.saving() if self.is_global_zero else nullcontext():  # rank 0 writes, the others wait
-            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            converted[CHECKPOINT_KEY] = own
+        names = tuple(name for name, obj in state.items() if isinstance(obj, (Module, Optimizer)))
+        self._checkpointing.save(self._features, self.checkpoint_io, converted, path, storage_options, fabric_layout(names))
 
     @override
     def load_checkpoint(
@@ -164,11 +180,23 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     ) -> dict[str, Any]:
         """``fabric.load``: the objects in ``state`` restored as Fabric does, then the features' state from
         the checkpoint's ``"lit_dp"`` entry (after the model and optimizer, so that what a feature keeps per
-        rank wins over rank 0's copy), before the next step; the entry is not among what is returned.
+        rank wins over rank 0's copy), before the next step; the entry is not among what is returned. A
+        sharded folder is read entry by entry: each rank reads the entries of ``state`` (of an optimizer
+        under sharding, the state of this rank's parameters) and its own part of the features' entry.
 
         ``state`` None or empty asks for the raw checkpoint, which Fabric returns whole and restores
         nothing from: the features are left as they are too.
         """
+        if is_sharded(path):
+            if not state:
+                return self._checkpointing.read_fabric_whole(path, weights_only)
+            if not isinstance(state, dict):
+                raise ValueError(
+                    f"fabric.load({path!r}, {type(state).__name__}) of a sharded checkpoint is invalid: its entries are "
+                    "named; expected fabric.load(path, {name: object, ...}) with the names fabric.save was given."
+                )
+            return self._checkpointing.load_fabric(self._features, path, state, strict, weights_only, self.load_module_state_dict)
+        self._checkpointing.wait()
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if isinstance(state, dict) and state:
             self._features.load_state_dict(remainder.pop(CHECKPOINT_KEY, {}))
@@ -193,6 +221,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         features (``on_train_end``: LocalSGD's last average), then their teardown. Fabric never calls it
         itself; at exit only the teardown runs (no collective: the other ranks may be gone)."""
         log.debug("%s: tearing down strategy", type(self).__name__)
+        self._checkpointing.teardown(failed=False)  # a save in flight: written before the run ends
         self._features_run.end()
         super().teardown()
         process_group.leave_process_group(self)

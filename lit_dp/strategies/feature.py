@@ -137,7 +137,8 @@ class Feature:
 
     @contextmanager
     def saving(self) -> Iterator[None]:
-        """Around rank 0's checkpoint write, while the other ranks wait for it."""
+        """Around this rank's part of a checkpoint's write (every rank takes part: rank 0 writes the full format,
+        the others send it their own entries; every rank writes its part of the sharded one)."""
         yield
 
     def on_validation_start(self) -> None:
@@ -159,7 +160,21 @@ class Feature:
 
     def state_dict(self) -> Any:
         """What a checkpoint keeps under ``key``; None: nothing (no entry is written). Called on every rank
-        (``fabric.save`` and the Trainer's save alike), so it may gather from all of them."""
+        (``fabric.save`` and the Trainer's save alike) with no collective: what only this rank holds goes in a
+        ``lit_dp.checkpoint.RankEntries`` under the key ``ranks``, keyed by rank, and the checkpoint's writer
+        keeps every rank's."""
+        return None
+
+    @property
+    def replicas_differ(self) -> bool:
+        """This rank's model and optimizer states are its own, not rank 0's (LocalSGD between syncs): its
+        ``state_dict`` keeps them, and the checkpoint keeps rank 0's as Lightning's."""
+        return False
+
+    def own_replica(self, state: Any) -> dict[str, Any] | None:
+        """From this feature's entry ``state`` of a checkpoint being resumed: this rank's own model and optimizer
+        states (``{"model": ..., "optimizers": [...]}``) where the checkpoint holds them apart from rank 0's, which
+        the strategy then restores instead (and never reads rank 0's)."""
         return None
 
     def load_state_dict(self, state: Any) -> None:
@@ -279,6 +294,17 @@ class Features(Sequence[Feature]):
         for feature in self._features:
             if feature.key is not None:
                 feature.load_state_dict(state.get(feature.key))
+
+    @property
+    def replicas_differ(self) -> bool:
+        return any(feature.replicas_differ for feature in self._features)
+
+    def own_replica(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's own model and optimizer states in the features' entry ``state`` of a checkpoint, if any."""
+        for feature in self._features:
+            if feature.key is not None and (own := feature.own_replica(state.get(feature.key))) is not None:
+                return own
+        return None
 
     def replica_state(self) -> dict[str, Any]:
         """The state a recovering replica group takes from a peer: the features ``shared_by_replicas``."""

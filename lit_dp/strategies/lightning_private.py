@@ -2,7 +2,7 @@
 
 Lightning offers no public way to do a few things the strategies must do: launch ranks with its
 own launchers, take over its signal handling at a step boundary, restore a loop counter, add a
-metric to what a rank logged, find the module inside Fabric's wrapper. Those touches of its
+metric to what a rank logged, find the module and the optimizer inside Fabric's wrappers. Those touches of its
 private names live in this module, so that a Lightning release that moves one breaks here, at
 import or at the accessor's first use, with an error naming the installed Lightning and the
 name, instead of somewhere in a fit. The recipes (``lit_dp_recipes``) reach Lightning's private
@@ -96,6 +96,7 @@ parse_num_batches = _lightnings("lightning.pytorch.trainer.connectors.data_conne
 # Used by the functions below only: Fabric's module wrapper, what `self.log` keeps, the observer
 # thread of the script launcher.
 _FabricModule = _lightnings("lightning.fabric.wrappers", "_FabricModule")
+_FabricOptimizer = _lightnings("lightning.fabric.wrappers", "_FabricOptimizer")
 _Metadata = _lightnings("lightning.pytorch.trainer.connectors.logger_connector.result", "_Metadata")
 _ResultMetric = _lightnings("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric")
 _Sync = _lightnings("lightning.pytorch.trainer.connectors.logger_connector.result", "_Sync")
@@ -110,8 +111,11 @@ SUBCLASSED: dict[type, tuple[str, ...]] = {
     ParallelStrategy: (
         "_configure_launcher", "_launcher", "_checkpoint_io", "_precision_plugin", "_layer_sync",
     ),
+    # `fabric.save`'s conversion of modules and optimizers to their state (with `filter`), which the
+    # strategy calls before writing in its own format.
     FabricParallelStrategy: (
         "_configure_launcher", "_launcher", "_checkpoint_io", "_backward_sync_control",
+        "_convert_stateful_objects_in_state",
     ),
     # Its handlers, saved and restored around the run stage, and how it installs one.
     SignalConnector: ("_original_handlers", "_get_current_signal_handlers", "_register_signal"),
@@ -147,6 +151,11 @@ def start_script_ranks(launcher: Any, launcher_class: type) -> None:
     """``launcher_class``'s own start of ranks 1..N-1 (a script launcher's ``_call_children_scripts``),
     for lit_dp's script launchers, which bind those ranks to this process around it."""
     _read(launcher_class, "_call_children_scripts")(launcher)
+
+def fabric_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside Fabric's wrapper (what the strategy's ``setup_optimizer`` returned); ``optimizer`` itself
+    otherwise. Fabric's wrapper takes its optimizer's class as a base, so it passes that class's isinstance tests."""
+    return optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
 
 
 def replace_launcher(strategy: Any, launcher: Any) -> None:

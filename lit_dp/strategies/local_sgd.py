@@ -10,13 +10,16 @@ before the averager exists, ``fabric.load`` after: either way the state reaches 
 
 Between syncs the replicas differ, and rank 0's model and optimizer state, which the checkpoint
 holds as any Lightning checkpoint does, are not the job's state. So once the local phase has
-started, ``state_dict`` gathers every other rank's model and optimizer states, and its own part of
-LocalSGD's state (``LocalSGD.rank_state_dict``: error feedback's residuals), to rank 0
-(``replicas``, one entry per global rank, CPU tensors), which writes them in the one checkpoint
-file; a resumed run hands each rank its own before its first training step (Fabric: as
-``fabric.load`` restores the entry, after the model and optimizers). A checkpoint without them
-(written before they existed, or by another number of ranks) resumes every rank from rank 0's,
-with a warning, as before.
+started, each rank's entry holds ``replicas``: the world size, and under ``ranks`` this rank's own
+model and inner optimizer states (rank 0's are the checkpoint's own) with ``LocalSGD.rank_state_dict()``,
+as ``RankEntries`` (``lit_dp.checkpoint.tree``): no rank gathers another's; the checkpoint's writer
+puts every rank's in the file, or each rank writes its own into the sharded folder. A resumed run
+hands each rank its own before its first training step (Fabric: as ``fabric.load`` restores the
+entry, after the model and optimizers). A resume with another number of ranks goes on from what
+exists, and rank 0 says in one line what was lost: rank r takes old rank r's state where there is
+one; a rank the checkpoint had none of starts from the last sync's model with rank 0's optimizer
+state; the local steps of old ranks beyond the new world size since the last sync are lost. A
+checkpoint written before the replicas were kept resumes every rank from rank 0's, with a warning.
 """
 
 from __future__ import annotations
@@ -25,12 +28,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit_dp.checkpoint.tree import RANKS, RankEntries
 from lit_dp.local_sgd import LocalSGD
 from lit_dp.options import Options
 from lit_dp.options.local_sgd import LocalSGDOptions
@@ -55,7 +57,7 @@ class LocalSGDSchedule(Feature):
         self._run: Run | None = None  # from setup to teardown: the model and (Trainer) optimizers
         self._optimizers: list[Any] = []  # Fabric's, as each is set up
         self._resumed: dict[str, Any] | None = None  # from the checkpoint, until setup
-        self._replica: dict[str, Any] | None = None  # this rank's model and optimizer states, until restored
+        self._replica: dict[str, Any] | None = None  # what this rank restores at its first step (_resumed_replica)
 
     @classmethod
     @override
@@ -117,8 +119,9 @@ class LocalSGDSchedule(Feature):
 
     @override
     def training_step(self, step: Callable[[], Any]) -> Any:
-        # The first forward after a resume: Lightning has restored rank 0's model and optimizer
-        # states by now (the optimizers' after setup), so this rank's own replace them here.
+        # The first forward after a resume: Lightning has restored the checkpoint's model and optimizer states
+        # by now (this rank's own where it holds them, but wrapping the model gave it rank 0's parameters), so
+        # this rank's own take their place here.
         self.restore_replica()
         return step()
 
@@ -144,16 +147,35 @@ class LocalSGDSchedule(Feature):
         self._optimizers = []
         self._replica = None
 
+    @property
+    @override
+    def replicas_differ(self) -> bool:
+        local_sgd = self.local_sgd
+        return local_sgd is not None and _world_size() > 1 and self._past_warmup(local_sgd.step_count, local_sgd.across_replica_groups)
+
     @override
     def state_dict(self) -> dict[str, Any] | None:
-        """``LocalSGD.state_dict()``, and in the local phase ``replicas``: every rank's model and optimizer
-        states, gathered to global rank 0 (a collective: every rank calls it, as every rank saves)."""
-        if self._local_sgd is None:
+        """``LocalSGD.state_dict()``, and past warm-up ``replicas``: the world size and this rank's own entry (its
+        model and optimizer states, rank 0's being the checkpoint's; ``LocalSGD.rank_state_dict()``), no collective."""
+        if self.local_sgd is None:
             return None
-        state = self._local_sgd.state_dict()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._replicas_differ(state):
-            state[_REPLICAS] = self._gather_replicas()
+        state = self.local_sgd.state_dict()
+        if self._replicas_differ(state):
+            own = self._own_entry()
+            state[_REPLICAS] = {"world_size": _world_size(), RANKS: RankEntries({_rank(): own} if own else {})}
         return state
+
+    def _own_entry(self) -> dict[str, Any]:
+        """What only this rank holds between syncs: its model and inner optimizers' states (but on rank 0, whose
+        are the checkpoint's own) and its ``LocalSGD.rank_state_dict()``. The one place a per-rank state is added."""
+        assert self._run is not None and self._run.model is not None and self.local_sgd is not None
+        entry: dict[str, Any] = {}
+        if _rank() != 0:
+            entry["model"] = self._run.model.module.state_dict()
+            entry["optimizers"] = [optimizer.state_dict() for optimizer in self._optimizer_list()]
+        if own := self.local_sgd.rank_state_dict():
+            entry["local_sgd"] = own
+        return entry
 
     @override
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -161,7 +183,7 @@ class LocalSGDSchedule(Feature):
         states, when the checkpoint has them, at its first training step (``restore_replica``). A running
         averager (``fabric.load``, after the model and optimizers; or a peer replica group's state under
         fault tolerance) takes it at once, this rank's own model and optimizer states with it."""
-        self._replica = None if state is None else self._own_replica(state)
+        self._replica = None if state is None else self._resumed_replica(state)
         schedule = None if state is None else {key: value for key, value in state.items() if key != _REPLICAS}
         if self._local_sgd is None or schedule is None:
             self._resumed = schedule  # the others' states go
@@ -171,69 +193,96 @@ class LocalSGDSchedule(Feature):
         self._resumed = None
         self.restore_replica()
 
-    def _own_replica(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        """This rank's model and optimizer states in a checkpoint's entry, when they differ from rank 0's
-        and the checkpoint has them (a warning says why not otherwise)."""
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world_size == 1 or not self._replicas_differ(state):
+    @override
+    def own_replica(self, state: Any) -> dict[str, Any] | None:
+        """This rank's model and optimizer states in a checkpoint's entry, where they are its own (not rank 0's)."""
+        entry = _entry_of(state, _rank()) if isinstance(state, dict) and self._replicas_differ(state) else None
+        return entry if entry is not None and "model" in entry else None
+
+    def _resumed_replica(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """What this rank restores at its first step: its own entry, or ``_LAST_SYNC`` (a rank the checkpoint had
+        none of), or None (rank 0's, the checkpoint's own, is all). Rank 0 says what a change of world size lost."""
+        world_size = _world_size()
+        if not self._replicas_differ(state):
             return None
         replicas = state.get(_REPLICAS)
         if replicas is None:
-            rank_zero_warn(
-                f"LocalSGD: the checkpoint was written at optimizer step {state['step']}, in the local phase, "
-                "without every rank's model and optimizer state (a checkpoint from before lit_dp kept them): every "
-                "rank resumes from rank 0's, and the other ranks' work since their last sync is lost.",
-                category=LitDPWarning,
-            )
+            if world_size > 1:
+                rank_zero_warn(
+                    f"LocalSGD: the checkpoint was written at optimizer step {state['step']}, in the local phase, "
+                    "without every rank's model and optimizer state (a checkpoint from before lit_dp kept them): every "
+                    "rank resumes from rank 0's, and the other ranks' work since their last sync is lost.",
+                    category=LitDPWarning,
+                )
             return None
-        if replicas["world_size"] != world_size:
-            rank_zero_warn(
-                f"LocalSGD: the checkpoint holds the states of {replicas['world_size']} ranks, this run has "
-                f"{world_size}: every rank resumes from rank 0's model and optimizer state.",
-                category=LitDPWarning,
-            )
-            return None
-        return replicas["ranks"].get(dist.get_rank())  # none for rank 0: the checkpoint's own
+        saved = int(replicas["world_size"])
+        if saved != world_size:
+            rank_zero_info(f"[lit_dp] LocalSGD: {_what_a_new_world_size_loses(state, saved, world_size)}")
+        if _rank() >= saved:
+            return {_LAST_SYNC: True}
+        return _entry_of(state, _rank()) or None
 
     def restore_replica(self) -> None:
         """Load this rank's own model and optimizer states from the checkpoint being resumed, once, after the
         front door restored rank 0's (the Trainer calls it before the first training step; a Fabric loop
-        after loading the model and optimizers)."""
-        if self._replica is None or self._run is None or self._run.model is None:
+        after loading the model and optimizers); a rank the checkpoint had none of takes the last sync's model."""
+        if self._replica is None or self._run is None or self._run.model is None or self.local_sgd is None:
             return
         replica, self._replica = self._replica, None
-        self._run.model.module.load_state_dict(replica["model"])
-        for optimizer, optimizer_state in zip(self._optimizer_list(), replica["optimizers"], strict=True):
-            optimizer.load_state_dict(optimizer_state)
-        if "local_sgd" in replica and self.local_sgd is not None:  # its error-feedback residuals
-            self.local_sgd.load_rank_state_dict(replica["local_sgd"])
+        if replica.get(_LAST_SYNC):
+            self.local_sgd.take_last_sync()
+            log.debug("LocalSGD: this rank, which the checkpoint had no model of, starts from the last sync's model")
+            return
+        if "model" in replica:
+            self._run.model.module.load_state_dict(replica["model"])
+            for optimizer, optimizer_state in zip(self._optimizer_list(), replica["optimizers"], strict=True):
+                optimizer.load_state_dict(optimizer_state)
+        self.local_sgd.load_rank_state_dict(replica.get("local_sgd", {}))
         log.debug("LocalSGD: this rank's own model and optimizer states restored from the checkpoint")
 
     def _replicas_differ(self, state: dict[str, Any]) -> bool:
+        return self._past_warmup(int(state["step"]), bool(state.get("across_replica_groups", False)))
+
+    def _past_warmup(self, step: int, across_replica_groups: bool) -> bool:
         """Past warm-up every rank holds its own model and inner optimizer state; across torchft's replica
         groups not: the ranks of one group train as one between syncs, and its checkpoint is its own."""
-        return int(state["step"]) > self._options.warmup_steps and not state.get("across_replica_groups", False)
+        return step > self._options.warmup_steps and not across_replica_groups
 
     def _optimizer_list(self) -> list[Any]:
         trainer = self._run.trainer if self._run is not None else None
         return list(trainer.optimizers) if trainer is not None else self._optimizers
 
-    def _gather_replicas(self) -> dict[str, Any] | None:
-        """Every rank's model and optimizer states as CPU tensors on global rank 0 (None elsewhere), by
-        global rank, rank 0's left out: the checkpoint holds it already."""
-        assert self._run is not None and self._run.model is not None
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        own = None
-        if rank != 0:
-            states = {
-                "model": self._run.model.module.state_dict(),
-                "optimizers": [optimizer.state_dict() for optimizer in self._optimizer_list()],
-                "local_sgd": self.local_sgd.rank_state_dict() if self.local_sgd is not None else {},
-            }
-            own = apply_to_collection(states, torch.Tensor, lambda t: t.detach().cpu())
-        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-        with self._run.model.waiter.outside("the gather of every rank's model and optimizer state for a checkpoint"):
-            dist.gather_object(own, gathered, dst=0)
-        if gathered is None:
-            return None
-        return {"world_size": world_size, "ranks": {r: s for r, s in enumerate(gathered) if r != 0}}
+
+_LAST_SYNC = "last_sync"  # a resumed rank that the checkpoint has no model of: it takes the last sync's
+
+
+def _what_a_new_world_size_loses(state: dict[str, Any], saved: int, world_size: int) -> str:
+    """One line: what a resume at ``world_size`` ranks takes from a checkpoint of ``saved`` ranks between syncs."""
+    step, last = int(state["step"]), int(state["last_average"])
+    where = f"the checkpoint holds {saved} ranks' models at step {step}, between syncs (the last after step {last}), this run has {world_size}"
+    kept = f"{_ranks(0, min(saved, world_size))} resume{'s' if min(saved, world_size) == 1 else ''} {'its' if min(saved, world_size) == 1 else 'their'} own"
+    if world_size < saved:
+        return f"{where}: {kept}; the local steps of {_ranks(world_size, saved)} since step {last} are lost."
+    start = "the model of the last sync" if state.get("outer") is not None else "rank 0's model"
+    return (
+        f"{where}: {kept}; {_ranks(saved, world_size)} start{'s' if world_size - saved == 1 else ''} from {start} "
+        "with rank 0's optimizer state; nothing is lost."
+    )
+
+
+def _ranks(low: int, high: int) -> str:
+    return f"rank {low}" if high - low == 1 else f"ranks {low}-{high - 1}"
+
+
+def _entry_of(state: dict[str, Any], rank: int) -> dict[str, Any] | None:
+    """A rank's entry under ``replicas``; a sharded checkpoint's keys come back as strings."""
+    ranks = (state.get(_REPLICAS) or {}).get(RANKS) or {}
+    return ranks.get(rank, ranks.get(str(rank)))
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -43,7 +44,7 @@ from lit_dp.options.docs import options_doc
 from lit_dp.sharding import ShardedOptimizer
 from lit_dp.strategies import process_group
 from lit_dp.strategies.base import DataParallelStrategyMixin, front_door
-from lit_dp.strategies.checkpoint_io import save_checkpoint
+from lit_dp.strategies.checkpointing import optimizer_states, trainer_layout
 from lit_dp.strategies.feature import CHECKPOINT_KEY, Run
 from lit_dp.strategies.lightning_private import (
     attached_trainer,
@@ -83,14 +84,15 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     takes them, and handed to ``lit_dp.DataParallel``.
 
     With ``comm_buffer_size="auto"`` the tuned size is stored in checkpoints, so a resumed run
-    keeps it; LocalSGD's schedule is stored too. Checkpoints are written atomically
-    (``AtomicCheckpointIO``; a ``CheckpointIO`` of the user's, given here or in the Trainer's
-    ``plugins``, is used as given, see ``lit_dp.strategies.checkpoint_io``), and a fit resumed from a
-    checkpoint taken inside an epoch goes on at the next batch of that epoch
+    keeps it; LocalSGD's schedule is stored too. Checkpoints are one file (``state_dict_type="full"``)
+    or a folder each rank writes its part of (``"sharded"``), written atomically, in the background
+    with ``async_save`` (``lit_dp.strategies.checkpointing``; a ``CheckpointIO`` of the user's, given
+    here or in the Trainer's ``plugins``, is used as given, see ``lit_dp.strategies.checkpoint_io``), and
+    a fit resumed from a checkpoint taken inside an epoch goes on at the next batch of that epoch
     (``lit_dp.strategies.resume``). With ``sharding_stage`` the optimizers from
     ``configure_optimizers`` are rebuilt over each rank's parameters (``lit_dp.ShardedOptimizer``),
-    ``gradient_clip_val`` clips by the global norm and checkpoints hold the consolidated
-    optimizer state (docs/sharding.md).
+    ``gradient_clip_val`` clips by the global norm and each owner writes its part of the optimizer
+    state, which a full checkpoint holds unsharded (docs/sharding.md).
     """
 
     strategy_name = "paddle_dp"
@@ -121,6 +123,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._failed = False  # a new run (a strategy may fit more than once)
         self._features.setup_environment(self)
         self.setup_distributed()
 
@@ -157,6 +160,7 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
+        self._checkpointing.check_writer(self.checkpoint_io)
         wrapped = self.model if isinstance(self.model, DataParallel) else None
         self._features.setup(Run(self, wrapped, trainer, self._features))
         self.optimizers = [self._features.setup_optimizer(optimizer) for optimizer in self.optimizers]
@@ -273,32 +277,52 @@ class PaddleDPStrategy(DataParallelStrategyMixin, ParallelStrategy):
             else arg
             for arg in exception.args
         )
+        self._failed = True
         self._features.on_exception(exception, self)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        # A sharded optimizer's part, as each owner writes it: no rank gathers the others' (lit_dp.checkpoint).
+        optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if isinstance(optimizer, ShardedOptimizer):
+            return optimizer.shard_state_dict()
+        return super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
-        # A weights-only save (Lightning's has no optimizer states) is no resume point: the features'
-        # state stays out of it, and with it LocalSGD's gather of every rank's model and optimizer.
+        """Every rank: its part of the checkpoint, in the format of ``state_dict_type``, now or in the background
+        (``async_save``): ``lit_dp.strategies.checkpointing``."""
+        # A weights-only save (Lightning's has no optimizer states) is no resume point: the features' state stays out of it.
         if "optimizer_states" in checkpoint and (own := self._features.state_dict()):
             checkpoint[CHECKPOINT_KEY] = own
+        self._checkpointing.save(self._features, self.checkpoint_io, checkpoint, filepath, storage_options, trainer_layout())
+
+    @override
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
+        # ModelCheckpoint dropping one of its top-k: after the save that replaces it is written (async_save).
         if self.is_global_zero:
-            with self._features.saving():  # rank 0 writes while the others wait in a barrier
-                save_checkpoint(self.checkpoint_io, checkpoint, filepath, storage_options)
+            self._checkpointing.remove(self.checkpoint_io, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-        # Lightning loads the checkpoint before `setup` wraps the model: the features take their
-        # entries now, and apply them as the fit is set up.
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._features.load_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
-        return checkpoint
+        # Lightning loads the checkpoint before `setup` wraps the model: the features take their entries now, and
+        # apply them as the fit is set up; a sharded folder's optimizer states are read once the optimizers exist.
+        read_file = partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
+        return self._checkpointing.load_trainer(self._features, checkpoint_path, read_file, weights_only)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, optimizer_states(checkpoint["optimizer_states"], self.optimizers)):
+            optimizer.load_state_dict(state)
+        optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def teardown(self) -> None:
         log.debug("%s: tearing down strategy", type(self).__name__)
         lightning_module = self.lightning_module
+        self._checkpointing.teardown(failed=self._failed)  # a save in flight: written before the run ends
         self._features.teardown()
         if isinstance(self.model, DataParallel):
             log.debug("%s: unwrapping the model from lit_dp.DataParallel", type(self).__name__)

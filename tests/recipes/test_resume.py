@@ -26,6 +26,7 @@ from omegaconf import open_dict
 
 from lit_dp.job.restart import JobAttempt
 from lit_dp.strategies.preemption import Preempted
+from lit_dp_recipes.cli import CommandLineMistake
 from lit_dp_recipes.config import check_checkpoint_every_n_steps, register_configs
 from lit_dp_recipes.resume import (
     FINISHED_MARKER,
@@ -412,3 +413,32 @@ def test_torchrun_restart_resumes_exactly_in_the_default_run_folder(tmp_path, un
     [run_dir] = (tmp_path / "outputs" / "digits").iterdir()  # one folder for both attempts
     assert run_dir.name.startswith("torchrun-")
     _assert_resumed_exactly(output, run_dir, uninterrupted)
+
+
+def test_a_sharded_run_resumes_from_its_folder_and_a_lower_max_epochs_is_one_line(tmp_path, capsys):
+    # Issue 51: strategy.state_dict_type=sharded writes each checkpoint as a folder, which ckpt_path=auto finds;
+    # a finished run's folder rerun with fewer epochs is refused in one line, not Lightning's traceback; a resume
+    # the recipe arranged prints neither of Lightning's warnings about the run it resumes.
+    overrides = [*QUIET, "trainer.devices=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=1", "~logger",
+                 "strategy.state_dict_type=sharded"]  # fmt: skip
+    train(compose_config("digits", [*overrides, "trainer.max_epochs=2", "checkpoint_every_n_steps=2"], tmp_path))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and (last / "meta.pt").is_file()
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Another step checkpoint's period: Lightning would say "Be aware ..." of the one in the checkpoint.
+        train(compose_config("digits", [*overrides, "trainer.max_epochs=3", "checkpoint_every_n_steps=3"], tmp_path))
+    assert f"[lit_dp] resuming from {last} (step 8, a checkpoint of this run is already in its folder)" in capsys.readouterr().out
+    lightnings = [str(w.message) for w in caught if "dirpath has changed" in str(w.message) or "Be aware" in str(w.message)]
+    assert lightnings == []
+    with pytest.raises(CommandLineMistake) as refused:
+        train(compose_config("digits", [*overrides, "trainer.max_epochs=1"], tmp_path))
+    newest = newest_checkpoint([tmp_path, tmp_path / "checkpoints"])
+    assert newest is not None and newest.path.is_dir() and newest.epoch > 1
+    assert str(refused.value) == (
+        f"trainer.max_epochs=1 is below the checkpoint this run resumes, {newest.path}, which completed {newest.epoch} "
+        f"epochs (step 12): raise trainer.max_epochs above {newest.epoch} to train on from there, or pass ckpt_path=null "
+        "to start over in this folder "
+        "(hydra.run.dir=<another folder> keeps it)."
+    )

@@ -110,7 +110,7 @@ class CustomLoading(TorchCheckpointIO):
 def test_a_plugin_saving_with_torchs_writer_gets_atomic_local_writes(tmp_path):
     strategy = PaddleDPStrategy(checkpoint_io=CustomLoading())
     path = tmp_path / "sub" / "step.ckpt"
-    with mock.patch("lit_dp.strategies.checkpoint_io.write_atomically", wraps=write_atomically) as atomic:
+    with mock.patch("lit_dp.checkpoint.full.write_atomically", wraps=write_atomically) as atomic:
         strategy.save_checkpoint({"global_step": 3}, path)
         atomic.assert_called_once_with({"global_step": 3}, path)
         strategy = PaddleDPStrategy(checkpoint_io=RecordingCheckpointIO())

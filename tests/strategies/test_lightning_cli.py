@@ -211,3 +211,10 @@ def test_a_two_rank_fit_through_lightning_cli(strategy, tmp_path):
     # Each rank's lit_dp.DataParallel traced its communication where the command line said.
     assert sorted(path.name for path in (tmp_path / "trace").glob("rank*.json")) == ["rank0.json", "rank1.json"], output[-4000:]
     assert "`Trainer.fit` stopped: `max_steps=3` reached." in output, output[-4000:]
+
+
+def test_the_checkpoint_format_and_asynchronous_saves_are_flags_as_under_fsdp():
+    # Issue 51: Lightning's FSDPStrategy's name for the format, as LightningCLI users type it there.
+    strategy = cli(["--trainer.strategy=paddle_dp", "--trainer.strategy.state_dict_type=sharded",
+                    "--trainer.strategy.async_save=true"]).trainer.strategy  # fmt: skip
+    assert (strategy.options.state_dict_type, strategy.options.async_save) == ("sharded", True)

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 from torch import nn
 
-from lit_dp import PaddleDPStrategy, fabric
+from lit_dp import PaddleDPStrategy
 from lit_dp.strategies import lightning_private as private
 
 LIBRARY = Path(__file__).resolve().parents[2] / "lit_dp"
