@@ -24,8 +24,9 @@ by a restart), the same seed, data and ``max_steps`` everywhere. Two parts (``pa
   groups that starts the ``fault_sync``-th sync (its count of the ranks taking part), or with
   per-step sync a gradient bucket's all-reduce in the same step, completed on every rank but
   reported failed on that one (the chaos tests' fixture, ``tests.helpers.chaos.TransientFaults``).
-  Reported per run: the steps each group committed and discarded (torchft's votes, from its log of
-  each group's rank 0), the syncs (or steps, per-step) in which a collective across groups failed
+  Reported per run: the transactions each group committed and discarded (torchft's votes, from its
+  log of each group's rank 0: a step each with per-step sync; with DiLoCo the first step's and one
+  per sync, the inner steps taking none), the syncs (or steps, per-step) in which a collective across groups failed
   on some rank (the fixture logs every failure it sees below the library, planned or not, as it
   happens), the validation loss of each group against the run without faults, whether every rank
   of every group ends bitwise equal (``tests.helpers.chaos.FinalWeights``), and how the run ended
@@ -140,7 +141,7 @@ class GroupsRun:
         return {int(step): at for step, at in json.loads(path.read_text()).items()} if path.exists() else {}
 
     def votes(self, group: int) -> tuple[int, int]:
-        """Steps group ``group`` committed and discarded (torchft's votes in the log of its rank 0)."""
+        """Transactions group ``group`` committed and discarded (torchft's votes in the log of its rank 0)."""
         path = self.folder / f"group{group}" / f"torchft-group{group}.log"
         found = COMMIT.findall(path.read_text(errors="replace")) if path.exists() else []
         return found.count("True"), found.count("False")
@@ -307,7 +308,7 @@ def transient_fault(config: FTDiLoCoConfig, output: Path) -> list[str]:
         f"a gradient bucket at the same step (per-step sync, trainer step {config.fault_step}); {config.groups} groups of "
         f"{config.ranks} ranks, {config.max_steps} steps",
         "",
-        "| mode | run | steps committed per group | steps discarded per group | steps with a failed collective across groups "
+        "| mode | run | transactions committed per group | discarded per group | steps with a failed collective across groups "
         "| val loss per group | every rank equal | ended |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -334,7 +335,7 @@ def transient_fault(config: FTDiLoCoConfig, output: Path) -> list[str]:
         units = "syncs" if mode == "diloco" else "steps"
         gaps = ", ".join("-" if base is None or loss is None else f"{(loss - base) / base:+.2%}" for loss in faulty)
         summary.append(
-            f"{label}: one fault cost {', '.join(map(str, lost))} committed steps (per group) and "
+            f"{label}: one fault cost {', '.join(map(str, lost))} committed transactions (per group) and "
             f"{len(hit.failed_syncs)} {units} with a failed collective; val loss against no fault: {gaps}"
         )
     return [*lines, "", *summary]
