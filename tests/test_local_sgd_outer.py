@@ -102,6 +102,7 @@ def outer_cases(rank: int, tmp_path: str) -> dict:
     model, optimizer, local_sgd = build()
     _train(model, optimizer, local_sgd, steps, rank)
     uninterrupted = [p.detach().clone() for p in model.parameters()]
+    report["uninterrupted_traffic"] = local_sgd.traffic()
     model, optimizer, local_sgd = build()
     _train(model, optimizer, local_sgd, steps, rank, last=12)  # averages after 6 and 10: 12 is mid-period
     path = f"{tmp_path}/rank{rank}.pt"
@@ -133,13 +134,16 @@ def test_outer_optimizer_matches_the_simulation_and_resumes_exactly(tmp_path):
     for rank, report in results.items():
         assert report["resume_exact"], f"rank {rank}: the resumed run's weights differ from the uninterrupted run's"
         assert report["consistency"].startswith("3 checks every 4 synchronised steps (3 after LocalSGD averages)"), report
-    traffic = results[0]["outer_traffic"]
+    traffic, uninterrupted = results[0]["outer_traffic"], results[0]["uninterrupted_traffic"]
     parameter_bytes = sum(p.numel() * 4 for p in Net().parameters())  # float32
     sync_bytes = parameter_bytes + sum(b.numel() * b.element_size() for b in Net().buffers())
-    # The resumed object's own: steps 13 to 16, one average (after 14) of every parameter and buffer.
-    assert traffic["syncs"] == 1 and traffic["bytes_per_sync"] == sync_bytes
+    # The whole run's, the resume's state carrying the syncs before it: averages after 6, 10 and 14 of every
+    # parameter and buffer, over the 14 local steps after the warm-up, as the uninterrupted run counts them.
+    assert traffic["syncs"] == 3 and traffic["bytes_per_sync"] == sync_bytes
     assert traffic["dp_bytes_per_step"] == parameter_bytes
-    assert traffic["bytes_per_step"] == sync_bytes / 4 and traffic["vs_dp"] == sync_bytes / 4 / parameter_bytes
+    assert traffic["bytes_per_step"] == 3 * sync_bytes / 14 and traffic["vs_dp"] == traffic["bytes_per_step"] / parameter_bytes
+    counts = ("syncs", "bytes_per_sync", "max_bytes_per_sync", "bytes_per_step", "vs_dp")
+    assert {key: traffic[key] for key in counts} == {key: uninterrupted[key] for key in counts}
     assert results[0]["last_sync"] == (14, sync_bytes, True)
 
 
@@ -213,6 +217,7 @@ def fragment_cases(rank: int, tmp_path: str) -> dict:
     model, optimizer, local_sgd = build()
     _train(model, optimizer, local_sgd, steps, rank)
     uninterrupted = [p.detach().clone() for p in model.parameters()]
+    report["uninterrupted_traffic"] = local_sgd.traffic()
     model, optimizer, local_sgd = build()
     _train(model, optimizer, local_sgd, steps, rank, last=11)
     path = f"{tmp_path}/rank{rank}.pt"
@@ -256,11 +261,13 @@ def test_fragments_match_the_simulation_and_resume_exactly(tmp_path):
     assert results[0]["syncs"][0] == [(4, first), (6, rest), (8, first), (10, rest), (12, first), (14, rest)]
     # K=4, W=0, F=4: one fragment every step from step 1.
     assert [step for step, _ in results[0]["syncs"][1]] == list(range(1, 16))
-    # The resumed object's own traffic: fragment 0 after 12 and 16, fragment 1 after 14; no sync larger than a
-    # fragment, and over whole periods the same bytes per step as one sync of everything every K.
-    traffic = results[0]["traffic"]
-    assert traffic["syncs"] == 3 and traffic["max_bytes_per_sync"] == max(first, rest)
-    assert traffic["bytes_per_step"] == (2 * first + rest) / 5
+    # The whole run's traffic, the resume's state carrying the syncs before it: fragment 0 after 4, 8, 12 and 16,
+    # fragment 1 after 6, 10 and 14, over the 14 local steps after the warm-up; no sync larger than a fragment.
+    traffic, uninterrupted = results[0]["traffic"], results[0]["uninterrupted_traffic"]
+    assert traffic["syncs"] == 7 and traffic["max_bytes_per_sync"] == max(first, rest)
+    assert traffic["bytes_per_step"] == (4 * first + 3 * rest) / 14
+    counts = ("syncs", "bytes_per_sync", "max_bytes_per_sync", "bytes_per_step", "vs_dp")
+    assert {key: traffic[key] for key in counts} == {key: uninterrupted[key] for key in counts}
 
 
 def bitwise_average_case(rank: int) -> bool:

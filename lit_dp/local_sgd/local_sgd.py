@@ -426,9 +426,10 @@ class LocalSGD:
         return self._recorder.last()
 
     def traffic(self) -> dict[str, float]:
-        """This object's averages so far (with fragments: fragment syncs), their mean and largest bytes,
-        time and exposed time (ms), and bytes per local step it took against data parallelism's (the
-        trainable parameters' bytes, which its reducer all-reduces every step); {} before the first average."""
+        """The run's averages so far (with fragments: fragment syncs; a resumed object's include those its
+        state carried), their mean and largest bytes, time and exposed time (ms), and bytes per local step
+        it took against data parallelism's (the trainable parameters' bytes, which its reducer all-reduces
+        every step); {} before the first average."""
         dp_bytes = float(sum(p.numel() * p.element_size() for p in self._params))
         summary = self._recorder.summary(self._schedule.local_steps_taken)
         if summary:
