@@ -19,8 +19,10 @@ its ranks with a torchft ``Manager`` of the group; the groups meet at torchft's 
 
 What a recovering replica receives: the parameters and buffers, every optimizer's (and, under
 the Trainer, LR scheduler's and precision plugin's) state, the Trainer's loop counters (epoch,
-batches, optimizer steps), the data position, and torchft's own step count. What it does not:
-callbacks' state, RNG states, anything a LightningModule keeps outside its ``state_dict``.
+batches, optimizer steps; as they were at the start of the peer's step when the replica takes them
+in at the start of its own, which its loop then counts), the data position, and torchft's own step
+count. What it does not: callbacks' state, RNG states, anything a LightningModule keeps outside its
+``state_dict``.
 
 What users see: one line per change of the groups training, on every group ("replica group 0
 left at step 31; 2 train (1, 2)"), and on a group that comes back, that it recovered; torchft's
@@ -147,6 +149,8 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         super().__init__(fault_tolerance)
         self._trainer: pl.Trainer | None = None  # from setup
         self._restored: dict[str, Any] | None = None  # from a checkpoint, until the Manager and the data exist
+        self._step_start_loops: dict[str, Any] | None = None  # the loop counters as the step in progress started
+        self._starting_step = False  # in the step's quorum, before the loop counts the step's first batch
 
     @override
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -165,8 +169,8 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         watch_traffic(self.ft, run)
         features = run.features
         self.ft.track(
-            lambda: _trainer_state(trainer, self.ft.batches, features),
-            lambda state: _load_trainer_state(trainer, self.ft.batches, features, state),
+            lambda: _trainer_state(trainer, self.ft.batches, features, self._step_start_loops),
+            lambda state: self._load_state(trainer, features, state),
         )
         if self._restored is not None:
             self.ft.manager.load_state_dict(self._restored["manager"])
@@ -225,9 +229,27 @@ class TrainerFaultTolerance(FaultToleranceFeature):
             return batch
         assert self.ft.batches is not None
         if trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
-            self.ft.start_step()
+            self._step_start_loops = _loop_counters(trainer.fit_loop)
+            self._starting_step = True
+            try:
+                self.ft.start_step()
+            finally:
+                self._starting_step = False
         # What Lightning did to the placeholder, done to the batch: the precision plugin's conversion.
         return trainer.precision_plugin.convert_input(self.ft.batches.next_batch())
+
+    def _load_state(self, trainer: pl.Trainer, features: Features | None, state: dict[str, Any]) -> None:
+        """A peer's state (or, in a group that healed, its rank 0's), taken in. The loop counters are the
+        peer's at the point of the step this rank is at: a peer's state is made where its quorum is, at the
+        start of a step (``batch_to_device``, before the loop counts the step's batch) or inside one (a
+        LocalSGD sync in its optimizer step, after the loop counted the batch and the optimizer step as
+        begun). A rank that takes it in at the start of its step, whose loop then counts the step's batch
+        and optimizer step itself (a restarted group that meets its peers at their sync, and ends their
+        step with them), takes the peer's counters from its step's start; any other rank, which meets the
+        peer where it is, the peer's counters as they are."""
+        loops = state["loops_at_step_start"] if self._starting_step else state["loops"]
+        _load_trainer_state(trainer, self.ft.batches, features, {**state, "loops": loops})
+        self._step_start_loops = state["loops_at_step_start"]
 
     @override
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
@@ -299,14 +321,18 @@ def _load_loop_counters(fit_loop: Any, counters: dict[str, Any]) -> None:
     restore_batches_that_stepped(epoch_loop, counters["batches_that_stepped"])
 
 
-def _trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None, features: Features | None) -> dict[str, Any]:
+def _trainer_state(
+    trainer: pl.Trainer, batches: ReplicaBatches | None, features: Features | None, step_start_loops: dict[str, Any] | None
+) -> dict[str, Any]:
+    loops = _loop_counters(trainer.fit_loop)
     return {
         "features": features.replica_state() if features is not None else {},
         "model": trainer.lightning_module.state_dict(),
         "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),
-        "loops": _loop_counters(trainer.fit_loop),
+        "loops": loops,
+        "loops_at_step_start": step_start_loops if step_start_loops is not None else loops,
         "data": batches.state_dict() if batches is not None else None,
     }
 
