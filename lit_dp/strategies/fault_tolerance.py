@@ -151,6 +151,7 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         self._restored: dict[str, Any] | None = None  # from a checkpoint, until the Manager and the data exist
         self._step_start_loops: dict[str, Any] | None = None  # the loop counters as the step in progress started
         self._starting_step = False  # in the step's quorum, before the loop counts the step's first batch
+        self._peers_step_ends_epoch = False  # the step a peer was in when this rank took its state in ends the epoch
 
     @override
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -169,13 +170,13 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         watch_traffic(self.ft, run)
         features = run.features
         self.ft.track(
-            lambda: _trainer_state(trainer, self.ft.batches, features, self._step_start_loops),
+            lambda: _trainer_state(trainer, self.ft.batches, features, self._step_start_loops, self._step_ends_epoch()),
             lambda state: self._load_state(trainer, features, state),
         )
         if self._restored is not None:
             self.ft.manager.load_state_dict(self._restored["manager"])
         trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, _FaultToleranceCallback)]
-        trainer.callbacks.append(_FaultToleranceCallback(self.ft))
+        trainer.callbacks.append(_FaultToleranceCallback(self.ft, lambda: self._peers_step_ends_epoch))
 
     @override
     def teardown(self) -> None:
@@ -230,7 +231,7 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         assert self.ft.batches is not None
         if trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
             self._step_start_loops = _loop_counters(trainer.fit_loop)
-            self._starting_step = True
+            self._starting_step, self._peers_step_ends_epoch = True, False
             try:
                 self.ft.start_step()
             finally:
@@ -245,11 +246,21 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         LocalSGD sync in its optimizer step, after the loop counted the batch and the optimizer step as
         begun). A rank that takes it in at the start of its step, whose loop then counts the step's batch
         and optimizer step itself (a restarted group that meets its peers at their sync, and ends their
-        step with them), takes the peer's counters from its step's start; any other rank, which meets the
-        peer where it is, the peer's counters as they are."""
+        step with them), takes the peer's counters from its step's start, and whether that step ends the
+        data's epoch (its own plan is the next step's); any other rank, which meets the peer where it is,
+        the peer's counters as they are."""
         loops = state["loops_at_step_start"] if self._starting_step else state["loops"]
         _load_trainer_state(trainer, self.ft.batches, features, {**state, "loops": loops})
         self._step_start_loops = state["loops_at_step_start"]
+        self._peers_step_ends_epoch = self._starting_step and state["step_ends_epoch"]
+
+    def _step_ends_epoch(self) -> bool:
+        """Whether the step this rank is in ends the data's epoch once committed, for a rank that takes its
+        state in there: its plan's; at the start of a step (where a healed group's rank 0 hands its state to
+        its other ranks), that of the peers' step it took in, if any."""
+        if self._starting_step:
+            return self._peers_step_ends_epoch
+        return self.ft.batches is not None and self.ft.batches.step_ends_epoch()
 
     @override
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
@@ -270,15 +281,19 @@ class TrainerFaultTolerance(FaultToleranceFeature):
 class _FaultToleranceCallback(pl.Callback):
     """The epoch's end when the data's ends, the reconciling quorum after the last step, the ``ft/*`` metrics."""
 
-    def __init__(self, fault_tolerance: FaultTolerance) -> None:
+    def __init__(self, fault_tolerance: FaultTolerance, peers_step_ends_epoch: Callable[[], bool]) -> None:
         self.ft = fault_tolerance
+        self.peers_step_ends_epoch = peers_step_ends_epoch
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         batches = self.ft.batches
         stepped = trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
-        ends_epoch = stepped and self.ft.last_committed and batches is not None and batches.step_ends_epoch()
+        if self.ft.in_peers_step:  # the end of the peers' step, which they committed: its epoch end is theirs
+            ends_epoch = stepped and self.peers_step_ends_epoch()
+        else:
+            ends_epoch = stepped and self.ft.last_committed and batches is not None and batches.step_ends_epoch()
         if ends_epoch:
             # The data's epoch is complete: end Lightning's too (as a training_step's -1 does).
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
@@ -322,7 +337,11 @@ def _load_loop_counters(fit_loop: Any, counters: dict[str, Any]) -> None:
 
 
 def _trainer_state(
-    trainer: pl.Trainer, batches: ReplicaBatches | None, features: Features | None, step_start_loops: dict[str, Any] | None
+    trainer: pl.Trainer,
+    batches: ReplicaBatches | None,
+    features: Features | None,
+    step_start_loops: dict[str, Any] | None,
+    step_ends_epoch: bool,
 ) -> dict[str, Any]:
     loops = _loop_counters(trainer.fit_loop)
     return {
@@ -334,6 +353,7 @@ def _trainer_state(
         "loops": loops,
         "loops_at_step_start": step_start_loops if step_start_loops is not None else loops,
         "data": batches.state_dict() if batches is not None else None,
+        "step_ends_epoch": step_ends_epoch,
     }
 
 
