@@ -224,6 +224,7 @@ class FaultTolerance:
         """The step's quorum when the step crosses groups (and at this process's first step, which finds
         the others and takes their state), then this replica's data for the step."""
         self.last_committed = None
+        self._peers_step = False
         self.steps_started += 1
         protocol = self.protocol
         if protocol.every_step or self.steps_started == 1:
@@ -255,11 +256,17 @@ class FaultTolerance:
         LocalSGD's local phase takes no vote: it is this group's own; one that ended in the peers' sync
         is not applied."""
         if self._peers_step:
-            committed, self._peers_step = False, False
+            committed = False
         else:
             committed = self.protocol.vote() if self.protocol.open is not None else True
         self.last_committed = committed
         return committed
+
+    @property
+    def in_peers_step(self) -> bool:
+        """Whether the step in progress ends the peers' (a restarted group met them at their sync from its
+        start, see ``start_step``): nothing of it is applied here, and it was theirs to count."""
+        return self._peers_step
 
     def reconcile(self) -> None:
         """After the last step: one more quorum, in which a group that discarded a step (or failed a sync)

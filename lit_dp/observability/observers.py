@@ -99,9 +99,14 @@ class ModelObservers:
             observers.clock = clock = StepClock(device, waiter, reducer.parameters)
             reducer.add_observer(clock)
         if profiled:
+            # Its file is named by the rank: a replica group's ranks have no place across the groups before their
+            # first quorum (-1), and write to their group's folder, each under its rank within the group.
+            rank = reducer.group.rank()
+            if rank < 0 and ranks is not None:
+                rank = ranks.rank()
             observers.profile = CommProfile(
                 [param.numel() * param.element_size() for param in reducer.parameters],
-                reducer.group.rank(),
+                rank,
                 reducer.group.size(),
                 groups.backend_name(reducer.group),
                 device,

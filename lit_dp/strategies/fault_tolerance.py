@@ -19,8 +19,10 @@ its ranks with a torchft ``Manager`` of the group; the groups meet at torchft's 
 
 What a recovering replica receives: the parameters and buffers, every optimizer's (and, under
 the Trainer, LR scheduler's and precision plugin's) state, the Trainer's loop counters (epoch,
-batches, optimizer steps), the data position, and torchft's own step count. What it does not:
-callbacks' state, RNG states, anything a LightningModule keeps outside its ``state_dict``.
+batches, optimizer steps; as they were at the start of the peer's step when the replica takes them
+in at the start of its own, which its loop then counts), the data position, and torchft's own step
+count. What it does not: callbacks' state, RNG states, anything a LightningModule keeps outside its
+``state_dict``.
 
 What users see: one line per change of the groups training, on every group ("replica group 0
 left at step 31; 2 train (1, 2)"), and on a group that comes back, that it recovered; torchft's
@@ -147,6 +149,9 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         super().__init__(fault_tolerance)
         self._trainer: pl.Trainer | None = None  # from setup
         self._restored: dict[str, Any] | None = None  # from a checkpoint, until the Manager and the data exist
+        self._step_start_loops: dict[str, Any] | None = None  # the loop counters as the step in progress started
+        self._starting_step = False  # in the step's quorum, before the loop counts the step's first batch
+        self._peers_step_ends_epoch = False  # the step a peer was in when this rank took its state in ends the epoch
 
     @override
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -165,13 +170,13 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         watch_traffic(self.ft, run)
         features = run.features
         self.ft.track(
-            lambda: _trainer_state(trainer, self.ft.batches, features),
-            lambda state: _load_trainer_state(trainer, self.ft.batches, features, state),
+            lambda: _trainer_state(trainer, self.ft.batches, features, self._step_start_loops, self._step_ends_epoch()),
+            lambda state: self._load_state(trainer, features, state),
         )
         if self._restored is not None:
             self.ft.manager.load_state_dict(self._restored["manager"])
         trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, _FaultToleranceCallback)]
-        trainer.callbacks.append(_FaultToleranceCallback(self.ft))
+        trainer.callbacks.append(_FaultToleranceCallback(self.ft, lambda: self._peers_step_ends_epoch))
 
     @override
     def teardown(self) -> None:
@@ -225,9 +230,37 @@ class TrainerFaultTolerance(FaultToleranceFeature):
             return batch
         assert self.ft.batches is not None
         if trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0:
-            self.ft.start_step()
+            self._step_start_loops = _loop_counters(trainer.fit_loop)
+            self._starting_step, self._peers_step_ends_epoch = True, False
+            try:
+                self.ft.start_step()
+            finally:
+                self._starting_step = False
         # What Lightning did to the placeholder, done to the batch: the precision plugin's conversion.
         return trainer.precision_plugin.convert_input(self.ft.batches.next_batch())
+
+    def _load_state(self, trainer: pl.Trainer, features: Features | None, state: dict[str, Any]) -> None:
+        """A peer's state (or, in a group that healed, its rank 0's), taken in. The loop counters are the
+        peer's at the point of the step this rank is at: a peer's state is made where its quorum is, at the
+        start of a step (``batch_to_device``, before the loop counts the step's batch) or inside one (a
+        LocalSGD sync in its optimizer step, after the loop counted the batch and the optimizer step as
+        begun). A rank that takes it in at the start of its step, whose loop then counts the step's batch
+        and optimizer step itself (a restarted group that meets its peers at their sync, and ends their
+        step with them), takes the peer's counters from its step's start, and whether that step ends the
+        data's epoch (its own plan is the next step's); any other rank, which meets the peer where it is,
+        the peer's counters as they are."""
+        loops = state["loops_at_step_start"] if self._starting_step else state["loops"]
+        _load_trainer_state(trainer, self.ft.batches, features, {**state, "loops": loops})
+        self._step_start_loops = state["loops_at_step_start"]
+        self._peers_step_ends_epoch = self._starting_step and state["step_ends_epoch"]
+
+    def _step_ends_epoch(self) -> bool:
+        """Whether the step this rank is in ends the data's epoch once committed, for a rank that takes its
+        state in there: its plan's; at the start of a step (where a healed group's rank 0 hands its state to
+        its other ranks), that of the peers' step it took in, if any."""
+        if self._starting_step:
+            return self._peers_step_ends_epoch
+        return self.ft.batches is not None and self.ft.batches.step_ends_epoch()
 
     @override
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
@@ -248,15 +281,19 @@ class TrainerFaultTolerance(FaultToleranceFeature):
 class _FaultToleranceCallback(pl.Callback):
     """The epoch's end when the data's ends, the reconciling quorum after the last step, the ``ft/*`` metrics."""
 
-    def __init__(self, fault_tolerance: FaultTolerance) -> None:
+    def __init__(self, fault_tolerance: FaultTolerance, peers_step_ends_epoch: Callable[[], bool]) -> None:
         self.ft = fault_tolerance
+        self.peers_step_ends_epoch = peers_step_ends_epoch
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         batches = self.ft.batches
         stepped = trainer.fit_loop.epoch_loop.batch_progress.current.ready % trainer.accumulate_grad_batches == 0
-        ends_epoch = stepped and self.ft.last_committed and batches is not None and batches.step_ends_epoch()
+        if self.ft.in_peers_step:  # the end of the peers' step, which they committed: its epoch end is theirs
+            ends_epoch = stepped and self.peers_step_ends_epoch()
+        else:
+            ends_epoch = stepped and self.ft.last_committed and batches is not None and batches.step_ends_epoch()
         if ends_epoch:
             # The data's epoch is complete: end Lightning's too (as a training_step's -1 does).
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
@@ -299,15 +336,24 @@ def _load_loop_counters(fit_loop: Any, counters: dict[str, Any]) -> None:
     restore_batches_that_stepped(epoch_loop, counters["batches_that_stepped"])
 
 
-def _trainer_state(trainer: pl.Trainer, batches: ReplicaBatches | None, features: Features | None) -> dict[str, Any]:
+def _trainer_state(
+    trainer: pl.Trainer,
+    batches: ReplicaBatches | None,
+    features: Features | None,
+    step_start_loops: dict[str, Any] | None,
+    step_ends_epoch: bool,
+) -> dict[str, Any]:
+    loops = _loop_counters(trainer.fit_loop)
     return {
         "features": features.replica_state() if features is not None else {},
         "model": trainer.lightning_module.state_dict(),
         "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "precision": trainer.precision_plugin.state_dict(),
-        "loops": _loop_counters(trainer.fit_loop),
+        "loops": loops,
+        "loops_at_step_start": step_start_loops if step_start_loops is not None else loops,
         "data": batches.state_dict() if batches is not None else None,
+        "step_ends_epoch": step_ends_epoch,
     }
 
 

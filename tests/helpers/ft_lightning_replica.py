@@ -1,7 +1,7 @@
 """One replica group of the Lightning fault-tolerance tests: the Trainer or Fabric with ``fault_tolerance="torchft"``.
 
     python -m tests.helpers.ft_lightning_replica OUT STEPS {trainer,fabric} [--kill GROUP:STEP] [--alone-seconds S]
-        [--accumulate N] [--min-replicas N] [--quorum-timeout S]
+        [--accumulate N] [--min-replicas N] [--quorum-timeout S] [--local-sgd K]
 
 The replica group comes from ``REPLICA_GROUP_ID``, the lighthouse from ``TORCHFT_LIGHTHOUSE``
 (torchft's launch variables, which the strategy reads). Every step attempt appends one JSON line
@@ -10,8 +10,10 @@ quorum's rank, the samples each of its micro-batches read, and a hash of the par
 the step's start (after the quorum, and after a recovery) and at its end. ``--kill`` and
 ``--alone-seconds`` as in ``tests.helpers.ft_replica``; ``--accumulate``: the Trainer's
 ``accumulate_grad_batches``; ``--min-replicas`` and ``--quorum-timeout``: ``ft_min_replicas`` and
-``ft_quorum_timeout``. The Trainer logs to ``OUT/replica<group>/`` (CSV) and writes its
-final ``global_step`` to ``OUT/replica<group>.steps``.
+``ft_quorum_timeout``; ``--local-sgd K``: DiLoCo (``local_sgd_steps=K``, ``local_sgd_outer="nesterov"``),
+whose groups take a quorum only at a sync. The Trainer logs to ``OUT/replica<group>/`` (CSV) and
+writes its final ``global_step`` to ``OUT/replica<group>.steps`` and its loop counters (those it
+decides validation and the epoch's end by) to ``OUT/replica<group>.loops``.
 """
 
 from __future__ import annotations
@@ -106,10 +108,10 @@ def _ready(trainer: pl.Trainer) -> int:
     return trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
 
-def trainer_replica(out: Path, steps: int, recorder: Recorder, group: int, accumulate: int, ft: dict) -> None:
+def trainer_replica(out: Path, steps: int, recorder: Recorder, group: int, accumulate: int, options: dict) -> None:
     model = Classifier()
     trainer = pl.Trainer(
-        strategy=lit_dp.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10, **ft),
+        strategy=lit_dp.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10, **options),
         accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1, accumulate_grad_batches=accumulate,
         logger=CSVLogger(out, name=f"replica{group}", version=0), callbacks=[RecordingCallback(recorder)], default_root_dir=out,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -117,10 +119,22 @@ def trainer_replica(out: Path, steps: int, recorder: Recorder, group: int, accum
     trainer.fit(model, DataLoader(dataset(), batch_size=BATCH, shuffle=True))
     torch.save(model.state_dict(), out / f"replica{group}.pt")
     (out / f"replica{group}.steps").write_text(str(trainer.global_step))
+    (out / f"replica{group}.loops").write_text(json.dumps(loop_counters(trainer)))
 
 
-def fabric_replica(out: Path, steps: int, recorder: Recorder, group: int, ft: dict) -> None:
-    fabric = Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10, **ft), accelerator="cpu", devices=1)
+def loop_counters(trainer: pl.Trainer) -> dict:
+    """The fit loop's counters: its epochs, batches (validation is due by their count), optimizer steps."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return {
+        "epochs": trainer.fit_loop.epoch_progress.state_dict(),
+        "batches": epoch_loop.batch_progress.state_dict(),
+        "optimizer": epoch_loop.automatic_optimization.optim_progress.state_dict(),
+        "batches_that_stepped": epoch_loop._batches_that_stepped,
+    }
+
+
+def fabric_replica(out: Path, steps: int, recorder: Recorder, group: int, options: dict) -> None:
+    fabric = Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10, **options), accelerator="cpu", devices=1)
     fabric.launch()  # one process: its process group of one rank
     net = Classifier().net
     model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
@@ -148,16 +162,19 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="the Trainer's accumulate_grad_batches")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=60.0)
+    parser.add_argument("--local-sgd", type=int, default=None, help="K: DiLoCo, a sync every K steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
     group = int(os.environ["REPLICA_GROUP_ID"])
     torch.manual_seed(group)  # different starts: torchft's init_sync makes them one
     recorder = Recorder(args.out, group, args.kill, args.alone_seconds)
-    ft = {"ft_min_replicas": args.min_replicas, "ft_quorum_timeout": args.quorum_timeout}
+    options = {"ft_min_replicas": args.min_replicas, "ft_quorum_timeout": args.quorum_timeout}
+    if args.local_sgd is not None:
+        options.update(local_sgd_steps=args.local_sgd, local_sgd_outer="nesterov")
     if args.front == "trainer":
-        trainer_replica(args.out, args.steps, recorder, group, args.accumulate, ft)
+        trainer_replica(args.out, args.steps, recorder, group, args.accumulate, options)
     else:
-        fabric_replica(args.out, args.steps, recorder, group, ft)
+        fabric_replica(args.out, args.steps, recorder, group, options)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ a line per membership change, the ``ft/*`` metrics in the Trainer's logger.
 from __future__ import annotations
 
 import csv
+import json
 import re
 import sys
 from pathlib import Path
@@ -106,6 +107,44 @@ def test_under_gradient_accumulation_the_trainers_step_count_survives_a_recovery
 @pytest.mark.slow
 def test_fabric_goes_on_without_a_killed_replica_group_and_takes_it_back(tmp_path):
     run(tmp_path, "fabric")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("period", "steps", "kill_at", "alone_seconds"),
+    # K=24: a period deals 24 x 4 samples per group present, whole epochs of the 96: every sync ends an
+    # epoch, the one where the restarted group meets its peers included.
+    [(2, STEPS, 3, 3), (24, 96, 2, 1)],
+    ids=["K=2", "K=24-every-sync-ends-an-epoch"],
+)
+def test_under_diloco_a_restarted_group_that_meets_its_peers_at_a_sync_counts_the_trainers_steps_as_they_do(
+    tmp_path, period, steps, kill_at, alone_seconds
+):
+    # DiLoCo: the groups take a quorum only at a sync, inside the optimizer step, where the peers' state is
+    # made after their loop counted the step's batch. Group 1 dies (after ``kill_at`` transactions: step 1's,
+    # then the syncs) and its restart meets group 0 at a sync from the start of its first step, which its
+    # own loop counts and which ends the peers' step: a batch and an optimizer step counted twice, or an
+    # epoch end missed, put its validations and epoch ends apart from its peers' for the rest of the run.
+    command = [PYTHON, "-m", "tests.helpers.ft_lightning_replica", str(tmp_path), str(steps), "trainer"]
+    command += ["--local-sgd", str(period), "--kill", f"1:{kill_at}", "--alone-seconds", str(alone_seconds)]
+    with replica_groups(command, 2, tmp_path) as replicas:
+        replicas.start_all()
+        victim = replicas.replicas[1]
+        replicas.wait_for("replica group 1 to kill itself", lambda: victim.process.poll() is not None, 180)
+        assert victim.process.returncode == -9, victim.tail()
+        replicas.start(1)
+        replicas.wait_all(timeout=240)
+        restarted = victim.log.read_text().rsplit("] replica group 1, lighthouse", 1)[1]
+    met = r"replica group 1 recovered a peer's state in [\d.]+ s and (re)?joined at the sync after step \d+"
+    assert re.search(met, restarted), restarted
+    loops = {group: json.loads((tmp_path / f"replica{group}.loops").read_text()) for group in (0, 1)}
+    assert loops[0] == loops[1], loops
+    # Every batch and optimizer step counted once, as in a run without faults.
+    batches, step = loops[0]["batches"]["total"], loops[0]["optimizer"]["optimizer"]["step"]["total"]
+    assert set(batches.values()) == set(step.values()) == {steps} and loops[0]["batches_that_stepped"] == steps, loops
+    weights = [torch.load(tmp_path / f"replica{group}.pt") for group in (0, 1)]
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_the_settings_come_from_the_options_or_torchfts_variables():
