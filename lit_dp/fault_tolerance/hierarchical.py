@@ -19,6 +19,11 @@ whose gradients stay inside the group (LocalSGD's inner steps) reduces on ``with
 (``DataParallel.keep_gradients_local``), and a failure across groups fails the transaction of the
 commit protocol (``lit_dp.fault_tolerance.commit``), for every rank of the group at its vote.
 
+LocalSGD's syncs in a wire format (``sync_dtype``) take the same three steps, the second one their own
+(``reduce_by_shards``): rank ``r``'s shard of the group's sum is summed with the same rank of the other
+groups in the wire format (``lit_dp.local_sgd.transport``), so that only the hop across groups, the
+thin link, is quantized.
+
 Paddle's fleet calls this the hierarchical all-reduce. The group's ``size()`` is the ranks of the
 groups taking part (N times the quorum's groups), what the reducer divides by. LocalSGD's
 averages take the same path: the replicas of one group are equal between its syncs, so the
@@ -53,8 +58,10 @@ class CrossGroupTraffic:
 
     ``reduced_bytes`` counts the tensors handed to the group (a flat all-reduce would send all of
     them across groups); ``across_bytes`` the shards that crossed groups (1/N of them, rounded up
-    to whole elements per all-reduce); ``allreduces`` the tensors. All count every attempt, a
-    discarded step's included.
+    to whole elements per all-reduce), in a wire format their encoded bytes (a chunk per group,
+    scales and padding included: the all-to-all's, the all-gather carrying as much back as a ring
+    all-reduce's second half does); ``allreduces`` the tensors. All count every attempt, a
+    discarded step's or failed sync's included.
     """
 
     reduced_bytes: int = 0

@@ -9,7 +9,10 @@ deltas travel encoded and are summed in fp32, with two collectives on the group 
 other: an all-to-all (the group's ``alltoall_base``) and an all-gather into one tensor (torch's
 function for torch's groups; ``allgather_into_tensor_coalesced`` for a group written in Python, as
 torchft's own quantized all-reduce asks its process groups), so a group that offers those two (and
-the SUM all-reduce of the count of ranks taking part) carries every format.
+the SUM all-reduce of the count of ranks taking part) carries every format: torchft's replica groups
+of one rank each (``FaultTolerantGroup``) among them. Over replica groups of several ranks (a group
+with ``reduce_by_shards``, ``lit_dp.fault_tolerance.hierarchical``) the deltas are summed inside each
+group in their own dtype first, and only each rank's shard of that sum crosses groups encoded.
 
 Error feedback (``error_feedback``): what the encoding drops on a rank is kept (``residual``) and
 added to that rank's next delta, so that over many syncs the sum applied tracks the fp32 sum
@@ -18,6 +21,9 @@ it is sent, and each chunk's sum when its owner sends it back. Both are fed back
 every rank into its own residual, the second by the chunk's owner into the same residual's slice of
 that chunk, since the sum it dropped belongs to no other rank. The residuals' sum then equals the
 fp32 sum of the deltas minus the sum applied, at every sync: nothing dropped is lost, only delayed.
+A sync that may be voided after it started (``revertible``: across replica groups, whose vote may
+fail) gives the residuals back as it found them when it is (``drop``): its deltas were not applied,
+and the next sync's carry them again.
 """
 
 from __future__ import annotations
