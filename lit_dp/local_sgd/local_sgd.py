@@ -63,7 +63,8 @@ class LocalSGD:
         sync_dtype: the format the deltas travel in (``lit_dp.local_sgd.wire``): ``"bf16"`` (or
             ``torch.bfloat16``), ``"int8"``, ``"int4"`` or ``"fp8"`` (``float8_e4m3fn``, where the torch
             build has it), the last three with an fp32 scale per block of 128 values; always summed
-            in fp32. None: the parameters' dtype.
+            in fp32 (across torchft's replica groups of several ranks: inside each group in the parameters'
+            dtype, then across groups in the format). None: the parameters' dtype.
         error_feedback: keep what the format dropped on this rank and add it to this rank's next delta;
             None: on for 8 bits and below (int8, int4, fp8), off for bf16. Not with ``sync_dtype=None``.
         fragments: F, sync the model one fragment at a time, one every K/F steps (streaming DiLoCo);
@@ -71,7 +72,8 @@ class LocalSGD:
         offload: keep the snapshot and the outer momentum of CUDA parameters in (pinned) CPU memory;
             False: on the parameters' device. Parameters elsewhere keep them on their own device.
         sync_delay: tau, inner steps between the start of a sync and its application (its
-            all-reduce overlaps them; Streaming DiLoCo, eager updates); below K/F.
+            all-reduce overlaps them; Streaming DiLoCo, eager updates); below K/F. Refused across torchft's
+            replica groups, where each sync is a transaction of their commit protocol.
         mixing: alpha, the weight kept of the local parameters when a sync is applied:
             ``alpha * local + (1 - alpha) * synced`` (torchft's ``fragment_update_alpha``); 0 replaces them.
         group: the process group; defaults to the ``DataParallel``'s (``module.rings``), or for
