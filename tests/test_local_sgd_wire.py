@@ -144,11 +144,6 @@ def test_the_library_refuses_what_a_wire_format_cannot_do_by_name(monkeypatch):
             "to feed back; expected local_sgd_sync_dtype=bf16, int8, int4 or fp8, or local_sgd_error_feedback=None.",
         ),
         (dict(local_sgd_steps=4, local_sgd_error_feedback=1), "local_sgd_error_feedback=1 is invalid: expected True, False or None"),
-        (
-            dict(local_sgd_steps=4, local_sgd_sync_dtype="int8", fault_tolerance="torchft"),
-            "local_sgd_sync_dtype='int8' with fault_tolerance='torchft' is not supported: its sums in fp32 take an "
-            "all-to-all and an all-gather, and lit_dp's groups across replica groups offer a SUM all-reduce only",
-        ),
     ],
 )
 def test_the_strategy_refuses_error_feedback_without_a_wire_format_by_name(options, message):

@@ -429,6 +429,22 @@ class CrossGroupCommit:
             print(line, flush=True)
 
 
+def check_every_group_takes_part(manager: Any, sync_dtype: Any) -> None:
+    """A ``ValueError`` for a Manager under which a group of the quorum may sit a sync out: a sync in a wire
+    format cuts its payload into one chunk per member of torchft's process group, which must then be the groups
+    taking part (``Manager.num_participants``). torchft's asynchronous quorum leaves a healing group out, and its
+    spares (``WorldSizeMode.FIXED_WITH_SPARES``) the groups past ``min_replica_size``; lit_dp's own Manager has
+    neither."""
+    mode = getattr(getattr(manager, "_replica_world_size_mode", None), "name", "DYNAMIC")
+    if getattr(manager, "_use_async_quorum", False) or mode != "DYNAMIC":
+        raise ValueError(
+            f"sync_dtype={sync_dtype!r} across replica groups with a Manager built with "
+            f"use_async_quorum={getattr(manager, '_use_async_quorum', False)}, world_size_mode={mode} is not "
+            "supported: a sync in a wire format cuts its payload into one chunk per group of the quorum, so every "
+            "group must take part; expected use_async_quorum=False and WorldSizeMode.DYNAMIC, or sync_dtype=None."
+        )
+
+
 def _describe(error: BaseException) -> str:
     """An error in one line, whole: its type and the first line of its message."""
     text = str(error).strip().splitlines()

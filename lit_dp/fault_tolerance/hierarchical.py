@@ -19,6 +19,11 @@ whose gradients stay inside the group (LocalSGD's inner steps) reduces on ``with
 (``DataParallel.keep_gradients_local``), and a failure across groups fails the transaction of the
 commit protocol (``lit_dp.fault_tolerance.commit``), for every rank of the group at its vote.
 
+LocalSGD's syncs in a wire format (``sync_dtype``) take the same three steps, the second one their own
+(``reduce_by_shards``): rank ``r``'s shard of the group's sum is summed with the same rank of the other
+groups in the wire format (``lit_dp.local_sgd.transport``), so that only the hop across groups, the
+thin link, is quantized.
+
 Paddle's fleet calls this the hierarchical all-reduce. The group's ``size()`` is the ranks of the
 groups taking part (N times the quorum's groups), what the reducer divides by. LocalSGD's
 averages take the same path: the replicas of one group are equal between its syncs, so the
@@ -53,8 +58,10 @@ class CrossGroupTraffic:
 
     ``reduced_bytes`` counts the tensors handed to the group (a flat all-reduce would send all of
     them across groups); ``across_bytes`` the shards that crossed groups (1/N of them, rounded up
-    to whole elements per all-reduce); ``allreduces`` the tensors. All count every attempt, a
-    discarded step's included.
+    to whole elements per all-reduce), in a wire format their encoded bytes (a chunk per group,
+    scales and padding included: the all-to-all's, the all-gather carrying as much back as a ring
+    all-reduce's second half does); ``allreduces`` the tensors. All count every attempt, a
+    discarded step's or failed sync's included.
     """
 
     reduced_bytes: int = 0
@@ -74,7 +81,8 @@ class HierarchicalGroup(dist.ProcessGroup):
     ``within`` is the replica group's own process group (torch's, e.g. the default group of its
     launcher's job); ``across`` is this rank's ``FaultTolerantGroup``. Only ``allreduce`` with
     ``ReduceOp.SUM`` is offered, what lit_dp's reducer and LocalSGD ask of a group under a torchft
-    Manager.
+    Manager, and ``reduce_by_shards``, the same sum with another step across groups (LocalSGD's
+    syncs in a wire format, whose shards cross groups encoded).
     """
 
     def __init__(self, within: dist.ProcessGroup, across: Any) -> None:
@@ -114,6 +122,21 @@ class HierarchicalGroup(dist.ProcessGroup):
         for tensor in tensors:
             if not tensor.is_contiguous():
                 raise ValueError("lit_dp HierarchicalGroup: all_reduce needs contiguous tensors (bucket buffers are).")
+        return self._in_order(tensors, self._sum_across)
+
+    def reduce_by_shards(self, tensor: torch.Tensor, sum_across: Callable[[torch.Tensor, int, Any], int]) -> dist.Work:
+        """A sum of ``tensor`` like ``allreduce``'s, whose step across groups is the caller's:
+        ``sum_across(shard, offset, across)`` replaces ``shard`` (this rank's shard of the group's sum, the
+        tensor's values from ``offset`` on, padded with zeros) with its sum over ``across``, through its
+        collectives (LocalSGD's syncs in a wire format: ``lit_dp.local_sgd.transport``), and returns the bytes
+        it sent across groups. Run in turn with the all-reduces, on the group's thread."""
+        return self._in_order([tensor], sum_across)
+
+    def _sum_across(self, shard: torch.Tensor, offset: int, across: Any) -> int:
+        across.allreduce([shard], dist.ReduceOp.SUM).wait()  # never raises: a failure fails the transaction
+        return shard.numel() * shard.element_size()
+
+    def _in_order(self, tensors: list[torch.Tensor], sum_across: Callable[[torch.Tensor, int, Any], int]) -> dist.Work:
         future: torch.futures.Future = torch.futures.Future()
         # On CUDA the worker's collectives must follow what the caller's stream wrote into the tensors.
         ready = torch.cuda.current_stream().record_event() if tensors and tensors[0].is_cuda else None
@@ -124,7 +147,7 @@ class HierarchicalGroup(dist.ProcessGroup):
                     torch.cuda.set_device(tensors[0].device)
                     torch.cuda.current_stream().wait_event(ready)
                 for tensor in tensors:
-                    self._reduce(tensor)
+                    self._reduce(tensor, sum_across)
                 done = torch.cuda.current_stream().record_event() if ready is not None else None
             except Exception as error:  # noqa: BLE001 - handed to whoever waits, as a process group's work does
                 future.set_exception(error)
@@ -153,8 +176,8 @@ class HierarchicalGroup(dist.ProcessGroup):
                 job = self._jobs.popleft()
             job()
 
-    def _reduce(self, tensor: torch.Tensor) -> None:
-        """Reduce-scatter in the group, all-reduce of this rank's shard across groups, all-gather in the group."""
+    def _reduce(self, tensor: torch.Tensor, sum_across: Callable[[torch.Tensor, int, Any], int]) -> None:
+        """Reduce-scatter in the group, the sum of this rank's shard across groups, all-gather in the group."""
         ranks, me = self.within.size(), self.within.rank()
         flat = tensor.view(-1)
         numel = flat.numel()
@@ -171,8 +194,8 @@ class HierarchicalGroup(dist.ProcessGroup):
             for owner, shard in enumerate(shards):
                 dist.reduce(shard, group=self.within, group_dst=owner)
             own = shards[me].clone()  # Gloo's all-gather must not read from what it writes
-        self.across.allreduce([own], dist.ReduceOp.SUM).wait()  # never raises: a failure fails the transaction
-        self.traffic.add(numel * flat.element_size(), shard_numel * flat.element_size())
+        sent = sum_across(own, me * shard_numel, self.across)
+        self.traffic.add(numel * flat.element_size(), sent)
         if self._nccl:
             dist.all_gather_into_tensor(padded, own, group=self.within)
         else:

@@ -103,6 +103,26 @@ class FaultTolerantGroup(dist.ProcessGroup):
             self.traffic.add(nbytes, nbytes)
         return self.commit.allreduce(tensors, opts)
 
+    # A LocalSGD sync in a wire format (lit_dp.local_sgd.transport) asks these two, as torchft's own quantized
+    # all-reduce asks its process group. Each is one collective of the transaction, as an all-reduce is: a
+    # failure fails its vote, and a group that does not take part sends zeros (which every format decodes to
+    # zeros). The traffic counts the encoded payload once, at the all-to-all, as the all-reduce counts its
+    # tensor: the all-gather carries the same bytes back, as a ring all-reduce's second half does.
+
+    def alltoall_base(
+        self, output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], opts: Any
+    ) -> dist.Work:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.traffic.add(nbytes, nbytes)
+        return self.commit.collective(
+            [tensor, output], lambda group: group.alltoall_base(output, tensor, output_splits, input_splits, opts)
+        )
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self.commit.collective(
+            [*tensors, *outputs], lambda group: group.allgather_into_tensor_coalesced(outputs, tensors, opts)
+        )
+
 
 def replica_process_group(
     device: torch.device | str = "cpu",

@@ -14,7 +14,7 @@ from torch import nn
 
 from lit_dp import join
 from lit_dp.data_parallel import DataParallel
-from lit_dp.fault_tolerance.commit import Transaction
+from lit_dp.fault_tolerance.commit import Transaction, check_every_group_takes_part
 from lit_dp.gradients.broadcast import ddp_ignored, synced_buffers, synced_parameters
 from lit_dp.gradients.buckets import assign_fragments, megabytes_to_bytes
 from lit_dp.gradients.waiting import UNWATCHED, Waiter
@@ -63,7 +63,8 @@ class LocalSGD:
         sync_dtype: the format the deltas travel in (``lit_dp.local_sgd.wire``): ``"bf16"`` (or
             ``torch.bfloat16``), ``"int8"``, ``"int4"`` or ``"fp8"`` (``float8_e4m3fn``, where the torch
             build has it), the last three with an fp32 scale per block of 128 values; always summed
-            in fp32. None: the parameters' dtype.
+            in fp32 (across torchft's replica groups of several ranks: inside each group in the parameters'
+            dtype, then across groups in the format). None: the parameters' dtype.
         error_feedback: keep what the format dropped on this rank and add it to this rank's next delta;
             None: on for 8 bits and below (int8, int4, fp8), off for bf16. Not with ``sync_dtype=None``.
         fragments: F, sync the model one fragment at a time, one every K/F steps (streaming DiLoCo);
@@ -71,7 +72,8 @@ class LocalSGD:
         offload: keep the snapshot and the outer momentum of CUDA parameters in (pinned) CPU memory;
             False: on the parameters' device. Parameters elsewhere keep them on their own device.
         sync_delay: tau, inner steps between the start of a sync and its application (its
-            all-reduce overlaps them; Streaming DiLoCo, eager updates); below K/F.
+            all-reduce overlaps them; Streaming DiLoCo, eager updates); below K/F. Refused across torchft's
+            replica groups, where each sync is a transaction of their commit protocol.
         mixing: alpha, the weight kept of the local parameters when a sync is applied:
             ``alpha * local + (1 - alpha) * synced`` (torchft's ``fragment_update_alpha``); 0 replaces them.
         group: the process group; defaults to the ``DataParallel``'s (``module.rings``), or for
@@ -159,13 +161,15 @@ class LocalSGD:
         self._commit = getattr(self._rings[0], "commit", None) if self._rings else None
         self._replica_groups = self._commit is not None
         if self._commit is not None:
-            if sync_delay or self._wire is not None:
+            if sync_delay:
                 raise ValueError(
-                    f"sync_delay={sync_delay}, sync_dtype={sync_dtype!r} across torchft's replica groups are not "
-                    "supported: a sync in flight would cross the next sync's quorum, and the fp32 sums of a wire "
-                    "dtype's all-to-all and all-gather are not routed across groups yet; expected sync_delay=0 and "
-                    "sync_dtype=None."
+                    f"sync_delay={sync_delay} across torchft's replica groups is not supported: a sync is a "
+                    "transaction of their commit protocol (a quorum, its collectives, a vote), and one still in "
+                    "flight during the inner steps after it would cross the next transaction's quorum, which may "
+                    "rebuild torchft's process group under it; expected sync_delay=0."
                 )
+            if self._wire is not None:
+                check_every_group_takes_part(self._commit.manager, sync_dtype)
             self._commit.follow_syncs(self._take_part_in_peers_sync)
         elif self._wire is not None:
             check_wire_backends(sync_dtype, self._rings)
@@ -543,12 +547,21 @@ class LocalSGD:
         residuals = self._state.residuals() if self._state is not None else self._residuals_resumed
         if residuals is None:
             return {}
+        return {"error_feedback": {**self._residuals_owner(), "residuals": residuals}}
+
+    def _residuals_owner(self) -> dict[str, Any]:
+        """Whose residuals this rank holds: its global rank and world size, and across replica groups its
+        group's id too (the ranks of every group are numbered alike, and a group that heals takes a peer's
+        state, whose residuals are the peer's)."""
         rank, world_size = _global_rank_and_size()
-        return {"error_feedback": {"rank": rank, "world_size": world_size, "residuals": residuals}}
+        owner: dict[str, Any] = {"rank": rank, "world_size": world_size}
+        if self._commit is not None:
+            owner["replica_group"] = self._commit.replica_group
+        return owner
 
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
         """Take this rank's own part of a state (``rank_state_dict``): its residuals when they are this
-        rank's (the same global rank and world size), else zero."""
+        rank's (the same global rank and world size, and replica group), else zero."""
         self._residuals_resumed = self._own_residuals(state)
         if self._state is not None:
             self._state.restore_residuals(self._residuals_resumed)
@@ -560,9 +573,10 @@ class LocalSGD:
         saved = state.get("error_feedback")
         if saved is None or not self._error_feedback:
             return None
-        if (saved["rank"], saved["world_size"]) == _global_rank_and_size():
+        owner = {key: value for key, value in saved.items() if key != "residuals"}
+        if owner == self._residuals_owner():
             return saved["residuals"]
-        log.debug("LocalSGD: error feedback starts at zero: the state's are rank %d's of %d", saved["rank"], saved["world_size"])
+        log.debug("LocalSGD: error feedback starts at zero: the state's residuals are another rank's (%s)", owner)
         return None
 
     def _follow_phase(self) -> None:
@@ -594,6 +608,7 @@ class LocalSGD:
                 outer=self._outer,
                 outer_settings=self._outer_settings,
                 broadcast_other_buffers=not self._replica_groups,
+                revertible=self._replica_groups,
                 resumed=self._outer_resumed,
             )
             self._outer_resumed = None

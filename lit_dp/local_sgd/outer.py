@@ -34,12 +34,14 @@ class OuterState:
         outer: str,
         outer_settings: dict[str, float],
         broadcast_other_buffers: bool,
+        revertible: bool = False,
         resumed: dict[str, Any] | None = None,
     ) -> None:
         """Snapshots taken now (every rank must hold the same parameters), or ``resumed`` from a checkpoint.
         ``broadcast_other_buffers``: the integer buffers (BatchNorm's counts) travel from the first rank;
         False keeps each rank's (across replica groups, each group keeps its own). ``error_feedback``: the
-        deltas' buckets keep what ``wire`` drops, starting at zero."""
+        deltas' buckets keep what ``wire`` drops, starting at zero; ``revertible``: a sync may be voided after it
+        started (across replica groups), which then gives the residuals back as it found them (``drop``)."""
         self._param_index = {id(p): index for index, p in enumerate(params)}
         float_buffers = [b for b in buffers if b.is_floating_point()]
         other_buffers = [b for b in buffers if not b.is_floating_point()]
@@ -55,7 +57,7 @@ class OuterState:
             for indices in assign_group_by_size(tensors, [False] * len(tensors), [bucket_bytes]):
                 bucket_tensors = [tensors[i] for i in indices]
                 device = state_device(bucket_tensors[0].device, offload)
-                self.fragments[fragment].append(SyncBucket(kind, bucket_tensors, wire, device, error_feedback))
+                self.fragments[fragment].append(SyncBucket(kind, bucket_tensors, wire, device, error_feedback, revertible))
         self.optimizer: torch.optim.SGD | None = None
         snapshots = [b.snapshot for b in self.buckets() if b.snapshot is not None]
         if outer == "nesterov" and snapshots:
@@ -85,7 +87,7 @@ class OuterState:
                 bucket.take_snapshot(keep)
 
     def drop(self, fragment: int) -> None:
-        """Nothing of a fragment's sync is applied."""
+        """Nothing of a fragment's sync is applied (its residuals back as the sync found them)."""
         for bucket in self.fragments[fragment]:
             bucket.drop()
 

@@ -9,7 +9,10 @@ deltas travel encoded and are summed in fp32, with two collectives on the group 
 other: an all-to-all (the group's ``alltoall_base``) and an all-gather into one tensor (torch's
 function for torch's groups; ``allgather_into_tensor_coalesced`` for a group written in Python, as
 torchft's own quantized all-reduce asks its process groups), so a group that offers those two (and
-the SUM all-reduce of the count of ranks taking part) carries every format.
+the SUM all-reduce of the count of ranks taking part) carries every format: torchft's replica groups
+of one rank each (``FaultTolerantGroup``) among them. Over replica groups of several ranks (a group
+with ``reduce_by_shards``, ``lit_dp.fault_tolerance.hierarchical``) the deltas are summed inside each
+group in their own dtype first, and only each rank's shard of that sum crosses groups encoded.
 
 Error feedback (``error_feedback``): what the encoding drops on a rank is kept (``residual``) and
 added to that rank's next delta, so that over many syncs the sum applied tracks the fp32 sum
@@ -18,6 +21,9 @@ it is sent, and each chunk's sum when its owner sends it back. Both are fed back
 every rank into its own residual, the second by the chunk's owner into the same residual's slice of
 that chunk, since the sum it dropped belongs to no other rank. The residuals' sum then equals the
 fp32 sum of the deltas minus the sum applied, at every sync: nothing dropped is lost, only delayed.
+A sync that may be voided after it started (``revertible``: across replica groups, whose vote may
+fail) gives the residuals back as it found them when it is (``drop``): its deltas were not applied,
+and the next sync's carry them again.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 import lit_dp.gradients.group as process_groups
-from lit_dp.gradients.waiting import Waiter
+from lit_dp.gradients.waiting import UNWATCHED, Waiter
 from lit_dp.local_sgd.wire import WireFormat
 from lit_dp.options.local_sgd import WIRE_BACKENDS
 
@@ -74,6 +80,7 @@ class SyncBucket:
         wire: WireFormat | None = None,
         state_device: torch.device | None = None,
         error_feedback: bool = False,
+        revertible: bool = False,
     ) -> None:
         self.kind = kind
         self.tensors = tensors
@@ -87,21 +94,18 @@ class SyncBucket:
         if self.wire is not None and error_feedback:
             zeros = torch.zeros(sum(self.numels), dtype=self._accumulate, device=self.device)
             self.residual = _state_copy(zeros, state_device or self.device)
+        # A sync that may be voided after it started (across replica groups, by a failed vote) keeps the
+        # residual it started from, to take back what it fed back (``drop``).
+        self._revertible = revertible
+        self._residual_before: torch.Tensor | None = None
         self.payload: torch.Tensor | None = None
         self._participates = True
-        self._length = 0  # values per rank's chunk, padded to the format's granule
-        self._sent: torch.Tensor | None = None  # encoded, [ranks, bytes per chunk]
-        self._received: torch.Tensor | None = None
+        self._exchange: _WireExchange | None = None  # a wire format's sum over a flat group, under way
         self._group: dist.ProcessGroup | None = None
         self._work: dist.Work | None = None
 
     def _gather(self) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1) for t in self.tensors])
-
-    def _chunk_length(self, ranks: int) -> int:
-        assert self.wire is not None
-        granule = self.wire.granule
-        return -(-sum(self.numels) // (ranks * granule)) * granule
 
     def wire_bytes(self, ranks: int) -> int:
         """The bytes of this bucket's payload on ``ranks`` ranks as they travel: its elements in the
@@ -109,7 +113,7 @@ class SyncBucket:
         each rank's ``all_to_all`` sends (its own chunk included) and its ``all_gather`` receives."""
         if self.wire is None:
             return sum(self.numels) * self.dtype.itemsize
-        return ranks * self.wire.row_bytes(self._chunk_length(ranks))
+        return encoded_bytes(self.wire, sum(self.numels), ranks)
 
     def prepare(self, participates: bool) -> None:
         """The payload this rank sends: its delta ``snapshot - parameters`` (deltas' buckets), its float
@@ -127,61 +131,58 @@ class SyncBucket:
 
     def start(self, group: dist.ProcessGroup) -> None:
         """Launch this bucket's collective on ``group``: a sum (a broadcast from the group's first rank for
-        the other buffers). A wire format is summed in fp32: each rank encodes its payload (plus its
-        residual) in one chunk per rank, sends every other its chunk (``all_to_all``), adds the chunks it
-        received in fp32 (``reduce_chunks``), and the sums are gathered back, encoded (``wait``): the bytes
-        of one all-reduce in the wire format, rounded twice (the deltas, then their sum) whatever the
-        number of ranks."""
+        the other buffers). A wire format is summed in fp32 (``_WireExchange``): each rank encodes its payload
+        (plus its residual) in one chunk per rank, sends every other its chunk (``all_to_all``), adds the
+        chunks it received in fp32 (``reduce_chunks``), and the sums are gathered back, encoded (``wait``): the
+        bytes of one all-reduce in the wire format, rounded twice (the deltas, then their sum) whatever the
+        number of ranks. Over replica groups of several ranks (a group with ``reduce_by_shards``:
+        ``lit_dp.fault_tolerance.hierarchical``) the payload is summed in the parameters' dtype inside each
+        group first, and only each rank's shard of that sum crosses groups in the wire format."""
         assert self.payload is not None, "start() before prepare()"
         self._group = group
+        if self.residual is not None and self._revertible and self._participates:
+            self._residual_before = self.residual.clone()
         if self.kind == FROM_FIRST_RANK:
             self._work = dist.broadcast(self.payload, src=dist.get_global_rank(group, 0), group=group, async_op=True)
         elif self.wire is None:
             self._work = dist.all_reduce(self.payload, group=group, async_op=True)
+        elif hasattr(group, "reduce_by_shards"):
+            self._work = group.reduce_by_shards(self.payload, self._sum_shard)
         else:
-            ranks, numel = group.size(), self.payload.numel()
-            self._length = self._chunk_length(ranks)
-            values = torch.zeros(ranks * self._length, dtype=self._accumulate, device=self.device)
-            values[:numel].copy_(self.payload)
-            feedback = self.residual is not None and self._participates
-            if feedback:
-                values[:numel].add_(self.residual.to(self.device, non_blocking=True))
-            rows = values.view(ranks, self._length)
-            self._sent = self.wire.encode(rows)
-            if feedback:  # what this encoding dropped waits for the next sync
-                dropped = rows.sub_(self.wire.decode(self._sent, self._length, self._accumulate))
-                self.residual.copy_(dropped.view(-1)[:numel])
-            self._received = torch.empty_like(self._sent)
-            self._work = dist.all_to_all_single(self._received, self._sent, group=group, async_op=True)
+            self._exchange = _WireExchange(self.wire, self._accumulate, self.payload, self._fed_back(), group)
+
+    def _fed_back(self) -> torch.Tensor | None:
+        """The residual this sync adds and feeds back (None without error feedback, or when this rank does not
+        take part: it sends zeros, and its residual waits)."""
+        return self.residual if self._participates else None
+
+    def _sum_shard(self, shard: torch.Tensor, offset: int, across: dist.ProcessGroup) -> int:
+        """The wire format's sum of ``shard`` (this group's sum of the payload's values from ``offset`` on) over
+        ``across``, the replica groups' same-rank peers, written back into it; this rank's residual covers those
+        values. Run in order on the hierarchical group's thread; returns the bytes that crossed groups."""
+        residual = self._fed_back()
+        own = residual[offset : offset + shard.numel()] if residual is not None else None
+        exchange = _WireExchange(self.wire, self._accumulate, shard, own, across)
+        exchange.reduce_chunks(UNWATCHED)
+        shard.copy_(exchange.result(UNWATCHED))
+        return exchange.sent_bytes
 
     def reduce_chunks(self, waiter: Waiter) -> None:
         """A wire format's second half: add the chunks received in fp32 (in rank order), encode the sum and
         launch its gather; with error feedback, what that encoding dropped joins this rank's residual."""
-        if self._received is None:
-            return
-        assert self._work is not None and self._sent is not None and self._group is not None
-        process_groups.wait(waiter, self._work, self._group, "the LocalSGD sync's exchange of chunks")
-        total = self.wire.decode(self._received[:1], self._length, self._accumulate)
-        for rank in range(1, self._group.size()):
-            total += self.wire.decode(self._received[rank : rank + 1], self._length, self._accumulate)
-        self._received = None
-        encoded = self.wire.encode(total)
-        if self.residual is not None and self._participates:
-            first = self._group.rank() * self._length
-            owned = self.residual[first : first + self._length]  # the chunk's values in the payload (none in padding)
-            dropped = total.sub_(self.wire.decode(encoded, self._length, self._accumulate)).view(-1)
-            owned.add_(dropped[: owned.numel()].to(owned.device))
-        self._work = _all_gather(self._sent.view(-1), encoded.view(-1), self._group)  # the sent chunks are no longer needed
+        if self._exchange is not None:
+            self._exchange.reduce_chunks(waiter)
 
     def wait(self, waiter: Waiter) -> None:
         """The sum (or broadcast) is in ``payload``."""
-        assert self._work is not None and self.payload is not None and self._group is not None, "wait() before start()"
+        assert self.payload is not None and self._group is not None, "wait() before start()"
+        if self._exchange is not None:
+            self.payload.copy_(self._exchange.result(waiter))
+            self._exchange = None
+            return
+        assert self._work is not None, "wait() before start()"
         process_groups.wait(waiter, self._work, self._group, "the LocalSGD average")
         self._work = None
-        if self._sent is not None:
-            total = self.wire.decode(self._sent, self._length, self._accumulate).view(-1)
-            self.payload.copy_(total[: self.payload.numel()])
-            self._sent = None
 
     def apply(self, participants: int, outer: bool, keep: float = 0.0) -> None:
         """Divide the sum by the ranks that took part and apply it; ``outer``: only hand the mean delta to
@@ -190,6 +191,7 @@ class SyncBucket:
         The payload is dropped either way."""
         result, self.payload = self.payload, None
         assert result is not None, "apply() before wait()"
+        self._residual_before = None
         if self.snapshot is not None and outer:
             # The pseudo-gradient, on the snapshot's device, cleared by take_snapshot.
             self.snapshot.grad = result.div_(participants).to(self.snapshot.device)
@@ -213,8 +215,13 @@ class SyncBucket:
             self.snapshot.grad = None
 
     def drop(self) -> None:
-        """A sync that nobody took part in: nothing to apply."""
+        """A sync that nobody took part in, or that failed (across replica groups): nothing to apply, and the
+        residual is the one the sync started from (what it fed back was never applied: the next sync's delta
+        carries it again)."""
         self.payload = None
+        if self._residual_before is not None:
+            self.residual.copy_(self._residual_before)
+            self._residual_before = None
 
     def _scatter(self, result: torch.Tensor, keep: float = 0.0) -> None:
         """The tensors become ``result``, or with ``keep`` its mix with them: ``keep * t + (1 - keep) * result``
@@ -227,7 +234,84 @@ class SyncBucket:
 
     def in_flight(self) -> list[torch.Tensor]:
         """The tensors of a sync under way (none between syncs)."""
-        return [t for t in (self.payload, self._sent, self._received) if t is not None]
+        held = (self.payload, self._residual_before, *(self._exchange.held() if self._exchange is not None else ()))
+        return [t for t in held if t is not None]
+
+
+def encoded_bytes(wire: WireFormat, numel: int, ranks: int) -> int:
+    """The bytes of ``numel`` values summed in ``wire`` over ``ranks`` ranks: a chunk per rank, each padded to
+    whole blocks and encoded with its scales (what each rank's all-to-all sends, its own chunk included)."""
+    return ranks * wire.row_bytes(_chunk_length(wire, numel, ranks))
+
+
+def _chunk_length(wire: WireFormat, numel: int, ranks: int) -> int:
+    return -(-numel // (ranks * wire.granule)) * wire.granule
+
+
+class _WireExchange:
+    """The sum over ``group`` of ``values`` (every rank's, of one length) in a wire format, summed in fp32
+    (``accumulate``), and with error feedback into ``residual`` (None: none), which covers the first values.
+
+    Built, it has encoded the values plus the residual, one chunk per rank of ``group``, kept what that
+    dropped in the residual, and launched the all-to-all; ``reduce_chunks`` adds the chunks received, encodes
+    their sum (feeding back what that dropped into the residual's slice of this rank's chunk) and launches
+    the all-gather; ``result`` waits for it and decodes the sum.
+    """
+
+    def __init__(
+        self,
+        wire: WireFormat,
+        accumulate: torch.dtype,
+        values: torch.Tensor,
+        residual: torch.Tensor | None,
+        group: dist.ProcessGroup,
+    ) -> None:
+        self._wire, self._accumulate, self._residual, self._group = wire, accumulate, residual, group
+        self._numel = values.numel()
+        ranks = group.size()
+        self._length = _chunk_length(wire, self._numel, ranks)  # values per rank's chunk, padded to the granule
+        padded = torch.zeros(ranks * self._length, dtype=accumulate, device=values.device)
+        padded[: self._numel].copy_(values)
+        fed = residual.numel() if residual is not None else 0
+        if residual is not None:
+            padded[:fed].add_(residual.to(values.device, non_blocking=True))
+        rows = padded.view(ranks, self._length)
+        self._sent: torch.Tensor | None = wire.encode(rows)  # [ranks, bytes per chunk]
+        self.sent_bytes = self._sent.numel()
+        if residual is not None:  # what this encoding dropped waits for the next sync
+            dropped = rows.sub_(wire.decode(self._sent, self._length, accumulate))
+            residual.copy_(dropped.view(-1)[:fed])
+        self._received: torch.Tensor | None = torch.empty_like(self._sent)
+        self._work = dist.all_to_all_single(self._received, self._sent, group=group, async_op=True)
+
+    def reduce_chunks(self, waiter: Waiter) -> None:
+        if self._received is None:
+            return
+        assert self._sent is not None
+        process_groups.wait(waiter, self._work, self._group, "the LocalSGD sync's exchange of chunks")
+        wire, length, accumulate = self._wire, self._length, self._accumulate
+        total = wire.decode(self._received[:1], length, accumulate)
+        for rank in range(1, self._group.size()):
+            total += wire.decode(self._received[rank : rank + 1], length, accumulate)
+        self._received = None
+        encoded = wire.encode(total)
+        if self._residual is not None:
+            first = self._group.rank() * length
+            owned = self._residual[first : first + length]  # the chunk's values in the payload (none in padding)
+            dropped = total.sub_(wire.decode(encoded, length, accumulate)).view(-1)
+            owned.add_(dropped[: owned.numel()].to(owned.device))
+        self._work = _all_gather(self._sent.view(-1), encoded.view(-1), self._group)  # the sent chunks are no longer needed
+
+    def result(self, waiter: Waiter) -> torch.Tensor:
+        """The sum of the values, in ``accumulate``."""
+        assert self._sent is not None and self._received is None, "result() before reduce_chunks()"
+        process_groups.wait(waiter, self._work, self._group, "the LocalSGD average")
+        total = self._wire.decode(self._sent, self._length, self._accumulate).view(-1)[: self._numel]
+        self._sent = None
+        return total
+
+    def held(self) -> tuple[torch.Tensor | None, ...]:
+        return self._sent, self._received
 
 
 class Reduction:

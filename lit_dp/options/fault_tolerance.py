@@ -166,14 +166,9 @@ def refuse_what_replicas_cannot_follow(options: Any, where: str, name: Callable[
         (
             "local_sgd.sync_delay",
             bool(options.local_sgd.sync_delay),
-            "a sync in flight would cross the next step's quorum, which reconfigures torchft's process group; "
-            "expected 0",
-        ),
-        (
-            "local_sgd.sync_dtype",
-            options.local_sgd.sync_dtype is not None,
-            "its sums in fp32 take an all-to-all and an all-gather, and lit_dp's groups across replica groups offer "
-            "a SUM all-reduce only (torchft's own process group has both; lit_dp does not route them yet); expected None",
+            "a sync is a transaction of the groups' commit protocol (a quorum, its collectives, a vote), and one "
+            "still in flight during the inner steps after it would cross the next transaction's quorum, which may "
+            "rebuild torchft's process group under it; expected 0",
         ),
         (
             "uneven_inputs",

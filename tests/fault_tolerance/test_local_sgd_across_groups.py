@@ -43,6 +43,8 @@ class _Protocol:
         self.open = None
         self.peers = None  # the transaction a heal brings this group into, when not its own
         self.peers_ended = False  # a heal at the peers' last quorum, after their last step
+        self.manager = None  # lit_dp's own Manager: every group of the quorum takes part
+        self.replica_group = "0"
 
     def start(self, transaction) -> bool:
         self.started.append(transaction.name)
@@ -225,3 +227,66 @@ def test_finish_reconciles_the_groups_after_its_last_syncs():
     local_sgd.step()
     local_sgd.finish()
     assert groups.commit.started == ["the sync after step 1", "reconcile"]
+
+
+class _WireReplicaGroups(_ReplicaGroups):
+    """This replica group alone in the quorum, with the two collectives a sync in a wire format adds (what
+    ``FaultTolerantGroup`` offers): one rank's all-to-all and all-gather hand its chunks back."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def alltoall_base(self, output, tensor, output_splits, input_splits, opts) -> dist.Work:
+        output.copy_(tensor)
+        return _Done([output])
+
+    def allgather_into_tensor_coalesced(self, outputs, tensors, opts) -> dist.Work:
+        for output, tensor in zip(outputs, tensors):
+            output.copy_(tensor)
+        return _Done(outputs)
+
+
+def _residuals(local_sgd) -> list[torch.Tensor]:
+    return local_sgd.rank_state_dict()["error_feedback"]["residuals"]
+
+
+def _drift(net: nn.Module, seed: int) -> None:
+    """A local period's work that int4 cannot carry whole: its residuals are not zero."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in net.parameters():
+            param.add_(torch.randn(param.shape, generator=generator))
+
+
+def test_a_failed_vote_gives_the_residuals_back_as_the_sync_found_them():
+    groups = _WireReplicaGroups()
+    net = nn.Linear(5, 4)
+    local_sgd = lit_dp.LocalSGD(net, local_steps=1, group=groups, sync_dtype="int4")  # error feedback: on
+    _drift(net, 0)
+    local_sgd.step()
+    found = [r.clone() for r in _residuals(local_sgd)]
+    assert any(r.abs().sum() > 0 for r in found)
+    _drift(net, 1)
+    kept = [p.detach().clone() for p in net.parameters()]
+    groups.commit.passes = False
+    assert local_sgd.step()  # the sync ran, fed back what int4 dropped, and its vote failed
+    assert all(torch.equal(a, b) for a, b in zip(_residuals(local_sgd), found))
+    assert all(torch.equal(p.detach(), k) for p, k in zip(net.parameters(), kept))
+
+
+def test_a_group_that_heals_takes_no_residuals_from_its_peer_and_its_own_resume_does():
+    peer_groups = _WireReplicaGroups()
+    peer_net = nn.Linear(5, 4)
+    peer = lit_dp.LocalSGD(peer_net, local_steps=1, group=peer_groups, sync_dtype="int8")
+    _drift(peer_net, 0)
+    peer.step()
+    state = peer.state_dict()  # what a healing group receives from its peer (group 0), residuals included
+    assert any(r.abs().sum() > 0 for r in state["error_feedback"]["residuals"])
+    healing_groups = _WireReplicaGroups()
+    healing_groups.commit.replica_group = "1"
+    healing = lit_dp.LocalSGD(nn.Linear(5, 4), local_steps=1, group=healing_groups, sync_dtype="int8")
+    healing.load_state_dict(state)
+    assert all(not r.any() for r in _residuals(healing))  # the peer's residuals are its own: zero here
+    resumed = lit_dp.LocalSGD(nn.Linear(5, 4), local_steps=1, group=_WireReplicaGroups(), sync_dtype="int8")
+    resumed.load_state_dict(state)  # group 0's own state (its checkpoint): its residuals come back
+    assert all(torch.equal(a, b) for a, b in zip(_residuals(resumed), state["error_feedback"]["residuals"]))

@@ -44,9 +44,9 @@ def dataset() -> TensorDataset:
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 16) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+        self.net = nn.Sequential(nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, CLASSES))
 
     def training_step(self, batch, batch_idx):
         inputs, targets, _ = batch

@@ -1,24 +1,29 @@
 """One replica group under Fabric with ``fault_tolerance="torchft"``, with transient faults injected at torchft's process group.
 
-    python -m tests.helpers.ft_transient OUT STEPS [--local-sgd K] [--fail GROUP:RANK:N[,N...]] [--sleep S]
+    python -m tests.helpers.ft_transient OUT STEPS [--local-sgd K] [--sync-dtype D] [--error-feedback B] [--hidden H]
+        [--fail GROUP:RANK:N[,N...]] [--sleep S]
     torchrun --standalone --nproc-per-node=2 -m tests.helpers.ft_transient OUT STEPS ...
 
 The loop docs/fault_tolerance.md shows for Fabric (with ``--local-sgd K``, DiLoCo across the groups:
-``local_sgd_steps=K, local_sgd_outer="nesterov"``), for STEPS optimizer steps: torchft's committed
+``local_sgd_steps=K, local_sgd_outer="nesterov"``; ``--sync-dtype``, ``--error-feedback``: its
+``local_sgd_sync_dtype``, ``local_sgd_error_feedback``), for STEPS optimizer steps: torchft's committed
 steps with per-step sync, LocalSGD's steps with DiLoCo (both travel with a recovering group's state).
+``--hidden H``: the classifier's hidden width (16).
 
-``--fail GROUP:RANK:N,...``: on rank RANK of replica group GROUP, the N-th all-reduce across groups
-(counted from 1 in this process: buckets, counts and syncs alike) is issued and completes for the
-peers, then reports a failure here only, as a connection reset seen on one side does. ``--sleep S``:
-a pause per optimizer step (a slow group). Every rank appends one JSON line per optimizer step to
-``OUT/group<g>-rank<r>.jsonl`` (the steps so far, torchft's committed steps, a hash of the parameters
-and of the optimizer state, the time) and saves its parameters and optimizer state at the end to
-``OUT/group<g>-rank<r>.pt``.
+``--fail GROUP:RANK:N,...``: on rank RANK of replica group GROUP, the N-th collective across groups
+(counted from 1 in this process: all-reduces of buckets, counts and syncs, and a wire-format sync's
+all-to-alls and all-gathers alike) is issued and completes for the peers, then reports a failure
+here only, as a connection reset seen on one side does. ``--sleep S``: a pause per optimizer step (a
+slow group). Every rank appends one JSON line per optimizer step to ``OUT/group<g>-rank<r>.jsonl``
+(the steps so far, torchft's committed steps, a hash of the parameters and of the optimizer state,
+the time) and saves its parameters, optimizer state and cross-group traffic (``CrossGroupTraffic``)
+at the end to ``OUT/group<g>-rank<r>.pt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -53,21 +58,29 @@ class _FailedWork(dist.Work):
         return self._future
 
 
+COLLECTIVES = {"allreduce": "all-reduce", "alltoall_base": "all-to-all", "allgather_into_tensor_coalesced": "all-gather"}
+
+
 def inject(process_group, failing: set[int]) -> None:
-    """Make the listed all-reduces (1-based, in this process) of torchft's ``process_group`` fail on this side only."""
-    real = process_group.allreduce
+    """Make the listed collectives (1-based, in this process) of torchft's ``process_group`` fail on this side only."""
     count = [0]
 
-    def allreduce(tensors, opts):
-        count[0] += 1
-        work = real(tensors, opts)
-        if count[0] not in failing:
-            return work
-        work.wait()  # issued and completed: the peers see nothing wrong
-        print(f"test: all-reduce {count[0]} across groups fails here", flush=True)
-        return _FailedWork()
+    def failing_on_this_side(method: str):
+        real = getattr(process_group, method)
 
-    process_group.allreduce = allreduce
+        def collective(*args):
+            count[0] += 1
+            work = real(*args)
+            if count[0] not in failing:
+                return work
+            work.wait()  # issued and completed: the peers see nothing wrong
+            print(f"test: {COLLECTIVES[method]} {count[0]} across groups fails here", flush=True)
+            return _FailedWork()
+
+        return collective
+
+    for method in COLLECTIVES:
+        setattr(process_group, method, failing_on_this_side(method))
 
 
 def digest(tensors) -> str:
@@ -86,6 +99,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("steps", type=int)
     parser.add_argument("--local-sgd", type=int, default=None, help="K")
+    parser.add_argument("--sync-dtype", default=None, help="local_sgd_sync_dtype")
+    parser.add_argument("--error-feedback", default=None, choices=["true", "false"], help="local_sgd_error_feedback")
+    parser.add_argument("--hidden", type=int, default=16, help="the classifier's hidden width")
     parser.add_argument("--fail", default="", help="GROUP:RANK:N[,N...]")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per optimizer step")
     parser.add_argument("--min-replicas", type=int, default=2)
@@ -94,12 +110,16 @@ def main() -> None:
     group, ranks = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(group * ranks + int(os.environ.get("RANK", "0")))  # every rank differs: they must start as one
     diloco = {"local_sgd_steps": args.local_sgd, "local_sgd_outer": "nesterov"} if args.local_sgd else {}
+    if args.sync_dtype:
+        diloco["local_sgd_sync_dtype"] = args.sync_dtype
+    if args.error_feedback:
+        diloco["local_sgd_error_feedback"] = args.error_feedback == "true"
     strategy = lit_dp.fabric.PaddleDPStrategy(
         fault_tolerance="torchft", ft_timeout=20, ft_min_replicas=args.min_replicas, **diloco
     )
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=ranks)
     fabric.launch()
-    net = Classifier().net
+    net = Classifier(args.hidden).net
     inner = torch.optim.Adam(net.parameters(), lr=0.01)
     model, optimizer = fabric.setup(net, inner)
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
@@ -131,8 +151,10 @@ def main() -> None:
             time.sleep(args.sleep)
             if progress() >= args.steps:
                 break
+    watched = ft.traffic  # the model's process group's: the teardown lets go of it
     fabric.strategy.teardown()  # LocalSGD's last sync, when the run did not end on one
-    state = {"model": net.state_dict(), "optimizer": [t.clone() for t in optimizer_tensors(inner)]}
+    traffic = dataclasses.asdict(watched) if watched is not None else None
+    state = {"model": net.state_dict(), "optimizer": [t.clone() for t in optimizer_tensors(inner)], "traffic": traffic}
     torch.save(state, args.out / f"group{group}-rank{rank}.pt")
 
 
