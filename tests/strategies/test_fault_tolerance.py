@@ -31,10 +31,9 @@ from tests.helpers.torchft import PYTHON, read_records, replica_groups  # noqa: 
 STEPS, KILL_AT = 16, 4
 
 
-def run(tmp_path: Path, front: str, accumulate: int = 1) -> dict[int, list[dict]]:
-    command = [PYTHON, "-m", "tests.helpers.ft_lightning_replica", str(tmp_path), str(STEPS), front]
-    command += ["--accumulate", str(accumulate)]
-    command += ["--kill", f"1:{KILL_AT}", "--alone-seconds", "3"]  # alone, slowly: the restart comes back first
+def group_1_killed_and_restarted(command: list[str], tmp_path: Path) -> dict[int, str]:
+    """Two replica groups of ``command``; group 1 kills itself (its ``--kill``), is started again, and both run to
+    the end: each group's log."""
     with replica_groups(command, 2, tmp_path) as replicas:
         replicas.start_all()
         victim = replicas.replicas[1]
@@ -42,7 +41,14 @@ def run(tmp_path: Path, front: str, accumulate: int = 1) -> dict[int, list[dict]
         assert victim.process.returncode == -9, victim.tail()
         replicas.start(1)
         replicas.wait_all(timeout=240)
-        logs = {group: replica.log.read_text() for group, replica in enumerate(replicas.replicas)}
+        return {group: replica.log.read_text() for group, replica in enumerate(replicas.replicas)}
+
+
+def run(tmp_path: Path, front: str, accumulate: int = 1) -> dict[int, list[dict]]:
+    command = [PYTHON, "-m", "tests.helpers.ft_lightning_replica", str(tmp_path), str(STEPS), front]
+    command += ["--accumulate", str(accumulate)]
+    command += ["--kill", f"1:{KILL_AT}", "--alone-seconds", "3"]  # alone, slowly: the restart comes back first
+    logs = group_1_killed_and_restarted(command, tmp_path)
     records = {group: read_records(tmp_path / f"replica{group}.jsonl") for group in (0, 1)}
     check(records, logs)
     return records
@@ -127,14 +133,7 @@ def test_under_diloco_a_restarted_group_that_meets_its_peers_at_a_sync_counts_th
     # epoch end missed, put its validations and epoch ends apart from its peers' for the rest of the run.
     command = [PYTHON, "-m", "tests.helpers.ft_lightning_replica", str(tmp_path), str(steps), "trainer"]
     command += ["--local-sgd", str(period), "--kill", f"1:{kill_at}", "--alone-seconds", str(alone_seconds)]
-    with replica_groups(command, 2, tmp_path) as replicas:
-        replicas.start_all()
-        victim = replicas.replicas[1]
-        replicas.wait_for("replica group 1 to kill itself", lambda: victim.process.poll() is not None, 180)
-        assert victim.process.returncode == -9, victim.tail()
-        replicas.start(1)
-        replicas.wait_all(timeout=240)
-        restarted = victim.log.read_text().rsplit("] replica group 1, lighthouse", 1)[1]
+    restarted = group_1_killed_and_restarted(command, tmp_path)[1].rsplit("] replica group 1, lighthouse", 1)[1]
     met = r"replica group 1 recovered a peer's state in [\d.]+ s and (re)?joined at the sync after step \d+"
     assert re.search(met, restarted), restarted
     loops = {group: json.loads((tmp_path / f"replica{group}.loops").read_text()) for group in (0, 1)}
