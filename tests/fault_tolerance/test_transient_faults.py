@@ -88,6 +88,12 @@ def params_at(tmp_path: Path, groups: int, ranks: int) -> dict[int, set[str]]:
     return held
 
 
+def steps_discarded_at_start(said: str) -> str:
+    """How a group's final line counts the steps it discarded where no fault was planned: none, or step 0 when
+    torchft's first state transfer timed out on a loaded machine ("Timed out waiting for wlock")."""
+    return "1 step" if re.search(r"\] step 0 discarded: .*Timed out waiting for wlock", said) else "0 steps"
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     "collective",
@@ -108,7 +114,7 @@ def test_after_a_sync_fails_on_one_side_the_next_syncs_go_through_and_the_groups
     assert re.search(rf"\[lit_dp\] fault tolerance: \[group 1\] the sync after step 4 failed: .*{INJECTED_RE}", said), (
         said
     )
-    assert re.search(r"\[lit_dp\] fault tolerance: \[group 1\] 0 steps discarded, 1 failed sync,", said), said
+    assert re.search(rf"\[lit_dp\] fault tolerance: \[group 1\] {steps_discarded_at_start(said)} discarded, 1 failed sync,", said), said
     if collective == 4:
         assert len(held[4]) == 2  # group 0 applied the sync, group 1 did not
         assert re.search(
