@@ -33,6 +33,14 @@ MODES = ("none", "ddp", "lit_dp")
 CONFIGS = Path(__file__).resolve().parent / "conf"
 
 
+def check_timing_from(timing_from: int, local_steps: int, max_steps: int) -> None:
+    """The first step a LocalSGD benchmark times: a sync step (a multiple of ``local_steps``) before the last."""
+    if timing_from % local_steps or not 0 <= timing_from < max_steps:
+        raise ValueError(
+            f"timing_from={timing_from} is invalid: expected a multiple of local_steps={local_steps} below max_steps={max_steps}."
+        )
+
+
 def few_large_tensors() -> nn.Module:
     """Three 2048x2048 layers: ~50 MB of fp32 gradients in 6 tensors."""
     return nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(3)))

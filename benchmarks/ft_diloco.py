@@ -50,6 +50,7 @@ from benchmarks.common import (
     LIGHTHOUSE_FLAGS,
     ROOT,
     benchmark_main,
+    check_timing_from,
     environment,
     final_metrics,
     run_all,
@@ -101,11 +102,7 @@ class FTDiLoCoConfig:
                 f"max_steps={self.max_steps} is invalid with local_steps={self.local_steps}: expected local_steps of at "
                 "least 2 (an inner step between syncs) and max_steps a multiple of it (the runs end on a sync)."
             )
-        if self.timing_from % self.local_steps or not 0 <= self.timing_from < self.max_steps:
-            raise ValueError(
-                f"timing_from={self.timing_from} is invalid: expected a multiple of local_steps={self.local_steps} "
-                f"below max_steps={self.max_steps}."
-            )
+        check_timing_from(self.timing_from, self.local_steps, self.max_steps)
         if not 1 <= self.fault_sync < self.max_steps // self.local_steps:
             raise ValueError(
                 f"fault_sync={self.fault_sync} is invalid: expected a sync before the last of the run's "

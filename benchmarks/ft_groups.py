@@ -63,6 +63,7 @@ from pathlib import Path
 from benchmarks.common import (
     LIGHTHOUSE_FLAGS,
     benchmark_main,
+    check_timing_from,
     environment,
     final_metrics,
     run_all,
@@ -112,11 +113,7 @@ class FTGroupsConfig:
                 f"max_steps={self.max_steps} is invalid with local_steps={self.local_steps}: expected a multiple of it "
                 "(LocalSGD's runs must end on a sync)."
             )
-        if self.timing_from % self.local_steps or not 0 <= self.timing_from < self.max_steps:
-            raise ValueError(
-                f"timing_from={self.timing_from} is invalid: expected a multiple of local_steps={self.local_steps} "
-                f"below max_steps={self.max_steps}."
-            )
+        check_timing_from(self.timing_from, self.local_steps, self.max_steps)
         if self.rounds < 1:
             raise ValueError(f"rounds={self.rounds} is invalid: expected at least 1.")
 
