@@ -8,7 +8,8 @@ training ends (the Trainer: the last of the features' ``on_train_end``, after Lo
 sync and its consistency check; Fabric: at teardown) it says on rank 0 the straggler report's and
 the consistency check's summaries, one ``[lit_dp]`` line each.
 
-Under the Trainer, when training ends, every rank writes its communication profile
+Under the Trainer, when training ends, every rank probes the link (``lit_dp.observability.link_probe``:
+all ranks are there, between training and what follows it) and writes its communication profile
 (``lit_dp.observability.profile``, with ``comm_stats`` or ``forecast.ranks``) in the Trainer's log
 folder, where ``python -m lit_dp.forecast`` finds it; with ``forecast.ranks`` rank 0 then prints
 the forecast, one line per setting (``lit_dp.forecast.end_of_run_lines``). Fabric has no log
@@ -25,6 +26,7 @@ from typing_extensions import override
 
 from lit_dp.data_parallel import DataParallel
 from lit_dp.forecast import NoRunError, end_of_run_lines, predict
+from lit_dp.observability.link_probe import probe_link
 from lit_dp.observability.profile import Profile
 from lit_dp.options import AUTO, Options
 from lit_dp.options.forecast import ForecastOptions
@@ -79,7 +81,7 @@ class Monitors(Feature):
         for model in self._models:
             for summary in health_summaries(model):
                 rank_zero_info(summary)
-            profile = self._profile(model)
+            profile = self._profile(model, probe=True)
             if profile is not None and folder is not None:
                 path = profile.write(folder)
                 log.debug("communication profile written to %s", path)
@@ -98,8 +100,9 @@ class Monitors(Feature):
     def _profiled(self) -> bool:
         return any(model.comm_profile is not None for model in self._models)
 
-    def _profile(self, model: DataParallel) -> Profile | None:
-        """The model's profile, with the step clock's last window and LocalSGD's traffic, where known."""
+    def _profile(self, model: DataParallel, probe: bool = False) -> Profile | None:
+        """The model's profile, with the step clock's last window and LocalSGD's traffic, where known;
+        ``probe``: every rank is here, and the link's own times are added (``link_probe``)."""
         if model.comm_profile is None:
             return None
         model.flush_comm_stats()
@@ -111,6 +114,11 @@ class Monitors(Feature):
         local_sgd = self._run.strategy.local_sgd if self._run is not None else None
         if local_sgd is not None and local_sgd.traffic():
             extra["local_sgd"] = local_sgd.traffic()
+        group = model.process_group
+        # Under torchft the reducer's group crosses replica groups only inside a quorum of the Manager's.
+        if probe and model.options.fault_tolerance is None and group is not None and group.size() > 1:
+            # After the straggler window was read: its waits count into the model's waiter, as lit_dp's all do.
+            extra["link_probe"] = probe_link(group, model.device, model.waiter.wait)
         return profile.with_extra(**extra)
 
     def _say_forecast(self, profile: Profile | None, folder: str | None) -> None:

@@ -22,3 +22,5 @@ def test_benchmark_multirun_writes_table_and_plot(tmp_path):
     assert "| paddle_dp | 1 |" in table and "| ddp | 1 |" in table
     assert (tmp_path / "throughput.png").stat().st_size > 1000
     assert (tmp_path / "exposed.png").stat().st_size > 1000  # paddle_dp's comm_stats, plotted per size
+    # Every job writes in its own folder, none in the working directory.
+    assert len(list(tmp_path.rglob("lit_dp_profile.rank0.json"))) == 1

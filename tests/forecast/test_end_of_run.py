@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lit_dp.forecast.model import DILOCO_QUALITY
+from lit_dp.observability.link_probe import PROBE_BYTES
 from lit_dp.observability.profile import Profile
 from lit_dp.options import Options
 from lit_dp.strategies.monitoring import forecast_lines
@@ -67,5 +68,8 @@ def test_a_recipe_run_ends_with_the_forecast_and_leaves_every_rank_s_profile(tmp
     profiles = sorted(run.glob("csv/version_0/lit_dp_profile.rank*.json"))
     assert [path.name for path in profiles] == ["lit_dp_profile.rank0.json", "lit_dp_profile.rank1.json"]
     assert {Profile.read(path).rank for path in profiles} == {0, 1}
+    for path in profiles:  # each rank timed the link when training ended, and the forecast fits to it
+        assert Profile.read(path).extra["link_probe"]["bytes"] == list(PROBE_BYTES), path
     table = forecast(str(run), "--ranks", "8")
     assert table.returncode == 0 and "\nfastest: " in table.stdout, table.stderr
+    assert "the run's link: fitted to all-reduces of 0.0625, 1, 8 MB timed when the run ended" in table.stdout

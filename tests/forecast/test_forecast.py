@@ -189,6 +189,35 @@ def test_the_link_s_collectives():
     assert nodes.hierarchical_bytes(1e9, 8) == pytest.approx(2 * 3 / 4 * 1e9 + 2 * 1 / 2 * 0.25e9)
 
 
+def probed(latency_ms: float, ms_per_mb: float, outlier: float = 1.0) -> list[Profile]:
+    """The recorded run's profiles with a link probe of an exact line (the middle size ``outlier`` times slower)."""
+    sizes = [64 * 1024, MB, 8 * MB]
+    times = [latency_ms + ms_per_mb * size / MB for size in sizes]
+    times[1] *= outlier
+    return [profile.with_extra(link_probe={"bytes": sizes, "ms": times}) for profile in load_profiles(RUN)]
+
+
+def test_the_link_is_fitted_to_the_probe_where_the_run_timed_one(measured):
+    assert measured.link.note == "fitted to 3 bucket sizes of the run"  # the recorded run has no probe
+    for outlier in (1.0, 4.0):  # a size slowed throughout its probe (Gloo's 1 MB on loopback) leaves the line
+        link = measure(probed(0.25, 0.5, outlier)).link
+        # Two ranks: an all-reduce is 2 hops and sends the whole payload (2(N-1)/N = 1).
+        assert link.latency_s == pytest.approx(0.25e-3 / 2), outlier
+        assert link.bandwidth == pytest.approx(MB / 0.5e-3), outlier
+        assert link.note == "fitted to all-reduces of 0.0625, 1, 8 MB timed when the run ended"
+
+
+def test_a_probed_latency_costs_small_buckets_and_many_ranks(measured):
+    # The probe's latency, paid 2(N-1) times per bucket, separates what one bucket size cannot.
+    rows = {}
+    for latency_ms in (0.0, 0.25):
+        forecast = predict(probed(latency_ms, 0.5), ranks=[64], bandwidth="10Gbit", bucket_sizes=[0.02, 25])
+        rows[latency_ms] = rows_of(forecast)
+    small, large = "data parallelism, buckets of 0.02 MB", "data parallelism, buckets of 25 MB"
+    assert rows[0.25][small].step_ms - rows[0.0][small].step_ms > rows[0.25][large].step_ms - rows[0.0][large].step_ms
+    assert rows[0.25][large].step_ms > rows[0.0][large].step_ms
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
