@@ -31,6 +31,7 @@ import os
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -283,16 +284,11 @@ def _fit_median_line(sizes: Sequence[int], times: Sequence[float]) -> tuple[floa
     """``times ~ fixed + per_byte * sizes`` through the medians of the pairwise slopes and of the
     intercepts they leave (Theil-Sen): one size slowed throughout its probe (Gloo on loopback took 1 MB
     in 0.7 to 7.8 ms within one) moves the line no more than the others allow."""
-    slopes = [(tb - ta) / (sb - sa) for (sa, ta), (sb, tb) in _pairs(sizes, times) if sb != sa]
+    slopes = [(tb - ta) / (sb - sa) for (sa, ta), (sb, tb) in combinations(zip(sizes, times), 2) if sb != sa]
     if not slopes:
         return statistics.median(times), 0.0
     per_byte = max(0.0, statistics.median(slopes))
     return max(0.0, statistics.median(t - per_byte * s for s, t in zip(sizes, times))), per_byte
-
-
-def _pairs(sizes: Sequence[int], times: Sequence[float]) -> list[tuple[tuple[int, float], tuple[int, float]]]:
-    points = list(zip(sizes, times))
-    return [(a, b) for i, a in enumerate(points) for b in points[i + 1 :]]
 
 
 def ring_share(ranks: int) -> float:

@@ -81,7 +81,13 @@ class Monitors(Feature):
         for model in self._models:
             for summary in health_summaries(model):
                 rank_zero_info(summary)
-            profile = self._profile(model, probe=True)
+            profile = self._profile(model)
+            group = model.process_group
+            # Every rank is here. Under torchft the reducer's group crosses replica groups only inside a
+            # quorum of the Manager's.
+            if profile is not None and model.options.fault_tolerance is None and group is not None and group.size() > 1:
+                # Its waits count into the model's waiter, as lit_dp's all do: after the straggler window was read.
+                profile = profile.with_extra(link_probe=probe_link(group, model.device, model.waiter.wait))
             if profile is not None and folder is not None:
                 path = profile.write(folder)
                 log.debug("communication profile written to %s", path)
@@ -100,9 +106,8 @@ class Monitors(Feature):
     def _profiled(self) -> bool:
         return any(model.comm_profile is not None for model in self._models)
 
-    def _profile(self, model: DataParallel, probe: bool = False) -> Profile | None:
-        """The model's profile, with the step clock's last window and LocalSGD's traffic, where known;
-        ``probe``: every rank is here, and the link's own times are added (``link_probe``)."""
+    def _profile(self, model: DataParallel) -> Profile | None:
+        """The model's profile, with the step clock's last window and LocalSGD's traffic, where known."""
         if model.comm_profile is None:
             return None
         model.flush_comm_stats()
@@ -114,11 +119,6 @@ class Monitors(Feature):
         local_sgd = self._run.strategy.local_sgd if self._run is not None else None
         if local_sgd is not None and local_sgd.traffic():
             extra["local_sgd"] = local_sgd.traffic()
-        group = model.process_group
-        # Under torchft the reducer's group crosses replica groups only inside a quorum of the Manager's.
-        if probe and model.options.fault_tolerance is None and group is not None and group.size() > 1:
-            # After the straggler window was read: its waits count into the model's waiter, as lit_dp's all do.
-            extra["link_probe"] = probe_link(group, model.device, model.waiter.wait)
         return profile.with_extra(**extra)
 
     def _say_forecast(self, profile: Profile | None, folder: str | None) -> None:
