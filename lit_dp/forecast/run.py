@@ -232,13 +232,28 @@ def _measure(profile: Profile) -> Measured:
         samples=tuple(samples),
         launch_ms=launch_ms,
         launch_ms_per_mb=launch_per_byte * MB,
-        link=_fit_link(sizes, link, profile.world_size, profile.extra.get("link_probe")),
+        link=_fit_link(sizes, link, profile.world_size, _probe(profile)),
         parameter_bytes=tuple(profile.parameter_bytes[i] for i in order),
         bucket_sizes=_positions(buckets),
         settings=dict(profile.settings),
         optimizer_ms=_optimizer_ms(profile),
         local_sgd=dict(profile.extra.get("local_sgd") or {}),
     )
+
+
+def _probe(profile: Profile) -> Mapping[str, Any] | None:
+    """The link probe the profile holds (``lit_dp.observability.link_probe``), checked; None without one."""
+    probe = profile.extra.get("link_probe")
+    if probe is None:
+        return None
+    sizes, times = (probe.get("bytes"), probe.get("ms")) if isinstance(probe, Mapping) else (None, None)
+    numbers = isinstance(sizes, list) and isinstance(times, list) and len(sizes) == len(times) >= 2
+    if not numbers or not all(isinstance(v, (int, float)) and v > 0 for v in [*sizes, *times]):
+        raise NoRunError(
+            f"the profile of rank {profile.rank} is damaged: extra.link_probe={probe!r} is invalid, expected "
+            f"{{'bytes': [...], 'ms': [...]}} of 2 or more positive numbers each; run training again, e.g. {WHAT_TO_RUN}."
+        )
+    return probe
 
 
 def _spread(buckets: Sequence[Sequence[int]], parameter_bytes: Sequence[int], ready: Sequence[float]) -> list[float]:

@@ -16,6 +16,7 @@ import lit_dp.forecast.model
 from lit_dp.forecast import (
     Forecast,
     Link,
+    NoRunError,
     Prediction,
     end_of_run_lines,
     load_profiles,
@@ -281,3 +282,10 @@ def test_a_bucket_size_that_cuts_the_run_s_buckets_is_predicted_as_the_run(measu
     rows = rows_of(predict(measured, bucket_sizes=[0.02]))
     assert rows["data parallelism, buckets of 0.02 MB"].step_ms == pytest.approx(measured.period_ms, rel=1e-6)
     assert rows["data parallelism, buckets of 0.02 MB"].options == {"comm_buffer_size": 0.02}
+
+
+@pytest.mark.parametrize("probe", [{"bytes": [65536], "ms": [0.2]}, {"bytes": [65536, "1 MB"], "ms": [0.2, 0.8]}, [1]])
+def test_a_damaged_link_probe_is_refused_naming_it(probe):
+    profiles = [profile.with_extra(link_probe=probe) for profile in load_profiles(RUN)]
+    with pytest.raises(NoRunError, match=r"^the profile of rank \d is damaged: extra\.link_probe=.* is invalid, expected "):
+        measure(profiles)
