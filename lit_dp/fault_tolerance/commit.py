@@ -53,6 +53,7 @@ from tqdm import tqdm
 
 import lit_dp.gradients.group as groups
 from lit_dp.fault_tolerance.lighthouse import LighthouseStatus, group_of
+from lit_dp.fault_tolerance.serving import ServedState
 from lit_dp.job.restart import JobAttempt
 
 log = logging.getLogger(__name__)
@@ -99,12 +100,21 @@ class QuorumUnreachable(SystemExit):
 class CrossGroupCommit:
     """One rank's part in its replica group's commit protocol, around its torchft ``manager`` (see the
     module docstring). ``within`` is the group's own process group (None for a group of one rank);
-    ``lighthouse`` the lighthouse's address, read when no quorum comes (None: not read). The group's
-    rank 0 says what users see, each line naming the group.
+    ``lighthouse`` the lighthouse's address, read when no quorum comes (None: not read); ``served``, the
+    reads of the state this group serves to the groups healing from it, waited for before its vote.
+    The group's rank 0 says what users see, each line naming the group.
     """
 
-    def __init__(self, manager: Any, within: dist.ProcessGroup | None = None, *, lighthouse: str | None = None) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        within: dist.ProcessGroup | None = None,
+        *,
+        lighthouse: str | None = None,
+        served: ServedState | None = None,
+    ) -> None:
         self.manager = manager
+        self.served = served
         self.within = within if within is not None and within.size() > 1 else None
         self.group_rank = self.within.rank() if self.within is not None else 0
         self.group_size = self.within.size() if self.within is not None else 1
@@ -125,6 +135,7 @@ class CrossGroupCommit:
         self._quorum: tuple[int, ...] | None = None  # set by the process group at each reconfiguration
         self._sizes_checked: tuple[int, ...] | None = None  # the members whose sizes were found equal
         self._quorum_started = 0.0  # when the last quorum was asked for
+        self._holds_final_state = False  # healed from peers after their last step (see ``start``)
         manager.register_state_dict_fn(PEER_KEY, self._load_peer, self._peer_state)
 
     # -- what the callers set ---------------------------------------------------------------------
@@ -173,9 +184,11 @@ class CrossGroupCommit:
         self._took(healed, peer.name if joins else transaction.name)
         if healed and peer is None and transaction.sync is not None:
             # Left out of this sync's quorum, this group met its peers at their last quorum, after their last
-            # step (``reconcile``): it holds their final state, and there is no sync left to carry out.
+            # step (``reconcile``): it holds their final state, and there is no sync left to carry out, nor a
+            # quorum to reconcile in (the peers are gone after theirs).
             log.debug("%s: [group %s] took its peers' final state instead of %s", LINE, self.replica_group, transaction.name)
             self._open = None
+            self._holds_final_state = True
         if joins:
             log.debug("%s: [group %s] carries out its peers' %s", LINE, self.replica_group, peer.name)
             self._open = peer
@@ -192,18 +205,30 @@ class CrossGroupCommit:
     def reconcile(self) -> None:
         """After the last step: one more quorum, in which a group that did not apply a transaction its peers
         applied heals from one that did, so that every group ends with the same state. One try: groups that
-        are gone by then are not waited for past the quorum timeout."""
+        are gone by then are not waited for past the quorum timeout. Nothing to do for a group that took
+        its peers' final state in their last quorum."""
+        if self._holds_final_state:
+            return
         started = time.monotonic()
         self._peer, self._loaded = None, False
+        last_quorum = self.manager._quorum_future
         try:
             self.manager.start_quorum()
         except TimeoutError:
             self.say(
                 f"no quorum within {time.monotonic() - started:.0f} s after the last step: the groups were not reconciled"
             )
+            # torchft keeps the failed quorum and raises it again at whatever asks it next (the number of
+            # groups taking part, for the run's metrics): what it answers is the last quorum that formed.
+            self.manager._quorum_future = last_quorum
             return
         self._quorum_started = started
-        self._took(self._realigned(), "after the last step")
+        healed = self._realigned()
+        failures = self._failures(self.manager.errored())
+        if failures:  # no vote follows: a heal that failed here would leave the groups apart unsaid
+            self.say(f"the groups were not reconciled after the last step: {failures}")
+            return
+        self._took(healed, "the quorum after the last step")
 
     def _take_quorum(self) -> bool:
         """``Manager.start_quorum``, tried up to ``QUORUM_ATTEMPTS`` times of its quorum timeout
@@ -250,6 +275,12 @@ class CrossGroupCommit:
             self._realign[1](state)
         log.debug("%s: [group %s] healed: its ranks re-aligned to its rank 0's state", LINE, self.replica_group)
         return True
+
+    @property
+    def peer_after_last_step(self) -> bool:
+        """Whether the state this rank took in the quorum in progress is a peer's after its last step (made in
+        its ``reconcile``, in no transaction); read by the state's own loader, which torchft calls after ours."""
+        return self._loaded and self._peer is None
 
     def _load_peer(self, state: dict[str, Any]) -> None:
         # torchft loads a peer's state in start_quorum (ours is loaded first: registered first).
@@ -344,6 +375,8 @@ class CrossGroupCommit:
             self._last.wait()
             self._last = None
         error = self.manager.errored()
+        if self.served is not None:
+            self.served.wait_for_readers()  # should_commit stops serving this group's state
         if self.manager.should_commit():
             return True
         if transaction.sync is None:
@@ -355,21 +388,27 @@ class CrossGroupCommit:
         return False
 
     def _cause(self, error: Any) -> str:
-        """Why the vote failed: each rank's failure, whole (the first line of its error), or the quorum's size."""
+        """Why the vote failed: each rank's failure, or the quorum's size."""
+        failures = self._failures(error)
+        if failures:
+            return failures
+        minimum, present = self.manager._min_replica_size, self.manager.num_participants()
+        if present < minimum:
+            return f"fewer than ft.min_replicas={minimum} replica groups took part ({present})"
+        return "torchft's vote did not pass"
+
+    def _failures(self, error: Any) -> str:
+        """Each rank's failure in the group (``error``: this rank's, None if none), whole (the first line of
+        its error); empty when no rank failed. Every rank of the group calls it."""
         own = _describe(error.original_exception) if error is not None else None
         causes = [own]
         if self.within is not None:
             causes = [None] * self.group_size
             dist.all_gather_object(causes, own, group=self.within)
         failures = [(rank, cause) for rank, cause in enumerate(causes) if cause is not None]
-        if failures:
-            if self.within is None:
-                return failures[0][1]
-            return "; ".join(f"rank {rank}: {cause}" for rank, cause in failures)
-        minimum, present = self.manager._min_replica_size, self.manager.num_participants()
-        if present < minimum:
-            return f"fewer than ft.min_replicas={minimum} replica groups took part ({present})"
-        return "torchft's vote did not pass"
+        if self.within is None:
+            return failures[0][1] if failures else ""
+        return "; ".join(f"rank {rank}: {cause}" for rank, cause in failures)
 
     # -- what users see ---------------------------------------------------------------------------
 

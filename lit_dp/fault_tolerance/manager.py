@@ -35,6 +35,7 @@ from lit_dp.fault_tolerance.commit import LINE, CrossGroupCommit, Transaction
 from lit_dp.fault_tolerance.hierarchical import CrossGroupTraffic
 from lit_dp.fault_tolerance.replica_data import ReplicaBatches
 from lit_dp.fault_tolerance.replica_group import replica_process_group
+from lit_dp.fault_tolerance.serving import ServedState
 from lit_dp.gradients.buckets import MB
 from lit_dp.options import Options
 
@@ -154,6 +155,7 @@ class FaultTolerance:
         timeout = timedelta(seconds=settings.timeout)
         transport = HTTPTransport(timeout=timeout, num_chunks=0)  # what the Manager makes by default
         self._torchft_log.take_requests(transport)
+        served = ServedState(transport, settings.timeout)
         self._store, host, port = group_store(group_size)
         self.manager = Manager(
             pg=replica_process_group(device, timeout, lambda members: self.protocol.record_quorum(members)),
@@ -173,7 +175,7 @@ class FaultTolerance:
             checkpoint_transport=transport,
         )
         within = dist.group.WORLD if group_size > 1 else None
-        self.protocol = CrossGroupCommit(self.manager, within, lighthouse=settings.lighthouse)
+        self.protocol = CrossGroupCommit(self.manager, within, lighthouse=settings.lighthouse, served=served)
         keep_out = getattr(self.manager._pg, "keep_out", None)  # a replica_process_group on Gloo's
         if keep_out is not None:
             keep_out(settings.lighthouse, self.manager._store.get("manager_addr").decode(), transport.address())
@@ -317,6 +319,8 @@ class FaultTolerance:
                 self.protocol.say(self.describe_faults())
         self.traffic, self.steps_started = None, 0
         if self.manager is not None:
+            if self.protocol is not None and self.protocol.served is not None:
+                self.protocol.served.wait_for_readers()  # a group healing in the last quorum reads it from here
             self.manager.shutdown(wait=False)  # its heartbeats stop: the lighthouse knows this group left
             self.manager = None
         self.protocol = None

@@ -247,9 +247,17 @@ class TrainerFaultTolerance(FaultToleranceFeature):
         begun). A rank that takes it in at the start of its step, whose loop then counts the step's batch
         and optimizer step itself (a restarted group that meets its peers at their sync, and ends their
         step with them), takes the peer's counters from its step's start, and whether that step ends the
-        data's epoch (its own plan is the next step's); any other rank, which meets the peer where it is,
-        the peer's counters as they are."""
-        loops = state["loops_at_step_start"] if self._starting_step else state["loops"]
+        data's epoch (its own plan is the next step's); a rank inside its step that takes the state of a peer
+        after its last step (a group left out of its last sync meets its peers at their quorum after the
+        last step), the peer's counters from its last step's start moved on as far as this rank's own have
+        moved in this step (so the loop ends that step where the peer's ended, at ``max_steps``); any other
+        rank, which meets the peer where it is, the peer's counters as they are."""
+        if self._starting_step:
+            loops = state["loops_at_step_start"]
+        elif self.ft.protocol.peer_after_last_step and self._step_start_loops is not None:
+            loops = _moved_on(state["loops_at_step_start"], self._step_start_loops, _loop_counters(trainer.fit_loop))
+        else:
+            loops = state["loops"]
         _load_trainer_state(trainer, self.ft.batches, features, {**state, "loops": loops})
         self._step_start_loops = state["loops_at_step_start"]
         self._peers_step_ends_epoch = self._starting_step and state["step_ends_epoch"]
@@ -324,6 +332,16 @@ def _loop_counters(fit_loop: Any) -> dict[str, Any]:
         "manual_progress": epoch_loop.manual_optimization.optim_step_progress.state_dict(),
         "batches_that_stepped": batches_that_stepped(epoch_loop),
     }
+
+
+def _moved_on(start: Any, own_start: Any, own_now: Any) -> Any:
+    """``start`` (loop counters, nested dicts of counts) moved on by what this rank counted since ``own_start``:
+    each count ``start + own_now - own_start``; any other value (a flag) this rank's own now."""
+    if isinstance(start, dict):
+        return {key: _moved_on(start[key], own_start[key], own_now[key]) for key in start}
+    if isinstance(start, int) and not isinstance(start, bool):
+        return start + own_now - own_start
+    return own_now
 
 
 def _load_loop_counters(fit_loop: Any, counters: dict[str, Any]) -> None:

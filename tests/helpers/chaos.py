@@ -373,6 +373,31 @@ class _FailedWork(dist.Work):
         return self._work.get_future().then(fail)
 
 
+class Pause(pl.Callback):
+    """Every rank of the replica groups ``groups`` sleeps ``seconds`` once, in the step of ``trainer.global_step ==
+    step`` (at its start): ``before_sync``, before its optimizer step (a LocalSGD sync comes inside it): a group
+    late to that sync's quorum; ``after_step``, at the step's end, before lit_dp's own hooks (its quorum after the
+    last step comes there): a group slow to finish (a checkpoint written, say)."""
+
+    def __init__(self, groups: list[int], step: int, seconds: float, when: str = "before_sync") -> None:
+        if when not in ("before_sync", "after_step"):
+            raise ValueError(f"Pause(when={when!r}) is invalid: expected before_sync or after_step.")
+        self.groups, self.step, self.seconds, self.when = set(groups), step, seconds, when
+        self._paused = False
+
+    def _pause(self, at: str, step: int) -> None:
+        mine = int(os.environ.get("REPLICA_GROUP_ID", "0")) in self.groups
+        if mine and not self._paused and at == self.when and step == self.step:
+            self._paused = True
+            time.sleep(self.seconds)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._pause("before_sync", trainer.global_step)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._pause("after_step", trainer.global_step - 1)
+
+
 class FinalWeights(pl.Callback):
     """At the fit's end, this rank's model state (parameters and buffers), its ``val_loss``, its global step
     and its worker's restart count, to ``folder/group<G>-rank<R>.pt``."""

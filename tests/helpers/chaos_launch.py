@@ -93,16 +93,19 @@ def launch_under_faults(
     extra: list[str] = (),
     timeout: float = 1500.0,
     min_replicas: int | None = None,
+    join_timeout_ms: int | None = None,
 ) -> Launched:
     """``groups`` replica groups of ``ranks`` ranks in ``mode`` (``per_step`` or ``diloco``: the documented
     commands), ``steps`` steps, under ``faults`` and ``kill``; see the module docstring. ``timeout``
     bounds each wait (the groups to train, to recover, to end). ``min_replicas`` replaces the documented
-    value, in the lighthouse's command and the groups' alike."""
+    value, in the lighthouse's command and the groups' alike; ``join_timeout_ms`` the lighthouse's."""
     launch = documented_group_launch(ranks)
     lighthouse_command, command = launch.lighthouse, launch.modes[mode]
     if min_replicas is not None:
         lighthouse_command = with_min_replicas(lighthouse_command, min_replicas)
         command = with_min_replicas(command, min_replicas)
+    if join_timeout_ms is not None:
+        lighthouse_command = with_join_timeout(lighthouse_command, join_timeout_ms)
     tmp_path.mkdir(parents=True, exist_ok=True)
     cwd, environ, lighthouse = documented_lighthouse(tmp_path, lighthouse_command, launch.exports, ROOT)
     fault_log, final_folder = tmp_path / "faults.jsonl", tmp_path / "final"
@@ -165,6 +168,14 @@ def with_min_replicas(command: DocumentedCommand, count: int) -> DocumentedComma
         elif argument.startswith("strategy.ft.min_replicas="):
             argv[index] = f"strategy.ft.min_replicas={count}"
     assert argv != list(command.argv), f"{command.text} sets no min_replicas"
+    return dataclasses.replace(command, argv=tuple(argv))
+
+
+def with_join_timeout(command: DocumentedCommand, milliseconds: int) -> DocumentedCommand:
+    """The lighthouse's ``command`` with ``milliseconds`` for its ``--join_timeout_ms``."""
+    argv = list(command.argv)
+    index = argv.index("--join_timeout_ms")
+    argv[index + 1] = str(milliseconds)
     return dataclasses.replace(command, argv=tuple(argv))
 
 

@@ -1,7 +1,7 @@
 """One replica group under Fabric with ``fault_tolerance="torchft"``, with transient faults injected at torchft's process group.
 
     python -m tests.helpers.ft_transient OUT STEPS [--local-sgd K] [--sync-dtype D] [--error-feedback B] [--hidden H]
-        [--fail GROUP:RANK:N[,N...]] [--sleep S]
+        [--fail GROUP:RANK:N[,N...]] [--sleep S] [--slow-heal S[:N]]
     torchrun --standalone --nproc-per-node=2 -m tests.helpers.ft_transient OUT STEPS ...
 
 The loop docs/fault_tolerance.md shows for Fabric (with ``--local-sgd K``, DiLoCo across the groups:
@@ -14,10 +14,12 @@ steps with per-step sync, LocalSGD's steps with DiLoCo (both travel with a recov
 (counted from 1 in this process: all-reduces of buckets, counts and syncs, and a wire-format sync's
 all-to-alls and all-gathers alike) is issued and completes for the peers, then reports a failure
 here only, as a connection reset seen on one side does. ``--sleep S``: a pause per optimizer step (a
-slow group). Every rank appends one JSON line per optimizer step to ``OUT/group<g>-rank<r>.jsonl``
-(the steps so far, torchft's committed steps, a hash of the parameters and of the optimizer state,
-the time) and saves its parameters, optimizer state and cross-group traffic (``CrossGroupTraffic``)
-at the end to ``OUT/group<g>-rank<r>.pt``.
+slow group). ``--slow-heal S[:N]``: a group that heals waits S seconds before it reads its peer's
+state (a loaded machine, a slow link), while the peer goes on: at every heal, or at its N-th only.
+Every rank appends one JSON line per optimizer step to ``OUT/group<g>-rank<r>.jsonl`` (the steps so
+far, torchft's committed steps, a hash of the parameters and of the optimizer state, the time) and saves
+its parameters, optimizer state and cross-group traffic (``CrossGroupTraffic``) at the end to
+``OUT/group<g>-rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=16, help="the classifier's hidden width")
     parser.add_argument("--fail", default="", help="GROUP:RANK:N[,N...]")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per optimizer step")
+    parser.add_argument("--slow-heal", default="", help="S[:N]: seconds before reading a peer's state (at the N-th heal)")
     parser.add_argument("--min-replicas", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -129,6 +132,20 @@ def main() -> None:
         victim, victim_rank, counts = args.fail.split(":")
         if int(victim) == group and int(victim_rank) == rank:
             inject(ft.manager._pg, {int(n) for n in counts.split(",")})
+
+    if args.slow_heal:
+        seconds, _, which = args.slow_heal.partition(":")
+        transport = ft.manager._checkpoint_transport
+        read = transport.recv_checkpoint
+        reads = [0]
+
+        def slow_read(*args_, **kwargs):
+            reads[0] += 1
+            if not which or reads[0] == int(which):
+                time.sleep(float(seconds))
+            return read(*args_, **kwargs)
+
+        transport.recv_checkpoint = slow_read
 
     def progress() -> int:
         return fabric.strategy.local_sgd.step_count if args.local_sgd else ft.committed_steps
