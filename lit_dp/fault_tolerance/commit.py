@@ -210,17 +210,12 @@ class CrossGroupCommit:
         if self._holds_final_state:
             return
         started = time.monotonic()
-        self._peer, self._loaded = None, False
-        last_quorum = self.manager._quorum_future
         try:
-            self.manager.start_quorum()
+            self._start_quorum()
         except TimeoutError:
             self.say(
                 f"no quorum within {time.monotonic() - started:.0f} s after the last step: the groups were not reconciled"
             )
-            # torchft keeps the failed quorum and raises it again at whatever asks it next (the number of
-            # groups taking part, for the run's metrics): what it answers is the last quorum that formed.
-            self.manager._quorum_future = last_quorum
             return
         self._quorum_started = started
         healed = self._realigned()
@@ -236,9 +231,8 @@ class CrossGroupCommit:
         the group sizes checked and the group re-aligned. Returns whether this group healed."""
         for attempt in range(1, QUORUM_ATTEMPTS + 1):
             started = time.monotonic()
-            self._peer, self._loaded = None, False
             try:
-                self.manager.start_quorum()
+                self._start_quorum()
             except TimeoutError:
                 status = LighthouseStatus.read(self.lighthouse) if self.lighthouse else None
                 step = self.manager.current_step()
@@ -248,13 +242,24 @@ class CrossGroupCommit:
                     self.say(reason)
                     raise QuorumUnreachable(reason, job_ended=ended) from None
                 self.say(f"{reason}; trying again")
-                # torchft keeps the failed quorum and would raise it again at the next start.
-                self.manager._quorum_future = None
                 continue
             self._quorum_started = started
             self._check_sizes()
             return self._realigned()
         raise AssertionError("unreachable")
+
+    def _start_quorum(self) -> None:
+        """``Manager.start_quorum``, this rank's last heal forgotten first. On its ``TimeoutError`` torchft keeps
+        the failed quorum and would raise it again at whatever asks it next (the next start, the number of
+        groups taking part for the run's metrics): the Manager is left answering from the last quorum that
+        formed, and the error raised."""
+        self._peer, self._loaded = None, False
+        last_quorum = self.manager._quorum_future
+        try:
+            self.manager.start_quorum()
+        except TimeoutError:
+            self.manager._quorum_future = last_quorum
+            raise
 
     def _realigned(self) -> bool:
         """Whether any rank of this group took a peer's state in the quorum just taken; if one did, every

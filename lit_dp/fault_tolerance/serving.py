@@ -68,12 +68,6 @@ class ServedState:
                 self._unread -= 1
                 self._changed.notify_all()
 
-    @property
-    def unread(self) -> int:
-        """Readers of the state staged last that have not read it yet."""
-        with self._changed:
-            return self._unread
-
     def wait_for_readers(self) -> bool:
         """Wait until every group healing from this one in the last quorum has read its state, at most the
         Manager's timeout from the staging; returns whether they all did."""
