@@ -1,7 +1,7 @@
 """One replica group under Fabric with ``fault_tolerance="torchft"``, with transient faults injected at torchft's process group.
 
     python -m tests.helpers.ft_transient OUT STEPS [--local-sgd K] [--sync-dtype D] [--error-feedback B] [--hidden H]
-        [--fail GROUP:RANK:N[,N...]] [--sleep S] [--slow-heal S[:N]]
+        [--fail GROUP:RANK:N[,N...]] [--slow-heal S[:N]]
     torchrun --standalone --nproc-per-node=2 -m tests.helpers.ft_transient OUT STEPS ...
 
 The loop docs/fault_tolerance.md shows for Fabric (with ``--local-sgd K``, DiLoCo across the groups:
@@ -13,9 +13,9 @@ steps with per-step sync, LocalSGD's steps with DiLoCo (both travel with a recov
 ``--fail GROUP:RANK:N,...``: on rank RANK of replica group GROUP, the N-th collective across groups
 (counted from 1 in this process: all-reduces of buckets, counts and syncs, and a wire-format sync's
 all-to-alls and all-gathers alike) is issued and completes for the peers, then reports a failure
-here only, as a connection reset seen on one side does. ``--sleep S``: a pause per optimizer step (a
-slow group). ``--slow-heal S[:N]``: a group that heals waits S seconds before it reads its peer's
-state (a loaded machine, a slow link), while the peer goes on: at every heal, or at its N-th only.
+here only, as a connection reset seen on one side does. ``--slow-heal S[:N]``: a group that heals
+waits S seconds before it reads its peer's state (a loaded machine, a slow link), while the peer goes
+on: at every heal, or at its N-th only.
 Every rank appends one JSON line per optimizer step to ``OUT/group<g>-rank<r>.jsonl`` (the steps so
 far, torchft's committed steps, a hash of the parameters and of the optimizer state, the time) and saves
 its parameters, optimizer state and cross-group traffic (``CrossGroupTraffic``) at the end to
@@ -105,7 +105,6 @@ def main() -> None:
     parser.add_argument("--error-feedback", default=None, choices=["true", "false"], help="local_sgd_error_feedback")
     parser.add_argument("--hidden", type=int, default=16, help="the classifier's hidden width")
     parser.add_argument("--fail", default="", help="GROUP:RANK:N[,N...]")
-    parser.add_argument("--sleep", type=float, default=0.0, help="seconds per optimizer step")
     parser.add_argument("--slow-heal", default="", help="S[:N]: seconds before reading a peer's state (at the N-th heal)")
     parser.add_argument("--min-replicas", type=int, default=2)
     args = parser.parse_args()
@@ -165,7 +164,6 @@ def main() -> None:
             }
             with path.open("a") as record:
                 record.write(json.dumps(line) + "\n")
-            time.sleep(args.sleep)
             if progress() >= args.steps:
                 break
     watched = ft.traffic  # the model's process group's: the teardown lets go of it
