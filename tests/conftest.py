@@ -30,7 +30,7 @@ LIBRARY_EXPORTS = {
 PYTEST_OWN = {"PYTEST_CURRENT_TEST"}
 # A process a test starts (a rank, a recipe, a benchmark) that aborts prints every Python thread's
 # stack: CI once saw a rank end with C++'s "terminate called without an active exception" after its
-# fit had finished, and nothing said which thread (not reproduced here in 50 fits under load).
+# fit had finished, and nothing said which thread (not reproduced here in 140 fits under load).
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 SESSION_ENVIRONMENT = dict(os.environ)  # what the shell gave the test session
 
