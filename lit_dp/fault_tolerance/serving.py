@@ -68,15 +68,11 @@ class ServedState:
                 self._unread -= 1
                 self._changed.notify_all()
 
-    def wait_for_readers(self) -> bool:
+    def wait_for_readers(self) -> None:
         """Wait until every group healing from this one in the last quorum has read its state, at most the
-        Manager's timeout from the staging; returns whether they all did."""
+        Manager's timeout from the staging."""
         with self._changed:
-            if self._unread == 0:
-                return True
             left = self._timeout_s - (time.monotonic() - self._staged_at)
-            done = self._changed.wait_for(lambda: self._unread == 0, timeout=max(left, 0.0))
-            if not done:
+            if not self._changed.wait_for(lambda: self._unread == 0, timeout=max(left, 0.0)):
                 log.debug("%d reader(s) of the state staged at step %s did not read it in time", self._unread, self._step)
                 self._unread = 0  # their heal failed: the next transaction goes on without them
-            return done
