@@ -122,6 +122,7 @@ class ForecastBenchmarkConfig:
     gpt_buckets: tuple[float, ...] = (25.0, 0.25)
     digits: tuple[str, ...] = ("trainer.max_epochs=10",)
     gpt: tuple[str, ...] = ("trainer.max_steps=160", "trainer.val_check_interval=160", "trainer.limit_val_batches=2")
+    rounds: int = 3  # every run this many times, round after round: the rows are medians over the rounds
     folder: str | None = None  # keep the runs there, and reuse those already done; None: a temporary folder
 
 
@@ -205,6 +206,25 @@ def run_case(recipe: str, overrides: list[str], folder: Path) -> float:
 
 
 def run(config: ForecastBenchmarkConfig, root: Path) -> list[dict[str, Any]]:
+    """Every case, measured and predicted, in each of ``config.rounds`` rounds; a row per case, its
+    figures the medians over the rounds, with the fastest and slowest measurement."""
+    if isinstance(config.rounds, bool) or not isinstance(config.rounds, int) or config.rounds < 1:
+        raise ValueError(f"rounds={config.rounds!r} is invalid: expected a number of rounds, at least 1.")
+    rounds = [_round(config, root / f"round{number}") for number in range(1, config.rounds + 1)]
+    rows = []
+    for taken in zip(*rounds):
+        measured = [r["measured"] for r in taken]
+        row: dict[str, Any] = {"case": taken[0]["case"], "spread": (min(measured), max(measured))}
+        for column in ("measured", "load", "base_load", "predicted", "own", "from_base"):
+            values = [r[column] for r in taken if r.get(column) is not None]
+            if values:
+                row[column] = statistics.median(values)
+        rows.append(row)
+    return rows
+
+
+def _round(config: ForecastBenchmarkConfig, root: Path) -> list[dict[str, Any]]:
+    """One round: each recipe's base runs and every case, measured, with the forecasts from this round's base runs."""
     from lit_dp.forecast import predict
 
     rows = []
@@ -228,7 +248,7 @@ def run(config: ForecastBenchmarkConfig, root: Path) -> list[dict[str, Any]]:
         if case.contended and two_ranks is not None:
             row["from_base"] = _predicted(predict, two_ranks, case, config)
         rows.append(row)
-        print(_line(row), flush=True)
+        print(f"{root.name}: {_line(row)}", flush=True)
     return rows
 
 
@@ -278,21 +298,37 @@ def _within(rows: list[dict[str, Any]], column: str) -> str:
     return f"{within} of {len(errors)} within 10%, mean |error| {statistics.fmean(errors) * 100:.1f}%" if errors else ""
 
 
+def _spread(row: dict[str, Any]) -> str:
+    fastest, slowest = row.get("spread") or (row["measured"], row["measured"])
+    return f"{fastest:.2f} to {slowest:.2f}"
+
+
+def _repeatability(rows: list[dict[str, Any]]) -> str:
+    """How far the slowest round's measurement was from the fastest's, over the rows."""
+    spreads = [row["spread"][1] / row["spread"][0] - 1 for row in rows if row.get("spread") and row["spread"][0] > 0]
+    if not spreads:
+        return ""
+    return f"; the slowest round measured {statistics.median(spreads) * 100:.1f}% over the fastest (the rows' median)"
+
+
 def report(rows: list[dict[str, Any]], config: ForecastBenchmarkConfig) -> str:
     lines = [
-        f"Predicted against measured median step times (ms); {os.cpu_count()} CPU cores; forecasts from each recipe's base "
-        "run at the same ranks (data parallelism, no link); for data parallelism also from the row's own run (its "
-        f"compute, the link predicted); at more ranks than cores also from the {config.ranks}-rank base run",
+        f"Predicted against measured median step times (ms), each the median over {config.rounds} "
+        f"round{'s' * (config.rounds != 1)}; "
+        f"{os.cpu_count()} CPU cores; forecasts from each round's base run of the recipe at the same ranks (data "
+        "parallelism, no link); for data parallelism also from the row's own run (its compute, the link predicted); "
+        f"at more ranks than cores also from the {config.ranks}-rank base run",
         "",
-        "| recipe | ranks | link | setting | measured | predicted | error | from its own run | error | from the "
-        f"{config.ranks}-rank run | error | load (its run, the base run) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | ranks | link | setting | measured | measured, fastest to slowest round | predicted | error "
+        f"| from its own run | error | from the {config.ranks}-rank run | error | load (its run, the base run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         case = row["case"]
         lines.append(
             f"| {case.recipe} | {case.ranks}{' (contended)' if case.contended else ''} | {_link(case.link_mbit)} "
-            f"| {_setting(case, config)} | {row['measured']:.2f} {_cells(row['predicted'], row['measured'])}"
+            f"| {_setting(case, config)} | {row['measured']:.2f} | {_spread(row)} "
+            f"{_cells(row['predicted'], row['measured'])}"
             f"{_cells(row.get('own'), row['measured'])[1:]}{_cells(row.get('from_base'), row['measured'])[1:]} "
             f"{row['load']:.1f}, {row['base_load']:.1f} |"
         )
@@ -300,6 +336,7 @@ def report(rows: list[dict[str, Any]], config: ForecastBenchmarkConfig) -> str:
     lines += ["", f"A core per rank: {_within(uncontended, 'predicted')} from the base run"]
     if any(row.get("own") is not None for row in uncontended):
         lines[-1] += f"; data parallelism from its own run: {_within(uncontended, 'own')}"
+    lines[-1] += _repeatability(uncontended)
     return "\n".join(lines)
 
 

@@ -211,24 +211,30 @@ def _latency(value: Any) -> float:
 class _Timing:
     """How one sample of the run re-times: its host launch costs and, over the run's own link, its
     link's pace, each as a factor on the fitted figures (a step slow to launch or to communicate in
-    the run stays so under another setting)."""
+    the run stays so under another setting). Over a told link, what the sample's collectives took
+    beyond the run's typical step (``typical_link_ms``: a peer late, the host's threads busy) is the
+    host's, not the link's: it is added to the told link's time, as ``link_extra_ms``."""
 
-    def __init__(self, m: Measured, sample: StepSample, link: Link) -> None:
+    def __init__(self, m: Measured, sample: StepSample, link: Link, typical_link_ms: float) -> None:
         sizes = [sum(m.parameter_bytes[i] for i in bucket) for bucket in m.bucket_sizes]
         fitted_launch = sum(m.launch_cost_ms(size) for size in sizes)
         self.launch_factor = sum(sample.launch_ms) / fitted_launch if fitted_launch > 0 else 1.0
         self.link_factor = 1.0
+        self.link_extra_ms = 0.0
         if link.measured:
             run_link = Link(link.bandwidth, link.latency)
             fitted_link = sum(run_link.allreduce_ms(size, m.ranks) for size in sizes)
             self.link_factor = sum(sample.link_ms) / fitted_link if fitted_link > 0 else 1.0
+        else:
+            self.link_extra_ms = sum(sample.link_ms) - typical_link_ms
 
 
 def _median_of(
     m: Measured, link: Link, step: Callable[[StepSample, _Timing], tuple[float, float]]
 ) -> tuple[float, float]:
     """The medians of (step, exposed) re-timed for every sample of the run."""
-    results = [step(sample, _Timing(m, sample, link)) for sample in m.samples]
+    typical_link_ms = statistics.median(sum(sample.link_ms) for sample in m.samples)
+    results = [step(sample, _Timing(m, sample, link, typical_link_ms)) for sample in m.samples]
     return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
 
 
@@ -344,7 +350,12 @@ def _dp_step(
         if ready <= sample.backward_ms:
             shift += cost
         main_free = launched
-        on_link = sample.link_ms[position] if as_run else collective_ms(nbytes * wire) * timing.link_factor
+        if as_run:
+            on_link = sample.link_ms[position]
+        else:
+            on_link = collective_ms(nbytes * wire) * timing.link_factor
+            if position == 0:  # the host's delay of this step (a late peer holds up its first collective)
+                on_link = max(0.0, on_link + timing.link_extra_ms)
         link_free = max(launched, link_free) + on_link
     backward_end = sample.backward_ms + shift
     exposed = max(0.0, link_free - backward_end) + sample.writeback_ms

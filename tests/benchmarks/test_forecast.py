@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import time
 from datetime import timedelta
@@ -88,18 +90,50 @@ def test_the_table_has_every_row_and_beside_a_contended_one_the_forecast_from_fe
         {"case": Case("digits", 2, 100.0, "diloco", False), "measured": 10.0, "predicted": 8.0},
         {"case": Case("digits", 3, 100.0, "dp 25", True), "measured": 30.0, "predicted": 27.0, "from_base": 21.0},
     ]
-    for row, loads in zip(rows, [(3.5, 2.0), (3.0, 2.0), (4.0, 5.0)]):
+    for row, loads, spread in zip(rows, [(3.5, 2.0), (3.0, 2.0), (4.0, 5.0)], [(19.0, 22.8), (9.5, 10.5), (30.0, 30.0)]):
         row["load"], row["base_load"] = loads
+        row["spread"] = spread
     lines = report(rows, config).splitlines()
-    own = "| digits | 2 | 100 Mbit/s | DP, 25 MB buckets | 20.00 | 21.00 | +5.0% | 19.00 | -5.0% |  |  | 3.5, 2.0 |"
+    own = "| digits | 2 | 100 Mbit/s | DP, 25 MB buckets | 20.00 | 19.00 to 22.80 | 21.00 | +5.0% | 19.00 | -5.0% |  |  | 3.5, 2.0 |"
     assert own in lines
-    assert "| digits | 2 | 100 Mbit/s | DiLoCo K=16 | 10.00 | 8.00 | -20.0% |  |  |  |  | 3.0, 2.0 |" in lines
-    contended = "| 30.00 | 27.00 | -10.0% |  |  | 21.00 | -30.0% | 4.0, 5.0 |"
+    diloco = "| digits | 2 | 100 Mbit/s | DiLoCo K=16 | 10.00 | 9.50 to 10.50 | 8.00 | -20.0% |  |  |  |  | 3.0, 2.0 |"
+    assert diloco in lines
+    contended = "| 30.00 | 30.00 to 30.00 | 27.00 | -10.0% |  |  | 21.00 | -30.0% | 4.0, 5.0 |"
     assert f"| digits | 3 (contended) | 100 Mbit/s | DP, 25 MB buckets {contended}" in lines
+    # The spread's median over the rows with a core per rank: 22.8/19 and 10.5/9.5, 20% and 10.5%.
     assert lines[-1] == (
         "A core per rank: 1 of 2 within 10%, mean |error| 12.5% from the base run; data parallelism from its own run: "
-        "1 of 1 within 10%, mean |error| 5.0%"
+        "1 of 1 within 10%, mean |error| 5.0%; the slowest round measured 15.3% over the fastest (the rows' median)"
     )
+
+
+def test_rows_are_the_medians_over_the_rounds_of_their_own_and_their_base_run(tmp_path, monkeypatch):
+    # Three rounds, each its own runs (a base and the case) in its own folder; the row takes each
+    # figure's median, and the fastest and slowest measurement.
+    import benchmarks.forecast as benchmark
+
+    config = ForecastBenchmarkConfig(recipes=("digits",), links_mbit=(100.0,), contended_ranks=(), digits_buckets=(25.0,), rounds=3)
+    measured = {"round1": 10.0, "round2": 14.0, "round3": 11.0}
+    predicted = {"round1": 12.0, "round2": 9.0, "round3": 10.0}
+    folders = []
+
+    def run_case(recipe, overrides, folder):  # a run's step times, named by its round
+        folders.append(folder.relative_to(tmp_path).as_posix())
+        folder.mkdir(parents=True)
+        (folder / benchmark.TIMES_FILE).write_text(json.dumps({"round": folder.parent.name}))
+        return 1.0
+
+    monkeypatch.setattr(benchmark, "run_case", run_case)
+    monkeypatch.setattr(benchmark, "median_step_ms", lambda times, window: measured[times["round"]])
+    monkeypatch.setattr(benchmark, "_predicted", lambda predict, base, case, config: predicted[base.parent.name])
+    rows = benchmark.run(config, tmp_path)
+    assert folders[:3] == ["round1/base-digits-2-0-dp25", "round1/digits-2-100-dp25", "round1/digits-2-100-diloco"]
+    assert len(folders) == 9 and folders[-1] == "round3/digits-2-100-diloco"
+    assert [row["case"].setting for row in rows] == ["dp 25", "diloco"]
+    assert rows[0]["measured"] == 11.0 and rows[0]["spread"] == (10.0, 14.0)
+    assert rows[0]["predicted"] == 10.0 and rows[0]["own"] == 10.0 and "from_base" not in rows[0]
+    with pytest.raises(ValueError, match=r"^rounds=0 is invalid: expected a number of rounds, at least 1\.$"):
+        benchmark.run(dataclasses.replace(config, rounds=0), tmp_path)
 
 
 @pytest.mark.slow
@@ -107,11 +141,11 @@ def test_the_table_has_every_row_and_beside_a_contended_one_the_forecast_from_fe
 def test_the_benchmark_prints_every_row_against_its_prediction(tmp_path):
     # Three recipe runs: the base, then data parallelism and DiLoCo K=4 over a 100 Mbit/s link.
     overrides = [
-        "recipes=[digits]", "links_mbit=[100]", "contended_ranks=[]", "local_steps=4", "digits_buckets=[25]",
+        "recipes=[digits]", "links_mbit=[100]", "contended_ranks=[]", "local_steps=4", "digits_buckets=[25]", "rounds=1",
         "digits=['trainer.max_epochs=2']", f"folder={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path}",
     ]  # fmt: skip
     output = run_benchmark("forecast", *overrides, timeout=1100)
-    row = re.compile(r"^\| digits \| 2 \| 100 Mbit/s \| (.+?) \| ([\d.]+) \| ([\d.]+) \| ([-+][\d.]+)% \|", re.M)
+    row = re.compile(r"^\| digits \| 2 \| 100 Mbit/s \| (.+?) \| ([\d.]+) \| [\d.]+ to [\d.]+ \| ([\d.]+) \| ([-+][\d.]+)% \|", re.M)
     rows = {match.group(1): [float(value) for value in match.groups()[1:]] for match in row.finditer(output)}
     assert set(rows) == {"DP, 25 MB buckets", "DiLoCo K=4"}, output
     for measured, predicted, error in rows.values():
@@ -120,6 +154,6 @@ def test_the_benchmark_prints_every_row_against_its_prediction(tmp_path):
         assert error == pytest.approx((predicted / measured - 1) * 100, abs=rounding)
     summary = r"^A core per rank: \d of 2 within 10%, mean \|error\| [\d.]+% from the base run; data parallelism from its own run: "
     assert re.search(summary + r"\d of 1 within 10%", output, re.M), output
-    assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == [
+    assert sorted(path.name for path in (tmp_path / "runs" / "round1").iterdir()) == [
         "base-digits-2-0-dp25", "digits-2-100-diloco", "digits-2-100-dp25",
     ]  # fmt: skip

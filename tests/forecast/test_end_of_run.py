@@ -72,4 +72,5 @@ def test_a_recipe_run_ends_with_the_forecast_and_leaves_every_rank_s_profile(tmp
         assert Profile.read(path).extra["link_probe"]["bytes"] == list(PROBE_BYTES), path
     table = forecast(str(run), "--ranks", "8")
     assert table.returncode == 0 and "\nfastest: " in table.stdout, table.stderr
-    assert "the run's link: fitted to all-reduces of 0.0625, 1, 8 MB timed when the run ended" in table.stdout
+    probed = ", ".join(f"{nbytes / 2**20:g}" for nbytes in PROBE_BYTES)  # 0.03125, ..., 8
+    assert f"the run's link: fitted to all-reduces of {probed} MB timed when the run ended" in table.stdout

@@ -129,6 +129,22 @@ def test_a_slower_link_and_more_ranks_cost_data_parallelism_more(measured):
     assert diloco.step_ms < slow.step_ms
 
 
+def test_a_step_whose_collectives_the_host_delayed_stays_as_delayed_over_another_link(measured):
+    # Of three steps alike, the run's host delayed one's first collective by DELAY and another's rest
+    # by as much: two of its three steps took DELAY longer. Over a told link the delayed collective
+    # keeps its delay (the host's, not the link's), so the median step is still about DELAY longer
+    # than with three undelayed collectives (less what a gap on the link before a later bucket absorbs).
+    DELAY = 1.0
+    sample = measured.samples[0]
+    delayed_link = dataclasses.replace(sample, link_ms=(sample.link_ms[0] + DELAY, *sample.link_ms[1:]))
+    delayed_rest = dataclasses.replace(sample, rest_ms=sample.rest_ms + DELAY)
+
+    def step(*samples) -> float:  # data parallelism with the run's buckets
+        return predict(dataclasses.replace(measured, samples=samples), bandwidth="100Mbit").scenarios[0].rows[0].step_ms
+
+    assert step(sample, delayed_link, delayed_rest) > step(sample, sample, delayed_rest) + 0.8 * DELAY
+
+
 def test_the_fastest_setting_and_the_fastest_with_data_parallelism_s_gradients(measured):
     scenario = predict(measured, ranks=64, bandwidth="100Mbit").scenarios[0]
     assert scenario.fastest == min(scenario.rows, key=lambda row: row.step_ms)
