@@ -10,13 +10,16 @@ Data parallelism, per step (``Measured`` has the run's parts, ``Link`` the colle
 3. the link carries one bucket at a time, in launch order: a bucket starts when it is launched
    and the previous one has ended, and takes the link's time for its bytes at N ranks;
 4. the step is forward + backward (with the launches) + what the link still holds after backward
-   + the run's write-back + the rest (optimizer, data, logging), all as measured.
+   + the run's write-back + the rest (optimizer, data, logging), all as measured, + what the host
+   work after the wait for the link costs more (or less) after this wait than after the run's
+   (the resume probe's figures, ``ResumeCost``).
 
 ZeRO adds the parameters' gather after the optimizer step (not overlapped) and takes ``1 - 1/N``
 of the optimizer step away where the run measured it; stage 2 reduce-scatters the buckets. LocalSGD
 and DiLoCo take one rank's compute per step, plus every ``K/F`` steps a sync of ``P/F`` bytes (in
 its dtype) that nothing overlaps but ``sync_delay`` inner steps, and the host's passes over those
-bytes (the deltas, the outer step), each at the cost per byte of the run's write-back.
+bytes (the deltas, the outer step), each at the cost per byte of the run's write-back; a local
+step waits for no link, so the resume after the run's wait is taken out of its compute.
 """
 
 from __future__ import annotations
@@ -178,6 +181,8 @@ def predict(
         for link in links
     )
     notes = [f"the run's link: {fitted.note}"]
+    if not measured.resume.probed:
+        notes.append("the host's resume after a wait was not probed: each step's host work is kept as the run measured it")
     if measured.optimizer_ms is None:
         notes.append("the optimizer step was not measured (no straggler window): ZeRO's saving on it is left out")
     return Forecast(measured, scenarios, tuple(notes))
@@ -359,7 +364,9 @@ def _dp_step(
         link_free = max(launched, link_free) + on_link
     backward_end = sample.backward_ms + shift
     exposed = max(0.0, link_free - backward_end) + sample.writeback_ms
-    return sample.forward_ms + backward_end + exposed + sample.rest_ms, exposed
+    # The host work after the wait for the link costs what this wait adds, not what the run's did.
+    resumed = 0.0 if as_run else m.resume.after(link_free - max(backward_end, main_free)) - m.resume.after(sample.idle_ms)
+    return sample.forward_ms + backward_end + exposed + sample.rest_ms + resumed, exposed
 
 
 def _zero(m: Measured, ranks: int, link: Link, stage: int, wire: float) -> Prediction:
@@ -410,12 +417,12 @@ def _local(
     host = SYNC_PASSES[outer] * fragment / MB * _ms_per_mb(m)
 
     def step(sample: StepSample, timing: _Timing) -> tuple[float, float]:
-        exposed = (
-            (max(0.0, on_link * timing.link_factor - delay * sample.compute_ms) + host * timing.launch_factor)
-            * fragments
-            / k
-        )
-        return sample.compute_ms + exposed, exposed
+        wait = max(0.0, on_link * timing.link_factor - delay * sample.compute_ms)
+        exposed = (wait + host * timing.launch_factor) * fragments / k
+        # A local step waits for no link: its host work is the run's without the resume after the run's
+        # wait; the host work after a sync's wait pays that wait's.
+        resumed = m.resume.after(wait) * fragments / k - m.resume.after(sample.idle_ms)
+        return sample.compute_ms + exposed + resumed, exposed
 
     step_ms, exposed_ms = _median_of(m, link, step)
     options: dict[str, Any] = {"local_sgd.steps": k}

@@ -16,7 +16,10 @@ said otherwise):
 - the link: each bucket's time on it (from its launch, or the previous bucket's end if later,
   to its end); and a latency plus bytes over a bandwidth with a ring's ``2(N-1)/N``, fitted to
   the all-reduces the run timed when it ended (``lit_dp.observability.link_probe``: the link's
-  own figures, of sizes that spread), or where it has none to the buckets' times.
+  own figures, of sizes that spread), or where it has none to the buckets' times;
+- the main thread's idle wait for the link after its last launch, and what an idle wait of each
+  length adds to the host work after it, probed when the run ended
+  (``lit_dp.observability.resume_probe``; ``ResumeCost``).
 
 Each step is kept in these parts (``StepSample``), so that the model re-times every one the
 profile kept and reports the median.
@@ -91,6 +94,30 @@ class FittedLink:
 
 
 @dataclass(frozen=True)
+class ResumeCost:
+    """What an idle wait of ``idle_ms`` added to the host work after it (``extra_ms``), as the run's
+    host probed it when the run ended; none where it was not probed."""
+
+    idle_ms: tuple[float, ...] = ()
+    extra_ms: tuple[float, ...] = ()
+
+    @property
+    def probed(self) -> bool:
+        return bool(self.idle_ms)
+
+    def after(self, idle_ms: float) -> float:
+        """The extra host time (ms) after an idle wait of ``idle_ms``: linear between the probed waits
+        (from nothing after no wait), the longest's beyond it."""
+        idle_ms = max(0.0, idle_ms)
+        previous_idle = previous_extra = 0.0
+        for idle, extra in zip(self.idle_ms, self.extra_ms):
+            if idle_ms <= idle:
+                return previous_extra + (extra - previous_extra) * (idle_ms - previous_idle) / (idle - previous_idle)
+            previous_idle, previous_extra = idle, extra
+        return previous_extra
+
+
+@dataclass(frozen=True)
 class StepSample:
     """One kept step of the run, in parts (ms): what the model re-times under another setting."""
 
@@ -100,6 +127,7 @@ class StepSample:
     rest_ms: float  # the period's part after the buckets were reduced: optimizer step, data, logging
     writeback_ms: float  # after the last bucket ended, until the averages were in place
     exposed_ms: float  # as measured: the end of backward to every bucket reduced
+    idle_ms: float  # the main thread's wait for the link, after backward and its last launch
     parameter_ready_ms: tuple[float, ...]  # in the order gradients became ready, in the launch-free backward
     launch_ms: tuple[float, ...]  # the host's cost of each of the run's bucket launches
     link_ms: tuple[float, ...]  # each of the run's buckets' time on the link
@@ -131,6 +159,7 @@ class Measured:
     settings: dict[str, Any]
     optimizer_ms: float | None  # the optimizer step (the step clock's last window), if known
     local_sgd: dict[str, Any]  # LocalSGD's traffic, if the run had it
+    resume: ResumeCost  # what an idle wait adds to the host work after it
 
     def median(self, part: str) -> float:
         """The median of a ``StepSample`` figure over the samples (``compute_ms``, ``period_ms``, ...)."""
@@ -198,6 +227,7 @@ def _sample(step: StepRecord, buckets: Sequence[Sequence[int]], parameter_bytes:
         link.append(max(0.0, end - max(bucket.launch_ms, link_free)))
         link_free = max(link_free, end)
     last_end = link_free
+    waited_from = max(step.backward_end_ms, main_free)
     return StepSample(
         period_ms=step.period_ms,  # type: ignore[arg-type]
         forward_ms=step.backward_start_ms,
@@ -205,6 +235,7 @@ def _sample(step: StepRecord, buckets: Sequence[Sequence[int]], parameter_bytes:
         rest_ms=max(0.0, step.period_ms - step.backward_start_ms - step.reduced_ms),  # type: ignore[operator]
         writeback_ms=max(0.0, step.reduced_ms - max(step.backward_end_ms, last_end)),
         exposed_ms=step.reduced_ms - step.backward_end_ms,
+        idle_ms=max(0.0, last_end - waited_from),
         parameter_ready_ms=tuple(_spread(buckets, parameter_bytes, ready)),
         launch_ms=tuple(host),
         link_ms=tuple(link),
@@ -238,6 +269,7 @@ def _measure(profile: Profile) -> Measured:
         settings=dict(profile.settings),
         optimizer_ms=_optimizer_ms(profile),
         local_sgd=dict(profile.extra.get("local_sgd") or {}),
+        resume=_resume(profile),
     )
 
 
@@ -254,6 +286,23 @@ def _probe(profile: Profile) -> Mapping[str, Any] | None:
             f"{{'bytes': [...], 'ms': [...]}} of 2 or more positive numbers each; run training again, e.g. {WHAT_TO_RUN}."
         )
     return probe
+
+
+def _resume(profile: Profile) -> ResumeCost:
+    """The resume probe the profile holds (``lit_dp.observability.resume_probe``), checked; none without one."""
+    probe = profile.extra.get("resume_probe")
+    if probe is None:
+        return ResumeCost()
+    idle, extra = (probe.get("idle_ms"), probe.get("extra_ms")) if isinstance(probe, Mapping) else (None, None)
+    numbers = isinstance(idle, list) and isinstance(extra, list) and len(idle) == len(extra) >= 1
+    numbers = numbers and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in [*idle, *extra])
+    if not numbers or idle != sorted(set(idle)) or not idle[0] > 0:
+        raise NoRunError(
+            f"the profile of rank {profile.rank} is damaged: extra.resume_probe={probe!r} is invalid, expected "
+            f"{{'idle_ms': [...], 'extra_ms': [...]}}: increasing positive waits, and what each added (0 or more); run "
+            f"training again, e.g. {WHAT_TO_RUN}."
+        )
+    return ResumeCost(tuple(float(v) for v in idle), tuple(float(v) for v in extra))
 
 
 def _spread(buckets: Sequence[Sequence[int]], parameter_bytes: Sequence[int], ready: Sequence[float]) -> list[float]:

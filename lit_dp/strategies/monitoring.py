@@ -9,7 +9,8 @@ sync and its consistency check; Fabric: at teardown) it says on rank 0 the strag
 the consistency check's summaries, one ``[lit_dp]`` line each.
 
 Under the Trainer, when training ends, every rank probes the link (``lit_dp.observability.link_probe``:
-all ranks are there, between training and what follows it) and writes its communication profile
+all ranks are there, between training and what follows it) and its host's resume after an idle wait
+(``lit_dp.observability.resume_probe``, half a second), and writes its communication profile
 (``lit_dp.observability.profile``, with ``comm_stats`` or ``forecast.ranks``) in the Trainer's log
 folder, where ``python -m lit_dp.forecast`` finds it; with ``forecast.ranks`` rank 0 then prints
 the forecast, one line per setting (``lit_dp.forecast.end_of_run_lines``). Fabric has no log
@@ -27,6 +28,7 @@ from typing_extensions import override
 from lit_dp.data_parallel import DataParallel
 from lit_dp.forecast import NoRunError, end_of_run_lines, predict
 from lit_dp.observability.link_probe import probe_link
+from lit_dp.observability.resume_probe import probe_resume
 from lit_dp.observability.profile import Profile
 from lit_dp.options import AUTO, Options
 from lit_dp.options.forecast import ForecastOptions
@@ -88,6 +90,9 @@ class Monitors(Feature):
             if profile is not None and model.options.fault_tolerance is None and group is not None and group.size() > 1:
                 # Its waits count into the model's waiter, as lit_dp's all do: after the straggler window was read.
                 profile = profile.with_extra(link_probe=probe_link(group, model.device, model.waiter.wait))
+            if profile is not None and group is not None and group.size() > 1:  # one rank has nothing to forecast
+                # This rank's host alone, no collective: under torchft too.
+                profile = profile.with_extra(resume_probe=probe_resume())
             if profile is not None and folder is not None:
                 path = profile.write(folder)
                 log.debug("communication profile written to %s", path)

@@ -11,6 +11,7 @@ import pytest
 from lit_dp.forecast.model import DILOCO_QUALITY
 from lit_dp.observability.link_probe import PROBE_BYTES
 from lit_dp.observability.profile import Profile
+from lit_dp.observability.resume_probe import IDLE_MS
 from lit_dp.options import Options
 from lit_dp.strategies.monitoring import forecast_lines
 from tests.forecast.test_command import forecast
@@ -68,9 +69,11 @@ def test_a_recipe_run_ends_with_the_forecast_and_leaves_every_rank_s_profile(tmp
     profiles = sorted(run.glob("csv/version_0/lit_dp_profile.rank*.json"))
     assert [path.name for path in profiles] == ["lit_dp_profile.rank0.json", "lit_dp_profile.rank1.json"]
     assert {Profile.read(path).rank for path in profiles} == {0, 1}
-    for path in profiles:  # each rank timed the link when training ended, and the forecast fits to it
+    for path in profiles:  # each rank timed the link and its host's resume when training ended, for the forecast
         assert Profile.read(path).extra["link_probe"]["bytes"] == list(PROBE_BYTES), path
+        assert Profile.read(path).extra["resume_probe"]["idle_ms"] == list(IDLE_MS), path
     table = forecast(str(run), "--ranks", "8")
     assert table.returncode == 0 and "\nfastest: " in table.stdout, table.stderr
+    assert "resume after a wait was not probed" not in table.stdout
     probed = ", ".join(f"{nbytes / 2**20:g}" for nbytes in PROBE_BYTES)  # 0.03125, ..., 8
     assert f"the run's link: fitted to all-reduces of {probed} MB timed when the run ended" in table.stdout

@@ -27,6 +27,7 @@ from lit_dp.forecast import (
 )
 from lit_dp.forecast.model import DILOCO_QUALITY
 from lit_dp.forecast.report import options_to_type
+from lit_dp.forecast.run import ResumeCost
 from lit_dp.observability.profile import Profile
 
 RUN = Path(__file__).parent / "recorded_run"
@@ -143,6 +144,50 @@ def test_a_step_whose_collectives_the_host_delayed_stays_as_delayed_over_another
         return predict(dataclasses.replace(measured, samples=samples), bandwidth="100Mbit").scenarios[0].rows[0].step_ms
 
     assert step(sample, delayed_link, delayed_rest) > step(sample, sample, delayed_rest) + 0.8 * DELAY
+
+
+def test_the_resume_cost_is_linear_between_the_probed_waits():
+    cost = ResumeCost(idle_ms=(1.0, 4.0), extra_ms=(0.2, 1.4))
+    assert cost.probed and cost.after(0.0) == 0.0 and cost.after(-1.0) == 0.0  # no wait costs nothing
+    assert cost.after(0.5) == pytest.approx(0.1) and cost.after(1.0) == pytest.approx(0.2)
+    assert cost.after(2.5) == pytest.approx(0.8)
+    assert cost.after(100.0) == pytest.approx(1.4)  # beyond the longest wait probed: the longest's
+    assert not ResumeCost().probed and ResumeCost().after(5.0) == 0.0
+
+
+DILOCO = "DiLoCo K=16, syncs in fp32"
+
+
+def test_a_local_step_waits_for_no_link_and_drops_the_resume_after_the_run_s_wait(measured):
+    # Every step of the run waited 2 ms; any wait of 1 ms or more adds RESUME ms to the host work
+    # after it. Data parallelism over a slower link still waits more than 1 ms: its step keeps the
+    # run's resume. A DiLoCo step waits for nothing but every 16th step's sync: it has RESUME less,
+    # but for a 16th of the sync's.
+    RESUME = 0.7
+    waited = dataclasses.replace(measured, samples=tuple(dataclasses.replace(s, idle_ms=2.0) for s in measured.samples))
+    unprobed = rows_of(predict(waited, bandwidth="100Mbit"))
+    probed_rows = rows_of(predict(dataclasses.replace(waited, resume=ResumeCost((1.0,), (RESUME,))), bandwidth="100Mbit"))
+    run_s = next(name for name in unprobed if name.startswith("data parallelism, the run's buckets"))
+    assert probed_rows[run_s].step_ms == pytest.approx(unprobed[run_s].step_ms, rel=1e-9)
+    assert probed_rows[DILOCO].step_ms == pytest.approx(unprobed[DILOCO].step_ms - RESUME + RESUME / 16, rel=1e-9)
+
+
+def test_a_longer_wait_for_the_link_costs_the_host_work_after_it_more(measured):
+    # The probe: 9.9 ms more after 100 ms idle, nothing after 1 ms. Over 10 Mbit/s the recorded run's
+    # 0.1 MB takes about 80 ms a step, where the run waited at most 10.5 ms: the step pays the
+    # difference. Over the run's own link, as it ran, the step stays the one measured.
+    slow = dataclasses.replace(measured, resume=ResumeCost((1.0, 100.0), (0.0, 9.9)))
+    assert max(sample.idle_ms for sample in measured.samples) < 11.0
+    before = predict(measured, bandwidth="10Mbit").scenarios[0].rows[0].step_ms
+    after = predict(slow, bandwidth="10Mbit").scenarios[0].rows[0].step_ms
+    assert 5.0 < after - before < 9.9
+    assert predict(slow).scenarios[0].rows[0].step_ms == pytest.approx(measured.period_ms, rel=1e-6)
+
+
+def test_without_a_resume_probe_the_forecast_says_the_host_work_is_kept_as_measured(measured):
+    note = "the host's resume after a wait was not probed: each step's host work is kept as the run measured it"
+    assert note in predict(measured).notes
+    assert note not in predict(dataclasses.replace(measured, resume=ResumeCost((1.0,), (0.1,)))).notes
 
 
 def test_the_fastest_setting_and_the_fastest_with_data_parallelism_s_gradients(measured):
@@ -304,4 +349,20 @@ def test_a_bucket_size_that_cuts_the_run_s_buckets_is_predicted_as_the_run(measu
 def test_a_damaged_link_probe_is_refused_naming_it(probe):
     profiles = [profile.with_extra(link_probe=probe) for profile in load_profiles(RUN)]
     with pytest.raises(NoRunError, match=r"^the profile of rank \d is damaged: extra\.link_probe=.* is invalid, expected "):
+        measure(profiles)
+
+
+@pytest.mark.parametrize(
+    "probe",
+    [
+        {"idle_ms": [4.0, 1.0], "extra_ms": [0.1, 0.2]},  # not increasing
+        {"idle_ms": [0.0, 1.0], "extra_ms": [0.0, 0.2]},  # a wait of nothing
+        {"idle_ms": [1.0], "extra_ms": [-0.1]},
+        {"idle_ms": [1.0, 4.0], "extra_ms": [0.1]},
+        [1],
+    ],
+)
+def test_a_damaged_resume_probe_is_refused_naming_it(probe):
+    profiles = [profile.with_extra(resume_probe=probe) for profile in load_profiles(RUN)]
+    with pytest.raises(NoRunError, match=r"^the profile of rank \d is damaged: extra\.resume_probe=.* is invalid, expected "):
         measure(profiles)
