@@ -3,8 +3,9 @@
 A rank that waits for its collectives leaves its core idle, and the host work after the wait
 (the optimizer step, the next batch, the forward's launches) runs slower than the same work done
 back to back: the core was given away, its caches went cold, a virtual machine's CPU was
-descheduled. On this project's machine (2 cores of a VM) a fixed workload of about 0.9 ms took
-0.16 ms more after an idle 1.5 ms, 1.5 ms more after 17 ms and 4.6 ms more after 50 ms. A forecast
+descheduled. On this project's machine (2 cores of a VM) this probe's workload, about 0.7 ms back
+to back, took 0.0 to 0.3 ms more after an idle 1 ms, 1.4 to 2.1 ms more after 16 ms and 5.3 to
+6.5 ms more after 64 ms (three probes in a row). A forecast
 that keeps each step's host work as the run measured it is then wrong wherever the wait changes:
 over a slower link (the digits recipe's step over 50 Mbit/s waits 17 ms a step and its host work
 after the wait took 6.2 to 7.2 ms against 3.8 without a link) and in LocalSGD's and DiLoCo's local
@@ -27,7 +28,7 @@ import torch
 
 IDLE_MS = (1.0, 4.0, 16.0, 64.0)
 TRIES = 5
-WORK = 10  # rounds of the workload: about 0.9 ms on this project's machine
+WORK = 10  # rounds of the workload: about 0.7 ms on this project's machine
 
 
 def probe_resume(idle_ms: tuple[float, ...] = IDLE_MS, tries: int = TRIES, work: int = WORK) -> dict[str, Any]:
