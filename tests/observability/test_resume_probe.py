@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
 import lit_dp.observability.resume_probe as resume_probe
 from lit_dp.observability.resume_probe import IDLE_MS, probe_resume
 
@@ -42,8 +44,10 @@ def test_each_wait_adds_what_the_workload_after_it_took_beyond_back_to_back(monk
     assert host.slept == [0.002] * 3 + [0.008] * 3  # each wait, tries times, idle
 
 
-def test_on_this_host_the_probe_measures_every_wait():
+def test_on_this_host_the_probe_measures_every_wait_and_leaves_the_random_stream_alone():
+    state = torch.get_rng_state()
     probe = probe_resume()
+    assert torch.equal(torch.get_rng_state(), state)
     assert probe["idle_ms"] == list(IDLE_MS)
     assert len(probe["extra_ms"]) == len(IDLE_MS) and all(extra >= 0 for extra in probe["extra_ms"])
     assert probe["work_ms"] > 0
