@@ -269,17 +269,22 @@ def _running(pid: int) -> bool:
 
 def wait_for_groups(what: str, predicate, groups: list[LaunchedGroup], timeout: float, check=None) -> None:
     """Poll ``predicate()``, recording the groups' workers, until true; fail naming a launcher that exited
-    with an error, or every group's output after ``timeout`` seconds. ``check()``, if given, runs at each
-    poll and may fail the wait sooner (an AssertionError of its own)."""
+    (with an error, or at the end of its run: every wait here is for groups that still train), or every
+    group's output after ``timeout`` seconds. ``check()``, if given, runs at each poll and may fail the
+    wait sooner (an AssertionError of its own)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         for group in groups:
             group.watch()
         if check is not None:
             check()
-            if group.launcher.poll() not in (None, 0):
-                exited = f"replica group {group.number}'s torchrun exited {group.launcher.returncode}"
-                raise AssertionError(f"waiting for {what}: {exited}:\n{group.describe()}")
+        # Else a wait would last its whole timeout for what a launcher that is gone can no longer bring.
+        ended = [group for group in groups if group.launcher.poll() is not None]
+        if ended:
+            if predicate():  # its output may have said it as it ended
+                return
+            exited = "; ".join(f"replica group {g.number}'s torchrun exited {g.launcher.returncode}" for g in ended)
+            raise AssertionError(f"waiting for {what}: {exited}:\n\n" + "\n\n".join(g.describe() for g in ended))
         if time.monotonic() > deadline:
             raise AssertionError(f"waiting for {what} for {timeout:.0f} s:\n\n" + "\n\n".join(g.describe() for g in groups))
         time.sleep(0.2)
