@@ -34,7 +34,7 @@ validation loss (``tests.helpers.chaos_launch.check_survived``).
 
 Run them: the chaos test is the soak tier (``-m soak``, on demand: CI's time on 2 cores cannot hold it
 beside the end-to-end tier), the others the slow tier. On the project's 2-core machine, idle, a
-160-step run takes 20 to 40 s (start-up included), the chaos test 2 to 3 minutes per mode (its two
+160-step run takes 20 to 40 s (start-up included), the chaos test 2 to 3.5 minutes per mode (its two
 runs); at a load average of 10 to 15, 2 to 3 minutes and 6 to 7:
 
     python -m pytest -q -m slow tests/test_fault_tolerance_chaos.py -p no:cacheprovider
