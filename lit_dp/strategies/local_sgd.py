@@ -20,6 +20,8 @@ exists, and rank 0 says in one line what was lost: rank r takes old rank r's sta
 one; a rank the checkpoint had none of starts from the last sync's model with rank 0's optimizer
 state; the local steps of old ranks beyond the new world size since the last sync are lost. A
 checkpoint written before the replicas were kept resumes every rank from rank 0's, with a warning.
+Across torchft's replica groups the ranks of a group hold its model, and ``replicas`` holds only what
+``LocalSGD.rank_state_dict()`` gives (with error feedback, each rank's residuals, of its own shard).
 """
 
 from __future__ import annotations
@@ -156,21 +158,25 @@ class LocalSGDSchedule(Feature):
     @override
     def state_dict(self) -> dict[str, Any] | None:
         """``LocalSGD.state_dict()``, and past warm-up ``replicas``: the world size and this rank's own entry (its
-        model and optimizer states, rank 0's being the checkpoint's; ``LocalSGD.rank_state_dict()``), no collective."""
+        model and optimizer states, rank 0's being the checkpoint's; ``LocalSGD.rank_state_dict()``), no collective.
+        Across replica groups only ``LocalSGD.rank_state_dict()`` is a rank's own, and ``replicas`` holds it alone."""
         if self.local_sgd is None:
             return None
         state = self.local_sgd.state_dict()
-        if self._replicas_differ(state):
-            own = self._own_entry()
-            state[_REPLICAS] = {"world_size": _world_size(), RANKS: RankEntries({_rank(): own} if own else {})}
+        if self._in_local_phase(int(state["step"])):
+            own = self._own_entry(state)
+            if own or self._replicas_differ(state):
+                state[_REPLICAS] = {"world_size": _world_size(), RANKS: RankEntries({_rank(): own} if own else {})}
         return state
 
-    def _own_entry(self) -> dict[str, Any]:
+    def _own_entry(self, state: dict[str, Any]) -> dict[str, Any]:
         """What only this rank holds between syncs: its model and inner optimizers' states (but on rank 0, whose
-        are the checkpoint's own) and its ``LocalSGD.rank_state_dict()``. The one place a per-rank state is added."""
+        are the checkpoint's own, and across replica groups, whose ranks hold their group's) and its
+        ``LocalSGD.rank_state_dict()`` (with error feedback, its residuals: across replica groups of several
+        ranks, of its own shard of the group's sum). The one place a per-rank state is added."""
         assert self._run is not None and self._run.model is not None and self.local_sgd is not None
         entry: dict[str, Any] = {}
-        if _rank() != 0:
+        if _rank() != 0 and self._replicas_differ(state):
             entry["model"] = self._run.model.module.state_dict()
             entry["optimizers"] = [optimizer.state_dict() for optimizer in self._optimizer_list()]
         if own := self.local_sgd.rank_state_dict():
@@ -204,7 +210,9 @@ class LocalSGDSchedule(Feature):
         none of), or None (rank 0's, the checkpoint's own, is all). Rank 0 says what a change of world size lost."""
         world_size = _world_size()
         if not self._replicas_differ(state):
-            return None
+            # Across replica groups a rank's own entry is its LocalSGD state alone (load_rank_state_dict decides
+            # whether it is this rank's: a peer group's, sent to a group that heals, is not).
+            return _entry_of(state, _rank()) if self._in_local_phase(int(state["step"])) else None
         replicas = state.get(_REPLICAS)
         if replicas is None:
             if world_size > 1:
@@ -238,15 +246,18 @@ class LocalSGDSchedule(Feature):
             for optimizer, optimizer_state in zip(self._optimizer_list(), replica["optimizers"], strict=True):
                 optimizer.load_state_dict(optimizer_state)
         self.local_sgd.load_rank_state_dict(replica.get("local_sgd", {}))
-        log.debug("LocalSGD: this rank's own model and optimizer states restored from the checkpoint")
+        log.debug("LocalSGD: this rank's own state restored from the checkpoint (%s)", ", ".join(replica) or "nothing")
 
     def _replicas_differ(self, state: dict[str, Any]) -> bool:
         return self._past_warmup(int(state["step"]), bool(state.get("across_replica_groups", False)))
 
+    def _in_local_phase(self, step: int) -> bool:
+        return step > self._options.warmup_steps
+
     def _past_warmup(self, step: int, across_replica_groups: bool) -> bool:
         """Past warm-up every rank holds its own model and inner optimizer state; across torchft's replica
         groups not: the ranks of one group train as one between syncs, and its checkpoint is its own."""
-        return step > self._options.warmup_steps and not across_replica_groups
+        return self._in_local_phase(step) and not across_replica_groups
 
     def _optimizer_list(self) -> list[Any]:
         trainer = self._run.trainer if self._run is not None else None

@@ -11,11 +11,13 @@ inject: a collective issued and completed for the peers, reported failed on one 
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("torchft")
 
@@ -28,6 +30,7 @@ from tests.fault_tolerance.test_transient_faults import (  # noqa: E402
     params_at,
     run,
 )
+from tests.helpers.torchft import PYTHON, replica_groups  # noqa: E402
 
 K = 2
 STEPS = 8  # four syncs, after steps 2, 4, 6 and 8
@@ -137,6 +140,36 @@ def test_in_groups_of_two_ranks_each_rank_sends_its_shard_encoded_and_a_failed_s
     assert per_sync == 4 + 2112
     for where, sent in traffic(tmp_path, 2, 2).items():
         assert sent["across_bytes"] == 4 * per_sync, (where, sent)  # a failed sync's bytes count, as sent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sync_dtype", ["int8", pytest.param("bf16", id="bf16_without_residuals")])
+def test_in_groups_of_two_ranks_a_trainer_resumed_between_syncs_ends_where_the_run_that_saved_did(tmp_path, sync_dtype):
+    # With int8, each rank's residual covers its own shard of the group's sum (what int8 dropped of it), so
+    # rank 1's is not rank 0's: the checkpoint after step 5, between the syncs after steps 4 and 6, must hold
+    # both. bf16 keeps no residuals: the resume of the rest (the model, the snapshot, torchft's step count,
+    # the data's position) alone. The oracle: the resumed run ends bitwise where the run that saved went on to.
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    common = (str(STEPS), "--sync-dtype", sync_dtype, *WIDE)
+    _trainer_groups(saved, *common, "--save-at", "5")
+    _trainer_groups(resumed, *common, "--resume", str(saved))
+    differ = []
+    for group, rank in itertools.product(range(2), range(2)):
+        went_on, came_back = (torch.load(folder / f"group{group}-rank{rank}.pt") for folder in (saved, resumed))
+        if any(not torch.equal(value, came_back[name]) for name, value in went_on.items()):
+            differ.append((group, rank))
+    assert not differ, f"(group, rank) {differ}: the resumed run ends with other parameters than the run that saved"
+
+
+def _trainer_groups(out: Path, *flags: str) -> None:
+    """Two replica groups of two ranks, ``tests.helpers.ft_resume`` under torchrun, to their end."""
+    out.mkdir()
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.1"]
+    command = [PYTHON, *launcher, "-m", "tests.helpers.ft_resume", str(out), *flags]
+    with replica_groups(command, 2, out, min_replicas=2) as replicas:
+        replicas.start_all()
+        replicas.wait_all(timeout=400)
 
 
 def test_sync_delay_across_replica_groups_is_refused_saying_why():
