@@ -160,7 +160,7 @@ def _buckets(config: ForecastBenchmarkConfig, recipe: str) -> tuple[float, ...]:
 
 
 def _overrides(case: Case, config: ForecastBenchmarkConfig) -> list[str]:
-    overrides = [f"trainer.devices={case.ranks}", *getattr(config, case.recipe)]
+    overrides = ["strategy.comm_stats=true", f"trainer.devices={case.ranks}", *getattr(config, case.recipe)]
     if case.setting == "diloco":
         overrides += [f"strategy.local_sgd.steps={config.local_steps}", "strategy.local_sgd.outer=nesterov"]
         overrides.append(f"strategy.comm_buffer_size={_buckets(config, case.recipe)[0]:g}")
@@ -188,7 +188,6 @@ def run_case(recipe: str, overrides: list[str], folder: Path) -> float:
         str(ROOT / "recipes" / f"{recipe}.py"),
         "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false",
-        "strategy.comm_stats=true",
         "ckpt_path=null",
         "+callbacks.step_times._target_=benchmarks.forecast.StepTimes",
         f"hydra.run.dir={folder}",

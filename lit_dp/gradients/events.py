@@ -1,4 +1,5 @@
-"""What the reducer tells its observers: a step started, a bucket ready and launched, backward ended, the step ended.
+"""What the reducer tells its observers: a step started, a bucket ready and launched, backward ended, each
+bucket waited for, the step ended.
 
 Statistics, traces, bucket-size autotuning and the hang watchdog subscribe with
 ``Reducer.add_observer``. The reducer calls this interface and knows none of its listeners;
@@ -51,6 +52,9 @@ class ReducerObserver:
 
     def bucket_launched(self, launch: BucketLaunch) -> None:
         """A bucket's collectives were started."""
+
+    def bucket_waited(self, step: int, position: int) -> None:
+        """After backward, the wait for bucket ``position`` returned: its collectives are complete."""
 
     def backward_ended(self, step: int) -> None:
         """The autograd engine ran the reducer's end-of-backward callback: the last gradient is ready."""

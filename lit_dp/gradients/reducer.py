@@ -465,8 +465,10 @@ class Reducer:
         armed.pending = [0] * len(armed.pending)
         self._launch_complete_buckets(armed)
         buckets = self._layout.buckets
-        for bucket in buckets:
+        for position, bucket in enumerate(buckets):
             bucket.wait()
+            for observer in self._observers:
+                observer.bucket_waited(armed.step, position)
         used, self._used = self._used, bytearray(len(self._params))
         plan = armed.plan
         if not plan.has_backward:

@@ -7,10 +7,11 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 from lit_dp.observability.stats import BucketSpan, StepTimeline
 from tests.helpers.distributed import run_ranks
-from tests.helpers.observability import STATS_STEPS, make_model, train_step
+from tests.helpers.observability import KB, STATS_STEPS, make_model, train_step
 
 
 def test_statistics_on_two_ranks(two_ranks):
@@ -63,6 +64,58 @@ def test_comm_time_includes_the_hooks_collectives():
     for rank, times in run_ranks(stats_with_a_slow_hook, 2, timeout=60).items():
         # Without the hook's future, only the flags' all-reduce (well under a millisecond) would count.
         assert all(ms >= 0.8 * HOOK_DELAY_S * 1e3 for ms in times), f"rank {rank}: {times}"
+
+
+PAUSE_S = 0.05
+
+
+class _Pause(torch.autograd.Function):
+    """The identity, whose backward sleeps: the buckets launched before it complete meanwhile."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(PAUSE_S)
+        return grad
+
+
+def timelines_with_a_pause_in_backward(rank: int) -> dict:
+    import lit_dp
+
+    lit_dp.init_parallel_env()
+    torch.manual_seed(0)
+    first, second, third = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+    model = nn.Sequential(first, nn.ReLU(), second, nn.ReLU(), third)
+    first.register_forward_hook(lambda module, args, out: _Pause.apply(out))  # its gradients' bucket waits
+    timelines = []
+    wrapped = lit_dp.DataParallel(model, comm_buffer_size=4 * KB, last_comm_buffer_size=4 * KB, comm_stats=True)
+    observer = wrapped._observers.stats
+    observer._sinks.append(timelines.append)
+    marked_on = set()
+    mark = observer._clock.mark
+    observer._clock.mark = lambda: marked_on.add(threading.get_ident()) or mark()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(3):
+        train_step(wrapped, optimizer, step)
+    wrapped.comm_stats()
+    return {"timelines": timelines[1:], "marked_on": marked_on, "main": threading.get_ident()}
+
+
+def test_on_cpu_the_training_thread_marks_each_bucket_complete_at_the_reducers_next_moment():
+    # Gloo runs a future's callbacks on its worker thread, which must then take the interpreter lock before
+    # its next all-reduce: the statistics put none there. The buckets of the last two layers' gradients,
+    # launched before the pause, complete during it and are seen at the next moment (the first layer's
+    # buckets ready, or backward's end): before backward ends, so they expose nothing.
+    for rank, result in run_ranks(timelines_with_a_pause_in_backward, 2, timeout=60).items():
+        assert result["marked_on"] == {result["main"]}, f"rank {rank}: marks taken on {result['marked_on']}"
+        for timeline in result["timelines"]:
+            early = [b for b in timeline.buckets if b.launch < timeline.backward_end - 0.8 * PAUSE_S]
+            assert early and len(early) < len(timeline.buckets), f"rank {rank}: {timeline}"
+            assert all(b.end <= timeline.backward_end for b in early), f"rank {rank}: {timeline}"
+            assert timeline.stats().exposed_ms < 0.8 * PAUSE_S * 1e3, f"rank {rank}: {timeline}"
 
 
 def test_exposed_time_is_communication_after_backward():
