@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import benchmark_main
+from benchmarks.common import benchmark_main, in_runs_folder
 from benchmarks.forecast import DEFAULT_LAST_BUCKET_MB, TIMES_FILE, median_step_ms, run_case
 
 
@@ -81,12 +80,7 @@ def report(rows: list[dict[str, Any]], config: CommStatsBenchmarkConfig) -> str:
 
 
 def run_and_report(config: CommStatsBenchmarkConfig) -> str:
-    if config.folder is not None:
-        root = Path(config.folder).resolve()
-        root.mkdir(parents=True, exist_ok=True)
-        return report(run(config, root), config)
-    with tempfile.TemporaryDirectory() as folder:
-        return report(run(config, Path(folder)), config)
+    return report(in_runs_folder(config.folder, lambda root: run(config, root)), config)
 
 
 main = benchmark_main("comm_stats", CommStatsBenchmarkConfig, run_and_report)

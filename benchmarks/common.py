@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 Config = TypeVar("Config")
+Result = TypeVar("Result")
 # The modes compared: no synchronisation (the floor), torch DDP (the yardstick), lit_dp.
 MODES = ("none", "ddp", "lit_dp")
 CONFIGS = Path(__file__).resolve().parent / "conf"
@@ -350,6 +352,17 @@ def benchmark_main(config_name: str, config_cls: type[Config], run_and_report: C
         print(run_and_report(config_from(config_cls, cfg)))
 
     return main
+
+
+def in_runs_folder(folder: str | None, run: Callable[[Path], Result]) -> Result:
+    """``run(root)`` with its recipe runs in ``folder`` (made if missing; a benchmark reuses the runs it finds
+    finished there), or in a temporary folder, removed afterwards, when ``folder`` is None."""
+    if folder is not None:
+        root = Path(folder).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        return run(root)
+    with tempfile.TemporaryDirectory() as temporary:
+        return run(Path(temporary))
 
 
 def config_from(cls: type[Config], cfg: Any) -> Config:

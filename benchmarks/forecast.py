@@ -45,7 +45,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from benchmarks.common import benchmark_main
+from benchmarks.common import benchmark_main, in_runs_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMES_FILE = "step_times.json"
@@ -340,12 +339,7 @@ def report(rows: list[dict[str, Any]], config: ForecastBenchmarkConfig) -> str:
 
 
 def run_and_report(config: ForecastBenchmarkConfig) -> str:
-    if config.folder is not None:
-        root = Path(config.folder).resolve()
-        root.mkdir(parents=True, exist_ok=True)
-        return report(run(config, root), config)
-    with tempfile.TemporaryDirectory() as folder:
-        return report(run(config, Path(folder)), config)
+    return report(in_runs_folder(config.folder, lambda root: run(config, root)), config)
 
 
 main = benchmark_main("forecast", ForecastBenchmarkConfig, run_and_report)
