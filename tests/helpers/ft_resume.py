@@ -43,10 +43,10 @@ def main() -> None:
         fault_tolerance="torchft", ft_timeout=20, ft_min_replicas=2, local_sgd_steps=2, local_sgd_outer="nesterov",
         local_sgd_sync_dtype=args.sync_dtype,
     )  # fmt: skip
-    checkpoints = [ModelCheckpoint(dirpath=args.out / f"group{group}", every_n_train_steps=args.save_at, save_top_k=-1)]
+    saves = [ModelCheckpoint(args.out / f"group{group}", every_n_train_steps=args.save_at, save_top_k=-1)] if args.save_at else []
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=ranks, max_steps=args.steps, default_root_dir=args.out / f"root{group}",
-        callbacks=checkpoints if args.save_at else [], enable_checkpointing=bool(args.save_at), logger=False,
+        callbacks=saves, enable_checkpointing=bool(saves), logger=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     model = Classifier(args.hidden)
