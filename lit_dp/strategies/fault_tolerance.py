@@ -119,6 +119,7 @@ class FaultToleranceFeature(Feature):
     """What both strategies' fault tolerance shares: the replica group's ``FaultTolerance`` (``ft``),
     built when the option is on, closed at teardown."""
 
+    key = "fault_tolerance"
     exposes = {"fault_tolerance": None}
 
     def __init__(self, fault_tolerance: FaultTolerance) -> None:
@@ -139,11 +140,18 @@ class FaultToleranceFeature(Feature):
     def teardown(self) -> None:
         self.ft.close()
 
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (a whole-job restart resumes from it): torchft's step count, the data position."""
+        batches = self.ft.batches
+        return {
+            "manager": self.ft.manager.state_dict() if self.ft.manager is not None else None,
+            "data": batches.state_dict() if batches is not None else None,
+        }
+
 
 class TrainerFaultTolerance(FaultToleranceFeature):
     """The Trainer's glue: the data, the step gate, the loop state, and the ``ft/*`` metrics."""
-
-    key = "fault_tolerance"
 
     def __init__(self, fault_tolerance: FaultTolerance) -> None:
         super().__init__(fault_tolerance)
@@ -182,15 +190,6 @@ class TrainerFaultTolerance(FaultToleranceFeature):
     def teardown(self) -> None:
         super().teardown()
         self._trainer = None
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps (a whole-job restart resumes from it): torchft's step count, the data position."""
-        batches = self.ft.batches
-        return {
-            "manager": self.ft.manager.state_dict() if self.ft.manager is not None else None,
-            "data": batches.state_dict() if batches is not None else None,
-        }
 
     @override
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -400,6 +399,7 @@ class FabricFaultTolerance(FaultToleranceFeature):
         self.modules: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self._features: Features | None = None  # the strategy's, for the state they share across groups
+        self._restored: dict[str, Any] = {}  # from fabric.load, each part until what it restores exists
 
     @override
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -409,6 +409,7 @@ class FabricFaultTolerance(FaultToleranceFeature):
             strategy = run.strategy
             self.ft.start(strategy.root_device, strategy.global_rank, strategy.world_size)
             self.ft.track(self._state, self._load)
+            self._apply_restored()
         return {**arguments, "manager": self.ft.protocol}
 
     @override
@@ -433,7 +434,22 @@ class FabricFaultTolerance(FaultToleranceFeature):
                 "replica group validates on all of it)."
             )
         self.ft.batches = replica_batches(dataloader, 1, int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        self._apply_restored()
         return StepBatches(self.ft)
+
+    @override
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """From ``fabric.load`` (usually after ``fabric.setup`` and ``setup_dataloaders``, before the first step):
+        torchft's step count into the Manager and the data position into the loader, each now if it exists,
+        else when it is set up."""
+        self._restored = {name: part for name, part in (state or {}).items() if part is not None}
+        self._apply_restored()
+
+    def _apply_restored(self) -> None:
+        if "manager" in self._restored and self.ft.manager is not None:
+            self.ft.manager.load_state_dict(self._restored.pop("manager"))
+        if "data" in self._restored and self.ft.batches is not None:
+            self.ft.batches.load_state_dict(self._restored.pop("data"))
 
     @override
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:

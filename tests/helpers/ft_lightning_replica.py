@@ -1,7 +1,7 @@
 """One replica group of the Lightning fault-tolerance tests: the Trainer or Fabric with ``fault_tolerance="torchft"``.
 
     python -m tests.helpers.ft_lightning_replica OUT STEPS {trainer,fabric} [--kill GROUP:STEP] [--alone-seconds S]
-        [--accumulate N] [--min-replicas N] [--quorum-timeout S] [--local-sgd K]
+        [--accumulate N] [--min-replicas N] [--quorum-timeout S] [--local-sgd K] [--save-at STEP] [--resume FOLDER]
 
 The replica group comes from ``REPLICA_GROUP_ID``, the lighthouse from ``TORCHFT_LIGHTHOUSE``
 (torchft's launch variables, which the strategy reads). Every step attempt appends one JSON line
@@ -11,9 +11,11 @@ the step's start (after the quorum, and after a recovery) and at its end. ``--ki
 ``--alone-seconds`` as in ``tests.helpers.ft_replica``; ``--accumulate``: the Trainer's
 ``accumulate_grad_batches``; ``--min-replicas`` and ``--quorum-timeout``: ``ft_min_replicas`` and
 ``ft_quorum_timeout``; ``--local-sgd K``: DiLoCo (``local_sgd_steps=K``, ``local_sgd_outer="nesterov"``),
-whose groups take a quorum only at a sync. The Trainer logs to ``OUT/replica<group>/`` (CSV) and
-writes its final ``global_step`` to ``OUT/replica<group>.steps`` and its loop counters (those it
-decides validation and the epoch's end by) to ``OUT/replica<group>.loops``.
+whose groups take a quorum only at a sync; ``--save-at`` and ``--resume`` (Fabric): ``fabric.save`` of
+the model and optimizer to ``OUT/fabric<group>.ckpt`` after the step that commits step STEP, and a run
+that starts with ``fabric.load`` of ``FOLDER/fabric<group>.ckpt`` (a whole-job restart). The Trainer
+logs to ``OUT/replica<group>/`` (CSV) and writes its final ``global_step`` to ``OUT/replica<group>.steps``
+and its loop counters (those it decides validation and the epoch's end by) to ``OUT/replica<group>.loops``.
 """
 
 from __future__ import annotations
@@ -133,12 +135,17 @@ def loop_counters(trainer: pl.Trainer) -> dict:
     }
 
 
-def fabric_replica(out: Path, steps: int, recorder: Recorder, group: int, options: dict) -> None:
+def fabric_replica(
+    out: Path, steps: int, recorder: Recorder, group: int, options: dict, save_at: int | None, resume: Path | None
+) -> None:
     fabric = Fabric(strategy=lit_dp.fabric.PaddleDPStrategy(fault_tolerance="torchft", ft_timeout=10, **options), accelerator="cpu", devices=1)
     fabric.launch()  # one process: its process group of one rank
     net = Classifier().net
     model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
+    state = {"model": model, "optimizer": optimizer}
+    if resume is not None:
+        fabric.load(resume / f"fabric{group}.ckpt", state)
     ft = fabric.strategy.fault_tolerance
     while ft.committed_steps < steps:
         for inputs, targets, indices in loader:
@@ -147,6 +154,8 @@ def fabric_replica(out: Path, steps: int, recorder: Recorder, group: int, option
             optimizer.step()  # applied only if the step commits
             optimizer.zero_grad()
             recorder.step_ended(ft, net)
+            if ft.last_committed and ft.committed_steps == save_at:
+                fabric.save(out / f"fabric{group}.ckpt", state)
             if ft.committed_steps >= steps:
                 break
     torch.save(net.state_dict(), out / f"replica{group}.pt")
@@ -163,6 +172,8 @@ def main() -> None:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--quorum-timeout", type=float, default=60.0)
     parser.add_argument("--local-sgd", type=int, default=None, help="K: DiLoCo, a sync every K steps")
+    parser.add_argument("--save-at", type=int, default=None, help="Fabric: save after the step that commits STEP")
+    parser.add_argument("--resume", type=Path, default=None, help="Fabric: load FOLDER/fabric<group>.ckpt first")
     args = parser.parse_args()
     torch.set_num_threads(1)
     group = int(os.environ["REPLICA_GROUP_ID"])
@@ -174,7 +185,7 @@ def main() -> None:
     if args.front == "trainer":
         trainer_replica(args.out, args.steps, recorder, group, args.accumulate, options)
     else:
-        fabric_replica(args.out, args.steps, recorder, group, options)
+        fabric_replica(args.out, args.steps, recorder, group, options, args.save_at, args.resume)
 
 
 if __name__ == "__main__":

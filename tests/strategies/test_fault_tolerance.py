@@ -28,7 +28,7 @@ from tests.helpers.ft_lightning_replica import dataset  # noqa: E402
 from tests.helpers.ft_replica import BATCH  # noqa: E402
 from tests.helpers.torchft import PYTHON, read_records, replica_groups  # noqa: E402
 
-STEPS, KILL_AT = 16, 4
+STEPS, KILL_AT, SAVE_AT = 16, 4, 6
 
 
 def group_1_killed_and_restarted(command: list[str], tmp_path: Path) -> dict[int, str]:
@@ -113,6 +113,31 @@ def test_under_gradient_accumulation_the_trainers_step_count_survives_a_recovery
 @pytest.mark.slow
 def test_fabric_goes_on_without_a_killed_replica_group_and_takes_it_back(tmp_path):
     run(tmp_path, "fabric")
+
+
+@pytest.mark.slow
+def test_fabric_resumed_from_fabric_save_goes_on_from_torchfts_step_count_and_the_data_where_it_stopped(tmp_path):
+    # A whole-job restart: both replica groups stop, and start again from what fabric.save kept after
+    # step SAVE_AT. Each resumed step is the uninterrupted run's, bit for bit: its quorum rank, its
+    # samples, its parameters before and after.
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    module = [PYTHON, "-m", "tests.helpers.ft_lightning_replica"]
+    for out, extra in ((saved, ["--save-at", str(SAVE_AT)]), (resumed, ["--resume", str(saved)])):
+        out.mkdir()
+        both = ["--min-replicas", "2"]  # every step in both groups: the first to start waits for the other
+        with replica_groups([*module, str(out), str(STEPS), "fabric", *both, *extra], 2, out, min_replicas=2) as replicas:
+            replicas.start_all()
+            replicas.wait_all(timeout=240)
+    for group in (0, 1):
+        uninterrupted = {
+            line["committed_steps"]: line for line in read_records(saved / f"replica{group}.jsonl") if line["committed"]
+        }
+        lines = [line for line in read_records(resumed / f"replica{group}.jsonl") if line["committed"]]
+        assert [line["committed_steps"] for line in lines] == list(range(SAVE_AT + 1, STEPS + 1)), (
+            f"replica group {group} did not go on from torchft's step {SAVE_AT}"
+        )
+        for line in lines:
+            assert line == uninterrupted[line["committed_steps"]], f"replica group {group}, step {line['committed_steps']}"
 
 
 @pytest.mark.slow
