@@ -78,23 +78,71 @@ class _SlowWork:
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            future: torch.futures.Future = torch.futures.Future()
-
-            def carried(done: torch.futures.Future) -> None:
-                try:
-                    value = done.value()
-                except Exception as error:  # noqa: BLE001 - the collective's own failure, passed on
-                    future.set_exception(error)
-                    return
-                delay = self._ready - time.monotonic()
-                if delay > 0:
-                    threading.Timer(delay, future.set_result, [value]).start()
-                else:
-                    future.set_result(value)
-
-            self._work.get_future().add_done_callback(carried)
-            self._future = future
+            self._future = _CarriedFuture(self._work.get_future(), self._ready)
         return self._future
+
+
+class _CarriedFuture(torch.futures.Future):
+    """A collective's future, complete when the link has carried it (``time.monotonic() >= ready``)
+    and the collective is done.
+
+    Looking at it (``done()``, what the reducer's observers do on CPU) reads the clock on the
+    looking thread; only a callback (``then``, ``add_done_callback``) starts a timer that completes
+    it. A future of a real link runs no Python on another thread, and one that did (a callback on
+    Gloo's thread per bucket, a timer thread per bucket) would take the interpreter from the
+    training thread during backward: a cost of the simulation, not of the link.
+    """
+
+    def __init__(self, collective: torch.futures.Future, ready: float) -> None:
+        super().__init__()
+        self._collective, self._ready = collective, ready
+        self._lock = threading.Lock()
+        self._timer_set = False
+
+    def _complete(self) -> None:
+        with self._lock:
+            if super().done():
+                return
+            try:
+                value = self._collective.value()
+            except Exception as error:  # noqa: BLE001 - the collective's own failure, passed on
+                self.set_exception(error)
+                return
+            self.set_result(value)
+
+    def done(self) -> bool:
+        if not super().done() and time.monotonic() >= self._ready and self._collective.done():
+            self._complete()
+        return super().done()
+
+    def wait(self) -> Any:
+        time.sleep(max(0.0, self._ready - time.monotonic()))
+        self._collective.wait()
+        self._complete()
+        return super().wait()
+
+    def value(self) -> Any:
+        self.done()
+        return super().value()
+
+    def then(self, callback: Any) -> torch.futures.Future:
+        self._set_timer()
+        return super().then(callback)
+
+    def add_done_callback(self, callback: Any) -> None:
+        self._set_timer()
+        super().add_done_callback(callback)
+
+    def _set_timer(self) -> None:
+        with self._lock:
+            if self._timer_set:
+                return
+            self._timer_set = True
+
+        def carried(_: torch.futures.Future) -> None:
+            threading.Timer(max(0.0, self._ready - time.monotonic()), self._complete).start()
+
+        self._collective.add_done_callback(carried)
 
 
 class SlowLink:

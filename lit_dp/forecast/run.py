@@ -221,8 +221,9 @@ def _sample(step: StepRecord, buckets: Sequence[Sequence[int]], parameter_bytes:
             launched_in_backward += cost
         host.append(cost)
         main_free = bucket.launch_ms
-        # A completion's mark waits for its callback's thread to get the interpreter: it can come after
-        # the step's wait for it returned, which bounds when the collective really ended.
+        # A completion is marked when it is seen (on CPU at the training thread's next moment, on CUDA by
+        # its callback once that has the interpreter): it can come after the step's wait for it returned,
+        # which bounds when the collective really ended.
         end = min(bucket.end_ms, step.reduced_ms)
         link.append(max(0.0, end - max(bucket.launch_ms, link_free)))
         link_free = max(link_free, end)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 import time
 from datetime import timedelta
 
@@ -81,6 +82,28 @@ def test_the_link_holds_a_gradient_all_reduce_until_it_has_carried_its_bytes():
     second.wait()
     assert time.monotonic() - began >= 0.2
     assert dist.is_initialized()
+
+
+def test_a_link_future_that_is_only_looked_at_completes_on_the_clock_with_no_thread_of_its_own():
+    # On CPU the reducer's observers poll each bucket's future. A real link's future runs no Python
+    # on another thread; a simulated one that did (a timer thread per bucket, started from a
+    # callback on Gloo's thread) took the interpreter from the training thread during backward.
+    one_rank_group()
+    link = SlowLink(mbit=8.0, world_size=2)
+    tensor = torch.ones(25_000)  # 100 KB: 0.1 s on the link
+    threads = threading.active_count()
+    began = time.monotonic()
+    future = link.all_reduce(tensor, async_op=True).get_future()
+    while not future.done():
+        assert threading.active_count() == threads
+        time.sleep(0.005)
+    assert time.monotonic() - began >= 0.1
+    assert torch.equal(future.value()[0], torch.ones(25_000))
+    assert future.wait() is future.value()
+    # A callback still runs once the link has carried the collective.
+    second = link.all_reduce(tensor, async_op=True).get_future()
+    chained = second.then(lambda done: time.monotonic())
+    assert chained.wait() - began >= 0.2 and second.done()
 
 
 def test_the_table_has_every_row_and_beside_a_contended_one_the_forecast_from_fewer_ranks():
