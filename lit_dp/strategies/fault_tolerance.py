@@ -124,6 +124,7 @@ class FaultToleranceFeature(Feature):
 
     def __init__(self, fault_tolerance: FaultTolerance) -> None:
         self.ft = fault_tolerance
+        self._restored: dict[str, Any] = {}  # from a checkpoint, each part until what it restores exists
 
     @property
     def fault_tolerance(self) -> FaultTolerance:
@@ -149,6 +150,20 @@ class FaultToleranceFeature(Feature):
             "data": batches.state_dict() if batches is not None else None,
         }
 
+    @override
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """From a checkpoint (the Trainer's resume, before ``setup``; ``fabric.load``, usually after ``fabric.setup``
+        and ``setup_dataloaders``): torchft's step count into the Manager and the data position into the training
+        loader's batches, each now if it exists, else when it is set up (``_apply_restored``)."""
+        self._restored = {name: part for name, part in (state or {}).items() if part is not None}
+        self._apply_restored()
+
+    def _apply_restored(self) -> None:
+        if "manager" in self._restored and self.ft.manager is not None:
+            self.ft.manager.load_state_dict(self._restored.pop("manager"))
+        if "data" in self._restored and self.ft.batches is not None:
+            self.ft.batches.load_state_dict(self._restored.pop("data"))
+
 
 class TrainerFaultTolerance(FaultToleranceFeature):
     """The Trainer's glue: the data, the step gate, the loop state, and the ``ft/*`` metrics."""
@@ -156,7 +171,6 @@ class TrainerFaultTolerance(FaultToleranceFeature):
     def __init__(self, fault_tolerance: FaultTolerance) -> None:
         super().__init__(fault_tolerance)
         self._trainer: pl.Trainer | None = None  # from setup
-        self._restored: dict[str, Any] | None = None  # from a checkpoint, until the Manager and the data exist
         self._step_start_loops: dict[str, Any] | None = None  # the loop counters as the step in progress started
         self._starting_step = False  # in the step's quorum, before the loop counts the step's first batch
         self._peers_step_ends_epoch = False  # the step a peer was in when this rank took its state in ends the epoch
@@ -181,8 +195,7 @@ class TrainerFaultTolerance(FaultToleranceFeature):
             lambda: _trainer_state(trainer, self.ft.batches, features, self._step_start_loops, self._step_ends_epoch()),
             lambda state: self._load_state(trainer, features, state),
         )
-        if self._restored is not None:
-            self.ft.manager.load_state_dict(self._restored["manager"])
+        self._apply_restored()
         trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, _FaultToleranceCallback)]
         trainer.callbacks.append(_FaultToleranceCallback(self.ft, lambda: self._peers_step_ends_epoch))
 
@@ -190,10 +203,6 @@ class TrainerFaultTolerance(FaultToleranceFeature):
     def teardown(self) -> None:
         super().teardown()
         self._trainer = None
-
-    @override
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        self._restored = state
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -216,9 +225,9 @@ class TrainerFaultTolerance(FaultToleranceFeature):
                 )
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         previous, self.ft.batches = self.ft.batches, replica_batches(dataloader, trainer.accumulate_grad_batches, seed)
-        restored = previous.state_dict() if previous is not None else (self._restored or {}).get("data")
-        if restored is not None:  # a reloaded loader, or a checkpoint's position
-            self.ft.batches.load_state_dict(restored)
+        if previous is not None:  # a reloaded loader goes on where the previous one was
+            self.ft.batches.load_state_dict(previous.state_dict())
+        self._apply_restored()  # a checkpoint's position
         return PendingBatches()
 
     @override
@@ -399,7 +408,6 @@ class FabricFaultTolerance(FaultToleranceFeature):
         self.modules: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self._features: Features | None = None  # the strategy's, for the state they share across groups
-        self._restored: dict[str, Any] = {}  # from fabric.load, each part until what it restores exists
 
     @override
     def wrapper_arguments(self, run: Run, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -436,20 +444,6 @@ class FabricFaultTolerance(FaultToleranceFeature):
         self.ft.batches = replica_batches(dataloader, 1, int(os.environ.get("PL_GLOBAL_SEED", 0)))
         self._apply_restored()
         return StepBatches(self.ft)
-
-    @override
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """From ``fabric.load`` (usually after ``fabric.setup`` and ``setup_dataloaders``, before the first step):
-        torchft's step count into the Manager and the data position into the loader, each now if it exists,
-        else when it is set up."""
-        self._restored = {name: part for name, part in (state or {}).items() if part is not None}
-        self._apply_restored()
-
-    def _apply_restored(self) -> None:
-        if "manager" in self._restored and self.ft.manager is not None:
-            self.ft.manager.load_state_dict(self._restored.pop("manager"))
-        if "data" in self._restored and self.ft.batches is not None:
-            self.ft.batches.load_state_dict(self._restored.pop("data"))
 
     @override
     def optimizer_step(self, step: Callable[[Any], Any], optimizer: Any, closure: Any) -> Any:
