@@ -1,7 +1,7 @@
 """The run's communication profile: each bucket's bytes, ready moment, launch and end, per step, on disk.
 
 Every run with ``comm_stats`` (or ``forecast.ranks``) keeps, on every rank, the last
-``KEPT_STEPS`` synchronised steps of its current bucket layout, as the communication statistics
+``kept_steps(buckets)`` synchronised steps of its current bucket layout, as the communication statistics
 resolve them (``lit_dp.observability.stats``: the timeline of each step is handed to this
 recorder as to the trace writer). Per step, in ms:
 
@@ -39,9 +39,19 @@ from lit_dp.observability.stats import StepTimeline
 
 FORMAT = "lit_dp communication profile"
 VERSION = 1
-# Enough for stable medians; a few KB per rank on disk for a model of a few buckets.
-KEPT_STEPS = 200
+# Steps kept: a few seconds of a fast step, whose median moves from one second to the next (the
+# digits recipe's 4 ms step: 7 runs of 1 s, 230 steps, had medians of 3.9 to 5.1 ms here; 6 runs
+# of 4 s, 920 steps, 3.8 to 4.4); fewer for a layout of many buckets, so that a rank keeps at most
+# KEPT_BUCKET_TIMES bucket records (what 200 steps of 250 buckets kept before: a few MB on disk).
+KEPT_STEPS = 1000
+MIN_KEPT_STEPS = 200
+KEPT_BUCKET_TIMES = 50_000
 FILE_GLOB = "lit_dp_profile.rank*.json"
+
+
+def kept_steps(buckets: int) -> int:
+    """How many steps a layout of ``buckets`` buckets keeps."""
+    return max(MIN_KEPT_STEPS, min(KEPT_STEPS, KEPT_BUCKET_TIMES // max(1, buckets)))
 
 
 def file_name(rank: int) -> str:
@@ -185,7 +195,7 @@ class CommProfile:
         self._settings = dict(settings)
         # Each step as resolved, with the one that followed it (its start gives the period); turned
         # into records only when asked, so that a step costs an append.
-        self._steps: deque[tuple[StepTimeline, StepTimeline | None]] = deque(maxlen=KEPT_STEPS)
+        self._steps: deque[tuple[StepTimeline, StepTimeline | None]] = deque(maxlen=kept_steps(1))
         self._layout: tuple[tuple[int, ...], ...] = ()
         self._latest: StepTimeline | None = None  # until the next step's start gives its period
 
@@ -195,7 +205,7 @@ class CommProfile:
         latest, self._latest = self._latest, timeline
         if layout != self._layout:  # another layout: its steps alone describe what runs from now on
             self._layout = layout
-            self._steps.clear()
+            self._steps = deque(maxlen=kept_steps(len(layout)))
         elif latest is not None:
             self._steps.append((latest, timeline))
 

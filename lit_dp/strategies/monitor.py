@@ -27,10 +27,10 @@ class CommStatsMonitor(pl.Callback):
     epoch end it logs the means so far over steps and ranks (``comm/*_mean``, also in
     ``trainer.callback_metrics``); when training ends, rank 0 prints its own.
 
-    Nothing waits for the device: the figures are the host's already (``DataParallel.comm_stats``),
-    and on CUDA the all-gather's result is read once it has reached the host, by the next log
-    step (or the end of training), when the step's figures are logged with it, under their own
-    step. On CPU they are logged at once; on one rank there is nothing to gather.
+    Nothing waits for the device or for another rank: the figures are the host's already
+    (``DataParallel.comm_stats``), and the all-gather's result is read by the next log step (or the
+    end of training), when it has long arrived, and the step's figures are logged with it, under
+    their own step. On one rank there is nothing to gather.
     """
 
     def __init__(self) -> None:
@@ -67,8 +67,10 @@ class CommStatsMonitor(pl.Callback):
         # float64: rank 0's own value must not exceed the maximum by float32 rounding. Filled on the
         # device, not copied from the host, which would wait for the device.
         value = torch.full((1,), exposed, dtype=torch.float64, device=trainer.strategy.root_device)
+        # Read at the next log step (or when training ends), when it has long arrived: read now, on the
+        # host, the step would wait for the slowest rank to reach this point (on the digits recipe, 2 ms
+        # on each log step, and its median step 0.5 ms slower).
         self._exchange.start(value, (trainer.global_step, metrics, stats is not None))
-        self._exchange.poll()  # on the host (Gloo) the result is there once every rank has sent it
 
     def _gathered(self, tag: tuple[int, dict[str, float], bool], rows: torch.Tensor) -> None:
         step, metrics, measured = tag

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lit_dp.observability.profile import KEPT_STEPS, CommProfile, Profile, file_name
+from lit_dp.observability.profile import KEPT_STEPS, MIN_KEPT_STEPS, CommProfile, Profile, file_name, kept_steps
 from lit_dp.observability.stats import BucketSpan, StepTimeline
 from tests.helpers.observability import STATS_STEPS
 
@@ -99,6 +99,17 @@ def test_only_the_latest_steps_are_kept():
         profile.add(timeline(step, float(step), ((0, 1, 2),)))
     steps = profile.record().steps
     assert len(steps) == KEPT_STEPS + 1 and steps[-1].step == KEPT_STEPS + 9
+
+
+def test_a_layout_of_many_buckets_keeps_fewer_steps_and_never_fewer_than_the_minimum():
+    assert kept_steps(1) == kept_steps(3) == KEPT_STEPS
+    assert MIN_KEPT_STEPS < kept_steps(100) < KEPT_STEPS
+    assert kept_steps(10_000) == MIN_KEPT_STEPS
+    profile = CommProfile([4] * 100, rank=1, world_size=2, backend="gloo", device="cpu", settings={})
+    many = tuple((i,) for i in range(100))
+    for step in range(KEPT_STEPS + 10):
+        profile.add(timeline(step, float(step), many))
+    assert len(profile.record().steps) == kept_steps(100) + 1
 
 
 def test_written_and_read_back(tmp_path):
