@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import benchmark_main, init_gloo_rank, run_ranks
+from benchmarks.common import benchmark_main, init_gloo_rank, rotated, run_ranks
 
 # fp32: no hook; allreduce_hook: torch's plain hook, i.e. the cost of the hook path itself.
 MODES = ("fp32", "allreduce_hook", "bf16", "powersgd_1", "powersgd_4")
@@ -155,8 +155,7 @@ def _worker(rank: int, config: CommHookBenchmarkConfig, port: int, results: dict
         for step in range(config.steps):
             chosen = torch.randint(size, (config.world_size * config.batch_per_rank,), generator=generator)
             inputs, targets = batch(chosen[rank :: config.world_size])
-            shift = step % len(config.modes)
-            for mode in config.modes[shift:] + config.modes[:shift]:
+            for mode in rotated(config.modes, step):
                 dist.barrier()  # align ranks so a step's time is not another rank's lag
                 with _AllReduceBytes() as counter:
                     start = time.perf_counter()

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 Config = TypeVar("Config")
 Result = TypeVar("Result")
+Named = TypeVar("Named")
 # The modes compared: no synchronisation (the floor), torch DDP (the yardstick), lit_dp.
 MODES = ("none", "ddp", "lit_dp")
 CONFIGS = Path(__file__).resolve().parent / "conf"
@@ -160,6 +161,13 @@ def block_of_steps(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: t
     return [(time.perf_counter() - start) / count]
 
 
+def rotated(names: Sequence[Named], round_index: int) -> list[Named]:
+    """``names`` in round ``round_index``'s order: rotated by one each round, so that no name always
+    follows the same one (caches, allocator state) and drift hits them alike."""
+    shift = round_index % len(names)
+    return [*names[shift:], *names[:shift]]
+
+
 def interleaved_times(
     models: dict[str, nn.Module],
     inputs: torch.Tensor,
@@ -177,8 +185,7 @@ def interleaved_times(
     for mode in modes:
         time_steps(models[mode], optimizers[mode], inputs, warmup)
     for round_index in range(rounds):
-        shift = round_index % len(modes)
-        for mode in modes[shift:] + modes[:shift]:
+        for mode in rotated(modes, round_index):
             times[mode] += time_steps(models[mode], optimizers[mode], inputs, steps)
     return times
 

@@ -66,6 +66,7 @@ from benchmarks.common import (
     check_timing_from,
     environment,
     final_metrics,
+    rotated,
     run_all,
     start_lighthouse,
     torchrun,
@@ -216,9 +217,8 @@ def run(config: FTGroupsConfig) -> dict[tuple[str, str], list[Result]]:
     results: dict[tuple[str, str], list[Result]] = {(mode, job): [] for mode in config.modes for job in JOBS}
     output = Path(config.output_dir).resolve()
     for round_index in range(config.rounds):
-        shift = round_index % len(config.modes)
         jobs = JOBS if round_index % 2 == 0 else JOBS[::-1]
-        for mode in config.modes[shift:] + config.modes[:shift]:
+        for mode in rotated(config.modes, round_index):
             overrides = [override.format(k=config.local_steps) for override in MODES[mode][1]]
             for job in jobs:
                 folder = output / f"round{round_index}" / f"{mode}-{job.replace(' ', '_')}"

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import MODES, benchmark_main, init_gloo_rank, run_ranks, wrap
+from benchmarks.common import MODES, benchmark_main, init_gloo_rank, rotated, run_ranks, wrap
 from lit_dp_recipes.gpt import GPT
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,7 @@ def _interleaved(
         syncs = {mode: count_syncs(runs[mode], config.sync_steps) for mode in MODES}
     per_round: dict[str, list[float]] = {mode: [] for mode in MODES}
     for round_index in range(rounds):
-        shift = round_index % len(MODES)
-        for mode in MODES[shift:] + MODES[:shift]:
+        for mode in rotated(MODES, round_index):
             barrier()  # ranks start a block together, so no rank's time is another's lag
             per_round[mode].append(_block_ms(device, runs[mode], config.steps))
     medians = {mode: statistics.median(times) for mode, times in per_round.items()}

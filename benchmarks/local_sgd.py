@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.common import benchmark_main, digits_mlp, init_gloo_rank, run_ranks
+from benchmarks.common import benchmark_main, digits_mlp, init_gloo_rank, rotated, run_ranks
 from lit_dp_recipes.digits import DigitsDataModule
 
 
@@ -101,8 +101,7 @@ def _worker(rank: int, config: LocalSGDBenchmarkConfig, port: int, results: dict
     modes: list[int | None] = [None, *config.local_steps]
     rows: dict[int | None, dict[str, Any]] = {}
     for round_index in range(config.rounds):
-        shift = round_index % len(modes)
-        for mode in modes[shift:] + modes[:shift]:
+        for mode in rotated(modes, round_index):
             outcome = _train(mode, config, data, rank)
             row = rows.setdefault(mode, {**outcome, "times": [], "averaged": []})
             row["times"] += outcome["times"]

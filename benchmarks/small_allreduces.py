@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import benchmark_main, init_gloo_rank, run_ranks
+from benchmarks.common import benchmark_main, init_gloo_rank, rotated, run_ranks
 
 WAYS = ("one", "waited one by one", "launched back to back", "behind host work")
 
@@ -82,8 +82,7 @@ def _worker(rank: int, config: SmallAllReducesBenchmarkConfig, port: int, result
     ways = _ways(config)
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     for round_number in range(config.rounds):
-        order = WAYS[round_number % len(WAYS) :] + WAYS[: round_number % len(WAYS)]
-        for way in order:
+        for way in rotated(WAYS, round_number):
             taken = []
             for _ in range(config.warmup + config.tries):
                 dist.barrier()
