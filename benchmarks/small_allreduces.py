@@ -115,6 +115,11 @@ def run(config: SmallAllReducesBenchmarkConfig) -> dict:
     """Per way: the median time (ms) to all-reduce every bucket."""
     if not config.floats or any(count < 1 for count in config.floats):
         raise ValueError(f"floats={list(config.floats)!r} is invalid: expected one count of 1 or more floats per bucket.")
+    for name, least, kinds in (("tries", 1, int), ("rounds", 1, int), ("warmup", 0, int), ("host_work_ms", 0, (int, float))):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, kinds) or value < least:
+            what = "a whole number" if kinds is int else "a number"
+            raise ValueError(f"{name}={value!r} is invalid: expected {what} of {least} or more.")
     return run_ranks(_worker, 2, config)
 
 

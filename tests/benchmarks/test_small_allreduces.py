@@ -34,3 +34,12 @@ def test_an_empty_or_zero_bucket_is_refused_with_the_option_named():
     for floats in ((), (10, 0)):
         with pytest.raises(ValueError, match=r"floats=.* is invalid: expected one count of 1 or more floats per bucket"):
             run(SmallAllReducesBenchmarkConfig(floats=floats))
+
+
+@pytest.mark.parametrize("option", [{"tries": 0}, {"tries": 2.5}, {"rounds": 0}, {"warmup": -1}, {"host_work_ms": -0.1}])
+def test_a_count_or_time_below_its_least_is_refused_with_the_option_named(option):
+    from benchmarks.small_allreduces import SmallAllReducesBenchmarkConfig, run
+
+    [(name, value)] = option.items()
+    with pytest.raises(ValueError, match=rf"{name}={value!r} is invalid: expected (a|a whole) number of"):
+        run(SmallAllReducesBenchmarkConfig(**option))
