@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import lit_dp.gradients.group as groups
 from lit_dp.gradients.waiting import Waiter
+from lit_dp.job import in_flight
 
 
 class Exchange:
@@ -43,6 +44,7 @@ class Exchange:
         self.poll(wait=True)
         gathered = [torch.empty_like(values) for _ in range(self._group.size())]
         work = dist.all_gather(gathered, values, group=self._group, async_op=True)
+        in_flight.keep(values, *gathered)  # the run's last one may be read as it ends, or dropped unread
         self._pending = (tag, work, gathered, None, None)
 
     def poll(self, wait: bool = False) -> None:

@@ -69,6 +69,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lit_dp import join
+from lit_dp.job import in_flight
 from lit_dp.job.orphans import binding_started_ranks
 from lit_dp.strategies.feature import Feature, Run
 from lit_dp.strategies.lightning_private import (
@@ -172,6 +173,7 @@ class _Agreement:
         signals = torch.zeros(self.world_size, dtype=torch.int32)
         signals[self.rank] = self.received or 0
         self._exchange = (dist.all_reduce(signals, group=self._group, async_op=True), signals)
+        in_flight.keep(signals)  # the last one may be read as the run ends, or dropped unread
 
     def agreed(self) -> list[int]:
         """Every rank's signal as of the exchange started at the last boundary, the same list on

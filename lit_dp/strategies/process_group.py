@@ -24,6 +24,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from lit_dp.job import in_flight
 from lit_dp.job.env import ParallelEnv
 from lit_dp.job.launcher import PADDLE, describe_job, detect_launcher
 from lit_dp.job.process_group import destroy_parallel_env, init_parallel_env, resolve_timeout
@@ -130,10 +131,15 @@ def start_process_group(strategy: Any) -> None:
         )
     init_parallel_env(strategy.process_group_backend, options.timeout, parallel_env=environment, one_process_group=True)
     if not adopting:
-        # At exit, as Lightning does under NCCL (torch warns of an NCCL group never destroyed);
-        # under Gloo too: a group alive while the interpreter ends can abort the process
-        # ("terminate called without an active exception") after a fit that finished.
-        atexit.register(destroy_parallel_env)
+        # At exit, as Lightning does under NCCL (torch warns of an NCCL group never destroyed).
+        atexit.register(_end_process_group_at_exit)
+
+
+def _end_process_group_at_exit() -> None:
+    # Gloo's workers first let go of the features' last exchanges (`lit_dp.job.in_flight`): once
+    # the interpreter has begun to end, a worker that frees one aborts the process.
+    in_flight.wait_before_exit()
+    destroy_parallel_env()
 
 
 def leave_process_group(strategy: Any) -> None:
