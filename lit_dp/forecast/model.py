@@ -19,7 +19,8 @@ of the optimizer step away where the run measured it; stage 2 reduce-scatters th
 and DiLoCo take one rank's compute per step, plus every ``K/F`` steps a sync of ``P/F`` bytes (in
 its dtype) that nothing overlaps but ``sync_delay`` inner steps, and the host's passes over those
 bytes (the deltas, the outer step), each at the cost per byte of the run's write-back; a local
-step waits for no link, so the resume after the run's wait is taken out of its compute.
+step runs no reducer and waits for no link, so the reducer's own host work (the profile's
+``host_work_ms``) and the resume after the run's wait are taken out of its compute.
 """
 
 from __future__ import annotations
@@ -183,6 +184,11 @@ def predict(
     notes = [f"the run's link: {fitted.note}"]
     if not measured.resume.probed:
         notes.append("the host's resume after a wait was not probed: each step's host work is kept as the run measured it")
+    if not measured.host_work_timed:
+        notes.append(
+            "the reducer's own host work was not timed (a profile written before lit_dp timed it): "
+            "a LocalSGD or DiLoCo local step is taken to do it"
+        )
     if measured.optimizer_ms is None:
         notes.append("the optimizer step was not measured (no straggler window): ZeRO's saving on it is left out")
     return Forecast(measured, scenarios, tuple(notes))
@@ -417,12 +423,13 @@ def _local(
     host = SYNC_PASSES[outer] * fragment / MB * _ms_per_mb(m)
 
     def step(sample: StepSample, timing: _Timing) -> tuple[float, float]:
-        wait = max(0.0, on_link * timing.link_factor - delay * sample.compute_ms)
+        wait = max(0.0, on_link * timing.link_factor - delay * sample.local_compute_ms)
         exposed = (wait + host * timing.launch_factor) * fragments / k
-        # A local step waits for no link: its host work is the run's without the resume after the run's
-        # wait; the host work after a sync's wait pays that wait's.
+        # A local step runs no reducer and waits for no link: its host work is the run's without the
+        # reducer's and without the resume after the run's wait; the host work after a sync's wait
+        # pays that wait's.
         resumed = m.resume.after(wait) * fragments / k - m.resume.after(sample.idle_ms)
-        return sample.compute_ms + exposed + resumed, exposed
+        return sample.local_compute_ms + exposed + resumed, exposed
 
     step_ms, exposed_ms = _median_of(m, link, step)
     options: dict[str, Any] = {"local_sgd.steps": k}

@@ -131,11 +131,17 @@ class StepSample:
     parameter_ready_ms: tuple[float, ...]  # in the order gradients became ready, in the launch-free backward
     launch_ms: tuple[float, ...]  # the host's cost of each of the run's bucket launches
     link_ms: tuple[float, ...]  # each of the run's buckets' time on the link
+    host_work_ms: float = 0.0  # the reducer's own host work, inside the compute (0 where the run did not time it)
 
     @property
     def compute_ms(self) -> float:
         """One rank's compute: the step without any communication or bucket launch."""
         return self.forward_ms + self.backward_ms + self.rest_ms
+
+    @property
+    def local_compute_ms(self) -> float:
+        """The compute of a step that keeps its gradients local (LocalSGD's): without the reducer's work."""
+        return max(0.0, self.compute_ms - self.host_work_ms)
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,7 @@ class Measured:
     optimizer_ms: float | None  # the optimizer step (the step clock's last window), if known
     local_sgd: dict[str, Any]  # LocalSGD's traffic, if the run had it
     resume: ResumeCost  # what an idle wait adds to the host work after it
+    host_work_timed: bool = True  # whether the profile holds the reducer's host work per step
 
     def median(self, part: str) -> float:
         """The median of a ``StepSample`` figure over the samples (``compute_ms``, ``period_ms``, ...)."""
@@ -240,6 +247,7 @@ def _sample(step: StepRecord, buckets: Sequence[Sequence[int]], parameter_bytes:
         parameter_ready_ms=tuple(_spread(buckets, parameter_bytes, ready)),
         launch_ms=tuple(host),
         link_ms=tuple(link),
+        host_work_ms=step.host_work_ms or 0.0,
     )
 
 
@@ -271,6 +279,7 @@ def _measure(profile: Profile) -> Measured:
         optimizer_ms=_optimizer_ms(profile),
         local_sgd=dict(profile.extra.get("local_sgd") or {}),
         resume=_resume(profile),
+        host_work_timed=all(step.host_work_ms is not None for step in steps),
     )
 
 

@@ -41,6 +41,7 @@ not read yet (CUDA). Only the reducer's own methods set them: observers are told
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -75,6 +76,7 @@ class _ArmedStep:
         "unreached",
         "partial",
         "hook_counts",
+        "host_work_s",
     )
 
     def __init__(self, plan: StepPlan, step: int, layout: BucketLayout, count: int) -> None:
@@ -89,6 +91,7 @@ class _ArmedStep:
         self.unreached: list[int] = []  # parameters this backward cannot reach (find_unused_parameters)
         self.partial: set[int] = set()  # buckets holding such parameters
         self.hook_counts: list[int] = []  # static_graph: hooks fired per parameter in this backward
+        self.host_work_s = 0.0  # with ``times_host_work``: arming it and its hooks, launches left out
 
 
 class _StaticGraph:
@@ -159,6 +162,8 @@ class Reducer:
         self._nothing_used = bytearray(len(self._params))  # what a SHADOW step sends: zeros
         self._comm_hook: CommHook | None = None
         self._observers: list[ReducerObserver] = []
+        # Set by the communication profile: its forecast takes this work out of a LocalSGD local step.
+        self.times_host_work = False
         # -- mutable state ------------------------------------------------------------------
         self._layout = self._factory.build(list(range(len(self._params))), (last_bucket_bytes, bucket_bytes), None)
         self._used = bytearray(len(self._params))  # a gradient was accumulated since the last synchronisation
@@ -169,6 +174,7 @@ class Reducer:
         self._step = -1  # the synchronised step armed last
         self._pending_flags: list[PendingFlags] = []  # flags of earlier steps not read yet (CUDA)
         self._static = _StaticGraph() if static_graph else None
+        self._last_end_s = 0.0  # with ``times_host_work``: the host work of the last step's end (host_work_ms)
         self._end_of_backward_hook = self._make_output_hook()
         handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         weakref.finalize(self, _remove_hooks, handles)
@@ -213,6 +219,17 @@ class Reducer:
     def waiter(self) -> Waiter:
         """The wait policy this reducer was given (read by observers reporting what it waits for)."""
         return self._factory.waiter
+
+    def host_work_ms(self) -> float:
+        """The main thread's time in the reducer's own work for one synchronised step, less its bucket
+        launches (which the communication profile times on their own), its waits and its write-back:
+        arming the step being synchronised and its gradients' hooks so far, with their observers'
+        ``step_started`` and ``bucket_ready``, and the end of the synchronised step before it, after
+        the write-back (the ready order, the observers' ``step_ended``), which runs after anything
+        could read it. A step that keeps its gradients local (LocalSGD's local phase) does none of it.
+        0 outside a step, or unless ``times_host_work`` was set."""
+        armed = self._armed
+        return 0.0 if armed is None else (armed.host_work_s + self._last_end_s) * 1e3
 
     def add_observer(self, observer: ReducerObserver) -> None:
         """Tell ``observer`` of every step's moments from now on (see ``lit_dp.gradients.events``)."""
@@ -280,6 +297,7 @@ class Reducer:
         graph task. A parameter's first gradient could arrive inside a nested backward (reentrant
         activation checkpointing runs one per checkpointed segment), whose end is not the step's.
         """
+        started = time.perf_counter() if self.times_host_work else None
         armed = self._arm(plan)
         for tensor in tensors_in(outputs):
             if tensor.requires_grad:
@@ -293,6 +311,8 @@ class Reducer:
             reached = reached_parameters(outputs)
             armed.unreached = [i for i, p in enumerate(self._params) if id(p) not in reached]
             armed.partial = {self._layout.bucket_of[i] for i in armed.unreached}
+        if started is not None:
+            armed.host_work_s += time.perf_counter() - started
 
     def synchronise_without_backward(self, plan: StepPlan) -> None:
         """The collectives of one synchronised step, without a backward of this rank's (``REPLAY``, ``SHADOW``).
@@ -328,8 +348,16 @@ class Reducer:
 
         def hook(_param: torch.Tensor) -> None:
             reducer = reducer_ref()
-            if reducer is not None:
+            if reducer is None:
+                return
+            if not reducer.times_host_work:
                 reducer._on_gradient_ready(index)
+                return
+            started = time.perf_counter()
+            reducer._on_gradient_ready(index)
+            armed = reducer._armed
+            if armed is not None:
+                armed.host_work_s += time.perf_counter() - started
 
         return hook
 
@@ -430,6 +458,8 @@ class Reducer:
     def _launch_complete_buckets(self, armed: _ArmedStep) -> None:
         buckets, pending = self._layout.buckets, armed.pending
         used = self._used if armed.plan.sends_accumulated else self._nothing_used
+        # Inside a gradient's hook, whose time is host work: the launches are not part of it.
+        started = time.perf_counter() if self.times_host_work and armed.in_backward else None
         while armed.next_bucket < len(buckets) and pending[armed.next_bucket] == 0:
             position = armed.next_bucket
             if self._comm_hook is not None:
@@ -441,6 +471,8 @@ class Reducer:
                 for observer in self._observers:
                     observer.bucket_launched(launch)
             armed.next_bucket += 1
+        if started is not None:
+            armed.host_work_s -= time.perf_counter() - started
 
     @torch.no_grad()
     def _finalize_backward(self) -> None:
@@ -489,6 +521,7 @@ class Reducer:
             skipped = [range(len(bucket.indices)) for bucket in buckets]  # releases the buckets' results only
         for bucket, members in zip(buckets, skipped):
             bucket.write_back(self._factory.as_view, members)
+        end_started = time.perf_counter() if self.times_host_work else None
         if self._order is not None:
             self._agree_on_ready_order(self._order)
         static = self._static
@@ -497,6 +530,8 @@ class Reducer:
         self._armed = None
         for observer in self._observers:
             observer.step_ended(armed.step)
+        if end_started is not None:
+            self._last_end_s = time.perf_counter() - end_started
 
     def _check_alone(self, plan: StepPlan, used: bytearray) -> list[set[int]]:
         """The flags' verdict where they never leave this rank (``BucketLayout.alone``): per bucket, the

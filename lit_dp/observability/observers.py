@@ -114,7 +114,11 @@ class ModelObservers:
             )
         if profiled or trace is not None:
             sinks = [sink.add for sink in (trace, observers.profile) if sink is not None]
-            observers.stats = CommObserver(device, observers.clock, sinks)
+            host_work = None
+            if profiled:  # the forecast takes this work out of a LocalSGD local step
+                reducer.times_host_work = True
+                host_work = reducer.host_work_ms
+            observers.stats = CommObserver(device, observers.clock, sinks, host_work)
             reducer.add_observer(observers.stats)
         if watched:
             # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).

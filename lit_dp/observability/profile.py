@@ -8,6 +8,8 @@ recorder as to the trace writer). Per step, in ms:
 - ``backward_start_ms``: from the step's start (the forward armed the reducer) to its first gradient;
 - ``backward_end_ms``, ``reduced_ms``: from the first gradient to the end of backward, and to the
   moment every bucket was waited for;
+- ``host_work_ms``: the reducer's own work on the main thread for a step, its bucket launches, waits
+  and write-back left out (``Reducer.host_work_ms``): what a LocalSGD local step does not do;
 - ``period_ms``: from the step's start to the next synchronised step's (None for the last step,
   or when the next was not synchronised: LocalSGD's local phase);
 - per bucket, in launch order: its bytes, and from the first gradient, the moment its last
@@ -79,6 +81,7 @@ class StepRecord:
     backward_end_ms: float
     reduced_ms: float
     buckets: tuple[BucketTimes, ...]
+    host_work_ms: float | None = None  # None in profiles written before lit_dp timed it
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,7 @@ class Profile:
                     buckets=tuple(
                         BucketTimes(int(b[0]), float(b[1]), float(b[2]), float(b[3])) for b in step["buckets"]
                     ),
+                    host_work_ms=None if step.get("host_work_ms") is None else float(step["host_work_ms"]),
                 )
                 for step in data["steps"]
             )
@@ -255,4 +259,5 @@ def _record(timeline: StepTimeline, following: StepTimeline | None) -> StepRecor
             )
             for bucket in timeline.buckets
         ),
+        host_work_ms=None if timeline.host_work_ms is None else round(timeline.host_work_ms, 4),
     )

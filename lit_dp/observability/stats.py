@@ -97,6 +97,7 @@ class StepTimeline:
     backward_end: float
     reduced: float
     buckets: tuple[BucketSpan, ...]
+    host_work_ms: float | None = None  # the reducer's own host work (``Reducer.host_work_ms``), if timed
 
     def stats(self) -> CommStats:
         spans = sorted((bucket.launch, bucket.end) for bucket in self.buckets)
@@ -122,13 +123,14 @@ class StepTimeline:
 class _StepRecord:
     """One step: the step clock's marks, and the buckets' (completion marks filled in as the all-reduces complete)."""
 
-    __slots__ = ("marks", "buckets", "ready")
+    __slots__ = ("marks", "buckets", "ready", "host_work_ms")
 
     def __init__(self, marks: StepMarks) -> None:
         self.marks = marks
         # (position, bytes, parameter indices, launch mark, one completion slot per collective, ready mark or None)
         self.buckets: list[tuple[int, int, list[int], Any, list[Any], Any]] = []
         self.ready: dict[int, Any] = {}  # position -> ready mark, until the bucket launches
+        self.host_work_ms: float | None = None
 
 
 class CommObserver(ReducerObserver):
@@ -138,14 +140,20 @@ class CommObserver(ReducerObserver):
         device: the parameters' device; CUDA selects event timing.
         clock: the step clock, subscribed before this observer, whose marks it reads.
         timeline_sinks: called with each resolved step's timeline (the trace writer's ``add``).
+        host_work: the reducer's ``host_work_ms``, read into each timeline when backward ends; None: not timed.
     """
 
     def __init__(
-        self, device: torch.device, clock: StepClock, timeline_sinks: Sequence[Callable[[StepTimeline], None]] = ()
+        self,
+        device: torch.device,
+        clock: StepClock,
+        timeline_sinks: Sequence[Callable[[StepTimeline], None]] = (),
+        host_work: Callable[[], float] | None = None,
     ) -> None:
         self._clock = clock_for(device)
         self._step_clock = clock
         self._sinks = list(timeline_sinks)
+        self._host_work = host_work
         self._current: _StepRecord | None = None
         self._pending: deque[_StepRecord] = deque()
         self._last: CommStats | None = None
@@ -185,6 +193,9 @@ class CommObserver(ReducerObserver):
 
     @override
     def backward_ended(self, step: int) -> None:
+        record = self._current
+        if record is not None and self._host_work is not None:
+            record.host_work_ms = self._host_work()  # every hook has run
         self._see_completed()
 
     @override
@@ -275,6 +286,7 @@ class CommObserver(ReducerObserver):
             backward_end=host(step.backward_end),
             reduced=host(step.reduced),
             buckets=tuple(spans),
+            host_work_ms=record.host_work_ms,
         )
 
     def _account(self, timeline: StepTimeline) -> None:

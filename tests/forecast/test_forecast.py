@@ -172,6 +172,30 @@ def test_a_local_step_waits_for_no_link_and_drops_the_resume_after_the_run_s_wai
     assert probed_rows[DILOCO].step_ms == pytest.approx(unprobed[DILOCO].step_ms - RESUME + RESUME / 16, rel=1e-9)
 
 
+def test_a_local_step_runs_no_reducer_and_drops_its_host_work(measured):
+    # The reducer's own host work, 0.5 ms a step in the run: data parallelism keeps it, a local step
+    # of LocalSGD and DiLoCo does not do it (with sync_delay an inner step also overlaps less of the sync).
+    HOST_WORK = 0.5
+    assert not measured.host_work_timed  # the recorded run predates the timing
+    timed = dataclasses.replace(
+        measured,
+        samples=tuple(dataclasses.replace(s, host_work_ms=HOST_WORK) for s in measured.samples),
+        host_work_timed=True,
+    )
+    assert min(sample.compute_ms for sample in measured.samples) > HOST_WORK
+    before, after = rows_of(predict(measured, ranks=[8])), rows_of(predict(timed, ranks=[8]))
+    for setting, row in after.items():
+        if "local_sgd.sync_delay" in row.options:
+            assert before[setting].step_ms - HOST_WORK <= row.step_ms < before[setting].step_ms, setting
+        elif "local_sgd.steps" in row.options:
+            assert row.step_ms == pytest.approx(before[setting].step_ms - HOST_WORK, rel=1e-9), setting
+        else:
+            assert row.step_ms == pytest.approx(before[setting].step_ms, rel=1e-9), setting
+    note = "the reducer's own host work was not timed"
+    assert any(line.startswith(note) for line in predict(measured).notes)
+    assert not any(line.startswith(note) for line in predict(timed).notes)
+
+
 def test_a_longer_wait_for_the_link_costs_the_host_work_after_it_more(measured):
     # The probe: 9.9 ms more after 100 ms idle, nothing after 1 ms. Over 10 Mbit/s the recorded run's
     # 0.1 MB takes about 80 ms a step, where the run waited at most 10.5 ms: the step pays the

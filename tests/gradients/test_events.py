@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -128,3 +130,50 @@ def test_requested_limits_apply_at_the_next_step_start_before_arming():
     step(reducer, model)
     assert reducer.bucket_indices == one_bucket
     assert [moment for moment in recorder.moments if moment[0] == "bucket_launched"][0][3] == tuple(one_bucket[0])
+
+
+class Sleeper(ReducerObserver):
+    """Sleeps in the moments named, as a slow observer would, and reads the reducer's host work when backward ends."""
+
+    def __init__(self, reducer: Reducer, **seconds: float) -> None:
+        self.reducer = reducer
+        self.seconds = seconds
+        self.read: list[float] = []
+
+    def _sleep(self, moment: str) -> None:
+        time.sleep(self.seconds.get(moment, 0.0))
+
+    def step_started(self, step: int, plan: StepPlan) -> None:
+        self._sleep("step_started")
+
+    def bucket_ready(self, step: int, position: int) -> None:
+        self._sleep("bucket_ready")
+
+    def bucket_launched(self, launch: BucketLaunch) -> None:
+        self._sleep("bucket_launched")
+
+    def backward_ended(self, step: int) -> None:
+        self.read.append(self.reducer.host_work_ms())
+
+    def step_ended(self, step: int) -> None:
+        self._sleep("step_ended")
+
+
+def test_the_host_work_counts_arming_hooks_and_the_last_end_and_leaves_the_launches_out():
+    reducer, model = reducer_and_model(bucket_bytes=300)
+    buckets = len(reducer.bucket_indices)
+    assert buckets >= 2
+    sleeper = Sleeper(reducer, step_started=0.02, bucket_ready=0.01, bucket_launched=0.2, step_ended=0.03)
+    reducer.add_observer(sleeper)
+    step(reducer, model)
+    assert sleeper.read == [0.0]  # not timed unless asked (the communication profile asks)
+    reducer.times_host_work = True
+    step(reducer, model)
+    step(reducer, model)
+    own = 20 + 10 * buckets  # ms slept where the reducer's own work runs: arming, and each bucket's hook
+    launches = 200 * buckets  # ms slept in the launches, which the profile times on their own
+    first, second = sleeper.read[1:]
+    # Generous upper bounds: the reducer's own arithmetic is microseconds, a loaded machine slower.
+    assert own <= first < own + 100 < launches, first  # the first timed step: no timed end before it
+    assert own + 30 <= second < own + 30 + 100, second  # with the end of the step before: its step_ended
+    assert reducer.host_work_ms() == 0.0  # outside a step

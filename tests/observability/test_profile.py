@@ -25,6 +25,8 @@ def test_the_profile_of_two_real_ranks(two_ranks):
         assert all(step.period_ms > 0 for step in profile.steps[:-1]) and profile.steps[-1].period_ms is None
         for step in profile.steps:
             assert step.backward_start_ms >= 0 and step.backward_end_ms <= step.reduced_ms, f"rank {rank}: {step}"
+            # The reducer's own work on the host (the profile times it for the forecast's local steps).
+            assert step.host_work_ms is not None and step.host_work_ms > 0, f"rank {rank}: {step}"
             assert [bucket.bytes for bucket in step.buckets] == [
                 sum(profile.parameter_bytes[i] for i in bucket) for bucket in profile.bucket_indices
             ]
@@ -38,7 +40,13 @@ def test_the_profile_of_two_real_ranks(two_ranks):
         assert profile.settings["gradient_bits"] == 32
 
 
-def timeline(step: int, start: float, layout: tuple[tuple[int, ...], ...], ready: float | None = 0.3) -> StepTimeline:
+def timeline(
+    step: int,
+    start: float,
+    layout: tuple[tuple[int, ...], ...],
+    ready: float | None = 0.3,
+    host_work_ms: float | None = None,
+) -> StepTimeline:
     buckets = tuple(
         BucketSpan(i, 16, indices, 1.0 + i, 2.0 + i, None if ready is None else ready + i)
         for i, indices in enumerate(layout)
@@ -50,6 +58,7 @@ def timeline(step: int, start: float, layout: tuple[tuple[int, ...], ...], ready
         backward_end=start + 3.0,
         reduced=start + 4.0,
         buckets=buckets,
+        host_work_ms=host_work_ms,
     )
 
 
@@ -120,6 +129,18 @@ def test_written_and_read_back(tmp_path):
     path = record.write(tmp_path / "logs")
     assert path == tmp_path / "logs" / file_name(1) and path.name == "lit_dp_profile.rank1.json"
     assert Profile.read(path) == record
+
+
+def test_a_profile_written_before_the_host_work_was_timed_reads_without_it(tmp_path):
+    profile = recorder()
+    for step in range(2):
+        profile.add(timeline(step, float(step), ((2,), (0, 1)), host_work_ms=0.25))
+    record = profile.record()
+    assert [step.host_work_ms for step in record.steps] == [0.25, 0.25]
+    data = record.to_json()
+    for step in data["steps"]:
+        del step["host_work_ms"]
+    assert [step.host_work_ms for step in Profile.from_json(data).steps] == [None, None]
 
 
 def test_a_damaged_or_foreign_file_is_refused_naming_it(tmp_path):
