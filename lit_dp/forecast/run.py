@@ -131,7 +131,7 @@ class StepSample:
     parameter_ready_ms: tuple[float, ...]  # in the order gradients became ready, in the launch-free backward
     launch_ms: tuple[float, ...]  # the host's cost of each of the run's bucket launches
     link_ms: tuple[float, ...]  # each of the run's buckets' time on the link
-    host_work_ms: float = 0.0  # the reducer's own host work, inside the compute (0 where the run did not time it)
+    host_work_ms: float  # the reducer's own host work, inside the compute (0 where the run did not time it)
 
     @property
     def compute_ms(self) -> float:
@@ -166,7 +166,7 @@ class Measured:
     optimizer_ms: float | None  # the optimizer step (the step clock's last window), if known
     local_sgd: dict[str, Any]  # LocalSGD's traffic, if the run had it
     resume: ResumeCost  # what an idle wait adds to the host work after it
-    host_work_timed: bool = True  # whether the profile holds the reducer's host work per step
+    host_work_timed: bool  # whether the profile holds the reducer's host work per step
 
     def median(self, part: str) -> float:
         """The median of a ``StepSample`` figure over the samples (``compute_ms``, ``period_ms``, ...)."""

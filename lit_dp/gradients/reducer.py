@@ -350,13 +350,10 @@ class Reducer:
             reducer = reducer_ref()
             if reducer is None:
                 return
-            if not reducer.times_host_work:
-                reducer._on_gradient_ready(index)
-                return
-            started = time.perf_counter()
+            started = time.perf_counter() if reducer.times_host_work else None
             reducer._on_gradient_ready(index)
             armed = reducer._armed
-            if armed is not None:
+            if started is not None and armed is not None:
                 armed.host_work_s += time.perf_counter() - started
 
         return hook
