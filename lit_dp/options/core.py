@@ -475,10 +475,11 @@ def _check_names_are_unique(declared: list[Declared], fields: Mapping[str, datac
         if hook.name in fields:
             raise ValueError(f"named hook {hook.name!r} has the name of an option of Options: register it under another.")
     keywords: dict[str, str] = {}
-    for option in declared:
-        other = keywords.setdefault(option.keyword, option.path)
-        if other != option.path:
-            raise ValueError(f"options {other} and {option.path} have one keyword spelling, {option.keyword}: rename one.")
+    for declared_option in declared:
+        keyword, path = declared_option.keyword, declared_option.path
+        other = keywords.setdefault(keyword, path)
+        if other != path:
+            raise ValueError(f"options {other} and {path} have one keyword spelling, {keyword}: rename one.")
 
 
 def _declared_field(path: str) -> dataclasses.Field:
