@@ -131,6 +131,7 @@ class StepSample:
     parameter_ready_ms: tuple[float, ...]  # in the order gradients became ready, in the launch-free backward
     launch_ms: tuple[float, ...]  # the host's cost of each of the run's bucket launches
     link_ms: tuple[float, ...]  # each of the run's buckets' time on the link
+    link_bounded: tuple[bool, ...]  # whether that time is only a bound (the bucket seen done in backward)
     host_work_ms: float  # the reducer's own host work, inside the compute (0 where the run did not time it)
 
     @property
@@ -216,8 +217,13 @@ def _steps(profile: Profile) -> list[StepRecord]:
     return steps
 
 
-def _sample(step: StepRecord, buckets: Sequence[Sequence[int]], parameter_bytes: Sequence[int]) -> StepSample:
-    host, ready, link = [], [], []
+def _sample(
+    step: StepRecord,
+    buckets: Sequence[Sequence[int]],
+    parameter_bytes: Sequence[int],
+    shape: Sequence[float | None] | None,
+) -> StepSample:
+    host, ready, link, bounded = [], [], [], []
     main_free = 0.0  # when the main thread finished the previous launch
     link_free = 0.0
     launched_in_backward = 0.0  # host time spent launching so far, in backward
@@ -233,6 +239,7 @@ def _sample(step: StepRecord, buckets: Sequence[Sequence[int]], parameter_bytes:
         # which bounds when the collective really ended.
         end = min(bucket.end_ms, step.reduced_ms)
         link.append(max(0.0, end - max(bucket.launch_ms, link_free)))
+        bounded.append(bucket.end_bounded)
         link_free = max(link_free, end)
     last_end = link_free
     waited_from = max(step.backward_end_ms, main_free)
@@ -244,9 +251,10 @@ def _sample(step: StepRecord, buckets: Sequence[Sequence[int]], parameter_bytes:
         writeback_ms=max(0.0, step.reduced_ms - max(step.backward_end_ms, last_end)),
         exposed_ms=step.reduced_ms - step.backward_end_ms,
         idle_ms=max(0.0, last_end - waited_from),
-        parameter_ready_ms=tuple(_spread(buckets, parameter_bytes, ready)),
+        parameter_ready_ms=tuple(_spread(buckets, parameter_bytes, ready, shape)),
         launch_ms=tuple(host),
         link_ms=tuple(link),
+        link_bounded=tuple(bounded),
         host_work_ms=step.host_work_ms or 0.0,
     )
 
@@ -257,7 +265,8 @@ def _measure(profile: Profile) -> Measured:
     # ready order is each bucket's members reversed, the buckets in launch order (and the forward
     # order, which buckets are cut from, that order reversed).
     buckets = [tuple(reversed(bucket)) for bucket in profile.bucket_indices]
-    samples = [_sample(step, buckets, profile.parameter_bytes) for step in steps]
+    shape = profile.gradient_ready_ms
+    samples = [_sample(step, buckets, profile.parameter_bytes, shape) for step in steps]
     median = statistics.median
     sizes = [bucket.bytes for bucket in steps[0].buckets]
     host = [median(sample.launch_ms[b] for sample in samples) for b in range(len(sizes))]
@@ -315,17 +324,37 @@ def _resume(profile: Profile) -> ResumeCost:
     return ResumeCost(tuple(float(v) for v in idle), tuple(float(v) for v in extra))
 
 
-def _spread(buckets: Sequence[Sequence[int]], parameter_bytes: Sequence[int], ready: Sequence[float]) -> list[float]:
-    """Each parameter's ready moment, in ready order: a bucket's last at the bucket's, the others in
-    proportion to their bytes since the previous bucket's (the first bucket's since 0, the backward's start)."""
-    moments, previous = [], 0.0
+def _spread(
+    buckets: Sequence[Sequence[int]],
+    parameter_bytes: Sequence[int],
+    ready: Sequence[float],
+    shape: Sequence[float | None] | None = None,
+) -> list[float]:
+    """Each parameter's ready moment in this step, in ready order: a bucket's last at the bucket's, the
+    others between it and the previous bucket's (the first bucket's since 0, the backward's start) as
+    the run's median ready moments place them (``shape``, the profile's ``gradient_ready_ms``), or,
+    where the run did not time them, in proportion to their bytes."""
+    moments, previous, previous_shape = [], 0.0, 0.0
     for members, moment in zip(buckets, ready):
-        total = sum(parameter_bytes[i] for i in members) or 1
-        done = 0
         moment = max(moment, previous)
-        for i in members:
-            done += parameter_bytes[i]
-            moments.append(previous + (moment - previous) * done / total)
+        timed = shape is not None and all(shape[i] is not None for i in members)
+        if timed:
+            # The bucket's members as the run's medians place them between the two buckets' moments.
+            last = max(shape[i] for i in members)  # type: ignore[type-var, index]
+            span = last - previous_shape
+            placed = 0.0
+            for i in members:
+                fraction = (shape[i] - previous_shape) / span if span > 0 else 1.0  # type: ignore[operator, index]
+                placed = max(placed, min(1.0, max(0.0, fraction)))  # in ready order, never earlier
+                moments.append(previous + (moment - previous) * placed)
+            moments[-1] = moment
+            previous_shape = last
+        else:
+            total = sum(parameter_bytes[i] for i in members) or 1
+            done = 0
+            for i in members:
+                done += parameter_bytes[i]
+                moments.append(previous + (moment - previous) * done / total)
         previous = moment
     return moments
 

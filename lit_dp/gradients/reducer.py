@@ -77,6 +77,7 @@ class _ArmedStep:
         "partial",
         "hook_counts",
         "host_work_s",
+        "ready_s",
     )
 
     def __init__(self, plan: StepPlan, step: int, layout: BucketLayout, count: int) -> None:
@@ -92,6 +93,7 @@ class _ArmedStep:
         self.partial: set[int] = set()  # buckets holding such parameters
         self.hook_counts: list[int] = []  # static_graph: hooks fired per parameter in this backward
         self.host_work_s = 0.0  # with ``times_host_work``: arming it and its hooks, launches left out
+        self.ready_s: list[float] = []  # with ``times_host_work``: each parameter's last hook, 0 if none
 
 
 class _StaticGraph:
@@ -231,6 +233,19 @@ class Reducer:
         armed = self._armed
         return 0.0 if armed is None else (armed.host_work_s + self._last_end_s) * 1e3
 
+    def gradients_ready_ms(self) -> tuple[float | None, ...] | None:
+        """For the step being synchronised, each parameter's gradient's ready moment (its last hook, in
+        registration order) in ms after the first, None for one without a gradient yet; None outside a
+        step, or unless ``times_host_work`` was set before the step."""
+        armed = self._armed
+        if armed is None or not armed.ready_s:
+            return None
+        moments = [moment for moment in armed.ready_s if moment > 0.0]
+        if not moments:
+            return None
+        first = min(moments)
+        return tuple((moment - first) * 1e3 if moment > 0.0 else None for moment in armed.ready_s)
+
     def add_observer(self, observer: ReducerObserver) -> None:
         """Tell ``observer`` of every step's moments from now on (see ``lit_dp.gradients.events``)."""
         self._observers.append(observer)
@@ -299,6 +314,8 @@ class Reducer:
         """
         started = time.perf_counter() if self.times_host_work else None
         armed = self._arm(plan)
+        if started is not None:
+            armed.ready_s = [0.0] * len(self._params)
         for tensor in tensors_in(outputs):
             if tensor.requires_grad:
                 tensor.register_hook(self._end_of_backward_hook)
@@ -350,11 +367,14 @@ class Reducer:
             reducer = reducer_ref()
             if reducer is None:
                 return
+            # Also the moment this gradient is ready (the profile's gradient_ready_ms).
             started = time.perf_counter() if reducer.times_host_work else None
             reducer._on_gradient_ready(index)
             armed = reducer._armed
             if started is not None and armed is not None:
                 armed.host_work_s += time.perf_counter() - started
+                if armed.ready_s:
+                    armed.ready_s[index] = started
 
         return hook
 

@@ -114,11 +114,11 @@ class ModelObservers:
             )
         if profiled or trace is not None:
             sinks = [sink.add for sink in (trace, observers.profile) if sink is not None]
-            host_work = None
-            if profiled:  # the forecast takes this work out of a LocalSGD local step
+            host_work = gradients_ready = None
+            if profiled:  # the forecast's: the work a LocalSGD local step skips, where gradients are ready
                 reducer.times_host_work = True
-                host_work = reducer.host_work_ms
-            observers.stats = CommObserver(device, observers.clock, sinks, host_work)
+                host_work, gradients_ready = reducer.host_work_ms, reducer.gradients_ready_ms
+            observers.stats = CommObserver(device, observers.clock, sinks, host_work, gradients_ready)
             reducer.add_observer(observers.stats)
         if watched:
             # The watchdog sets this model's waiter's deadlines itself (warm-up, then hang_timeout).

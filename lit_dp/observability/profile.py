@@ -13,7 +13,12 @@ recorder as to the trace writer). Per step, in ms:
 - ``period_ms``: from the step's start to the next synchronised step's (None for the last step,
   or when the next was not synchronised: LocalSGD's local phase);
 - per bucket, in launch order: its bytes, and from the first gradient, the moment its last
-  gradient was ready, its launch (its collectives enqueued) and its end (the last completed).
+  gradient was ready, its launch (its collectives enqueued) and its end (the last completed); and
+  whether that end is only a bound (``end_bounded``: on CPU, seen done at a look before backward ended,
+  ``lit_dp.observability.stats``), absent from files written before lit_dp told it.
+
+With the profile, also per parameter, in registration order: the median over the kept steps of its
+gradient's ready moment, in ms after the step's first gradient (``gradient_ready_ms``).
 
 Kept per step it is a few floats per bucket; a layout change (the first step's rebuild in
 ready order, ``comm_buffer_size="auto"``'s trials) starts the record afresh, so the steps kept
@@ -29,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -69,6 +75,7 @@ class BucketTimes:
     ready_ms: float
     launch_ms: float
     end_ms: float
+    end_bounded: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,9 @@ class Profile:
     host: Mapping[str, Any]
     steps: tuple[StepRecord, ...]
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Per parameter (registration order), the median over the steps of its gradient's ready moment, in
+    # ms after the step's first gradient; None where never timed (before lit_dp timed it, or never ready).
+    gradient_ready_ms: tuple[float | None, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)
@@ -134,7 +144,8 @@ class Profile:
                     backward_end_ms=float(step["backward_end_ms"]),
                     reduced_ms=float(step["reduced_ms"]),
                     buckets=tuple(
-                        BucketTimes(int(b[0]), float(b[1]), float(b[2]), float(b[3])) for b in step["buckets"]
+                        BucketTimes(int(b[0]), float(b[1]), float(b[2]), float(b[3]), len(b) > 4 and bool(b[4]))
+                        for b in step["buckets"]
                     ),
                     host_work_ms=None if step.get("host_work_ms") is None else float(step["host_work_ms"]),
                 )
@@ -151,6 +162,7 @@ class Profile:
                 host=dict(data["host"]),
                 steps=steps,
                 extra=dict(data.get("extra") or {}),
+                gradient_ready_ms=_optional_floats(data.get("gradient_ready_ms")),
             )
         except (KeyError, TypeError, ValueError, IndexError) as error:
             raise ValueError(f"{source} is damaged: {type(error).__name__}: {error}") from None
@@ -219,6 +231,7 @@ class CommProfile:
         if self._latest is not None:
             steps.append(_record(self._latest, None))
         rank, world_size, backend, device = self._who
+        timelines = [timeline for timeline, _ in self._steps] + ([self._latest] if self._latest is not None else [])
         return Profile(
             rank=rank,
             world_size=world_size,
@@ -234,7 +247,24 @@ class CommProfile:
                 "torch": torch.__version__,
             },
             steps=tuple(steps),
+            gradient_ready_ms=_median_ready(timelines, len(self._parameter_bytes)),
         )
+
+
+def _median_ready(timelines: Sequence[StepTimeline], parameters: int) -> tuple[float | None, ...] | None:
+    """Each parameter's median ready moment over the steps that timed it; None if none did."""
+    timed = [timeline.gradients_ready_ms for timeline in timelines if timeline.gradients_ready_ms is not None]
+    if not timed:
+        return None
+    medians: list[float | None] = []
+    for index in range(parameters):
+        moments = sorted(ready[index] for ready in timed if index < len(ready) and ready[index] is not None)
+        medians.append(round(statistics.median(moments), 4) if moments else None)
+    return tuple(medians)
+
+
+def _optional_floats(values: Any) -> tuple[float | None, ...] | None:
+    return None if values is None else tuple(None if value is None else float(value) for value in values)
 
 
 def _record(timeline: StepTimeline, following: StepTimeline | None) -> StepRecord:
@@ -256,6 +286,7 @@ def _record(timeline: StepTimeline, following: StepTimeline | None) -> StepRecor
                 ms(bucket.launch if bucket.ready is None else bucket.ready),
                 ms(bucket.launch),
                 ms(bucket.end),
+                bucket.end_bounded,
             )
             for bucket in timeline.buckets
         ),

@@ -24,11 +24,11 @@ forecast (``python -m lit_dp.forecast``) reads.
 Clocks (``lit_dp.observability.clocks``). On CPU, host time (``time.monotonic``); a bucket
 completes when the training thread first sees its futures done: it looks at every moment the
 reducer tells (each bucket ready and launched, backward's end, each bucket's wait returning), so an
-all-reduce that ends during backward is marked at the next of them and one waited for when its wait
-returns. A callback on the future would mark it sooner, but Gloo runs callbacks on its own thread,
-which must then take the interpreter lock from the training thread before it goes on to the next
-collective: on 2 CPU ranks of the digits recipe with 3 buckets that cost 1.4 to 1.8 ms of a 5.6 ms
-step. On CUDA every moment is a ``torch.cuda.Event`` recorded on the current stream; a
+all-reduce that ends during backward is marked at the next of them (its end then only a bound,
+``BucketSpan.end_bounded``) and one waited for when its wait returns. A callback on the future
+would mark it sooner, but Gloo runs callbacks on its own thread, which must then take the
+interpreter lock from the training thread before it goes on to the next collective: on 2 CPU
+ranks of the digits recipe with 3 buckets that cost 1.4 to 1.8 ms of a 5.6 ms step. On CUDA every moment is a ``torch.cuda.Event`` recorded on the current stream; a
 bucket's completion event is recorded in its future's callback, which runs on a stream made to wait on the communicator's
 stream, so the event fires when the all-reduce does. Nothing synchronises the host: events are
 read lazily, once ``query()`` says they completed, when statistics are asked for or at the next
@@ -77,7 +77,8 @@ class CommStats:
 class BucketSpan:
     """One bucket's all-reduce in host seconds: launch (the collective was enqueued) to completion,
     and when its last gradient was ready (None: never in backward; it was launched at backward's
-    end, or in a step without one)."""
+    end, or in a step without one). ``end_bounded``: on the host clock, the all-reduce was seen done at a
+    look before backward ended, so ``end`` only bounds its completion from above (see the module docstring)."""
 
     index: int
     bytes: int
@@ -85,6 +86,7 @@ class BucketSpan:
     launch: float
     end: float
     ready: float | None = None
+    end_bounded: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class StepTimeline:
     reduced: float
     buckets: tuple[BucketSpan, ...]
     host_work_ms: float | None = None  # the reducer's own host work (``Reducer.host_work_ms``), if timed
+    gradients_ready_ms: tuple[float | None, ...] | None = None  # ``Reducer.gradients_ready_ms``, if timed
 
     def stats(self) -> CommStats:
         spans = sorted((bucket.launch, bucket.end) for bucket in self.buckets)
@@ -123,7 +126,7 @@ class StepTimeline:
 class _StepRecord:
     """One step: the step clock's marks, and the buckets' (completion marks filled in as the all-reduces complete)."""
 
-    __slots__ = ("marks", "buckets", "ready", "host_work_ms")
+    __slots__ = ("marks", "buckets", "ready", "host_work_ms", "gradients_ready_ms", "ended_in_backward")
 
     def __init__(self, marks: StepMarks) -> None:
         self.marks = marks
@@ -131,6 +134,8 @@ class _StepRecord:
         self.buckets: list[tuple[int, int, list[int], Any, list[Any], Any]] = []
         self.ready: dict[int, Any] = {}  # position -> ready mark, until the bucket launches
         self.host_work_ms: float | None = None
+        self.gradients_ready_ms: tuple[float | None, ...] | None = None
+        self.ended_in_backward: set[int] = set()  # positions seen done by backward's end, on the host clock
 
 
 class CommObserver(ReducerObserver):
@@ -141,6 +146,7 @@ class CommObserver(ReducerObserver):
         clock: the step clock, subscribed before this observer, whose marks it reads.
         timeline_sinks: called with each resolved step's timeline (the trace writer's ``add``).
         host_work: the reducer's ``host_work_ms``, read into each timeline when backward ends; None: not timed.
+        gradients_ready: the reducer's ``gradients_ready_ms``, read alike; None: not timed.
     """
 
     def __init__(
@@ -149,11 +155,13 @@ class CommObserver(ReducerObserver):
         clock: StepClock,
         timeline_sinks: Sequence[Callable[[StepTimeline], None]] = (),
         host_work: Callable[[], float] | None = None,
+        gradients_ready: Callable[[], tuple[float | None, ...] | None] | None = None,
     ) -> None:
         self._clock = clock_for(device)
         self._step_clock = clock
         self._sinks = list(timeline_sinks)
         self._host_work = host_work
+        self._gradients_ready = gradients_ready
         self._current: _StepRecord | None = None
         self._pending: deque[_StepRecord] = deque()
         self._last: CommStats | None = None
@@ -196,7 +204,12 @@ class CommObserver(ReducerObserver):
         record = self._current
         if record is not None and self._host_work is not None:
             record.host_work_ms = self._host_work()  # every hook has run
+        if record is not None and self._gradients_ready is not None:
+            record.gradients_ready_ms = self._gradients_ready()
         self._see_completed()
+        if record is not None and isinstance(self._clock, HostClock):
+            pending = {id(slots) for slots, _, _ in self._unseen}
+            record.ended_in_backward = {bucket[0] for bucket in record.buckets if id(bucket[4]) not in pending}
 
     @override
     def bucket_waited(self, step: int, position: int) -> None:
@@ -276,9 +289,9 @@ class CommObserver(ReducerObserver):
             launched = host(launch)
             # A tiny all-reduce can finish before the launch mark is taken, right after it was enqueued.
             end = max(launched, max(host(slot) for slot in slots))
-            spans.append(
-                BucketSpan(position, nbytes, tuple(indices), launched, end, None if ready is None else host(ready))
-            )
+            ready_at = None if ready is None else host(ready)
+            bounded = position in record.ended_in_backward
+            spans.append(BucketSpan(position, nbytes, tuple(indices), launched, end, ready_at, bounded))
         return StepTimeline(
             step=step.step,
             start=step.start_host,
@@ -287,6 +300,7 @@ class CommObserver(ReducerObserver):
             reduced=host(step.reduced),
             buckets=tuple(spans),
             host_work_ms=record.host_work_ms,
+            gradients_ready_ms=record.gradients_ready_ms,
         )
 
     def _account(self, timeline: StepTimeline) -> None:

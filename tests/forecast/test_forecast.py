@@ -27,7 +27,7 @@ from lit_dp.forecast import (
 )
 from lit_dp.forecast.model import DILOCO_QUALITY
 from lit_dp.forecast.report import options_to_type
-from lit_dp.forecast.run import ResumeCost
+from lit_dp.forecast.run import ResumeCost, _spread
 from lit_dp.observability.profile import Profile
 
 RUN = Path(__file__).parent / "recorded_run"
@@ -146,6 +146,28 @@ def test_a_step_whose_collectives_the_host_delayed_stays_as_delayed_over_another
     assert step(sample, delayed_link, delayed_rest) > step(sample, sample, delayed_rest) + 0.8 * DELAY
 
 
+def test_over_the_run_s_own_link_a_bucket_seen_done_only_during_backward_gives_no_pace(measured):
+    # The first bucket's time on the link, 5 ms longer in every step: as a measured time it slows the
+    # link's pace of every bucket of a forecast of other buckets; as a bound (seen done at a look during
+    # backward) it is left out of the pace. With every bucket's a bound, the buckets go at the probe's line.
+    SLOWER = 5.0
+    ONE_BUCKET = "data parallelism, buckets of 25 MB"
+
+    def step(link_bounded: tuple[bool, ...], slower: float) -> float:
+        samples = tuple(
+            dataclasses.replace(s, link_ms=(s.link_ms[0] + slower, *s.link_ms[1:]), link_bounded=link_bounded)
+            for s in measured.samples
+        )
+        return rows_of(predict(dataclasses.replace(measured, samples=samples), bucket_sizes=(25,)))[ONE_BUCKET].step_ms
+
+    assert len(measured.bucket_sizes) == 3 and not any(measured.samples[0].link_bounded)
+    measured_first, bounded_first = (False, False, False), (True, False, False)
+    assert step(measured_first, SLOWER) > step(measured_first, 0.0) + 1.0
+    assert step(bounded_first, SLOWER) == pytest.approx(step(bounded_first, 0.0), rel=1e-9)
+    all_bounded = (True, True, True)
+    assert step(all_bounded, SLOWER) == pytest.approx(step(all_bounded, 0.0), rel=1e-9)
+
+
 def test_the_resume_cost_is_linear_between_the_probed_waits():
     cost = ResumeCost(idle_ms=(1.0, 4.0), extra_ms=(0.2, 1.4))
     assert cost.probed and cost.after(0.0) == 0.0 and cost.after(-1.0) == 0.0  # no wait costs nothing
@@ -194,6 +216,17 @@ def test_a_local_step_runs_no_reducer_and_drops_its_host_work(measured):
     note = "the reducer's own host work was not timed"
     assert any(line.startswith(note) for line in predict(measured).notes)
     assert not any(line.startswith(note) for line in predict(timed).notes)
+
+
+def test_gradients_are_placed_between_buckets_as_the_run_timed_them_or_else_by_their_bytes():
+    # Two buckets, ready at 4 and 10 ms: parameter 2, then 1 and 0 (ready order), of 2, 1 and 1 bytes.
+    buckets, parameter_bytes, ready = [(2,), (1, 0)], [1, 1, 2], [4.0, 10.0]
+    assert _spread(buckets, parameter_bytes, ready) == [4.0, 7.0, 10.0]  # by bytes
+    # The run's medians: parameter 1 ready right after parameter 2, parameter 0 much later.
+    timed = _spread(buckets, parameter_bytes, ready, shape=[9.0, 2.5, 2.0])
+    assert timed == pytest.approx([4.0, 4.0 + 6.0 * 0.5 / 7.0, 10.0])
+    # A member the run never timed: that bucket falls back to the bytes.
+    assert _spread(buckets, parameter_bytes, ready, shape=[None, 2.5, 2.0]) == [4.0, 7.0, 10.0]
 
 
 def test_a_longer_wait_for_the_link_costs_the_host_work_after_it_more(measured):

@@ -139,6 +139,7 @@ class Sleeper(ReducerObserver):
         self.reducer = reducer
         self.seconds = seconds
         self.read: list[float] = []
+        self.ready: list[tuple[float | None, ...] | None] = []
 
     def _sleep(self, moment: str) -> None:
         time.sleep(self.seconds.get(moment, 0.0))
@@ -154,6 +155,7 @@ class Sleeper(ReducerObserver):
 
     def backward_ended(self, step: int) -> None:
         self.read.append(self.reducer.host_work_ms())
+        self.ready.append(self.reducer.gradients_ready_ms())
 
     def step_ended(self, step: int) -> None:
         self._sleep("step_ended")
@@ -177,3 +179,21 @@ def test_the_host_work_counts_arming_hooks_and_the_last_end_and_leaves_the_launc
     assert own <= first < own + 100 < launches, first  # the first timed step: no timed end before it
     assert own + 30 <= second < own + 30 + 100, second  # with the end of the step before: its step_ended
     assert reducer.host_work_ms() == 0.0  # outside a step
+
+
+def test_each_gradient_s_ready_moment_is_timed_from_the_first():
+    reducer, model = reducer_and_model(bucket_bytes=300)
+    sleeper = Sleeper(reducer, bucket_ready=0.02)
+    reducer.add_observer(sleeper)
+    step(reducer, model)
+    assert sleeper.ready == [None]  # not timed unless asked
+    reducer.times_host_work = True
+    step(reducer, model)
+    ready = sleeper.ready[-1]
+    assert ready is not None and len(ready) == len(reducer.parameters) and min(ready) == 0.0
+    # Each bucket's observers sleep 20 ms when it is complete, before the next gradients arrive: a
+    # later bucket's gradients are ready at least that much after an earlier one's.
+    first, *later = reducer.bucket_indices
+    for bucket in later:
+        assert min(ready[i] for i in bucket) >= max(ready[i] for i in first) + 20, ready
+    assert reducer.gradients_ready_ms() is None  # outside a step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -36,6 +37,10 @@ def test_the_profile_of_two_real_ranks(two_ranks):
             launches = [bucket.launch_ms for bucket in step.buckets]
             assert launches == sorted(launches)
             assert step.buckets[-1].ready_ms <= step.backward_end_ms
+        # Each gradient's median ready moment after the step's first.
+        ready = profile.gradient_ready_ms
+        assert ready is not None and len(ready) == len(profile.parameter_bytes), f"rank {rank}: {ready}"
+        assert all(moment is not None and moment >= 0 for moment in ready), f"rank {rank}: {ready}"
         assert profile.settings["comm_buffer_size"] == pytest.approx(4 / 1024)
         assert profile.settings["gradient_bits"] == 32
 
@@ -129,6 +134,33 @@ def test_written_and_read_back(tmp_path):
     path = record.write(tmp_path / "logs")
     assert path == tmp_path / "logs" / file_name(1) and path.name == "lit_dp_profile.rank1.json"
     assert Profile.read(path) == record
+
+
+def test_each_gradient_s_median_ready_moment_over_the_steps(tmp_path):
+    profile = recorder()
+    for step, ready in enumerate([(0.0, 1.0, None), (0.0, 3.0, None), (0.0, 2.0, None)]):
+        profile.add(dataclasses.replace(timeline(step, float(step), ((2,), (0, 1))), gradients_ready_ms=ready))
+    record = profile.record()
+    assert record.gradient_ready_ms == (0.0, 2.0, None)
+    assert Profile.from_json(json.loads(json.dumps(record.to_json()))) == record
+    untimed = record.to_json()
+    del untimed["gradient_ready_ms"]  # a profile written before lit_dp timed them
+    assert Profile.from_json(untimed).gradient_ready_ms is None
+
+
+def test_a_bound_end_is_kept_and_a_profile_written_before_reads_every_end_as_measured():
+    profile = recorder()
+    for step in range(2):
+        spans = timeline(step, float(step), ((2,), (0, 1))).buckets
+        bounded = (dataclasses.replace(spans[0], end_bounded=True), spans[1])
+        profile.add(dataclasses.replace(timeline(step, float(step), ((2,), (0, 1))), buckets=bounded))
+    record = profile.record()
+    assert [[b.end_bounded for b in step.buckets] for step in record.steps] == [[True, False]] * 2
+    data = json.loads(json.dumps(record.to_json()))
+    assert Profile.from_json(data) == record
+    for step in data["steps"]:
+        step["buckets"] = [bucket[:4] for bucket in step["buckets"]]  # as written before lit_dp told it
+    assert [[b.end_bounded for b in step.buckets] for step in Profile.from_json(data).steps] == [[False, False]] * 2
 
 
 def test_a_profile_written_before_the_host_work_was_timed_reads_without_it(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -82,7 +83,25 @@ class _Pause(torch.autograd.Function):
         return grad
 
 
-def timelines_with_a_pause_in_backward(rank: int) -> dict:
+def _the_last_bucket_late(state: None, bucket) -> torch.futures.Future:
+    """An all-reduce whose last bucket's result comes ``PAUSE_S`` after it: still pending when backward ends."""
+    import torch.distributed as dist
+
+    gradients = bucket.buffer().div_(dist.get_world_size())
+    work = dist.all_reduce(gradients, async_op=True)
+    result: torch.futures.Future = torch.futures.Future()
+
+    def finish() -> None:  # on its own thread, so the hook returns at once, as real ones do
+        work.wait()
+        if bucket.is_last():
+            time.sleep(PAUSE_S)
+        result.set_result(gradients)
+
+    threading.Thread(target=finish, daemon=True).start()
+    return result
+
+
+def timelines_with_a_pause_in_backward(rank: int, last_bucket_late: bool = False) -> dict:
     import lit_dp
 
     lit_dp.init_parallel_env()
@@ -92,6 +111,8 @@ def timelines_with_a_pause_in_backward(rank: int) -> dict:
     first.register_forward_hook(lambda module, args, out: _Pause.apply(out))  # its gradients' bucket waits
     timelines = []
     wrapped = lit_dp.DataParallel(model, comm_buffer_size=4 * KB, last_comm_buffer_size=4 * KB, comm_stats=True)
+    if last_bucket_late:
+        wrapped.register_comm_hook(None, _the_last_bucket_late)
     observer = wrapped._observers.stats
     observer._sinks.append(timelines.append)
     marked_on = set()
@@ -116,6 +137,19 @@ def test_on_cpu_the_training_thread_marks_each_bucket_complete_at_the_reducers_n
             assert early and len(early) < len(timeline.buckets), f"rank {rank}: {timeline}"
             assert all(b.end <= timeline.backward_end for b in early), f"rank {rank}: {timeline}"
             assert timeline.stats().exposed_ms < 0.8 * PAUSE_S * 1e3, f"rank {rank}: {timeline}"
+            # Their ends are only bounds: the forecast takes no link pace from them.
+            assert all(b.end_bounded for b in early), f"rank {rank}: {timeline}"
+
+
+def test_on_cpu_a_bucket_still_pending_when_backward_ends_has_its_end_measured_not_bounded():
+    results = run_ranks(functools.partial(timelines_with_a_pause_in_backward, last_bucket_late=True), 2, timeout=60)
+    for rank, result in results.items():
+        for timeline in result["timelines"]:
+            early = [b for b in timeline.buckets if b.launch < timeline.backward_end - 0.8 * PAUSE_S]
+            last = max(timeline.buckets, key=lambda b: b.launch)
+            assert early and all(b.end_bounded for b in early), f"rank {rank}: {timeline}"
+            assert last.end >= timeline.backward_end + 0.8 * PAUSE_S, f"rank {rank}: {timeline}"
+            assert not last.end_bounded, f"rank {rank}: {timeline}"
 
 
 def test_exposed_time_is_communication_after_backward():
