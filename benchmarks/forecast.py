@@ -23,9 +23,10 @@ for the bandwidth given): measured in the same minutes as the step it predicts, 
 communication model from the machine's drift between runs.
 
 The simulated link is ``benchmarks.local_sgd_overlap.SlowSyncLink(gradients=True)``: every gradient
-all-reduce and every DiLoCo sync is complete no sooner than a link of that bandwidth, shared by
-them in turn, would have carried its bytes (``2(N-1)/N`` of them per rank). The forecast is told
-the link's bandwidth, and its latency is the one fitted to the base run.
+all-reduce and every DiLoCo sync is complete no sooner than a link of that bandwidth and
+``link_latency_us`` per hop, shared by them in turn, would have carried it (``2(N-1)`` hops and
+``2(N-1)/N`` of its bytes per rank), nor before the real all-reduce on the loopback is. The forecast
+is told the link's bandwidth and latency: the link it is asked about is the one simulated.
 
 Measured: each run's rank 0 notes when each training batch starts and when validation runs
 (``StepTimes``, a recipe callback); a step's time is from one start to the next, less the
@@ -114,6 +115,7 @@ class ForecastBenchmarkConfig:
     recipes: tuple[str, ...] = ("digits", "gpt")
     ranks: int = 2  # the full grid: as many ranks as the machine has cores
     links_mbit: tuple[float, ...] = (0.0, 50.0, 100.0, 1000.0)  # 0: no simulated link
+    link_latency_us: float = 100.0  # the simulated link's, per hop (a LAN's order)
     contended_ranks: tuple[int, ...] = (3, 4)
     contended_links_mbit: tuple[float, ...] = (0.0, 100.0)
     local_steps: int = 16  # DiLoCo's K
@@ -172,6 +174,7 @@ def _overrides(case: Case, config: ForecastBenchmarkConfig) -> list[str]:
         overrides += [
             "+callbacks.slow_link._target_=benchmarks.local_sgd_overlap.SlowSyncLink",
             f"+callbacks.slow_link.mbit={case.link_mbit:g}",
+            f"+callbacks.slow_link.latency_us={config.link_latency_us:g}",
             "+callbacks.slow_link.gradients=true",
         ]
     return overrides
@@ -251,11 +254,10 @@ def _round(config: ForecastBenchmarkConfig, root: Path) -> list[dict[str, Any]]:
 
 
 def _predicted(predict: Any, base: Path, case: Case, config: ForecastBenchmarkConfig) -> float:
-    bandwidth = f"{case.link_mbit:g}Mbit" if case.link_mbit else None
     sizes = _buckets(config, case.recipe)
-    forecast = predict(
-        base, ranks=case.ranks, bandwidth=bandwidth, bucket_sizes=sizes, local_steps=[config.local_steps]
-    )
+    # Without a simulated link the link is the run's own, its latency fitted.
+    link = {"bandwidth": f"{case.link_mbit:g}Mbit", "latency": f"{config.link_latency_us:g}us"} if case.link_mbit else {}
+    forecast = predict(base, ranks=case.ranks, bucket_sizes=sizes, local_steps=[config.local_steps], **link)
     wanted = (
         f"DiLoCo K={config.local_steps}, syncs in fp32"
         if case.setting == "diloco"
@@ -315,7 +317,8 @@ def report(rows: list[dict[str, Any]], config: ForecastBenchmarkConfig) -> str:
         f"round{'s' * (config.rounds != 1)}; "
         f"{os.cpu_count()} CPU cores; forecasts from each round's base run of the recipe at the same ranks (data "
         "parallelism, no link); for data parallelism also from the row's own run (its compute, the link predicted); "
-        f"at more ranks than cores also from the {config.ranks}-rank base run",
+        f"at more ranks than cores also from the {config.ranks}-rank base run; the simulated links with "
+        f"{config.link_latency_us:g} us per hop",
         "",
         "| recipe | ranks | link | setting | measured | measured, fastest to slowest round | predicted | error "
         f"| from its own run | error | from the {config.ranks}-rank run | error | load (its run, the base run) |",

@@ -147,34 +147,41 @@ class _CarriedFuture(torch.futures.Future):
 
 class SlowLink:
     """``torch.distributed`` as ``lit_dp.local_sgd.transport`` (and, with ``SlowSyncLink(gradients=True)``, the
-    reducer's dense buckets) sees it, its collectives carried by one link in turn."""
+    reducer's dense buckets) sees it, its collectives carried by one link in turn: each takes the link's
+    latency per hop of a ring (``latency_s``) and its bytes at ``mbit``, and is complete no sooner than
+    that after it started, nor before the real collective (on this machine's loopback) is."""
 
-    def __init__(self, mbit: float, world_size: int) -> None:
+    def __init__(self, mbit: float, world_size: int, latency_s: float = 0.0) -> None:
         self._bytes_per_second = mbit * 1e6 / 8
+        self._latency_s = latency_s
+        self._ranks = world_size
         self._others = (world_size - 1) / world_size  # of a tensor an all-to-all or all-gather moves per rank
         self._free_at = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(dist, name)
 
-    def _slowed(self, work: dist.Work, tensor: torch.Tensor, share: float) -> _SlowWork:
+    def _slowed(self, work: dist.Work, tensor: torch.Tensor, share: float, rounds: int) -> _SlowWork:
+        """``rounds``: the ring's passes around the ranks (an all-reduce's two), each ``ranks - 1`` hops."""
         start = max(time.monotonic(), self._free_at)
-        self._free_at = start + tensor.numel() * tensor.element_size() * share / self._bytes_per_second
+        hops = rounds * (self._ranks - 1)
+        carried = tensor.numel() * tensor.element_size() * share / self._bytes_per_second
+        self._free_at = start + hops * self._latency_s + carried
         return _SlowWork(work, self._free_at)
 
     def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _SlowWork:
         # A ring all-reduce: a reduce-scatter and an all-gather, (n-1)/n of the payload each.
-        return self._slowed(dist.all_reduce(tensor, *args, **kwargs), tensor, 2 * self._others)
+        return self._slowed(dist.all_reduce(tensor, *args, **kwargs), tensor, 2 * self._others, 2)
 
     def broadcast(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _SlowWork:
-        return self._slowed(dist.broadcast(tensor, *args, **kwargs), tensor, 2 * self._others)
+        return self._slowed(dist.broadcast(tensor, *args, **kwargs), tensor, 2 * self._others, 2)
 
     def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _SlowWork:
-        return self._slowed(dist.all_to_all_single(output, tensor, *args, **kwargs), tensor, self._others)
+        return self._slowed(dist.all_to_all_single(output, tensor, *args, **kwargs), tensor, self._others, 1)
 
     def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _SlowWork:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as the transport picks it
-        return self._slowed(gather(output, tensor, *args, **kwargs), output, self._others)
+        return self._slowed(gather(output, tensor, *args, **kwargs), output, self._others, 1)
 
     all_gather_single = all_gather_into_tensor
 
@@ -182,8 +189,8 @@ class SlowLink:
 class SlowSyncLink(pl.Callback):
     """A recipe's LocalSGD syncs carried by a ``SlowLink`` of ``mbit`` Mbit/s in every rank, from setup to
     teardown, for ``benchmarks.local_sgd_overlap_gpt``; with ``gradients=True`` the reducer's gradient
-    all-reduces too (its dense buckets' and their in-place members'), on the same link
-    (``benchmarks.forecast``):
+    all-reduces too (its dense buckets' and their in-place members'), on the same link, and with
+    ``latency_us`` a latency per hop (``benchmarks.forecast``):
 
         python recipes/gpt.py ... +callbacks.slow_link._target_=benchmarks.local_sgd_overlap.SlowSyncLink
         python recipes/gpt.py ... +callbacks.slow_link._target_=benchmarks.local_sgd_overlap.SlowSyncLink +callbacks.slow_link.gradients=true
@@ -191,18 +198,21 @@ class SlowSyncLink(pl.Callback):
     Only these collectives are slowed; the Trainer's others (checkpoints, validation metrics, the
     buffer broadcast), a communication hook's and sharding's are not."""
 
-    def __init__(self, mbit: float = 100.0, gradients: bool = False) -> None:
+    def __init__(self, mbit: float = 100.0, gradients: bool = False, latency_us: float = 0.0) -> None:
         if not mbit > 0:
             raise ValueError(f"SlowSyncLink(mbit={mbit!r}) is invalid: expected a bandwidth in Mbit/s above 0.")
+        if not latency_us >= 0:
+            raise ValueError(f"SlowSyncLink(latency_us={latency_us!r}) is invalid: expected microseconds per hop, 0 or more.")
         self.mbit = mbit
         self.gradients = gradients
+        self.latency_us = latency_us
         self._real: list[tuple[Any, Any]] = []  # (module, its own dist) while slowed
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         import lit_dp.gradients.dense
         import lit_dp.local_sgd.transport
 
-        link = SlowLink(self.mbit, trainer.world_size)
+        link = SlowLink(self.mbit, trainer.world_size, self.latency_us * 1e-6)
         modules = [lit_dp.local_sgd.transport] + ([lit_dp.gradients.dense] if self.gradients else [])
         for module in modules:
             self._real.append((module, module.dist))

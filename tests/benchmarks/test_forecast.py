@@ -106,6 +106,37 @@ def test_a_link_future_that_is_only_looked_at_completes_on_the_clock_with_no_thr
     assert chained.wait() - began >= 0.2 and second.done()
 
 
+def test_the_link_s_latency_is_paid_per_hop_of_the_ring_before_its_bytes():
+    # Two ranks: an all-reduce goes round the ring twice, one hop each; an all-gather once.
+    one_rank_group()
+    link = SlowLink(mbit=8000.0, world_size=2, latency_s=0.05)  # 1 GB/s: 4 bytes take nothing
+    tensor = torch.zeros(1)
+    began = time.monotonic()
+    link.all_reduce(tensor, async_op=True).wait()
+    assert time.monotonic() - began >= 2 * 0.05
+    began = time.monotonic()
+    link.all_gather_into_tensor(torch.zeros(1), tensor, async_op=True).wait()
+    assert 0.05 <= time.monotonic() - began < 2 * 0.05
+
+
+def test_the_forecast_is_told_the_simulated_link_and_the_recipe_run_gets_it(tmp_path, monkeypatch):
+    import benchmarks.forecast as benchmark
+
+    config = ForecastBenchmarkConfig(link_latency_us=80.0)
+    linked = Case("digits", 2, 100.0, "dp 25", False)
+    assert "+callbacks.slow_link.latency_us=80" in benchmark._overrides(linked, config)
+    told = []
+
+    def predict(base, **link):
+        told.append({name: link.get(name) for name in ("bandwidth", "latency")})
+        raise LookupError  # what was told is all this test reads
+
+    for case in (linked, Case("digits", 2, 0.0, "dp 25", False)):
+        with pytest.raises(LookupError):
+            benchmark._predicted(predict, tmp_path, case, config)
+    assert told == [{"bandwidth": "100Mbit", "latency": "80us"}, {"bandwidth": None, "latency": None}]
+
+
 def test_the_table_has_every_row_and_beside_a_contended_one_the_forecast_from_fewer_ranks():
     config = ForecastBenchmarkConfig(recipes=("digits",), links_mbit=(100.0,), contended_ranks=(3,))
     rows = [

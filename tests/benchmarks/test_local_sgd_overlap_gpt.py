@@ -43,3 +43,8 @@ def test_overlap_gpt_benchmark_reports_every_delay_and_format(tmp_path):
 def test_the_simulated_link_refuses_a_bandwidth_of_nothing(mbit):
     with pytest.raises(ValueError, match=rf"^SlowSyncLink\(mbit={mbit}\) is invalid: expected a bandwidth in Mbit/s above 0\.$"):
         SlowSyncLink(mbit=mbit)
+
+
+def test_the_simulated_link_refuses_a_negative_latency():
+    with pytest.raises(ValueError, match=r"^SlowSyncLink\(latency_us=-5\.0\) is invalid: expected microseconds per hop, 0 or more\.$"):
+        SlowSyncLink(mbit=100.0, latency_us=-5.0)
