@@ -30,29 +30,35 @@ def test_statistics_on_two_ranks(two_ranks):
 HOOK_DELAY_S = 0.05
 
 
-def stats_with_a_slow_hook(rank: int) -> list[float]:
-    """A hook whose result comes 50 ms after its all-reduce: communication time must include it."""
+def late_allreduce(delay_s: float, last_bucket_only: bool = False):
+    """A communication hook whose all-reduce's result comes ``delay_s`` after it (only the last
+    bucket's with ``last_bucket_only``)."""
     import torch.distributed as dist
 
-    import lit_dp
-
-    lit_dp.init_parallel_env()
-
-    def slow_allreduce(state: None, bucket) -> torch.futures.Future:
+    def hook(state: None, bucket) -> torch.futures.Future:
         gradients = bucket.buffer().div_(dist.get_world_size())
         work = dist.all_reduce(gradients, async_op=True)
         result: torch.futures.Future = torch.futures.Future()
 
         def finish_later() -> None:  # on its own thread, so the hook returns at once, as real ones do
             work.wait()
-            time.sleep(HOOK_DELAY_S)
+            if bucket.is_last() or not last_bucket_only:
+                time.sleep(delay_s)
             result.set_result(gradients)
 
         threading.Thread(target=finish_later, daemon=True).start()
         return result
 
+    return hook
+
+
+def stats_with_a_slow_hook(rank: int) -> list[float]:
+    """A hook whose result comes 50 ms after its all-reduce: communication time must include it."""
+    import lit_dp
+
+    lit_dp.init_parallel_env()
     wrapped = lit_dp.DataParallel(make_model(), comm_stats=True)
-    wrapped.register_comm_hook(None, slow_allreduce)
+    wrapped.register_comm_hook(None, late_allreduce(HOOK_DELAY_S))
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
     times = []
     for step in range(2):
@@ -83,24 +89,6 @@ class _Pause(torch.autograd.Function):
         return grad
 
 
-def _the_last_bucket_late(state: None, bucket) -> torch.futures.Future:
-    """An all-reduce whose last bucket's result comes ``PAUSE_S`` after it: still pending when backward ends."""
-    import torch.distributed as dist
-
-    gradients = bucket.buffer().div_(dist.get_world_size())
-    work = dist.all_reduce(gradients, async_op=True)
-    result: torch.futures.Future = torch.futures.Future()
-
-    def finish() -> None:  # on its own thread, so the hook returns at once, as real ones do
-        work.wait()
-        if bucket.is_last():
-            time.sleep(PAUSE_S)
-        result.set_result(gradients)
-
-    threading.Thread(target=finish, daemon=True).start()
-    return result
-
-
 def timelines_with_a_pause_in_backward(rank: int, last_bucket_late: bool = False) -> dict:
     import lit_dp
 
@@ -112,7 +100,7 @@ def timelines_with_a_pause_in_backward(rank: int, last_bucket_late: bool = False
     timelines = []
     wrapped = lit_dp.DataParallel(model, comm_buffer_size=4 * KB, last_comm_buffer_size=4 * KB, comm_stats=True)
     if last_bucket_late:
-        wrapped.register_comm_hook(None, _the_last_bucket_late)
+        wrapped.register_comm_hook(None, late_allreduce(PAUSE_S, last_bucket_only=True))  # pending at backward's end
     observer = wrapped._observers.stats
     observer._sinks.append(timelines.append)
     marked_on = set()
