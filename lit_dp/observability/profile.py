@@ -258,7 +258,7 @@ def _median_ready(timelines: Sequence[StepTimeline], parameters: int) -> tuple[f
         return None
     medians: list[float | None] = []
     for index in range(parameters):
-        moments = sorted(ready[index] for ready in timed if index < len(ready) and ready[index] is not None)
+        moments = [ready[index] for ready in timed if index < len(ready) and ready[index] is not None]
         medians.append(round(statistics.median(moments), 4) if moments else None)
     return tuple(medians)
 

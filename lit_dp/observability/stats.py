@@ -28,8 +28,9 @@ all-reduce that ends during backward is marked at the next of them (its end then
 ``BucketSpan.end_bounded``) and one waited for when its wait returns. A callback on the future
 would mark it sooner, but Gloo runs callbacks on its own thread, which must then take the
 interpreter lock from the training thread before it goes on to the next collective: on 2 CPU
-ranks of the digits recipe with 3 buckets that cost 1.4 to 1.8 ms of a 5.6 ms step. On CUDA every moment is a ``torch.cuda.Event`` recorded on the current stream; a
-bucket's completion event is recorded in its future's callback, which runs on a stream made to wait on the communicator's
+ranks of the digits recipe with 3 buckets that cost 1.4 to 1.8 ms of a 5.6 ms step. On CUDA every
+moment is a ``torch.cuda.Event`` recorded on the current stream; a bucket's completion event is
+recorded in its future's callback, which runs on a stream made to wait on the communicator's
 stream, so the event fires when the all-reduce does. Nothing synchronises the host: events are
 read lazily, once ``query()`` says they completed, when statistics are asked for or at the next
 step.
