@@ -16,6 +16,7 @@ import queue
 import random
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -100,8 +101,37 @@ LAUNCHERS = {
 }
 
 
-def _child(fn: Callable[..., Any], rank: int, environ: dict[str, str], results: Any, args: tuple) -> None:
+# Ranks start from multiprocessing's fork server, which imported these once: a spawned rank imported
+# them itself, 3 to 10 s of CPU per rank on a slow 2-core machine, most of the suite's time. The
+# server only imported them (no thread pool, process group or CUDA yet), so a rank forked from it
+# starts as clean as a spawned one.
+RANK_PRELOAD = ["torch", "lit_dp", "lightning.pytorch", "pytest"]
+
+
+def rank_context() -> Any:
+    """The multiprocessing context the helpers start ranks with."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)
+    return context
+
+
+def parent_state(environ: dict[str, str]) -> tuple[dict[str, str], str, list[str]]:
+    """What a spawned rank inherits from the test now (its environment with ``environ`` on top, its
+    working directory, its ``sys.path``), which a rank forked from the fork server must take on:
+    it would otherwise have the server's, from when the first test started it."""
+    return {**os.environ, **environ}, os.getcwd(), list(sys.path)
+
+
+def take_on(state: tuple[dict[str, str], str, list[str]]) -> None:
+    environ, cwd, path = state
+    os.environ.clear()
     os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
+
+
+def _child(fn: Callable[..., Any], rank: int, state: tuple, results: Any, args: tuple) -> None:
+    take_on(state)
     import torch
 
     torch.set_num_threads(1)  # 2-3 ranks share 2 cores; more threads only contend
@@ -121,7 +151,7 @@ def run_ranks(
     launcher: str = "paddle",
     **environ: str,
 ) -> dict[int, Any]:
-    """Run ``fn(rank, *args)`` in one spawned process per rank; return ``{rank: result}``.
+    """Run ``fn(rank, *args)`` in one process per rank (``rank_context``); return ``{rank: result}``.
 
     Each rank gets ``launcher``'s variables (a key of ``LAUNCHERS``) plus ``environ``.
     ``ranks`` starts only some of the ranks (to simulate a missing one). With
@@ -129,14 +159,14 @@ def run_ranks(
     every started rank has reported.
     """
     make_environ, ports = LAUNCHERS[launcher]
-    context = mp.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     port = free_port(*ports)
     started = list(range(world_size)) if ranks is None else ranks
     processes = {
         rank: context.Process(
             target=_child,
-            args=(fn, rank, make_environ(rank, world_size, port, **environ), results, args),
+            args=(fn, rank, parent_state(make_environ(rank, world_size, port, **environ)), results, args),
             daemon=True,
         )
         for rank in started
@@ -177,7 +207,8 @@ def run_ranks(
     return {rank: payload for rank, (_, payload) in outcomes.items()}
 
 
-def _launcher(fn: Callable[..., Any], results: Any, args: tuple) -> None:
+def _launcher(fn: Callable[..., Any], state: tuple, results: Any, args: tuple) -> None:
+    take_on(state)
     os.setsid()  # its own session: on a timeout the launcher and the ranks it forked die together
     try:
         results.put((True, fn(*args)))
@@ -186,7 +217,7 @@ def _launcher(fn: Callable[..., Any], results: Any, args: tuple) -> None:
 
 
 def launch_forking(fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> Any:
-    """Run ``fn(*args)``, which forks ranks (``start_method="fork"``), in a fresh spawned process.
+    """Run ``fn(*args)``, which forks ranks (``start_method="fork"``), in a fresh process (``rank_context``).
 
     Forking from pytest's own process is unsafe once an earlier test ran there: a child inherits
     OpenMP's thread team without its threads (its first parallel op waits forever) and autograd's
@@ -194,9 +225,9 @@ def launch_forking(fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -
     multiprocessing"), and Lightning refuses to fork once CUDA was queried (this suite's skipifs).
     A fresh launcher has done none of that, as a user's script has not.
     """
-    context = mp.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
-    launcher = context.Process(target=_launcher, args=(fn, results, args))
+    launcher = context.Process(target=_launcher, args=(fn, parent_state({}), results, args))
     launcher.start()
     try:
         ok, payload = results.get(timeout=timeout)

@@ -8,7 +8,6 @@ descriptor 2, where ``faulthandler`` writes from C) goes to a file the test read
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.distributed import free_port, paddle_environ
+from tests.helpers.distributed import free_port, paddle_environ, parent_state, rank_context, take_on
 
 
 @dataclass
@@ -34,8 +33,8 @@ class RankEnd:
     ended_at: float  # time.time() when its exit was seen (within 0.1 s)
 
 
-def _child(fn: Callable[..., Any], rank: int, environ: dict[str, str], stderr: str, results: Any, args: tuple) -> None:
-    os.environ.update(environ)
+def _child(fn: Callable[..., Any], rank: int, state: tuple, stderr: str, results: Any, args: tuple) -> None:
+    take_on(state)
     descriptor = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(descriptor, 2)
     import torch
@@ -50,19 +49,19 @@ def _child(fn: Callable[..., Any], rank: int, environ: dict[str, str], stderr: s
 def run_job(
     fn: Callable[..., Any], world_size: int, directory: Path, *args: Any, timeout: float = 120.0, **environ: str
 ) -> dict[int, RankEnd]:
-    """Run ``fn(rank, *args)`` in one spawned process per rank until every one has exited.
+    """Run ``fn(rank, *args)`` in one process per rank (``rank_context``) until every one has exited.
 
     A process still alive after ``timeout`` seconds fails the test, naming its rank, once every
     process was killed: the suite never keeps a stray process.
     """
-    context = mp.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     port = free_port()
     stderr = {rank: directory / f"stderr_rank{rank}.txt" for rank in range(world_size)}
     processes = {
         rank: context.Process(
             target=_child,
-            args=(fn, rank, paddle_environ(rank, world_size, port, **environ), str(stderr[rank]), results, args),
+            args=(fn, rank, parent_state(paddle_environ(rank, world_size, port, **environ)), str(stderr[rank]), results, args),
             daemon=True,
         )
         for rank in range(world_size)
