@@ -191,6 +191,8 @@ def _observers_on_the_group(rank: int) -> None:
         assert model.straggler is not None and model.straggler._ranks == (0, 1)
         assert model.consistency is not None and model.consistency._ranks == (0, 1)
         assert model.watchdog is not None and model.watchdog._ranks == [0, 1]
+        # Rank 0 hosts the store each rank's watchdog registers in: it stays until both have.
+        dist.barrier()
     finally:
         if model.watchdog is not None:
             model.watchdog.close()

@@ -17,8 +17,10 @@ state there) and after the optimizer (``after``).
 another group (the groups start at different times), SIGKILLs itself before its backward (the
 others' all-reduce fails), on its first run only (``OUT/replica<group>.died`` marks it); in a
 group of several ranks only its last rank does (``--kill-rank`` chooses another).
-``--alone-seconds``: a pause per step while it trains alone, so that a killed peer's restart
-comes back before it finishes; ``--restart-seconds``: under torchrun, a pause before a restarted
+``--alone-seconds``: a pause per step while it trains alone, and before its last two steps a wait
+for a killed group that has not come back (``OUT/replica<group>.back``, which a restarted group's
+rank 0 writes just before its first quorum), so that the restart meets the others however slowly
+the machine imports and rendezvouses; ``--restart-seconds``: under torchrun, a pause before a restarted
 group starts, so that the others go on without it first. At the end the
 parameters go to ``OUT/replica<group>.pt``.
 """
@@ -80,6 +82,16 @@ def parameters_hash(module: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def wait_for_restarting_groups(out: Path, timeout: float = 120.0) -> None:
+    """Waits while a killed group has not come back; past ``timeout`` the run goes on (and the test's
+    checks say the restarted group missed the others)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(
+        not died.with_suffix(".back").exists() for died in out.glob("replica*.died")
+    ):
+        time.sleep(0.1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -124,6 +136,8 @@ def main() -> None:
     manager.register_state_dict_fn("data", batches.load_state_dict, batches.state_dict)
     wrapped = lit_dp.DataParallel(net, manager=manager, comm_buffer_size=0.0005)  # a few buckets
     traffic = wrapped.process_group.traffic
+    if rank == 0 and died.exists():  # a killed group's restart, just before its first quorum
+        died.with_suffix(".back").touch()
     with (args.out / f"replica{group}{suffix}.jsonl").open("a") as record:
         while manager.current_step() < args.steps:
             manager.start_quorum()  # what torchft.optim.OptimizerWrapper.zero_grad does
@@ -155,8 +169,10 @@ def main() -> None:
             }  # fmt: skip
             record.write(json.dumps(line) + "\n")
             record.flush()
-            if participants == 1:
+            if participants == 1 and args.alone_seconds:
                 time.sleep(args.alone_seconds)
+                if args.steps - manager.current_step() <= 2:  # the last two steps are left for the restart to share
+                    wait_for_restarting_groups(args.out)
     torch.save(net.state_dict(), args.out / f"replica{group}{suffix}.pt")
     manager.shutdown(wait=False)
 

@@ -265,7 +265,11 @@ def sleep_or_hold_the_gil(rank: int, directory: str) -> None:
                 file.write(str(time.time()))
             time.sleep(HANG_TIMEOUT + 2)  # past the deadline: it answers, then ends when the sleep returns
         if step == 3 and rank == 2:
-            ctypes.PyDLL(None).sleep(60)  # a C call that keeps the GIL: it can neither answer nor end itself
+            # A C call that keeps the GIL: it can neither answer nor end itself. A read of a pipe no one
+            # writes, which the kernel restarts after the stack signal's handler (faulthandler's
+            # SA_RESTART), where a sleep would return and let the rank end itself before the kill.
+            never_written, _ = os.pipe()
+            ctypes.PyDLL(None).read(never_written, ctypes.create_string_buffer(1), 1)
         loss.backward()
 
 
