@@ -126,6 +126,17 @@ class ForecastBenchmarkConfig:
     rounds: int = 3  # every run this many times, round after round: the rows are medians over the rounds
     folder: str | None = None  # keep the runs there, and reuse those already done; None: a temporary folder
 
+    def __post_init__(self) -> None:
+        # Refused here, before any run: a negative latency would first be refused by the link inside a recipe run.
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds={self.rounds!r} is invalid: expected a number of rounds, at least 1.")
+        latency = self.link_latency_us
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
+            raise ValueError(
+                f"link_latency_us={latency!r} is invalid: expected the simulated link's latency per hop in "
+                "microseconds, 0 or more."
+            )
+
 
 @dataclass(frozen=True)
 class Case:
@@ -209,8 +220,6 @@ def run_case(recipe: str, overrides: list[str], folder: Path) -> float:
 def run(config: ForecastBenchmarkConfig, root: Path) -> list[dict[str, Any]]:
     """Every case, measured and predicted, in each of ``config.rounds`` rounds; a row per case, its
     figures the medians over the rounds, with the fastest and slowest measurement."""
-    if isinstance(config.rounds, bool) or not isinstance(config.rounds, int) or config.rounds < 1:
-        raise ValueError(f"rounds={config.rounds!r} is invalid: expected a number of rounds, at least 1.")
     rounds = [_round(config, root / f"round{number}") for number in range(1, config.rounds + 1)]
     rows = []
     for taken in zip(*rounds):

@@ -144,7 +144,7 @@ class Profile:
                     backward_end_ms=float(step["backward_end_ms"]),
                     reduced_ms=float(step["reduced_ms"]),
                     buckets=tuple(
-                        BucketTimes(int(b[0]), float(b[1]), float(b[2]), float(b[3]), len(b) > 4 and bool(b[4]))
+                        BucketTimes(int(b[0]), float(b[1]), float(b[2]), float(b[3]), _end_bounded(b))
                         for b in step["buckets"]
                     ),
                     host_work_ms=None if step.get("host_work_ms") is None else float(step["host_work_ms"]),
@@ -261,6 +261,15 @@ def _median_ready(timelines: Sequence[StepTimeline], parameters: int) -> tuple[f
         moments = [ready[index] for ready in timed if index < len(ready) and ready[index] is not None]
         medians.append(round(statistics.median(moments), 4) if moments else None)
     return tuple(medians)
+
+
+def _end_bounded(bucket: Sequence[Any]) -> bool:
+    """A written bucket's fifth element; a file written before lit_dp told it has four, every end measured."""
+    if len(bucket) < 5:
+        return False
+    if not isinstance(bucket[4], bool):
+        raise TypeError(f"a bucket's end_bounded is {bucket[4]!r}, expected true or false")
+    return bucket[4]
 
 
 def _optional_floats(values: Any) -> tuple[float | None, ...] | None:

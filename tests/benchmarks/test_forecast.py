@@ -187,7 +187,14 @@ def test_rows_are_the_medians_over_the_rounds_of_their_own_and_their_base_run(tm
     assert rows[0]["measured"] == 11.0 and rows[0]["spread"] == (10.0, 14.0)
     assert rows[0]["predicted"] == 10.0 and rows[0]["own"] == 10.0 and "from_base" not in rows[0]
     with pytest.raises(ValueError, match=r"^rounds=0 is invalid: expected a number of rounds, at least 1\.$"):
-        benchmark.run(dataclasses.replace(config, rounds=0), tmp_path)
+        dataclasses.replace(config, rounds=0)
+
+
+def test_a_negative_link_latency_is_refused_naming_the_option_before_any_run():
+    expected = r"^link_latency_us=-5\.0 is invalid: expected the simulated link's latency per hop in microseconds, 0 or more\.$"
+    with pytest.raises(ValueError, match=expected):
+        ForecastBenchmarkConfig(link_latency_us=-5.0)
+    assert ForecastBenchmarkConfig(link_latency_us=0).link_latency_us == 0
 
 
 @pytest.mark.slow

@@ -161,6 +161,10 @@ def test_a_bound_end_is_kept_and_a_profile_written_before_reads_every_end_as_mea
     for step in data["steps"]:
         step["buckets"] = [bucket[:4] for bucket in step["buckets"]]  # as written before lit_dp told it
     assert [[b.end_bounded for b in step.buckets] for step in Profile.from_json(data).steps] == [[False, False]] * 2
+    data["steps"][1]["buckets"][0].append("yes")
+    refusal = r"^the profile is damaged: TypeError: a bucket's end_bounded is 'yes', expected true or false$"
+    with pytest.raises(ValueError, match=refusal):
+        Profile.from_json(data)
 
 
 def test_a_profile_written_before_the_host_work_was_timed_reads_without_it(tmp_path):
