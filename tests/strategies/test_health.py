@@ -32,7 +32,7 @@ from lit_dp.observability.straggler import ALARM_WINDOWS
 from tests.helpers.distributed import launch_forking, run_ranks
 
 EVERY = 4  # straggler windows and consistency checks
-DELAY = 0.04  # seconds of the planted slowness per step, at least (Fabric's loop; the Trainer's: planted_delay)
+DELAY = 0.04  # seconds of the planted slowness per step, at least (planted_delay)
 BATCHES = 48  # 24 steps per rank
 FLIPPED_AFTER = 9  # optimizer steps before the fault is planted: the check at step 12 finds it
 
@@ -86,14 +86,14 @@ class Regressor(pl.LightningModule):
         return DataLoader(Samples(self.delay if slow else 0.0), batch_size=8)
 
 
-def planted_delay(healthy: Regressor) -> float:
+def planted_delay(batch_seconds: list[float]) -> float:
     """The slowness to plant: twice the healthy run's median batch, and at least ``DELAY``.
 
     A lag counts from a quarter of the step on. A fixed 40 ms did not reach it where a loaded
     machine's Trainer step took 250 ms (19% in CI); planted as twice the step, the lag is two
     thirds of it, and still half when the step doubles under load meanwhile.
     """
-    seconds = sorted(healthy.batch_seconds)
+    seconds = sorted(batch_seconds)
     return min(max(DELAY, 2 * seconds[len(seconds) // 2]), 1.0)
 
 
@@ -146,7 +146,7 @@ def fit(rank: int, root: str) -> dict:
         logging.getLogger("lightning.pytorch").removeHandler(logged)
         results[fault] = {"printed": printed.getvalue(), "logged": logged.lines, "error": error}
         if fault == "none":
-            delay = results["delay"] = planted_delay(model)
+            delay = results["delay"] = planted_delay(model.batch_seconds)
     return results
 
 
@@ -191,13 +191,14 @@ def test_the_trainer_names_the_slow_rank_and_its_cause_and_stops_on_diverged_wei
 
 def fabric_loop(fabric: Fabric) -> dict:
     """A hand-written Fabric loop per fault on rank 1; what the model reported or raised."""
-    results = {}
+    results, delay = {}, 0.0
     for fault in ("none", "loader", "flip"):
         without_full_collections()
         net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
         model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.05))
         slow = fault == "loader" and fabric.global_rank == 1
-        loader = fabric.setup_dataloaders(DataLoader(Samples(DELAY if slow else 0.0), batch_size=8))
+        loader = fabric.setup_dataloaders(DataLoader(Samples(delay if slow else 0.0), batch_size=8))
+        step_seconds, started = [], time.perf_counter()
         try:
             for step, (x, y) in enumerate(loader):
                 fabric.backward(((model(x) - y) ** 2).mean())
@@ -205,9 +206,13 @@ def fabric_loop(fabric: Fabric) -> dict:
                 optimizer.zero_grad()
                 if fabric.global_rank == 1 and step == FLIPPED_AFTER - 1:
                     plant(fault, net)
+                step_seconds.append(time.perf_counter() - started)
+                started = time.perf_counter()
         except ReplicaDivergenceError as error:
             results[fault] = {"error": str(error)}
             continue
+        if fault == "none":
+            delay = planted_delay(step_seconds)
         report = model._forward_module.straggler
         results[fault] = {"last": (report.last.slowest, report.last.cause), "alarms": report.alarms, "windows": report.windows}
     return results
